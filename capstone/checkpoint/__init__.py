@@ -1,0 +1,226 @@
+"""Sharded checkpoints: ONE parallel HDF5 file (h5py `mpio` driver) with a dataset per rank.
+
+Layout of `ckpt-<step>.h5`:
+  /            attrs: format, format_version, step, world_size, n_params, meta_sha256
+  /meta_json   uint8: canonical JSON of everything needed to restore and check the run (step,
+               layout, configs, Adam step, data cursor, loss history, per-dataset sha256,
+               logical digests); `meta_sha256` is its sha256, so a flipped byte there is caught.
+  /shards/rankNNNNN  float32 (3, shard): rows master, m, v of that rank's ZeRO-1 shard;
+               attrs: sha256 (of the dataset's bytes), rank, offset, length.
+Every metadata operation is collective (all ranks create every dataset and write identical
+attributes); each rank writes only its own shard's data. Loading verifies every digest it uses
+and reshards to any world size; errors are agreed across ranks and raised on all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+
+import h5py
+import numpy as np
+
+from . import files
+from .digest import CHUNK, distributed_roots, sha256_hex
+
+FORMAT = "capstone-checkpoint"
+VERSION = 1
+ROWS = ("master", "m", "v")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or loaded; the message names the file and what to do."""
+
+
+def mpi_io_available() -> bool:
+    return bool(h5py.get_config().mpi)
+
+
+def _open(path: str, mode: str, dist):
+    """Collective: call on all ranks. Open with the mpio driver (serial h5py only for one rank)."""
+    if mpi_io_available():
+        return h5py.File(path, mode, driver="mpio", comm=dist.comm)
+    if dist.world == 1:
+        return h5py.File(path, mode)
+    raise CheckpointError(
+        "h5py has no MPI support, so ranks cannot share one checkpoint file. Rebuild it against "
+        "parallel HDF5: CC=mpicc HDF5_MPI=ON HDF5_DIR=<parallel hdf5 prefix> pip install "
+        "--no-build-isolation --no-binary=h5py h5py (scripts/setup does this), or run on one rank.")
+
+
+def agree(dist, error: str | None) -> None:
+    """Collective: call on all ranks. Raise CheckpointError on every rank if any rank had an error."""
+    errors = [e for e in dist.allgather_json(error) if e]
+    if errors:
+        raise CheckpointError("\n".join(dict.fromkeys(errors)))
+
+
+def dataset_name(rank: int) -> str:
+    return f"shards/rank{rank:05d}"
+
+
+def save(dist, directory: str, step: int, state: dict, layout, extra: dict,
+         keep_last: int = 0, protect=()) -> dict:
+    """Collective: call on all ranks. Write `state` (this rank's master, m, v shards and Adam
+    step t) and `extra` (JSON-able run metadata) as checkpoint `step` in `directory`, publish it
+    atomically, move `latest` to it and apply retention. Returns the manifest."""
+    rank, world, shard = dist.rank, dist.world, layout.shard
+    data = np.stack([state[r] for r in ROWS]).astype("<f4", copy=False)     # (3, shard)
+    digests = dist.allgather_json(sha256_hex(data))
+    roots = distributed_roots(dist, {r: state[r] for r in ROWS}, rank * shard, layout.n_params)
+    token = dist.bcast_json(secrets.token_hex(6) if rank == 0 else None)
+    meta = {"format": FORMAT, "format_version": VERSION, "step": step, "world_size": world,
+            "n_params": layout.n_params, "padded": layout.padded, "shard": shard,
+            "layout": json.loads(layout.to_json()), "adam_t": int(state["t"]), "rows": list(ROWS),
+            "datasets": {dataset_name(r): {"rank": r, "offset": r * shard, "length": shard, "sha256": digests[r]}
+                         for r in range(world)},
+            "logical_sha256": roots, "logical_chunk": CHUNK, **extra}
+    meta_bytes = json.dumps(meta, sort_keys=True).encode()
+    meta_sha = sha256_hex(np.frombuffer(meta_bytes, dtype=np.uint8))
+    if rank == 0:
+        os.makedirs(directory, exist_ok=True)
+    dist.barrier()
+    files.fault_point("before_data", rank)
+    tmp = os.path.join(directory, files.partial_name(step, token))
+    final = os.path.join(directory, files.final_name(step))
+    with _open(tmp, "w", dist) as f:
+        for key in ("format", "format_version", "step", "world_size", "n_params"):
+            f.attrs[key] = meta[key]
+        f.attrs["meta_sha256"] = meta_sha
+        meta_ds = f.create_dataset("meta_json", shape=(len(meta_bytes),), dtype="u1")
+        shards = [f.create_dataset(dataset_name(r), shape=(3, shard), dtype="<f4") for r in range(world)]
+        for r, ds in enumerate(shards):
+            for key, value in meta["datasets"][dataset_name(r)].items():
+                ds.attrs[key] = value
+        if rank == 0:
+            meta_ds[...] = np.frombuffer(meta_bytes, dtype=np.uint8)
+        shards[rank][...] = data
+        files.fault_point("after_data", rank)
+    dist.barrier()
+    files.fault_point("before_rename", rank)
+    if rank == 0:
+        files.publish(tmp, final)
+    dist.barrier()
+    files.fault_point("before_pointer", rank)
+    removed = []
+    if rank == 0:
+        files.write_pointer(directory, os.path.basename(final))
+        removed = files.retain(directory, keep_last, protect)
+    removed = dist.bcast_json(removed)
+    dist.barrier()
+    return {"path": final, "step": step, "world_size": world, "bytes": os.path.getsize(final),
+            "meta_sha256": meta_sha, "datasets": meta["datasets"], "logical_sha256": roots, "removed": removed}
+
+
+def _read_meta(f, path: str) -> dict:
+    """Check the format marker and the metadata digest; return the metadata (serial or collective)."""
+    if f.attrs.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is an HDF5 file but not a capstone checkpoint (no format={FORMAT!r} "
+                              f"attribute); pass a ckpt-*.h5 file written by capstone.")
+    if "meta_json" not in f:
+        raise CheckpointError(f"{path}: dataset /meta_json is missing: the file is incomplete or damaged; "
+                              f"resume from an earlier checkpoint.")
+    raw = f["meta_json"][...]
+    stored = f.attrs.get("meta_sha256")
+    if sha256_hex(raw) != stored:
+        raise CheckpointError(f"{path}: /meta_json sha256 mismatch (stored {stored}, computed {sha256_hex(raw)}): "
+                              f"the checkpoint metadata is corrupt; resume from an earlier checkpoint.")
+    meta = json.loads(raw.tobytes())
+    if meta.get("format_version") != VERSION:
+        raise CheckpointError(f"{path}: format_version {meta.get('format_version')} is not supported "
+                              f"(this capstone reads {VERSION}).")
+    for key in ("step", "world_size", "n_params"):
+        if int(f.attrs.get(key, -1)) != meta[key]:
+            raise CheckpointError(f"{path}: attribute {key}={f.attrs.get(key)} disagrees with its verified "
+                                  f"metadata ({meta[key]}); the file was modified.")
+    return meta
+
+
+def read_dataset(f, path: str, meta: dict, name: str, reader: str) -> np.ndarray:
+    """Read one shard dataset whole and verify its shape and sha256 against the metadata."""
+    info = meta["datasets"].get(name)
+    if info is None or name not in f:
+        raise CheckpointError(f"{path}: dataset /{name} is missing (needed by {reader}): the file is "
+                              f"incomplete; resume from an earlier checkpoint.")
+    ds = f[name]
+    if ds.shape != (3, info["length"]) or ds.dtype != np.dtype("<f4"):
+        raise CheckpointError(f"{path}: dataset /{name} has shape {ds.shape} {ds.dtype}, expected "
+                              f"(3, {info['length']}) float32 ({reader}).")
+    data = ds[...]
+    digest = sha256_hex(data)
+    if digest != info["sha256"] or ds.attrs.get("sha256") != info["sha256"]:
+        raise CheckpointError(f"{path}: dataset /{name} sha256 mismatch (stored {info['sha256']}, computed "
+                              f"{digest}) read by {reader}: the shard is corrupt; resume from an earlier checkpoint.")
+    return data
+
+
+def _check_compatible(meta: dict, path: str, layout, expect: dict) -> None:
+    """Refuse a checkpoint whose model or layout differs from this run's, naming the mismatch."""
+    diffs = [f"{k}: checkpoint {meta.get(k)!r} != this run {v!r}" for k, v in expect.items() if meta.get(k) != v]
+    if meta["layout"] != json.loads(layout.to_json()):
+        diffs.append("parameter layout (names/shapes/offsets) differs")
+    if diffs:
+        raise CheckpointError(f"cannot resume from {path}: incompatible with this run: {'; '.join(diffs)}. "
+                              f"Use the same model flags as the run that wrote it, or start fresh without --resume.")
+
+
+def _gather_shard(f, path: str, meta: dict, lo: int, hi: int, n: int, rank: int) -> np.ndarray:
+    """This rank's new shard [lo, hi) assembled from the saved shards that overlap it (resharding)."""
+    out = np.zeros((3, hi - lo), dtype=np.float32)
+    old = meta["shard"]
+    end = min(hi, n)
+    for r in range(lo // old, (end - 1) // old + 1) if end > lo else ():
+        data = read_dataset(f, path, meta, dataset_name(r), f"rank {rank}")
+        a, b = max(lo, r * old), min(end, (r + 1) * old)
+        out[:, a - lo:b - lo] = data[:, a - r * old:b - r * old]
+    return out
+
+
+def load(dist, path: str, layout, expect: dict) -> tuple[dict, dict]:
+    """Collective: call on all ranks. Load checkpoint `path` into this rank's shard of `layout`
+    (any world size), verifying every digest read and the logical digests after resharding.
+    `expect` maps metadata keys to required values (e.g. the model config). Returns (state, meta)."""
+    rank, lo, hi = dist.rank, *layout.shard_range(dist.rank)
+    agree(dist, None if os.path.isfile(path) else f"checkpoint {path} does not exist (rank {rank}); "
+          f"check the path, or use --resume latest with the run's --out directory.")
+    try:
+        f = _open(path, "r", dist)
+    except OSError as exc:
+        f, error = None, f"cannot open checkpoint {path}: {exc}. The file is truncated or not HDF5; resume from an earlier checkpoint."
+    else:
+        error = None
+    agree(dist, error)
+    state, meta = None, None
+    with f:
+        try:
+            meta = _read_meta(f, path)
+            _check_compatible(meta, path, layout, expect)
+            state = _gather_shard(f, path, meta, lo, hi, layout.n_params, rank)
+        except (CheckpointError, OSError, KeyError, ValueError) as exc:
+            error = str(exc) if isinstance(exc, CheckpointError) else f"{path}: unreadable ({type(exc).__name__}: {exc}), rank {rank}"
+    agree(dist, error)
+    roots = distributed_roots(dist, dict(zip(ROWS, state)), lo, layout.n_params, meta["logical_chunk"])
+    bad = [r for r in ROWS if roots[r] != meta["logical_sha256"][r]]
+    agree(dist, f"{path}: logical digest of {bad} differs after loading on {dist.world} ranks: the restored "
+                f"state is not what was saved." if bad else None)
+    return {"master": state[0], "m": state[1], "v": state[2], "t": meta["adam_t"]}, meta
+
+
+def verify_snapshot(dist, path: str, snapshot: np.ndarray) -> dict:
+    """Collective: call on all ranks. Reopen `path` (written by this world), recompute every
+    dataset's sha256 and compare this rank's dataset byte for byte with `snapshot` (3, shard)."""
+    error, mismatched = None, 0
+    with _open(path, "r", dist) as f:
+        try:
+            meta = _read_meta(f, path)
+            for r in range(dist.rank, meta["world_size"], dist.world):  # every dataset, spread over ranks
+                data = read_dataset(f, path, meta, dataset_name(r), f"rank {dist.rank}")
+                if r == dist.rank:
+                    a, b = data.view(np.uint8), np.ascontiguousarray(snapshot, dtype="<f4").view(np.uint8)
+                    mismatched = int(np.count_nonzero(a != b)) if a.shape == b.shape else max(a.size, b.size)
+        except CheckpointError as exc:
+            error = str(exc)
+    counts = dist.allgather_json([error, mismatched])
+    return {"ok": all(e is None and m == 0 for e, m in counts), "mismatched_bytes": sum(m for _, m in counts),
+            "errors": [e for e, _ in counts if e], "path": path}

@@ -1,0 +1,110 @@
+"""Checkpoint files on disk: names, atomic publish, the `latest` pointer, retention, fault points.
+
+A checkpoint directory holds complete files `ckpt-<step>.h5`, in-progress files
+`ckpt-<step>.h5.partial-<token>` (never read), and `latest`, a one-line text file naming the
+newest complete checkpoint. A file becomes visible only by rename after every rank has written
+and closed it; `latest` is replaced by rename after that. So a process killed at any point
+leaves the previous `latest` and its file intact.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+
+POINTER = "latest"
+NAME_RE = re.compile(r"^ckpt-(\d{8})\.h5$")
+FAULT_POINTS = ("before_data", "after_data", "before_rename", "before_pointer")
+
+
+def final_name(step: int) -> str:
+    return f"ckpt-{step:08d}.h5"
+
+
+def partial_name(step: int, token: str) -> str:
+    return f"{final_name(step)}.partial-{token}"
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file or directory so a rename or write survives a crash of the node."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp_path: str, final_path: str) -> None:
+    """Make a fully written file visible under its final name, durably."""
+    fsync_path(tmp_path)
+    os.replace(tmp_path, final_path)
+    fsync_path(os.path.dirname(os.path.abspath(final_path)))
+
+
+def write_pointer(directory: str, name: str) -> None:
+    """Atomically point `latest` at checkpoint `name` (a file in `directory`)."""
+    tmp = os.path.join(directory, f".{POINTER}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    publish(tmp, os.path.join(directory, POINTER))
+
+
+def read_pointer(directory: str) -> str | None:
+    """Path of the checkpoint `latest` names, or None if there is no pointer."""
+    path = os.path.join(directory, POINTER)
+    try:
+        with open(path) as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        return None
+    if not NAME_RE.match(name):
+        raise ValueError(f"{path} names {name!r}, which is not a checkpoint file name; "
+                         f"pass --resume with an explicit ckpt-*.h5 path")
+    return os.path.join(directory, name)
+
+
+def complete_checkpoints(directory: str) -> list[tuple[int, str]]:
+    """(step, path) of complete checkpoint files in `directory`, oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    found = [(int(m.group(1)), os.path.join(directory, n)) for n in os.listdir(directory) if (m := NAME_RE.match(n))]
+    return sorted(found)
+
+
+def retain(directory: str, keep_last: int, protect=()) -> list[str]:
+    """Delete all but the newest `keep_last` complete checkpoints (0 keeps all). Never deletes the
+    file `latest` names nor any path in `protect`. Also removes leftover partial files."""
+    removed = []
+    for name in os.listdir(directory):
+        if ".h5.partial-" in name:
+            os.remove(os.path.join(directory, name))
+            removed.append(name)
+    if keep_last <= 0:
+        return removed
+    keep = {os.path.abspath(p) for p in protect}
+    pointed = read_pointer(directory)
+    if pointed:
+        keep.add(os.path.abspath(pointed))
+    for _, path in complete_checkpoints(directory)[:-keep_last]:
+        if os.path.abspath(path) not in keep:
+            os.remove(path)
+            removed.append(os.path.basename(path))
+    return removed
+
+
+def fault_point(point: str, rank: int) -> None:
+    """Fault injection for tests: CAPSTONE_FAULT=<point>:<rank> kills that rank with SIGKILL when
+    it reaches <point> of a save (one of FAULT_POINTS), like a node failure mid-checkpoint."""
+    spec = os.environ.get("CAPSTONE_FAULT", "")
+    if not spec:
+        return
+    want, _, who = spec.partition(":")
+    if want not in FAULT_POINTS:
+        raise ValueError(f"CAPSTONE_FAULT={spec!r}: point must be one of {', '.join(FAULT_POINTS)}")
+    if want == point and int(who or 0) == rank:
+        print(f"[rank {rank}] CAPSTONE_FAULT: killing this rank at '{point}'", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)

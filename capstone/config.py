@@ -1,0 +1,106 @@
+"""Configuration: frozen, validated dataclasses for the model and the training run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message says what to change."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """MiniGPT dimensions (GPT-2 names): V vocab, T context, C width, H heads, L blocks."""
+
+    vocab_size: int = 64
+    seq_len: int = 16
+    d_model: int = 32
+    n_heads: int = 4
+    n_layers: int = 2
+
+    def __post_init__(self):
+        for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1,
+                     f"{name} must be a positive integer, got {value!r}; pass e.g. --{name.replace('_', '-')} 4.")
+        _require(self.d_model % self.n_heads == 0,
+                 f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}): each head gets "
+                 f"d_model/n_heads channels. Choose e.g. --d-model {self.n_heads * max(1, self.d_model // self.n_heads)} "
+                 f"or --n-heads {self._divisor_hint()}.")
+        _require(self.vocab_size >= 2, f"vocab_size must be at least 2, got {self.vocab_size}.")
+        _require(self.vocab_size <= 2**31 - 1, f"vocab_size {self.vocab_size} does not fit int32 token ids.")
+
+    def _divisor_hint(self) -> int:
+        return max(h for h in range(1, self.n_heads + 1) if self.d_model % h == 0)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, data and schedule settings of one run (batch is sequences per rank per micro-batch)."""
+
+    seed: int = 1234
+    steps: int = 20
+    batch_size: int = 4
+    grad_accum: int = 1
+    lr: float = 1e-2
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    clip: float = 0.0
+    corpus_tokens: int = 1 << 18
+    corpus_seed: int = 0
+    ckpt_every: int = 10
+    ckpt_every_minutes: float = 0.0
+    keep_last: int = 0
+    spike_factor: float = 2.0
+    max_rollbacks: int = 3
+    loss_tol: float = 0.05
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "grad_accum", "corpus_tokens", "max_rollbacks"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1,
+                     f"{name} must be a positive integer, got {value!r}; pass e.g. --{name.replace('_', '-')} 1.")
+        for name in ("warmup_steps", "ckpt_every", "keep_last", "seed", "corpus_seed"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 0,
+                     f"{name} must be an integer >= 0, got {value!r} (0 disables it where that applies).")
+        _require(self.lr > 0, f"lr must be > 0, got {self.lr}; the reference uses --lr 1e-2.")
+        _require(0 <= self.min_lr <= self.lr, f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}.")
+        _require(self.lr_schedule in ("constant", "cosine"),
+                 f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}.")
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            _require(0 <= value < 1, f"{name} must be in [0, 1), got {value}.")
+        _require(self.eps > 0, f"eps must be > 0, got {self.eps}.")
+        _require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}.")
+        _require(self.clip >= 0, f"clip must be >= 0 (0 disables clipping), got {self.clip}.")
+        _require(self.ckpt_every_minutes >= 0, f"ckpt_every_minutes must be >= 0, got {self.ckpt_every_minutes}.")
+        _require(self.spike_factor > 1, f"spike_factor must be > 1, got {self.spike_factor}; the default is 2.")
+        _require(self.loss_tol >= 0, f"loss_tol must be >= 0, got {self.loss_tol}.")
+
+
+def to_json(config) -> str:
+    """Canonical JSON of a config dataclass (sorted keys): what checkpoints store and compare."""
+    return json.dumps(dataclasses.asdict(config), sort_keys=True)
+
+
+def model_config_from_json(text: str) -> ModelConfig:
+    """Parse a ModelConfig from its canonical JSON; unknown keys are an error."""
+    data = json.loads(text)
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(data) - names)
+    _require(not unknown, f"unknown model config keys {unknown}: this checkpoint was written by another version.")
+    return ModelConfig(**data)

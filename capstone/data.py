@@ -1,0 +1,62 @@
+"""Synthetic corpus and the distributed data stream.
+
+`make_corpus` concatenates short random "phrases" (fixed token sequences) drawn at random, with a
+little noise: the next token is predictable from context, so a small GPT learns it in a few steps.
+
+The stream is a function of the *global sample index*: sample i is a window of T+1 tokens chosen
+by a seeded per-epoch permutation of non-overlapping windows. Optimizer step s consumes samples
+[s*G, (s+1)*G) with G = batch_size * grad_accum * world (the global batch); rank r's micro-batch j
+takes the B consecutive samples starting at (j*world + r)*B within the step. Any (world, grad_accum)
+with the same G therefore sees the same samples per step, and after a world-size change the stream
+continues from the saved sample cursor: no sample is repeated or skipped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PHRASES = 48
+PHRASE_LEN = 8
+NOISE = 0.05
+
+
+def make_corpus(seed: int, total_tokens: int, vocab_size: int = 64) -> np.ndarray:
+    """Deterministic int32 token stream of length total_tokens with learnable structure."""
+    if total_tokens < 2:
+        raise ValueError(f"total_tokens must be >= 2, got {total_tokens}")
+    rng = np.random.default_rng([seed, 0xC0])
+    phrases = rng.integers(0, vocab_size, size=(PHRASES, PHRASE_LEN), dtype=np.int32)
+    n = -(-total_tokens // PHRASE_LEN)
+    tokens = phrases[rng.integers(0, PHRASES, size=n)].reshape(-1)[:total_tokens]
+    noisy = rng.random(total_tokens) < NOISE
+    tokens[noisy] = rng.integers(0, vocab_size, size=int(noisy.sum()), dtype=np.int32)
+    return tokens
+
+
+class DataStream:
+    """Batches of (inputs, targets) as a pure function of (corpus, seed, global sample index)."""
+
+    def __init__(self, corpus: np.ndarray, seq_len: int, batch_size: int, seed: int):
+        self.corpus, self.T, self.B, self.seed = corpus, seq_len, batch_size, seed
+        self.n_windows = (len(corpus) - 1) // seq_len
+        if self.n_windows < 1:
+            raise ValueError(f"corpus of {len(corpus)} tokens is shorter than one sequence of {seq_len + 1}; "
+                             f"raise --corpus-tokens")
+        self._perm_epoch, self._perm = -1, None
+
+    def _window(self, sample: int) -> int:
+        epoch, i = divmod(sample, self.n_windows)
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, 0xDA7A, epoch]).permutation(self.n_windows)
+            self._perm_epoch = epoch
+        return int(self._perm[i])
+
+    def samples(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """Inputs and targets (count, T) int32 for global samples [first, first+count)."""
+        starts = np.array([self._window(s) * self.T for s in range(first, first + count)])
+        windows = self.corpus[starts[:, None] + np.arange(self.T + 1)]   # (count, T+1)
+        return windows[:, :-1], windows[:, 1:]
+
+    def micro_batch(self, cursor: int, micro: int, rank: int, world: int):
+        """Rank `rank`'s micro-batch `micro` of the step whose first global sample is `cursor`."""
+        return self.samples(cursor + (micro * world + rank) * self.B, self.B)

@@ -1,0 +1,80 @@
+"""The process group: MPI start-up, fail-fast error handling and the few small collectives the
+training loop needs (agreement checks, gathering report rows). The loop sees only this interface."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from contextlib import contextmanager
+
+import numpy as np
+from mpi4py import MPI
+
+
+class Dist:
+    """Rank, world size and small collectives over an MPI communicator (COMM_SELF is serial)."""
+
+    def __init__(self, comm=None):
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
+
+    def allgather_json(self, value):
+        """Collective: call on all ranks. List of every rank's JSON-able value (no pickle)."""
+        data = json.dumps(value).encode()
+        sizes = self._allgather_int(len(data))
+        buf = np.empty(sum(sizes), dtype=np.uint8)
+        self.comm.Allgatherv(np.frombuffer(data, dtype=np.uint8), [buf, sizes])
+        out, pos = [], 0
+        for n in sizes:
+            out.append(json.loads(buf[pos:pos + n].tobytes()))
+            pos += n
+        return out
+
+    def _allgather_int(self, n: int) -> list[int]:
+        out = np.empty(self.world, dtype=np.int64)
+        self.comm.Allgather(np.array([n], dtype=np.int64), out)
+        return [int(x) for x in out]
+
+    def bcast_json(self, value, root: int = 0):
+        """Collective: call on all ranks. Root's JSON-able value on every rank (no pickle)."""
+        data = json.dumps(value).encode() if self.rank == root else b""
+        n = np.array([len(data)], dtype=np.int64)
+        self.comm.Bcast(n, root=root)
+        buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root else np.empty(int(n[0]), dtype=np.uint8)
+        self.comm.Bcast(buf, root=root)
+        return json.loads(buf.tobytes())
+
+    def any(self, flag: bool) -> bool:
+        """Collective: call on all ranks. True if `flag` is true on any rank."""
+        v = np.array([1 if flag else 0], dtype=np.int32)
+        self.comm.Allreduce(MPI.IN_PLACE, v, op=MPI.MAX)
+        return bool(v[0])
+
+    def barrier(self) -> None:
+        """Collective: call on all ranks."""
+        self.comm.Barrier()
+
+    def abort(self, code: int = 1) -> None:
+        """End the whole job now (every rank), e.g. after an exception on one rank."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.comm.Abort(code)
+
+
+@contextmanager
+def fail_fast(dist: Dist):
+    """Run a block so that an exception on one rank prints it with the rank and aborts every rank,
+    instead of leaving the others blocked in their next collective. SystemExit passes through:
+    it is raised on every rank together (agreed failures), so no one is left waiting."""
+    try:
+        yield
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - any escape must end the job
+        detail = "".join(traceback.format_exception(exc)) if os.environ.get("CAPSTONE_TRACEBACK") else ""
+        print(f"[rank {dist.rank}/{dist.world}] error: {type(exc).__name__}: {exc}\n{detail}"
+              f"[rank {dist.rank}] aborting all ranks (set CAPSTONE_TRACEBACK=1 for the traceback)",
+              file=sys.stderr, flush=True)
+        dist.abort(1)

@@ -1,0 +1,66 @@
+"""The four invariants of every run, each returned as {"ok": bool, measured values...}.
+
+(a) the loss decreases: every accepted step's loss is at most the previous one plus `tol`
+    (different batches each step, so `tol` absorbs batch-to-batch noise), and the last loss is
+    below the first;
+(b) every rank holds the same parameters at every step (norm and sha256 fingerprint);
+(c) optimizer bytes per rank equal 12 * P / N, up to the padding of the flat buffer;
+(d) the first checkpoint of the run reloads byte-equal to the in-memory snapshot taken when saving.
+"""
+
+from __future__ import annotations
+
+
+def loss_monotone(losses: list[tuple[int, float]], tol: float) -> dict:
+    """(a) over (step, loss) pairs of accepted steps, in order."""
+    worst, at = float("-inf"), None
+    for (_, prev), (step, cur) in zip(losses, losses[1:]):
+        if cur - prev > worst:
+            worst, at = cur - prev, step
+    decreased = len(losses) < 2 or losses[-1][1] < losses[0][1]
+    ok = decreased and (at is None or worst <= tol)
+    return {"ok": ok, "tol": tol, "max_increase": None if at is None else worst, "at_step": at,
+            "first": losses[0][1] if losses else None, "last": losses[-1][1] if losses else None,
+            "steps": len(losses)}
+
+
+def params_identical(mismatches: list[dict], steps_checked: int) -> dict:
+    """(b) from the per-step cross-rank comparisons: `mismatches` lists the steps that disagreed."""
+    return {"ok": not mismatches and steps_checked > 0, "steps_checked": steps_checked,
+            "mismatches": mismatches[:5], "n_mismatches": len(mismatches)}
+
+
+def optimizer_memory(per_rank_bytes: list[int], n_params: int, padded: int) -> dict:
+    """(c) measured optimizer bytes of every rank against 12 * padded / N (12 * P / N unpadded)."""
+    world = len(per_rank_bytes)
+    expected = 12 * padded // world
+    formula = 12 * n_params / world
+    worst = max(abs(b - expected) for b in per_rank_bytes)
+    return {"ok": worst == 0 and expected - formula < 12, "expected_bytes": expected,
+            "formula_12P_over_N": formula, "padding_bytes_per_rank": expected - formula,
+            "measured_bytes": per_rank_bytes, "max_deviation_bytes": worst}
+
+
+def resume_bytes(result: dict | None) -> dict:
+    """(d) from checkpoint.verify_snapshot."""
+    if result is None:
+        return {"ok": False, "reason": "no checkpoint was written in this run, so nothing could be verified"}
+    return {"ok": bool(result["ok"]), "path": result["path"], "mismatched_bytes": result["mismatched_bytes"],
+            "errors": result["errors"]}
+
+
+def failures(results: dict) -> list[str]:
+    """One line per violated invariant, saying which and by how much."""
+    lines = []
+    a, b, c, d = (results[k] for k in ("a_loss_monotone", "b_params_identical", "c_optimizer_memory", "d_resume_bytes"))
+    if not a["ok"]:
+        lines.append(f"(a) loss not decreasing: max increase {a['max_increase']} at step {a['at_step']} "
+                     f"(tolerance {a['tol']}); first {a['first']}, last {a['last']}")
+    if not b["ok"]:
+        lines.append(f"(b) parameters differ across ranks at {b['n_mismatches']} of {b['steps_checked']} steps: {b['mismatches']}")
+    if not c["ok"]:
+        lines.append(f"(c) optimizer bytes {c['measured_bytes']} != 12*padded/N = {c['expected_bytes']} "
+                     f"(off by up to {c['max_deviation_bytes']} bytes)")
+    if not d["ok"]:
+        lines.append(f"(d) checkpoint reload not byte-equal: {d.get('mismatched_bytes')} bytes differ; {d.get('errors') or d.get('reason')}")
+    return lines

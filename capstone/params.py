@@ -1,0 +1,106 @@
+"""The flat parameter buffer: one contiguous, padded float32 vector whose views are the model's arrays.
+
+Like llm.c's `malloc_and_point_parameters`: a `Layout` lists (name, shape) in a fixed order, gives
+each an offset, and pads the total to a multiple of the world size so ZeRO-1 can split it into
+equal shards on any number of ranks. Gradients use a second buffer with the same layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ModelConfig
+
+DTYPE = np.float32
+
+
+def param_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter, in buffer order; weights are (in, out) so y = x @ w + b."""
+    V, T, C = cfg.vocab_size, cfg.seq_len, cfg.d_model
+    shapes = [("wte", (V, C)), ("wpe", (T, C))]
+    for i in range(cfg.n_layers):
+        h = f"h{i}."
+        shapes += [
+            (h + "ln_1.w", (C,)), (h + "ln_1.b", (C,)),
+            (h + "attn.c_attn.w", (C, 3 * C)), (h + "attn.c_attn.b", (3 * C,)),
+            (h + "attn.c_proj.w", (C, C)), (h + "attn.c_proj.b", (C,)),
+            (h + "ln_2.w", (C,)), (h + "ln_2.b", (C,)),
+            (h + "mlp.c_fc.w", (C, 4 * C)), (h + "mlp.c_fc.b", (4 * C,)),
+            (h + "mlp.c_proj.w", (4 * C, C)), (h + "mlp.c_proj.b", (C,)),
+        ]
+    shapes += [("ln_f.w", (C,)), ("ln_f.b", (C,)), ("lm_head.w", (C, V)), ("lm_head.b", (V,))]
+    return shapes
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Offsets of named arrays in a flat buffer of `n_params` values padded to `padded` (a multiple of world)."""
+
+    entries: tuple[tuple[str, tuple[int, ...], int], ...]  # (name, shape, offset)
+    n_params: int
+    world: int
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, world: int) -> "Layout":
+        if world < 1:
+            raise ValueError(f"world size must be >= 1, got {world}")
+        entries, offset = [], 0
+        for name, shape in param_shapes(cfg):
+            entries.append((name, tuple(shape), offset))
+            offset += math.prod(shape)
+        return cls(tuple(entries), offset, world)
+
+    @property
+    def padded(self) -> int:
+        """Buffer length: n_params rounded up to a multiple of the world size."""
+        return -(-self.n_params // self.world) * self.world
+
+    @property
+    def shard(self) -> int:
+        """Elements per rank in ZeRO-1 (padded / world)."""
+        return self.padded // self.world
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """[lo, hi) of the flat buffer owned by `rank`."""
+        return rank * self.shard, (rank + 1) * self.shard
+
+    def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """Named arrays that are views into `flat` (writes go straight into the buffer)."""
+        if flat.shape != (self.padded,):
+            raise ValueError(f"flat buffer has shape {flat.shape}, layout needs ({self.padded},)")
+        return {name: flat[off:off + math.prod(shape)].reshape(shape) for name, shape, off in self.entries}
+
+    def zeros(self) -> np.ndarray:
+        return np.zeros(self.padded, dtype=DTYPE)
+
+    def to_json(self) -> str:
+        """Canonical description (names, shapes, offsets, sizes) stored in checkpoints."""
+        return json.dumps({"n_params": self.n_params, "entries": [[n, list(s), o] for n, s, o in self.entries]},
+                          sort_keys=True)
+
+
+def init_params(layout: Layout, cfg: ModelConfig, seed: int) -> np.ndarray:
+    """GPT-2 initialisation into a fresh flat buffer: N(0, 0.02) weights, residual projections
+    scaled by 1/sqrt(2L), zero biases, unit LayerNorm weights; deterministic in `seed`."""
+    flat = layout.zeros()
+    rng = np.random.default_rng(seed)
+    for name, a in layout.views(flat).items():
+        if name.endswith(".b"):
+            continue  # biases start at zero
+        if ".ln_" in name or name.startswith("ln_"):
+            a[...] = 1.0
+        else:
+            std = 0.02 / math.sqrt(2 * cfg.n_layers) if name.endswith("c_proj.w") else 0.02
+            a[...] = rng.standard_normal(a.shape, dtype=np.float32) * np.float32(std)
+    return flat
+
+
+def fingerprint(flat: np.ndarray) -> tuple[float, str]:
+    """(L2 norm in float64, sha256 prefix) of a buffer: equal on all ranks iff parameters agree."""
+    norm = float(np.sqrt(np.dot(flat.astype(np.float64), flat.astype(np.float64))))
+    return norm, hashlib.sha256(flat.tobytes()).hexdigest()[:16]

@@ -1,0 +1,308 @@
+"""`python -m capstone.train`: the training loop and its entry point.
+
+The loop does forward+backward, then composes the narrow interfaces: `ZeroAdam` (reduce-scatter,
+Adam on the shard, allgather), the divergence `Guard`, `checkpoint.save/load/verify_snapshot`,
+and `Dist` for small agreement collectives. It never calls MPI or HDF5 itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import resource
+import signal
+import sys
+import time
+
+import numpy as np
+
+from . import checkpoint, cli, invariants, report
+from .checkpoint import files
+from .config import ConfigError, ModelConfig, TrainConfig
+from .data import DataStream, make_corpus
+from .dist import Dist, fail_fast
+from .guard import DivergenceError, Guard
+from .model import loss_and_grad
+from .params import Layout, fingerprint, init_params
+from .schedule import learning_rate
+from .zero import ZeroAdam
+
+
+class Trainer:
+    """One run: state, the step, checkpoints and the end-of-run checks."""
+
+    def __init__(self, dist: Dist, mcfg: ModelConfig, tcfg: TrainConfig, opts: cli.RunOptions):
+        self.dist, self.mcfg, self.tcfg, self.opts = dist, mcfg, tcfg, opts
+        self.layout = Layout.for_model(mcfg, dist.world)
+        self.params = init_params(self.layout, mcfg, tcfg.seed) if dist.rank == 0 else self.layout.zeros()
+        self.grads = self.layout.zeros()
+        self.pviews, self.gviews = self.layout.views(self.params), self.layout.views(self.grads)
+        self.opt = ZeroAdam(dist.comm, self.layout, self.params, self.grads, (tcfg.beta1, tcfg.beta2),
+                            tcfg.eps, tcfg.weight_decay)
+        self.stream = DataStream(make_corpus(tcfg.corpus_seed, tcfg.corpus_tokens, mcfg.vocab_size),
+                                 mcfg.seq_len, tcfg.batch_size, tcfg.seed)
+        self.global_batch = tcfg.batch_size * tcfg.grad_accum * dist.world   # sequences per step
+        self.out = dist.bcast_json(opts.out or time.strftime("runs/run-%Y%m%d-%H%M%S") + f"-{os.getpid()}")
+        self.ckpt_dir = os.path.join(self.out, "checkpoints")
+        self.guard = Guard(tcfg.spike_factor, tcfg.max_rollbacks)
+        self.step, self.cursor, self.losses = 0, 0, []
+        self.mismatches, self.checked, self.manifests, self.rollbacks = [], 0, [], []
+        self.snapshot = None
+        self.resumed_from = None
+        self.stop_requested = False
+        self.last_save_time = time.monotonic()
+
+    # ---- start-up -------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Collective: call on all ranks. Create the run directory, resume if asked."""
+        if self.dist.rank == 0:
+            os.makedirs(self.ckpt_dir, exist_ok=True)
+        self.dist.barrier()
+        path = self._resume_path()
+        if path is None:
+            has_old = self.dist.bcast_json(bool(files.complete_checkpoints(self.ckpt_dir)) if self.dist.rank == 0 else None)
+            if has_old:
+                raise ConfigError(f"{self.ckpt_dir} already holds checkpoints of an earlier run; continue it with "
+                                  f"--resume latest, or pass a new --out directory for a fresh run (nothing was changed).")
+        else:
+            self._resume(path)
+        self.guard.remember(None, self.opt.state())
+        self.metrics = report.MetricsLog(os.path.join(self.out, "metrics.jsonl") if self.dist.rank == 0 else None)
+        self.metrics.write({"event": "start", "world": self.dist.world, "start_step": self.step,
+                            "resumed_from": self.resumed_from, "time": time.time()})
+
+    def _resume_path(self) -> str | None:
+        want = self.opts.resume
+        if want in (None, ""):
+            return None
+        if want not in ("latest", "auto"):
+            return want
+        pointed = self.dist.bcast_json(files.read_pointer(self.ckpt_dir) if self.dist.rank == 0 else None)
+        if pointed is None and want == "latest":
+            raise ConfigError(f"--resume latest: no complete checkpoint in {self.ckpt_dir} (no 'latest' pointer). "
+                              f"Pass the run's --out directory, a ckpt-*.h5 path, or --resume auto to start fresh.")
+        return pointed
+
+    def _resume(self, path: str) -> None:
+        expect = {"model_config": dataclasses.asdict(self.mcfg)}
+        state, meta = checkpoint.load(self.dist, path, self.layout, expect)
+        self.opt.load_state(state["master"], state["m"], state["v"], state["t"])
+        self.step, self.cursor = meta["step"], meta["data_cursor"]
+        self.losses = [tuple(x) for x in meta["losses"]]
+        self.guard.last_loss = meta.get("guard_last_loss")
+        self.resumed_from = path
+        report.say(f"resumed from {path}: step {self.step}, written by {meta['world_size']} ranks, now "
+                   f"{self.dist.world}; sample cursor {self.cursor}; logical digests verified", self.dist.rank)
+
+    # ---- one step -------------------------------------------------------------------------
+    def forward_backward(self) -> float:
+        """Sum this rank's micro-batch gradients into the flat buffer; return its loss share."""
+        self.grads.fill(0.0)
+        scale = 1.0 / (self.global_batch * self.mcfg.seq_len)
+        local = 0.0
+        for j in range(self.tcfg.grad_accum):
+            x, y = self.stream.micro_batch(self.cursor, j, self.dist.rank, self.dist.world)
+            loss, g = loss_and_grad(self.pviews, x, y, self.mcfg, scale)
+            for name, gi in g.items():
+                self.gviews[name] += gi
+            local += loss
+        return local
+
+    def _injected(self, step: int):
+        nan, spike = self.opts.inject_nan, self.opts.inject_lr_spike
+        nan_now = nan is not None and nan[0] <= step < nan[0] + nan[1]
+        return nan_now, (spike[1] if spike is not None and spike[0] == step else 1.0)
+
+    def train_step(self, s: int) -> dict:
+        t0 = time.perf_counter()
+        local = self.forward_backward()
+        nan_now, lr_mult = self._injected(s)
+        if nan_now and self.dist.rank == 0:
+            self.grads[0] = float("nan")
+        t1 = time.perf_counter()
+        clock_due = self.tcfg.ckpt_every_minutes > 0 and self.dist.rank == 0 and \
+            time.monotonic() - self.last_save_time >= 60 * self.tcfg.ckpt_every_minutes
+        stats = self.opt.reduce_gradients(extras=[local, float(self.stop_requested), float(clock_due)])
+        loss, stop, clock = float(stats.extras[0]), stats.extras[1] > 0, stats.extras[2] > 0
+        lr = learning_rate(s, self.tcfg.lr, self.tcfg.steps, self.tcfg.lr_schedule, self.tcfg.warmup_steps, self.tcfg.min_lr)
+        events, clipped = [], stats.norm
+        reason = self.guard.verdict(loss, stats.norm)
+        if reason:
+            self._rollback(s, reason, loss, events)
+        else:
+            self.guard.accepted()
+            self.guard.remember(loss, self.opt.state())
+            scale = 1.0
+            if self.tcfg.clip > 0 and stats.norm > self.tcfg.clip:
+                scale, clipped = self.tcfg.clip / stats.norm, self.tcfg.clip
+            self.opt.apply(lr * lr_mult, scale)
+            self.losses.append((s, loss))
+            if lr_mult != 1.0:
+                events.append({"event": "lr_spike_injected", "mult": lr_mult})
+        t2 = time.perf_counter()
+        first = self.cursor
+        self.cursor += self.global_batch
+        norm, fp = self._check_identical(s)
+        tm = self.opt.timings
+        return {"step": s, "loss": loss, "accepted": reason is None, "grad_norm": stats.norm, "grad_norm_clipped": clipped,
+                "lr": lr * lr_mult, "tokens": self.global_batch * self.mcfg.seq_len, "samples": [first, self.cursor],
+                "step_ms": 1e3 * (t2 - t0), "fwd_bwd_ms": 1e3 * (t1 - t0),
+                "comm_ms": 1e3 * (tm["reduce_scatter"] + tm["allgather"]) if reason is None else 1e3 * tm["reduce_scatter"],
+                "optimizer_ms": 1e3 * tm["adam"] if reason is None else 0.0,
+                "tokens_per_s": self.global_batch * self.mcfg.seq_len / max(t2 - t0, 1e-9),
+                "param_norm": norm, "fingerprint": fp, "events": events, "_stop": bool(stop), "_clock": bool(clock)}
+
+    def _rollback(self, s: int, reason: str, loss: float, events: list) -> None:
+        """Restore the last good state (identical decision on every rank) and skip this batch."""
+        self.guard.triggered(s, reason)
+        if reason == "grad_nonfinite":  # the parameters that produced this finite loss are good
+            self.guard.remember(loss, self.opt.state())
+        good = self.guard.good
+        self.opt.load_state(good["master"], good["m"], good["v"], good["t"])
+        event = {"event": "rollback", "reason": reason, "step": s, "loss": loss, "restored_adam_t": good["t"],
+                 "skipped_samples": [self.cursor, self.cursor + self.global_batch]}
+        events.append(event)
+        self.rollbacks.append(event)
+
+    def _check_identical(self, s: int):
+        """Invariant (b): every rank's parameter fingerprint equals rank 0's."""
+        norm, fp = fingerprint(self.params)
+        every = self.dist.allgather_json([norm, fp])
+        self.checked += 1
+        if any(x != every[0] for x in every):
+            self.mismatches.append({"step": s, "fingerprints": every})
+        return norm, fp
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def save(self) -> dict:
+        """Collective: call on all ranks."""
+        extra = {"model_config": dataclasses.asdict(self.mcfg), "train_config": dataclasses.asdict(self.tcfg),
+                 "data_cursor": self.cursor, "global_batch": self.global_batch, "losses": self.losses,
+                 "guard_last_loss": self.guard.last_loss, "rollbacks": self.rollbacks}
+        state = self.opt.state()
+        protect = [self.manifests[0]["path"]] if self.manifests else []
+        man = checkpoint.save(self.dist, self.ckpt_dir, self.step, state, self.layout, extra,
+                              self.tcfg.keep_last, protect)
+        if self.snapshot is None:
+            self.snapshot = np.stack([state["master"], state["m"], state["v"]])
+        self.manifests.append(man)
+        self.last_save_time = time.monotonic()
+        return man
+
+    # ---- the run --------------------------------------------------------------------------
+    def run(self) -> int:
+        """Collective: call on all ranks. Train to the last step (or a stop request), check the
+        invariants, report. Returns the exit code, identical on every rank."""
+        rank, t_start = self.dist.rank, time.perf_counter()
+        report.say(f"capstone: {self.dist.world} ranks, {self.layout.n_params} parameters (padded "
+                   f"{self.layout.padded}, shard {self.layout.shard}), global batch {self.global_batch} x "
+                   f"{self.mcfg.seq_len} tokens, run dir {self.out}", rank)
+        report.say(report.step_header(), rank)
+        status, rows = "completed", []
+        while self.step < self.tcfg.steps:
+            self.step += 1
+            m = self.train_step(self.step)
+            stop = m.pop("_stop") or self.step == self.opts.stop_after
+            due = (self.tcfg.ckpt_every and self.step % self.tcfg.ckpt_every == 0) or m.pop("_clock")
+            if due or stop or self.step == self.tcfg.steps:
+                man = self.save()
+                m["events"].append({"event": "checkpoint", "path": man["path"]})
+            self.metrics.write({k: v for k, v in m.items() if not k.startswith("_")})
+            rows.append(m)
+            if not self.opts.quiet:
+                report.say(report.step_row(m), rank)
+            if self.opts.sleep_per_step:
+                time.sleep(self.opts.sleep_per_step)
+            if stop and self.step < self.tcfg.steps:
+                status = "preempted"
+                report.say(f"stopping at step {self.step} (signal or --stop-after): checkpoint saved; "
+                           f"rerun with --out {self.out} --resume latest to continue", rank)
+                break
+        return self.finish(status, rows, time.perf_counter() - t_start)
+
+    def memory_row(self) -> dict:
+        return {"rank": self.dist.rank, "params_bytes": self.params.nbytes,
+                "grads_bytes": self.grads.nbytes + self.opt.g_shard.nbytes,
+                "optimizer_bytes": self.opt.optimizer_nbytes(), "guard_bytes": self.guard.nbytes(),
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+    def finish(self, status: str, rows: list, wall: float) -> int:
+        """Collective: call on all ranks. Invariants, report, summary.json; returns the exit code."""
+        rank = self.dist.rank
+        verified = checkpoint.verify_snapshot(self.dist, self.manifests[0]["path"], self.snapshot) if self.manifests else None
+        mem = self.dist.allgather_json(self.memory_row())
+        results = {
+            "a_loss_monotone": invariants.loss_monotone(self.losses, self.tcfg.loss_tol),
+            "b_params_identical": invariants.params_identical(self.mismatches, self.checked),
+            "c_optimizer_memory": invariants.optimizer_memory([r["optimizer_bytes"] for r in mem],
+                                                              self.layout.n_params, self.layout.padded),
+            "d_resume_bytes": invariants.resume_bytes(verified)}
+        failed = invariants.failures(results)
+        report.say("\nmemory per rank (bytes):\n" + report.memory_table(mem), rank)
+        for man in self.manifests:
+            report.say(report.manifest_text(man), rank)
+        report.say("\ninvariants: " + ", ".join(f"{k} {'ok' if v['ok'] else 'FAILED'}" for k, v in results.items()), rank)
+        if verified and verified["ok"]:
+            report.say(f"resume verified: {verified['path']} reloads byte-equal on all {self.dist.world} ranks", rank)
+        summary = {"status": status if not failed else "failed", "world_size": self.dist.world,
+                   "model_config": dataclasses.asdict(self.mcfg), "train_config": dataclasses.asdict(self.tcfg),
+                   "n_params": self.layout.n_params, "padded": self.layout.padded, "start_step": rows[0]["step"] - 1 if rows else self.step,
+                   "final_step": self.step, "resumed_from": self.resumed_from, "losses": [list(x) for x in self.losses],
+                   "steps": rows, "invariants": results, "memory": {"per_rank": mem, **report.aggregate(mem)},
+                   "checkpoints": self.manifests, "rollbacks": self.rollbacks, "wall_seconds": wall,
+                   "final_param_fingerprint": fingerprint(self.params)}
+        if rank == 0:
+            report.write_json(os.path.join(self.out, "summary.json"), summary)
+        self.metrics.close()
+        if failed:
+            report.say("INVARIANT VIOLATED:\n  " + "\n  ".join(failed), rank)
+            return 1
+        report.say(f"{status} step {self.step} in {wall:.2f} s; summary {os.path.join(self.out, 'summary.json')}", rank)
+        return 0
+
+
+def _tune_malloc() -> None:
+    """Keep freed activations in the heap instead of returning them to the OS every step."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
+        libc.mallopt(-3, 256 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv=None) -> None:
+    dist = Dist()
+    try:
+        if dist.rank != 0:
+            sys.stdout = open(os.devnull, "w")  # --help and usage once, from rank 0
+        try:
+            mcfg, tcfg, opts = cli.parse(argv)
+        finally:
+            sys.stdout = sys.__stdout__
+    except ConfigError as exc:
+        if dist.rank == 0:
+            report.error(f"error: {exc}")
+        sys.exit(2)
+    except SystemExit as exc:
+        if dist.rank != 0 and exc.code:
+            sys.exit(exc.code)
+        raise
+    _tune_malloc()
+    with fail_fast(dist):
+        trainer = Trainer(dist, mcfg, tcfg, opts)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, lambda *_: setattr(trainer, "stop_requested", True))
+        try:
+            trainer.prepare()
+            code = trainer.run()
+        except (ConfigError, checkpoint.CheckpointError, DivergenceError) as exc:  # raised on every rank alike
+            if dist.rank == 0:
+                report.error(f"error: {exc}")
+            code = 1 if not isinstance(exc, ConfigError) else 2
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
