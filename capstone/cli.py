@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--corpus-tokens", type=int, default=t.corpus_tokens, help="length of the synthetic corpus")
     g.add_argument("--corpus-seed", type=int, default=t.corpus_seed, help="seed of the synthetic corpus")
     g.add_argument("--loss-tol", type=float, default=t.loss_tol,
-                   help="invariant (a): a step's loss may exceed the previous one by at most this (batch noise)")
+                   help="invariant (a): the held-out loss may rise by at most this from one step to the next")
     g = p.add_argument_group("checkpoints and guard")
     g.add_argument("--ckpt-every", type=int, default=t.ckpt_every, help="checkpoint every K steps (0: off)")
     g.add_argument("--ckpt-every-minutes", type=float, default=t.ckpt_every_minutes,

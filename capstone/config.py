@@ -66,7 +66,7 @@ class TrainConfig:
     keep_last: int = 0
     spike_factor: float = 2.0
     max_rollbacks: int = 3
-    loss_tol: float = 0.05
+    loss_tol: float = 1e-4
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "grad_accum", "corpus_tokens", "max_rollbacks"):

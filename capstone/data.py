@@ -1,7 +1,10 @@
 """Synthetic corpus and the distributed data stream.
 
-`make_corpus` concatenates short random "phrases" (fixed token sequences) drawn at random, with a
-little noise: the next token is predictable from context, so a small GPT learns it in a few steps.
+`make_corpus` concatenates short random "phrases" (fixed token sequences) drawn at random (with
+optional noise): the next token is predictable from context, so a small GPT learns it in a few
+steps, while the choice of the next phrase keeps an irreducible entropy.
+
+The last EVAL_SEQUENCES windows are held out: the fixed evaluation batch, never trained on.
 
 The stream is a function of the *global sample index*: sample i is a window of T+1 tokens chosen
 by a seeded per-epoch permutation of non-overlapping windows. Optimizer step s consumes samples
@@ -15,9 +18,10 @@ from __future__ import annotations
 
 import numpy as np
 
-PHRASES = 48
+PHRASES = 16
 PHRASE_LEN = 8
-NOISE = 0.05
+NOISE = 0.0
+EVAL_SEQUENCES = 32
 
 
 def make_corpus(seed: int, total_tokens: int, vocab_size: int = 64) -> np.ndarray:
@@ -38,10 +42,10 @@ class DataStream:
 
     def __init__(self, corpus: np.ndarray, seq_len: int, batch_size: int, seed: int):
         self.corpus, self.T, self.B, self.seed = corpus, seq_len, batch_size, seed
-        self.n_windows = (len(corpus) - 1) // seq_len
+        self.n_windows = (len(corpus) - 1) // seq_len - EVAL_SEQUENCES
         if self.n_windows < 1:
-            raise ValueError(f"corpus of {len(corpus)} tokens is shorter than one sequence of {seq_len + 1}; "
-                             f"raise --corpus-tokens")
+            raise ValueError(f"a corpus of {len(corpus)} tokens holds fewer than {EVAL_SEQUENCES + 1} sequences of "
+                             f"{seq_len + 1} tokens (training plus the held-out evaluation batch); raise --corpus-tokens")
         self._perm_epoch, self._perm = -1, None
 
     def _window(self, sample: int) -> int:
@@ -55,6 +59,12 @@ class DataStream:
         """Inputs and targets (count, T) int32 for global samples [first, first+count)."""
         starts = np.array([self._window(s) * self.T for s in range(first, first + count)])
         windows = self.corpus[starts[:, None] + np.arange(self.T + 1)]   # (count, T+1)
+        return windows[:, :-1], windows[:, 1:]
+
+    def eval_batch(self, rank: int, world: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rank `rank`'s rows (r, r+world, ...) of the fixed held-out evaluation batch."""
+        starts = (self.n_windows + np.arange(EVAL_SEQUENCES)[rank::world]) * self.T
+        windows = self.corpus[starts[:, None] + np.arange(self.T + 1)]
         return windows[:, :-1], windows[:, 1:]
 
     def micro_batch(self, cursor: int, micro: int, rank: int, world: int):

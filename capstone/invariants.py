@@ -1,8 +1,9 @@
 """The four invariants of every run, each returned as {"ok": bool, measured values...}.
 
-(a) the loss decreases: every accepted step's loss is at most the previous one plus `tol`
-    (different batches each step, so `tol` absorbs batch-to-batch noise), and the last loss is
-    below the first;
+(a) the loss decreases: the loss on the fixed held-out batch, measured at every accepted step
+    before its update, never rises by more than `tol` (float noise; the training loss itself is
+    measured on a new batch every step, so its batch-to-batch noise is reported, not judged), and
+    the last is below the first;
 (b) every rank holds the same parameters at every step (norm and sha256 fingerprint);
 (c) optimizer bytes per rank equal 12 * P / N, up to the padding of the flat buffer;
 (d) the first checkpoint of the run reloads byte-equal to the in-memory snapshot taken when saving.
@@ -11,8 +12,9 @@
 from __future__ import annotations
 
 
-def loss_monotone(losses: list[tuple[int, float]], tol: float) -> dict:
-    """(a) over (step, loss) pairs of accepted steps, in order."""
+def loss_monotone(history: list, tol: float) -> dict:
+    """(a) over (step, train loss, held-out loss) of the accepted steps, in order."""
+    losses = [(h[0], h[2]) for h in history]
     worst, at = float("-inf"), None
     for (_, prev), (step, cur) in zip(losses, losses[1:]):
         if cur - prev > worst:

@@ -15,11 +15,11 @@ def say(text: str = "", rank: int = 0) -> None:
 
 
 def step_header() -> str:
-    return f"{'step':>5} {'loss':>9} {'grad_norm':>10} {'lr':>9} {'ms':>7}  {'param_norm':>11} {'fingerprint':<16}  event"
+    return f"{'step':>5} {'loss':>9} {'eval_loss':>9} {'grad_norm':>10} {'lr':>9} {'ms':>7}  {'param_norm':>11} {'fingerprint':<16}  event"
 
 
 def step_row(m: dict) -> str:
-    return (f"{m['step']:>5} {m['loss']:>9.5f} {m['grad_norm']:>10.4f} {m['lr']:>9.2e} {m['step_ms']:>7.2f}  "
+    return (f"{m['step']:>5} {m['loss']:>9.5f} {m['eval_loss']:>9.5f} {m['grad_norm']:>10.4f} {m['lr']:>9.2e} {m['step_ms']:>7.2f}  "
             f"{m['param_norm']:>11.6f} {m['fingerprint']:<16}  {' '.join(e['event'] for e in m['events'])}")
 
 

@@ -22,7 +22,8 @@ from .config import ConfigError, ModelConfig, TrainConfig
 from .data import DataStream, make_corpus
 from .dist import Dist, fail_fast
 from .guard import DivergenceError, Guard
-from .model import loss_and_grad
+from .data import EVAL_SEQUENCES
+from .model import loss_and_grad, loss_sum
 from .params import Layout, fingerprint, init_params
 from .schedule import learning_rate
 from .zero import ZeroAdam
@@ -42,6 +43,7 @@ class Trainer:
         self.stream = DataStream(make_corpus(tcfg.corpus_seed, tcfg.corpus_tokens, mcfg.vocab_size),
                                  mcfg.seq_len, tcfg.batch_size, tcfg.seed)
         self.global_batch = tcfg.batch_size * tcfg.grad_accum * dist.world   # sequences per step
+        self.eval_x, self.eval_y = self.stream.eval_batch(dist.rank, dist.world)
         self.out = dist.bcast_json(opts.out or time.strftime("runs/run-%Y%m%d-%H%M%S") + f"-{os.getpid()}")
         self.ckpt_dir = os.path.join(self.out, "checkpoints")
         self.guard = Guard(tcfg.spike_factor, tcfg.max_rollbacks)
@@ -113,17 +115,25 @@ class Trainer:
         nan_now = nan is not None and nan[0] <= step < nan[0] + nan[1]
         return nan_now, (spike[1] if spike is not None and spike[0] == step else 1.0)
 
+    def eval_share(self) -> float:
+        """This rank's share of the held-out loss (summed over ranks it is the mean per token)."""
+        if len(self.eval_x) == 0:
+            return 0.0
+        return float(loss_sum(self.pviews, self.eval_x, self.eval_y, self.mcfg, 1.0 / (EVAL_SEQUENCES * self.mcfg.seq_len)))
+
     def train_step(self, s: int) -> dict:
         t0 = time.perf_counter()
         local = self.forward_backward()
+        eval_local = self.eval_share()
         nan_now, lr_mult = self._injected(s)
         if nan_now and self.dist.rank == 0:
             self.grads[0] = float("nan")
         t1 = time.perf_counter()
         clock_due = self.tcfg.ckpt_every_minutes > 0 and self.dist.rank == 0 and \
             time.monotonic() - self.last_save_time >= 60 * self.tcfg.ckpt_every_minutes
-        stats = self.opt.reduce_gradients(extras=[local, float(self.stop_requested), float(clock_due)])
-        loss, stop, clock = float(stats.extras[0]), stats.extras[1] > 0, stats.extras[2] > 0
+        stats = self.opt.reduce_gradients(extras=[local, eval_local, float(self.stop_requested), float(clock_due)])
+        loss, eval_loss = float(stats.extras[0]), float(stats.extras[1])
+        stop, clock = stats.extras[2] > 0, stats.extras[3] > 0
         lr = learning_rate(s, self.tcfg.lr, self.tcfg.steps, self.tcfg.lr_schedule, self.tcfg.warmup_steps, self.tcfg.min_lr)
         events, clipped = [], stats.norm
         reason = self.guard.verdict(loss, stats.norm)
@@ -136,7 +146,7 @@ class Trainer:
             if self.tcfg.clip > 0 and stats.norm > self.tcfg.clip:
                 scale, clipped = self.tcfg.clip / stats.norm, self.tcfg.clip
             self.opt.apply(lr * lr_mult, scale)
-            self.losses.append((s, loss))
+            self.losses.append((s, loss, eval_loss))
             if lr_mult != 1.0:
                 events.append({"event": "lr_spike_injected", "mult": lr_mult})
         t2 = time.perf_counter()
@@ -144,7 +154,7 @@ class Trainer:
         self.cursor += self.global_batch
         norm, fp = self._check_identical(s)
         tm = self.opt.timings
-        return {"step": s, "loss": loss, "accepted": reason is None, "grad_norm": stats.norm, "grad_norm_clipped": clipped,
+        return {"step": s, "loss": loss, "eval_loss": eval_loss, "accepted": reason is None, "grad_norm": stats.norm, "grad_norm_clipped": clipped,
                 "lr": lr * lr_mult, "tokens": self.global_batch * self.mcfg.seq_len, "samples": [first, self.cursor],
                 "step_ms": 1e3 * (t2 - t0), "fwd_bwd_ms": 1e3 * (t1 - t0),
                 "comm_ms": 1e3 * (tm["reduce_scatter"] + tm["allgather"]) if reason is None else 1e3 * tm["reduce_scatter"],
