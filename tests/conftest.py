@@ -1,0 +1,36 @@
+"""Shared helpers for the serial tests (the ones under tests/mpi run under mpirun)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def mpi_env() -> dict:
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
+               OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    return env
+
+
+def mpirun(n: int, *args, timeout: float = 180, env_extra=None) -> subprocess.CompletedProcess:
+    """Run `python -m capstone.train ARGS` (or `-m MODULE` if args[0] starts with '-m') on n ranks."""
+    env = mpi_env()
+    env.update(env_extra or {})
+    module = ["-m", "capstone.train"] if not args or args[0] != "-m" else []
+    cmd = ["mpirun", "-n", str(n), "--oversubscribe", sys.executable, *module, *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def summary(out) -> dict:
+    with open(os.path.join(out, "summary.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture
+def run_train():
+    return mpirun

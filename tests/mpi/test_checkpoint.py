@@ -1,0 +1,167 @@
+"""Sharded checkpoints on real MPI + parallel HDF5: round trip, resharding, corruption."""
+
+import hashlib
+import os
+
+import h5py
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from capstone import checkpoint
+from capstone.checkpoint import CheckpointError, files
+from capstone.checkpoint.digest import logical_root
+from capstone.config import ModelConfig
+from capstone.dist import Dist
+from capstone.params import Layout
+
+CFG = ModelConfig(vocab_size=29, seq_len=4, d_model=8, n_heads=2, n_layers=1)
+EXPECT = {"model_config": {"cfg": 1}}
+
+
+def logical(layout, step=0):
+    """The unsharded (master, m, v) every test saves: a formula of the position."""
+    i = np.arange(layout.n_params, dtype=np.float64)
+    return [np.sin(i * (k + 1) + step).astype(np.float32) for k in range(3)]
+
+
+def shard_state(layout, rank, step=0):
+    lo, hi = layout.shard_range(rank)
+    out = {}
+    for name, vec in zip(("master", "m", "v"), logical(layout, step)):
+        padded = np.zeros(layout.padded, dtype=np.float32)
+        padded[:layout.n_params] = vec
+        out[name] = padded[lo:hi].copy()
+    out["t"] = 10 + step
+    return out
+
+
+def save(d: Dist, directory, step=10, keep_last=0):
+    layout = Layout.for_model(CFG, d.world)
+    return checkpoint.save(d, directory, step, shard_state(layout, d.rank, step), layout,
+                           {"model_config": {"cfg": 1}, "data_cursor": 123}, keep_last)
+
+
+def test_round_trip_and_sha256_matches_plain_h5py(dist, shared_tmp):
+    man = save(dist, shared_tmp)
+    assert man["path"].endswith("ckpt-00000010.h5")
+    layout = Layout.for_model(CFG, dist.world)
+    state, meta = checkpoint.load(dist, man["path"], layout, EXPECT)
+    want = shard_state(layout, dist.rank, 10)
+    for k in ("master", "m", "v"):
+        assert state[k].tobytes() == want[k].tobytes()
+    assert state["t"] == 20 and meta["data_cursor"] == 123 and meta["world_size"] == dist.world
+    if dist.rank == 0:  # serial plain h5py, no MPI driver
+        with h5py.File(man["path"], "r") as f:
+            assert sorted(f["shards"]) == [f"rank{r:05d}" for r in range(dist.world)]
+            for r in range(dist.world):
+                ds = f[f"shards/rank{r:05d}"]
+                assert ds.attrs["sha256"] == hashlib.sha256(ds[...].tobytes()).hexdigest()
+        assert files.read_pointer(shared_tmp) == man["path"]
+    dist.barrier()
+
+
+def test_verify_snapshot_counts_differing_bytes(dist, shared_tmp):
+    man = save(dist, shared_tmp)
+    layout = Layout.for_model(CFG, dist.world)
+    st = shard_state(layout, dist.rank, 10)
+    snap = np.stack([st["master"], st["m"], st["v"]])
+    assert checkpoint.verify_snapshot(dist, man["path"], snap)["ok"]
+    if dist.rank == dist.world - 1:
+        snap[1, 0] += 1.0
+    res = checkpoint.verify_snapshot(dist, man["path"], snap)
+    assert not res["ok"] and 1 <= res["mismatched_bytes"] <= 4
+
+
+@pytest.mark.parametrize("new_world", [1, 2, 3])
+def test_reshard_from_all_ranks_to_fewer(dist, shared_tmp, new_world):
+    man = save(dist, shared_tmp)
+    color = 0 if dist.rank < new_world else MPI.UNDEFINED
+    sub = dist.comm.Split(color, dist.rank)
+    if sub != MPI.COMM_NULL:
+        d = Dist(sub)
+        layout = Layout.for_model(CFG, d.world)
+        state, meta = checkpoint.load(d, man["path"], layout, EXPECT)
+        want = shard_state(layout, d.rank, 10)
+        for k in ("master", "m", "v"):
+            assert state[k].tobytes() == want[k].tobytes(), k
+        sub.Free()
+    dist.barrier()
+
+
+def test_reshard_from_fewer_ranks_to_all(dist, shared_tmp):
+    sub = dist.comm.Split(0 if dist.rank < 2 else MPI.UNDEFINED, dist.rank)
+    if sub != MPI.COMM_NULL:
+        save(Dist(sub), shared_tmp)
+        sub.Free()
+    dist.barrier()
+    layout = Layout.for_model(CFG, dist.world)
+    state, meta = checkpoint.load(dist, os.path.join(shared_tmp, files.final_name(10)), layout, EXPECT)
+    assert meta["world_size"] == min(2, dist.world)
+    want = shard_state(layout, dist.rank, 10)
+    for k in ("master", "m", "v"):
+        assert state[k].tobytes() == want[k].tobytes(), k
+
+
+def test_logical_digest_is_independent_of_sharding(dist, shared_tmp):
+    man = save(dist, shared_tmp)
+    layout = Layout.for_model(CFG, dist.world)
+    for name, vec in zip(("master", "m", "v"), logical(layout, 10)):
+        assert man["logical_sha256"][name] == logical_root(vec)
+
+
+def flip_byte(path, dataset, index=5):
+    with h5py.File(path, "r") as f:
+        offset = f[dataset].id.get_offset()
+    with open(path, "r+b") as fh:
+        fh.seek(offset + index)
+        b = fh.read(1)
+        fh.seek(offset + index)
+        fh.write(bytes([b[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("target", ["shards/rank00000", "last", "meta_json"])
+def test_corrupted_byte_is_rejected_on_every_rank(dist, shared_tmp, target):
+    man = save(dist, shared_tmp)
+    name = f"shards/rank{dist.world - 1:05d}" if target == "last" else target
+    if dist.rank == 0:
+        flip_byte(man["path"], name)
+    dist.barrier()
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.load(dist, man["path"], Layout.for_model(CFG, dist.world), EXPECT)
+    assert man["path"] in str(err.value) and f"/{name}" in str(err.value)
+    assert "mismatch" in str(err.value)
+
+
+def test_truncated_file_is_rejected(dist, shared_tmp):
+    man = save(dist, shared_tmp)
+    if dist.rank == 0:
+        os.truncate(man["path"], os.path.getsize(man["path"]) // 2)
+    dist.barrier()
+    with pytest.raises(CheckpointError, match="truncated"):
+        checkpoint.load(dist, man["path"], Layout.for_model(CFG, dist.world), EXPECT)
+
+
+def test_not_a_checkpoint_and_incompatible_config_are_refused(dist, shared_tmp):
+    other = os.path.join(shared_tmp, "other.h5")
+    if dist.rank == 0:
+        with h5py.File(other, "w") as f:
+            f["x"] = np.arange(3)
+    dist.barrier()
+    layout = Layout.for_model(CFG, dist.world)
+    with pytest.raises(CheckpointError, match="not a capstone checkpoint"):
+        checkpoint.load(dist, other, layout, EXPECT)
+    man = save(dist, shared_tmp)
+    with pytest.raises(CheckpointError, match="model_config"):
+        checkpoint.load(dist, man["path"], layout, {"model_config": {"cfg": 2}})
+    with pytest.raises(CheckpointError, match="layout"):
+        checkpoint.load(dist, man["path"], Layout.for_model(ModelConfig(vocab_size=30, seq_len=4, d_model=8,
+                                                                        n_heads=2, n_layers=1), dist.world), EXPECT)
+
+
+def test_retention_keeps_newest_and_pointer(dist, shared_tmp):
+    for step in (1, 2, 3, 4):
+        man = save(dist, shared_tmp, step=step, keep_last=2)
+    names = sorted(os.listdir(shared_tmp))
+    assert [n for n in names if n.endswith(".h5")] == [files.final_name(3), files.final_name(4)]
+    assert files.read_pointer(shared_tmp) == man["path"]
