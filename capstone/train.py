@@ -153,12 +153,13 @@ class Trainer:
         first = self.cursor
         self.cursor += self.global_batch
         norm, fp = self._check_identical(s)
-        tm = self.opt.timings
+        tm, applied = self.opt.timings, float(reason is None)
         return {"step": s, "loss": loss, "eval_loss": eval_loss, "accepted": reason is None, "grad_norm": stats.norm, "grad_norm_clipped": clipped,
                 "lr": lr * lr_mult, "tokens": self.global_batch * self.mcfg.seq_len, "samples": [first, self.cursor],
                 "step_ms": 1e3 * (t2 - t0), "fwd_bwd_ms": 1e3 * (t1 - t0),
-                "comm_ms": 1e3 * (tm["reduce_scatter"] + tm["allgather"]) if reason is None else 1e3 * tm["reduce_scatter"],
-                "optimizer_ms": 1e3 * tm["adam"] if reason is None else 0.0,
+                "comm_ms": 1e3 * (tm["reduce_scatter"] + applied * tm["allgather"]),
+                "reduce_scatter_ms": 1e3 * tm["reduce_scatter"], "allgather_ms": 1e3 * applied * tm["allgather"],
+                "optimizer_ms": 1e3 * applied * tm["adam"],
                 "tokens_per_s": self.global_batch * self.mcfg.seq_len / max(t2 - t0, 1e-9),
                 "param_norm": norm, "fingerprint": fp, "events": events, "_stop": bool(stop), "_clock": bool(clock)}
 
