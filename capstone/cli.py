@@ -38,8 +38,15 @@ def _nan(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected STEP or STEP:COUNT like 7 or 7:3, got {text!r}") from None
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad syntax raises ConfigError (printed once, by rank 0) instead of printing on every rank."""
+
+    def error(self, message):
+        raise ConfigError(f"{message}. Run `python -m capstone.train --help` for every flag and its meaning.")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m capstone.train",
         description="Train the MiniGPT data-parallel with ZeRO-1 and sharded HDF5 checkpoints; run under "
                     "mpirun/srun (any number of ranks). Checks the four invariants and exits non-zero if one fails.")

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from . import checkpoint, cli, invariants, report
+from . import checkpoint, cli, faults, invariants, report
 from .checkpoint import files
 from .config import ConfigError, ModelConfig, TrainConfig
 from .data import DataStream, make_corpus
@@ -123,6 +123,7 @@ class Trainer:
 
     def train_step(self, s: int) -> dict:
         t0 = time.perf_counter()
+        faults.point("raise_in_step", self.dist.rank, s)
         local = self.forward_backward()
         eval_local = self.eval_share()
         nan_now, lr_mult = self._injected(s)

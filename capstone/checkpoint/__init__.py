@@ -21,6 +21,7 @@ import secrets
 import h5py
 import numpy as np
 
+from .. import faults
 from . import files
 from .digest import CHUNK, distributed_roots, sha256_hex
 
@@ -81,7 +82,7 @@ def save(dist, directory: str, step: int, state: dict, layout, extra: dict,
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
     dist.barrier()
-    files.fault_point("before_data", rank)
+    faults.point("before_data", rank, step)
     tmp = os.path.join(directory, files.partial_name(step, token))
     final = os.path.join(directory, files.final_name(step))
     with _open(tmp, "w", dist) as f:
@@ -96,13 +97,13 @@ def save(dist, directory: str, step: int, state: dict, layout, extra: dict,
         if rank == 0:
             meta_ds[...] = np.frombuffer(meta_bytes, dtype=np.uint8)
         shards[rank][...] = data
-        files.fault_point("after_data", rank)
+        faults.point("after_data", rank, step)
     dist.barrier()
-    files.fault_point("before_rename", rank)
+    faults.point("before_rename", rank, step)
     if rank == 0:
         files.publish(tmp, final)
     dist.barrier()
-    files.fault_point("before_pointer", rank)
+    faults.point("before_pointer", rank, step)
     removed = []
     if rank == 0:
         files.write_pointer(directory, os.path.basename(final))

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import sys
 
 POINTER = "latest"
 NAME_RE = re.compile(r"^ckpt-(\d{8})\.h5$")
-FAULT_POINTS = ("before_data", "after_data", "before_rename", "before_pointer")
 
 
 def final_name(step: int) -> str:
@@ -94,17 +91,3 @@ def retain(directory: str, keep_last: int, protect=()) -> list[str]:
             os.remove(path)
             removed.append(os.path.basename(path))
     return removed
-
-
-def fault_point(point: str, rank: int) -> None:
-    """Fault injection for tests: CAPSTONE_FAULT=<point>:<rank> kills that rank with SIGKILL when
-    it reaches <point> of a save (one of FAULT_POINTS), like a node failure mid-checkpoint."""
-    spec = os.environ.get("CAPSTONE_FAULT", "")
-    if not spec:
-        return
-    want, _, who = spec.partition(":")
-    if want not in FAULT_POINTS:
-        raise ValueError(f"CAPSTONE_FAULT={spec!r}: point must be one of {', '.join(FAULT_POINTS)}")
-    if want == point and int(who or 0) == rank:
-        print(f"[rank {rank}] CAPSTONE_FAULT: killing this rank at '{point}'", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,45 @@
+"""Fault injection for tests, driven by the environment: CAPSTONE_FAULT=<point>:<rank>[:<step>].
+
+Save points (SIGKILL, like a node dying mid-checkpoint): before_data, after_data, before_rename,
+before_pointer, at the save of step <step> (any save if no step is given). Step point:
+raise_in_step (an ordinary exception on one rank at step <step>, default 1, to prove that one
+rank's error aborts the job instead of hanging the others).
+With no CAPSTONE_FAULT nothing happens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+KILL_POINTS = ("before_data", "after_data", "before_rename", "before_pointer")
+POINTS = KILL_POINTS + ("raise_in_step",)
+
+
+class InjectedFault(RuntimeError):
+    """Raised on purpose by CAPSTONE_FAULT=raise_in_step:<rank>."""
+
+
+def _spec():
+    spec = os.environ.get("CAPSTONE_FAULT", "")
+    if not spec:
+        return None
+    point, _, rest = spec.partition(":")
+    rank, _, step = rest.partition(":")
+    if point not in POINTS:
+        raise ValueError(f"CAPSTONE_FAULT={spec!r}: the point must be one of {', '.join(POINTS)}")
+    return point, int(rank or 0), int(step) if step else None
+
+
+def point(name: str, rank: int, step: int | None = None) -> None:
+    """Act if CAPSTONE_FAULT names this point and rank (and step, for raise_in_step)."""
+    spec = _spec()
+    if spec is None or spec[0] != name or spec[1] != rank:
+        return
+    if spec[2] is not None and spec[2] != step or name == "raise_in_step" and step != (spec[2] or 1):
+        return
+    if name == "raise_in_step":
+        raise InjectedFault(f"injected failure on rank {rank} at step {step} (CAPSTONE_FAULT)")
+    print(f"[rank {rank}] CAPSTONE_FAULT: killing this rank at '{name}'", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
