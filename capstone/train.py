@@ -124,8 +124,9 @@ class Trainer:
     def train_step(self, s: int) -> dict:
         t0 = time.perf_counter()
         faults.point("raise_in_step", self.dist.rank, s)
-        local = self.forward_backward()
-        eval_local = self.eval_share()
+        with np.errstate(over="ignore", invalid="ignore"):  # a diverging step is the guard's to judge
+            local = self.forward_backward()
+            eval_local = self.eval_share()
         nan_now, lr_mult = self._injected(s)
         if nan_now and self.dist.rank == 0:
             self.grads[0] = float("nan")
@@ -175,6 +176,8 @@ class Trainer:
                  "skipped_samples": [self.cursor, self.cursor + self.global_batch]}
         events.append(event)
         self.rollbacks.append(event)
+        report.say(f"  rollback at step {s}: {reason} (loss {loss:.6g}, last accepted {self.guard.last_loss:.6g}); "
+                   f"restored the state of Adam step {good['t']}, skipped samples [{self.cursor}, {self.cursor + self.global_batch})", self.dist.rank)
 
     def _check_identical(self, s: int):
         """Invariant (b): every rank's parameter fingerprint equals rank 0's."""
