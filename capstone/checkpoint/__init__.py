@@ -108,9 +108,8 @@ def save(dist, directory: str, step: int, state: dict, layout, extra: dict,
     if rank == 0:
         files.write_pointer(directory, os.path.basename(final))
         removed = files.retain(directory, keep_last, protect)
-    removed = dist.bcast_json(removed)
-    dist.barrier()
-    return {"path": final, "step": step, "world_size": world, "bytes": os.path.getsize(final),
+    removed, size = dist.bcast_json([removed, os.path.getsize(final)] if rank == 0 else None)
+    return {"path": final, "step": step, "world_size": world, "bytes": size,
             "meta_sha256": meta_sha, "datasets": meta["datasets"], "logical_sha256": roots, "removed": removed}
 
 

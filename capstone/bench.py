@@ -1,0 +1,84 @@
+"""Benchmarks that print figures (not timed tests).
+
+  python -m capstone.bench steps RUN_DIR [RUN_DIR ...]   per-step time split from metrics.jsonl
+  mpirun -n 4 python -m capstone.bench comm [--sizes ...] reduce-scatter variants vs allreduce
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+SPLIT = ("fwd_bwd_ms", "reduce_scatter_ms", "optimizer_ms", "allgather_ms", "step_ms")
+
+
+def step_split(run_dirs: list[str]) -> None:
+    """Median and mean of each phase over steps 2.. of every run (step 1 pays one-off warm-up)."""
+    rows, walls = [], []
+    for d in run_dirs:
+        with open(os.path.join(d, "metrics.jsonl")) as f:
+            rows += [r for r in map(json.loads, f) if r.get("step", 0) >= 2 and r.get("accepted", True)]
+        with open(os.path.join(d, "summary.json")) as f:
+            walls.append(json.load(f)["wall_seconds"])
+    print(f"per-step time over {len(rows)} steps of {len(run_dirs)} runs (rank 0, ms):")
+    print(f"  {'phase':<18} {'median':>8} {'mean':>8}")
+    for key in SPLIT:
+        vals = [r[key] for r in rows]
+        print(f"  {key[:-3]:<18} {statistics.median(vals):>8.3f} {statistics.mean(vals):>8.3f}")
+    print(f"training loop wall time (20 steps, checkpoints, checks): median {statistics.median(walls):.3f} s")
+
+
+def comm(sizes: list[int], repeats: int) -> None:
+    """Collective: call on all ranks. Time the ways to get a summed gradient shard."""
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    n, rank = world.Get_size(), world.Get_rank()
+    if rank == 0:
+        print(f"gradient reduction on {n} ranks, float32, best of {repeats} (ms):")
+        print(f"  {'floats':>10} {'Reduce_scatter_block':>21} {'Reduce_scatter':>15} {'Allreduce':>10} {'Allgather':>10}")
+    for size in sizes:
+        size = -(-size // n) * n
+        send = np.full(size, rank + 1, dtype=np.float32)
+        shard = np.empty(size // n, dtype=np.float32)
+        full = np.empty(size, dtype=np.float32)
+
+        def best(fn):
+            times = []
+            for _ in range(repeats):
+                world.Barrier()
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            return 1e3 * min(times)
+        t_rsb = best(lambda: world.Reduce_scatter_block(send, shard, op=MPI.SUM))
+        t_rs = best(lambda: world.Reduce_scatter(send, shard, [size // n] * n, op=MPI.SUM))
+        t_ar = best(lambda: world.Allreduce(send, full, op=MPI.SUM))
+        t_ag = best(lambda: world.Allgather(MPI.IN_PLACE, full))
+        if rank == 0:
+            print(f"  {size:>10} {t_rsb:>21.3f} {t_rs:>15.3f} {t_ar:>10.3f} {t_ag:>10.3f}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m capstone.bench", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("steps", help="per-step time split of finished runs")
+    s.add_argument("runs", nargs="+", help="run directories (with metrics.jsonl and summary.json)")
+    c = sub.add_parser("comm", help="collective timings (run under mpirun)")
+    c.add_argument("--sizes", type=int, nargs="+", default=[30_144, 1_000_000, 4_000_000], help="floats per rank")
+    c.add_argument("--repeats", type=int, default=10, help="repetitions; the best is reported")
+    args = p.parse_args(argv)
+    if args.cmd == "steps":
+        step_split(args.runs)
+    else:
+        comm(args.sizes, args.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
