@@ -66,3 +66,20 @@ def failures(results: dict) -> list[str]:
     if not d["ok"]:
         lines.append(f"(d) checkpoint reload not byte-equal: {d.get('mismatched_bytes')} bytes differ; {d.get('errors') or d.get('reason')}")
     return lines
+
+
+def describe(results: dict, world: int) -> list[str]:
+    """One line per invariant with its measured values."""
+    a, b, c, d = (results[k] for k in ("a_loss_monotone", "b_params_identical", "c_optimizer_memory", "d_resume_bytes"))
+    mark = {True: "ok    ", False: "FAILED"}
+    rise = "n/a" if a["max_increase"] is None else f"{a['max_increase']:+.2e} at step {a['at_step']}"
+    return [
+        f"(a) {mark[a['ok']]} held-out loss {a['first']:.5f} -> {a['last']:.5f} over {a['steps']} steps; "
+        f"largest step-to-step change {rise} (tolerance {a['tol']:g})",
+        f"(b) {mark[b['ok']]} parameter fingerprint identical on all {world} ranks at {b['steps_checked'] - b['n_mismatches']}"
+        f"/{b['steps_checked']} steps",
+        f"(c) {mark[c['ok']]} optimizer bytes per rank {sorted(set(c['measured_bytes']))} = 12*P/N "
+        f"{c['formula_12P_over_N']:.1f} + padding {c['padding_bytes_per_rank']:.1f}",
+        f"(d) {mark[d['ok']]} " + (f"{d['path']}: {d['mismatched_bytes']} bytes differ from the in-memory snapshot"
+                                   if "path" in d else d["reason"]),
+    ]

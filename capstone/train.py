@@ -256,7 +256,7 @@ class Trainer:
         report.say("\nmemory per rank (bytes):\n" + report.memory_table(mem), rank)
         for man in self.manifests:
             report.say(report.manifest_text(man), rank)
-        report.say("\ninvariants: " + ", ".join(f"{k} {'ok' if v['ok'] else 'FAILED'}" for k, v in results.items()), rank)
+        report.say("\ninvariants:\n  " + "\n  ".join(invariants.describe(results, self.dist.world)), rank)
         if verified and verified["ok"]:
             report.say(f"resume verified: {verified['path']} reloads byte-equal on all {self.dist.world} ranks", rank)
         summary = {"status": status if not failed else "failed", "world_size": self.dist.world,
