@@ -57,6 +57,11 @@ class Trainer:
     # ---- start-up -------------------------------------------------------------------------
     def prepare(self) -> None:
         """Collective: call on all ranks. Create the run directory, resume if asked."""
+        if not checkpoint.mpi_io_available() and self.dist.world > 1:
+            raise ConfigError("h5py has no MPI support, so the ranks cannot write one shared checkpoint file. "
+                              "Run scripts/setup (it builds h5py against parallel HDF5: CC=mpicc HDF5_MPI=ON "
+                              "HDF5_DIR=<prefix> pip install --no-build-isolation --no-binary=h5py h5py), "
+                              "or run on one rank, which writes the same format with serial h5py.")
         if self.dist.rank == 0:
             os.makedirs(self.ckpt_dir, exist_ok=True)
         self.dist.barrier()

@@ -1,0 +1,44 @@
+"""environment.yml stays in sync with the dependencies pyproject.toml declares."""
+
+import os
+import re
+import tomllib
+
+from conftest import ROOT
+
+
+def conda_names():
+    names, section = set(), None
+    with open(os.path.join(ROOT, "environment.yml")) as f:
+        for line in f:
+            if re.match(r"^[a-z_]+:", line):
+                section = line.split(":")[0]
+            m = re.match(r"^\s*-\s*([A-Za-z0-9_.\-]+)", line)
+            if m and section == "dependencies":
+                names.add(m.group(1).lower())
+    return names
+
+
+def test_environment_yml_lists_every_declared_dependency():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    declared = {re.split(r"[<>=!~\[ ;]", d)[0].lower() for d in project["dependencies"]}
+    declared |= {re.split(r"[<>=!~\[ ;]", d)[0].lower() for d in project["optional-dependencies"]["test"]}
+    conda = conda_names()
+    assert declared <= conda, f"missing from environment.yml: {sorted(declared - conda)}"
+    assert {"openmpi", "python"} <= conda, "environment.yml must bring MPI and Python too"
+    extra = conda - declared - {"openmpi", "python"}
+    assert not extra, f"environment.yml has packages pyproject.toml does not declare: {sorted(extra)}"
+
+
+def test_h5py_in_environment_yml_is_the_mpi_build():
+    with open(os.path.join(ROOT, "environment.yml")) as f:
+        text = f.read()
+    assert re.search(r"-\s*h5py=\*=mpi_openmpi", text), "conda-forge h5py must be the mpi_openmpi build"
+
+
+def test_setup_installs_the_declared_dependencies():
+    with open(os.path.join(ROOT, "scripts", "setup")) as f:
+        setup = f.read()
+    for name in ("numpy", "autograd", "mpi4py", "pytest", "h5py"):
+        assert name in setup, name
