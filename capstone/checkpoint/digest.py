@@ -34,8 +34,9 @@ def split_shard(lo: int, hi: int, n: int, chunk: int = CHUNK):
         return [], []
     first_full = -(-lo // chunk)
     complete = [c for c in range(first_full, -(-hi // chunk)) if c * chunk < hi and min((c + 1) * chunk, n) <= hi]
-    if not complete:
-        return [], [(lo, hi)]
+    if not complete:  # the shard lies inside one chunk or straddles a boundary: one piece per chunk
+        cuts = [lo] + list(range((lo // chunk + 1) * chunk, hi, chunk)) + [hi]
+        return [], list(zip(cuts, cuts[1:]))
     fragments = []
     if lo < complete[0] * chunk:
         fragments.append((lo, complete[0] * chunk))
