@@ -1,96 +1,77 @@
-"""MiniGPT in autograd.numpy, float32 end to end (pre-LN GPT-2 blocks, untied LM head).
+"""MiniGPT in NumPy + autograd, float32 end to end (pre-LN GPT-2 blocks, untied LM head).
 
-Activations are 2-D (B*T, C) so every linear layer is one matmul. Float32 is kept through the
-backward pass on purpose: no `anp.mean` (its VJP divides by an int64 and NumPy 2 promotes to
-float64), no `**` with non-Python exponents, and the softmax shift uses a stop-gradient max
-(the shift cancels mathematically, and `anp.max`'s VJP divides by an integer count).
+Activations are 2-D (B*T, C) so every linear layer is one matmul. The layers are the autograd
+primitives of `kernels`, each with a hand-written VJP (embedding, LayerNorm, linear, linear+GELU,
+causal attention on the fused qkv buffer, softmax cross-entropy), so the graph has a few nodes per
+block. `loss_sum` stays differentiable by autograd w.r.t. the params dict; `loss_and_grad` runs the
+same graph with one root node per parameter, which skips autograd's per-lookup dict VJPs. Every
+gradient has the parameters' dtype (float32 in training; see `kernels` for the NEP 50 pitfalls).
 """
 
 from __future__ import annotations
 
-import math
-
-import autograd
-import autograd.numpy as anp
 import numpy as np
-from autograd.tracer import getval
+from autograd.core import VJPNode, add_outgrads, vspace
+from autograd.tracer import new_box, trace_stack
+from autograd.util import toposort
 
 from .config import ModelConfig
-
-GELU_K = math.sqrt(2.0 / math.pi)
-
-
-def layer_norm(x, w, b, eps=1e-5):
-    """LayerNorm over the last axis: x (N, C), w/b (C,)."""
-    inv_c = 1.0 / x.shape[-1]
-    mu = anp.sum(x, axis=-1, keepdims=True) * inv_c            # (N, 1)
-    xc = x - mu
-    var = anp.sum(xc * xc, axis=-1, keepdims=True) * inv_c     # (N, 1)
-    return xc / anp.sqrt(var + eps) * w + b
+from .kernels import GELU_K, causal_mask, gelu, layer_norm  # noqa: F401  (public names of this module)
+from .kernels import causal_attention, cross_entropy_sum, embed, linear, linear_gelu
 
 
-def gelu(x):
-    """GELU, tanh approximation (GPT-2)."""
-    return 0.5 * x * (1.0 + anp.tanh(GELU_K * (x + 0.044715 * x * x * x)))
-
-
-def softmax_rows(z):
-    """Softmax over the last axis with a stop-gradient shift (shift-invariant, so exact)."""
-    e = anp.exp(z - np.max(getval(z), axis=-1, keepdims=True))
-    return e / anp.sum(e, axis=-1, keepdims=True)
-
-
-def causal_mask(T: int) -> np.ndarray:
-    """(T, T) additive mask: 0 on and below the diagonal, -inf above."""
-    return np.triu(np.full((T, T), -np.inf, dtype=np.float32), k=1)
-
-
-def attention(x, p, h, B, T, H, mask):
+def attention(x, p, h, T, H):
     """Causal multi-head self-attention with a fused qkv projection. x (B*T, C) -> (B*T, C)."""
-    C = x.shape[-1]
-    D = C // H
-    qkv = anp.dot(x, p[h + "attn.c_attn.w"]) + p[h + "attn.c_attn.b"]   # (B*T, 3C)
-    qkv = anp.transpose(anp.reshape(qkv, (B, T, 3, H, D)), (2, 0, 3, 1, 4))  # (3, B, H, T, D)
-    q, k, v = qkv[0], qkv[1], qkv[2]                                     # (B, H, T, D)
-    att = anp.matmul(q, anp.swapaxes(k, -1, -2)) * (1.0 / math.sqrt(D)) + mask  # (B, H, T, T)
-    y = anp.matmul(softmax_rows(att), v)                                 # (B, H, T, D)
-    y = anp.reshape(anp.transpose(y, (0, 2, 1, 3)), (B * T, C))
-    return anp.dot(y, p[h + "attn.c_proj.w"]) + p[h + "attn.c_proj.b"]
+    qkv = linear(x, p[h + "attn.c_attn.w"], p[h + "attn.c_attn.b"])            # (B*T, 3C)
+    y = causal_attention(qkv, T, H)                                             # (B*T, C)
+    return linear(y, p[h + "attn.c_proj.w"], p[h + "attn.c_proj.b"])
 
 
 def mlp(x, p, h):
     """Position-wise MLP, 4x wide with GELU. x (B*T, C) -> (B*T, C)."""
-    u = gelu(anp.dot(x, p[h + "mlp.c_fc.w"]) + p[h + "mlp.c_fc.b"])      # (B*T, 4C)
-    return anp.dot(u, p[h + "mlp.c_proj.w"]) + p[h + "mlp.c_proj.b"]
+    u = linear_gelu(x, p[h + "mlp.c_fc.w"], p[h + "mlp.c_fc.b"])               # (B*T, 4C)
+    return linear(u, p[h + "mlp.c_proj.w"], p[h + "mlp.c_proj.b"])
+
+
+def _hidden(p, idx, cfg: ModelConfig):
+    """Final normalised hidden states (B*T, C) for token ids idx (B, T)."""
+    T = idx.shape[1]
+    x = embed(p["wte"], p["wpe"], idx)                                          # (B*T, C)
+    for i in range(cfg.n_layers):
+        h = f"h{i}."
+        x = x + attention(layer_norm(x, p[h + "ln_1.w"], p[h + "ln_1.b"]), p, h, T, cfg.n_heads)
+        x = x + mlp(layer_norm(x, p[h + "ln_2.w"], p[h + "ln_2.b"]), p, h)
+    return layer_norm(x, p["ln_f.w"], p["ln_f.b"])
 
 
 def logits(p, idx, cfg: ModelConfig):
     """Next-token logits (B*T, V) for token ids idx (B, T)."""
-    B, T = idx.shape
-    x = anp.reshape(p["wte"][idx] + p["wpe"][:T], (B * T, cfg.d_model))  # (B*T, C)
-    mask = causal_mask(T)
-    for i in range(cfg.n_layers):
-        h = f"h{i}."
-        x = x + attention(layer_norm(x, p[h + "ln_1.w"], p[h + "ln_1.b"]), p, h, B, T, cfg.n_heads, mask)
-        x = x + mlp(layer_norm(x, p[h + "ln_2.w"], p[h + "ln_2.b"]), p, h)
-    x = layer_norm(x, p["ln_f.w"], p["ln_f.b"])
-    return anp.dot(x, p["lm_head.w"]) + p["lm_head.b"]                   # (B*T, V)
+    return linear(_hidden(p, idx, cfg), p["lm_head.w"], p["lm_head.b"])
 
 
 def loss_sum(p, idx, targets, cfg: ModelConfig, scale: float = 1.0):
     """scale * (sum over the B*T positions of the softmax cross-entropy). idx, targets (B, T)."""
-    z = logits(p, idx, cfg)                                               # (B*T, V)
-    z = z - np.max(getval(z), axis=1, keepdims=True)
-    logp = z - anp.log(anp.sum(anp.exp(z), axis=1, keepdims=True))
-    onehot = np.zeros(z.shape, dtype=np.float32)
-    onehot[np.arange(z.shape[0]), targets.reshape(-1)] = 1.0
-    return -anp.sum(logp * onehot) * scale
-
-
-_value_and_grad = autograd.value_and_grad(loss_sum)
+    return cross_entropy_sum(logits(p, idx, cfg), targets.reshape(-1)) * scale
 
 
 def loss_and_grad(p: dict, idx: np.ndarray, targets: np.ndarray, cfg: ModelConfig, scale: float):
-    """(loss value, {name: gradient}) of `loss_sum`; gradients are float32 like the parameters."""
-    value, grads = _value_and_grad(p, idx, targets, cfg, scale)
-    return float(value), grads
+    """(loss value, {name: gradient}) of `loss_sum`; gradients have the parameters' dtype (float32).
+
+    Same result as `autograd.value_and_grad(loss_sum)(p, ...)`, but each parameter is its own root
+    node instead of the dict being one boxed container: autograd's container VJPs rebuild a
+    vector space of the whole dict per lookup, which costs more than the model at small sizes.
+    """
+    with trace_stack.new_trace() as trace:
+        roots = {name: VJPNode.new_root() for name in p}
+        end = loss_sum({name: new_box(a, trace, roots[name]) for name, a in p.items()}, idx, targets, cfg, scale)
+    value, end_node = end._value, end._node
+    names = {node: name for name, node in roots.items()}
+    grads = {}
+    outgrads = {end_node: (vspace(value).ones(), False)}
+    for node in toposort(end_node):                    # autograd.core.backward_pass, keeping the roots
+        g = outgrads.pop(node)[0]
+        if node in names:
+            grads[names[node]] = g
+        for parent, parent_g in zip(node.parents, node.vjp(g)):
+            outgrads[parent] = add_outgrads(outgrads.get(parent), parent_g)
+    return float(value), {name: grads[name] if name in grads else np.zeros_like(a) for name, a in p.items()}

@@ -1,12 +1,22 @@
-"""MiniGPT: gradients against finite differences (float64) and float32 all through the backward pass."""
+"""MiniGPT: gradients against finite differences (float64), float32 all through the backward pass,
+each hand-written VJP of capstone.kernels checked on its own, and the model against a composed
+autograd.numpy reference (the implementation the kernels replaced)."""
 
+import math
+
+import autograd
 import autograd.core
+import autograd.numpy as anp
 import numpy as np
 import pytest
+from autograd.core import primitive_vjps
+from autograd.tracer import getval
 
+from capstone import kernels
 from capstone.config import ConfigError, ModelConfig
 from capstone.data import DataStream, make_corpus
-from capstone.model import loss_and_grad, loss_sum
+from capstone.kernels import causal_attention, cross_entropy_sum, embed, gelu, layer_norm, linear, linear_gelu
+from capstone.model import causal_mask, logits, loss_and_grad, loss_sum
 from capstone.params import Layout, init_params
 
 CFG = ModelConfig(vocab_size=11, seq_len=5, d_model=8, n_heads=2, n_layers=2)
@@ -24,6 +34,57 @@ def params64(cfg, seed=3):
     flat += np.random.default_rng(seed).normal(0, 0.05, flat.shape)  # non-trivial LN weights and biases
     return layout, flat
 
+
+# ---- reference: plain composed autograd.numpy (slow, obviously right) ----------------------------
+
+def ref_layer_norm(x, w, b, eps=1e-5):
+    mu = anp.sum(x, axis=-1, keepdims=True) * (1.0 / x.shape[-1])
+    xc = x - mu
+    var = anp.sum(xc * xc, axis=-1, keepdims=True) * (1.0 / x.shape[-1])
+    return xc / anp.sqrt(var + eps) * w + b
+
+
+def ref_gelu(x):
+    return 0.5 * x * (1.0 + anp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x * x * x)))
+
+
+def ref_attention(qkv, T, H):
+    """qkv (B*T, 3C) -> (B*T, C), causal softmax attention per head."""
+    N, C = qkv.shape[0], qkv.shape[1] // 3
+    B, D = N // T, C // H
+    qkv = anp.transpose(anp.reshape(qkv, (B, T, 3, H, D)), (2, 0, 3, 1, 4))  # (3, B, H, T, D)
+    att = anp.matmul(qkv[0], anp.swapaxes(qkv[1], -1, -2)) * (1.0 / math.sqrt(D)) + causal_mask(T)
+    e = anp.exp(att - np.max(getval(att), axis=-1, keepdims=True))
+    y = anp.matmul(e / anp.sum(e, axis=-1, keepdims=True), qkv[2])           # (B, H, T, D)
+    return anp.reshape(anp.transpose(y, (0, 2, 1, 3)), (N, C))
+
+
+def ref_cross_entropy_sum(z, targets):
+    z = z - np.max(getval(z), axis=1, keepdims=True)
+    logp = z - anp.log(anp.sum(anp.exp(z), axis=1, keepdims=True))
+    onehot = np.zeros(z.shape, dtype=np.float32)
+    onehot[np.arange(z.shape[0]), targets] = 1.0
+    return -anp.sum(logp * onehot)
+
+
+def ref_logits(p, idx, cfg):
+    B, T = idx.shape
+    lin = lambda x, name: anp.dot(x, p[name + ".w"]) + p[name + ".b"]  # noqa: E731
+    x = anp.reshape(p["wte"][idx] + p["wpe"][:T], (B * T, cfg.d_model))
+    for i in range(cfg.n_layers):
+        h = f"h{i}."
+        qkv = lin(ref_layer_norm(x, p[h + "ln_1.w"], p[h + "ln_1.b"]), h + "attn.c_attn")
+        x = x + lin(ref_attention(qkv, T, cfg.n_heads), h + "attn.c_proj")
+        u = ref_gelu(lin(ref_layer_norm(x, p[h + "ln_2.w"], p[h + "ln_2.b"]), h + "mlp.c_fc"))
+        x = x + lin(u, h + "mlp.c_proj")
+    return lin(ref_layer_norm(x, p["ln_f.w"], p["ln_f.b"]), "lm_head")                 # (B*T, V)
+
+
+def ref_loss_sum(p, idx, targets, cfg, scale=1.0):
+    return ref_cross_entropy_sum(ref_logits(p, idx, cfg), targets.reshape(-1)) * scale
+
+
+# ---- the whole model ----------------------------------------------------------------------------
 
 def test_gradient_matches_finite_differences_float64():
     layout, flat = params64(CFG)
@@ -46,8 +107,38 @@ def test_gradient_matches_finite_differences_float64():
     assert checked > 3 * len(layout.entries) - 5
 
 
-def test_every_backward_gradient_is_float32(monkeypatch):
-    """Record the dtype of every gradient that flows through every VJP of the backward pass."""
+@pytest.mark.parametrize("dtype, rtol", [(np.float64, 1e-10), (np.float32, 1e-5)])
+def test_fast_path_matches_composed_reference(dtype, rtol):
+    cfg = ModelConfig()
+    layout, flat = params64(cfg)
+    p = layout.views(flat.astype(dtype))
+    x, y = batch(cfg, B=4)
+    loss, grads = loss_and_grad(p, x, y, cfg, 1.0 / x.size)
+    ref_loss, ref_grads = autograd.value_and_grad(ref_loss_sum)(p, x, y, cfg, 1.0 / x.size)
+    assert abs(loss - ref_loss) <= rtol * abs(ref_loss)
+    np.testing.assert_allclose(logits(p, x, cfg), ref_logits(p, x, cfg), rtol=rtol, atol=rtol)
+    for name, g in grads.items():
+        assert g.dtype == dtype and g.shape == p[name].shape, name
+        np.testing.assert_allclose(g, ref_grads[name], rtol=rtol, atol=rtol * np.abs(ref_grads[name]).max(),
+                                   err_msg=name)
+
+
+def test_loss_and_grad_equals_autograd_through_the_params_dict():
+    layout, flat = params64(ModelConfig())
+    p = layout.views(flat.astype(np.float32))
+    x, y = batch(ModelConfig(), B=2)
+    loss, grads = loss_and_grad(p, x, y, ModelConfig(), 0.25)
+    loss2, grads2 = autograd.value_and_grad(loss_sum)(p, x, y, ModelConfig(), 0.25)
+    assert loss == float(loss2) and grads.keys() == grads2.keys()
+    for name in grads:
+        np.testing.assert_array_equal(grads[name], grads2[name], err_msg=name)
+
+
+# ---- float32 through every VJP ------------------------------------------------------------------
+
+@pytest.fixture
+def vjp_dtypes(monkeypatch):
+    """[(primitive name, dtype)] of every gradient that flows out of every VJP while the test runs."""
     seen = []
     original = autograd.core.VJPNode.__init__
 
@@ -66,22 +157,105 @@ def test_every_backward_gradient_is_float32(monkeypatch):
                 yield np.asarray(item)  # SparseObject: a lazy scatter of an already-checked gradient
 
         def wrapped(g):
-            out = vjp(g)
-            for leaf in leaves(list(out)):
+            out = tuple(vjp(g))  # a VJP may return a generator: record it and hand on a tuple
+            for leaf in leaves(out):
                 seen.append((name, leaf.dtype))
             return out
         self.vjp = wrapped
 
     monkeypatch.setattr(autograd.core.VJPNode, "__init__", recording_init)
+    return seen
+
+
+def test_every_backward_gradient_is_float32(vjp_dtypes):
     cfg = ModelConfig()
     layout = Layout.for_model(cfg, 1)
     x, y = batch(cfg, B=2)
     loss, grads = loss_and_grad(layout.views(init_params(layout, cfg, 0)), x, y, cfg, 1.0 / x.size)
-    assert len(seen) > 100
-    wrong = sorted({(n, str(d)) for n, d in seen if d != np.float32})
+    # One gradient per (node, parent): embed 2; per block ln 3+3, linear 3*3, linear_gelu 3,
+    # attention 1, residual adds 2+2 (23); ln_f 3, lm_head 3, cross-entropy 1, * scale 1.
+    assert len(vjp_dtypes) == 2 + 23 * cfg.n_layers + 8
+    assert {n for n, _ in vjp_dtypes} == {"embed", "layer_norm", "linear", "linear_gelu", "causal_attention",
+                                          "add", "cross_entropy_sum", "multiply"}
+    wrong = sorted({(n, str(d)) for n, d in vjp_dtypes if d != np.float32})
     assert not wrong, f"VJPs producing non-float32 gradients: {wrong}"
     assert all(g.dtype == np.float32 for g in grads.values())
 
+
+def test_the_dtype_recorder_catches_a_float64_vjp(vjp_dtypes):
+    """The check above can fail: autograd's own `mean` VJP divides by an int and gives float64."""
+    autograd.grad(lambda a: anp.sum(anp.mean(a, axis=0)))(np.ones((3, 4), np.float32))
+    assert ("mean", np.float64) in vjp_dtypes
+
+
+# ---- each kernel on its own ---------------------------------------------------------------------
+
+IDS = np.array([[1, 4, 1, 0], [6, 1, 4, 4]])  # (B, T) = (2, 4), repeated ids
+TGT = np.array([0, 3, 3, 1, 4, 2])
+KERNELS = {  # name: (function of the differentiable arrays only, their shapes)
+    "embed": (lambda wte, wpe: embed(wte, wpe, IDS), [(7, 3), (6, 3)]),
+    "layer_norm": (layer_norm, [(4, 5), (5,), (5,)]),
+    "layer_norm_3d": (layer_norm, [(2, 3, 5), (5,), (5,)]),
+    "linear": (linear, [(4, 3), (3, 5), (5,)]),
+    "gelu": (gelu, [(3, 4)]),
+    "linear_gelu": (linear_gelu, [(4, 3), (3, 5), (5,)]),
+    "attention": (lambda qkv: causal_attention(qkv, 4, 3), [(2 * 4, 3 * 6)]),  # B 2, T 4, H 3, D 2
+    "cross_entropy": (lambda z: cross_entropy_sum(z, TGT), [(6, 5)]),
+}
+
+
+def kernel_case(name, dtype, seed=0):
+    fn, shapes = KERNELS[name]
+    rng = np.random.default_rng(seed)
+    args = [rng.standard_normal(s).astype(dtype) * (2.0 if name.endswith("gelu") else 1.0) for s in shapes]
+    cotangent = rng.standard_normal(np.shape(fn(*args))).astype(dtype)
+    return fn, args, cotangent
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_kernel_vjp_matches_finite_differences_float64(name):
+    fn, args, r = kernel_case(name, np.float64)
+    objective = lambda *a: anp.sum(fn(*a) * r)  # noqa: E731
+    h = 1e-6
+    for i, a in enumerate(args):
+        analytic = autograd.grad(objective, i)(*args)
+        numeric = np.zeros_like(a)
+        for j in np.ndindex(a.shape):
+            for sign in (1.0, -1.0):
+                moved = [b.copy() for b in args]
+                moved[i][j] += sign * h
+                numeric[j] += sign * objective(*moved) / (2 * h)
+        assert analytic.dtype == np.float64
+        np.testing.assert_allclose(analytic, numeric, rtol=1e-6, atol=1e-8, err_msg=f"{name} arg {i}")
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_kernel_vjp_is_float32_and_pure(name):
+    """Called directly (one node: the kernel), each VJP gives float32 for float32 inputs, the argument's
+    shape, and the same answer twice without writing to the incoming gradient."""
+    fn, args, g = kernel_case(name, np.float32)
+    for i, a in enumerate(args):
+        vjp, ans = autograd.make_vjp(fn, i)(*args)
+        assert np.result_type(ans) == np.float32
+        g0 = g.copy()
+        first, second = vjp(g), vjp(g)
+        assert first.dtype == np.float32 and first.shape == a.shape, (name, i, first.dtype)
+        np.testing.assert_array_equal(first, second)
+        np.testing.assert_array_equal(g, g0)
+
+
+def test_vjp_recomputes_the_forward_when_the_stash_misses():
+    fn, args, g = kernel_case("linear_gelu", np.float64)
+    ans = linear_gelu(*args)
+    maker = primitive_vjps[linear_gelu]
+    from_stash = maker((0, 1, 2), ans, tuple(args), {})
+    assert kernels._slot[0] is None
+    recomputed = maker((0, 1, 2), ans, tuple(args), {})
+    for a, b in zip(from_stash(g), recomputed(g)):
+        np.testing.assert_array_equal(a, b)
+
+
+# ---- data, layout and config --------------------------------------------------------------------
 
 def test_initial_loss_is_near_uniform_and_learnable_corpus():
     cfg = ModelConfig()

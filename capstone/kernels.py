@@ -1,0 +1,272 @@
+"""Hand-written VJPs for MiniGPT's ops: autograd primitives over plain NumPy.
+
+Composing a model out of `autograd.numpy` calls builds one graph node per elementwise op, and
+the backward pass then pays Python overhead and a temporary array for each. Here every layer-sized
+op is a single `autograd.extend.primitive` with one VJP written out by hand, so the graph has a
+few nodes per block. Shapes: B batch, T positions, C width, H heads, D = C / H; activations are
+2-D (N, C) with N = B*T, weights are (in, out) so y = x @ w + b.
+
+dtype follows the inputs (float32 in training, float64 in the gradient checks): constants are
+Python floats (weak scalars under NEP 50) and no reduction divides by an integer array.
+
+Saved tensors: a VJP maker runs right after its primitive's forward (autograd builds the node
+with the output in hand), so each forward leaves what its backward needs in a one-slot stash
+keyed by the identity of the output. If the slot holds something else (it never should), the
+maker recomputes the forward, so the stash can cost time but never correctness. First-order only:
+the VJPs use plain NumPy and are not themselves differentiable.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from autograd.extend import defvjp_argnums, primitive
+
+GELU_K = math.sqrt(2.0 / math.pi)
+GELU_A = 0.044715
+
+_slot: list = [None]  # (output, saved) of the most recent forward
+
+
+def _define(name, forward, backward):
+    """Primitive `name` from forward(*args, **kw) -> (out, saved) and
+    backward(g, saved, argnums, *args, **kw) -> {argnum: gradient} for (at least) the argnums asked."""
+    def raw(*args, **kwargs):
+        out, saved = forward(*args, **kwargs)
+        _slot[0] = (out, saved)
+        return out
+
+    raw.__name__ = raw.__qualname__ = name
+    raw.__doc__ = forward.__doc__
+    op = primitive(raw)
+
+    def vjpmaker(argnums, ans, args, kwargs):  # autograd calls this right after `raw`, with its output
+        slot, _slot[0] = _slot[0], None
+        saved = slot[1] if slot is not None and slot[0] is ans else forward(*args, **kwargs)[1]
+
+        def vjp(g):
+            grads = backward(g, saved, argnums, *args, **kwargs)
+            return tuple(grads[i] for i in argnums)
+        return vjp
+
+    defvjp_argnums(op, vjpmaker)
+    return op
+
+
+def causal_mask(T: int) -> np.ndarray:
+    """(T, T) additive mask: 0 on and below the diagonal, -inf above."""
+    return np.triu(np.full((T, T), -np.inf, dtype=np.float32), k=1)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_mask(T: int) -> np.ndarray:
+    """causal_mask(T), built once per T and read-only (shared by every attention call)."""
+    mask = causal_mask(T)
+    mask.flags.writeable = False
+    return mask
+
+
+# ---- embedding ---------------------------------------------------------------------------------
+
+def _embed_fwd(wte, wpe, idx):
+    """Token + position embedding: wte (V, C), wpe (>=T, C), idx (B, T) -> (B*T, C)."""
+    B, T = idx.shape
+    return (wte[idx] + wpe[:T]).reshape(B * T, wte.shape[1]), None
+
+
+def _embed_bwd(g, _, argnums, wte, wpe, idx):
+    B, T = idx.shape
+    out = {}
+    if 0 in argnums:  # scatter-add rows of g by token id: sort, then one reduceat (beats np.add.at)
+        ids = idx.reshape(-1)
+        order = np.argsort(ids, kind="stable")
+        sorted_ids = ids[order]
+        starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+        out[0] = np.zeros_like(wte)
+        out[0][sorted_ids[starts]] = np.add.reduceat(g[order], starts, axis=0)
+    if 1 in argnums:
+        out[1] = np.zeros_like(wpe)
+        out[1][:T] = g.reshape(B, T, -1).sum(axis=0)
+    return out
+
+
+embed = _define("embed", _embed_fwd, _embed_bwd)
+
+
+# ---- LayerNorm ---------------------------------------------------------------------------------
+
+def _rowdot(a, b):
+    """Sum over the last axis of a * b, without a temporary of a's size: (..., C) -> (..., 1)."""
+    return np.einsum("...i,...i->...", a, b)[..., None]
+
+
+def _ln_fwd(x, w, b, eps=1e-5):
+    """LayerNorm over the last axis: x (..., C), w/b (C,). Saves xhat (..., C) and 1/std (..., 1)."""
+    inv_c = 1.0 / x.shape[-1]
+    xhat = x - x.sum(axis=-1, keepdims=True) * inv_c
+    rstd = 1.0 / np.sqrt(_rowdot(xhat, xhat) * inv_c + eps)
+    xhat *= rstd
+    y = xhat * w
+    y += b
+    return y, (xhat, rstd)
+
+
+def _ln_bwd(g, saved, argnums, x, w, b, eps=1e-5):
+    xhat, rstd = saved
+    inv_c = 1.0 / x.shape[-1]
+    lead = tuple(range(x.ndim - 1))
+    out = {}
+    if 1 in argnums:
+        out[1] = (g * xhat).sum(axis=lead)
+    if 2 in argnums:
+        out[2] = g.sum(axis=lead)
+    if 0 in argnums:  # dx = rstd * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat)), gxhat = g * w
+        gx = g * w
+        mean_gx = _rowdot(gx, xhat) * inv_c
+        gx -= gx.sum(axis=-1, keepdims=True) * inv_c
+        gx -= xhat * mean_gx
+        gx *= rstd
+        out[0] = gx
+    return out
+
+
+layer_norm = _define("layer_norm", _ln_fwd, _ln_bwd)
+
+
+# ---- linear, GELU, linear + GELU ---------------------------------------------------------------
+
+def _linear_fwd(x, w, b):
+    """y = x @ w + b: x (N, Cin), w (Cin, Cout), b (Cout,) -> (N, Cout)."""
+    y = x @ w
+    y += b
+    return y, None
+
+
+def _linear_grads(g, argnums, x, w):
+    """{0: dx, 1: dw, 2: db} of y = x @ w + b for output gradient g (N, Cout)."""
+    out = {}
+    if 0 in argnums:
+        out[0] = g @ w.T
+    if 1 in argnums:
+        out[1] = x.T @ g
+    if 2 in argnums:
+        out[2] = g.sum(axis=0)
+    return out
+
+
+linear = _define("linear", _linear_fwd, lambda g, _, argnums, x, w, b: _linear_grads(g, argnums, x, w))
+
+
+def _gelu_fwd(u):
+    """GELU, tanh approximation (GPT-2), any shape. Saves t = tanh(K (u + A u^3)) for the backward.
+    In-place arithmetic: fresh layer-sized temporaries cost more (page faults) than the math."""
+    t = u * u
+    t *= GELU_A
+    t += 1.0
+    t *= u
+    t *= GELU_K
+    np.tanh(t, out=t)
+    y = t + 1.0
+    y *= u
+    y *= 0.5
+    return y, t
+
+
+def _gelu_grad(g, u, t):
+    """g * d gelu(u) / du = g * (0.5 (1 + t) + 0.5 u (1 - t^2) K (1 + 3 A u^2)), in place."""
+    d = u * u
+    d *= 3.0 * GELU_A * GELU_K
+    d += GELU_K                                         # d (tanh argument) / du
+    d *= u
+    s = t * t
+    np.subtract(1.0, s, out=s)
+    d *= s
+    d += t
+    d += 1.0
+    d *= 0.5
+    d *= g
+    return d
+
+
+gelu = _define("gelu", _gelu_fwd, lambda g, t, argnums, u: {0: _gelu_grad(g, u, t)})
+
+
+def _linear_gelu_fwd(x, w, b):
+    """gelu(x @ w + b): x (N, Cin) -> (N, Cout); saves the pre-activation and its tanh."""
+    u, _ = _linear_fwd(x, w, b)
+    y, t = _gelu_fwd(u)
+    return y, (u, t)
+
+
+def _linear_gelu_bwd(g, saved, argnums, x, w, b):
+    u, t = saved
+    return _linear_grads(_gelu_grad(g, u, t), argnums, x, w)
+
+
+linear_gelu = _define("linear_gelu", _linear_gelu_fwd, _linear_gelu_bwd)
+
+
+# ---- causal multi-head attention on the fused qkv buffer ---------------------------------------
+
+def _split_heads(qkv, T, H):
+    """qkv (B*T, 3C) -> q, k, v views of shape (B, H, T, D)."""
+    N, C3 = qkv.shape
+    qkv5 = qkv.reshape(N // T, T, 3, H, C3 // (3 * H)).transpose(2, 0, 3, 1, 4)  # (3, B, H, T, D)
+    return qkv5[0], qkv5[1], qkv5[2]
+
+
+def _attention_fwd(qkv, T, H):
+    """softmax(q k^T / sqrt(D) + causal) v per head: qkv (B*T, 3C) -> (B*T, C); saves the probabilities."""
+    q, k, v = _split_heads(qkv, T, H)
+    B, _, _, D = q.shape
+    p = q @ k.swapaxes(-1, -2)                                   # (B, H, T, T)
+    p *= 1.0 / math.sqrt(D)
+    p += _cached_mask(T)
+    p -= p.max(axis=-1, keepdims=True)                           # shift-invariant: exact
+    np.exp(p, out=p)
+    p /= p.sum(axis=-1, keepdims=True)
+    y = (p @ v).transpose(0, 2, 1, 3).reshape(B * T, H * D)      # (B, H, T, D) -> (B*T, C)
+    return y, p
+
+
+def _attention_bwd(g, p, argnums, qkv, T, H):
+    q, k, v = _split_heads(qkv, T, H)
+    B, _, _, D = q.shape
+    gy = g.reshape(B, T, H, D).transpose(0, 2, 1, 3)             # (B, H, T, D)
+    gs = gy @ v.swapaxes(-1, -2)                                 # d loss / d p: (B, H, T, T)
+    gs -= _rowdot(gs, p)
+    gs *= p                                                      # softmax VJP; masked entries stay 0
+    gs *= 1.0 / math.sqrt(D)                                     # d loss / d (q k^T / sqrt(D))
+    gqkv = np.empty((B, T, 3, H, D), dtype=np.result_type(qkv, g))
+    gq, gk, gv = (gqkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # (B, H, T, D) views
+    np.matmul(gs, k, out=gq)
+    np.matmul(gs.swapaxes(-1, -2), q, out=gk)
+    np.matmul(p.swapaxes(-1, -2), gy, out=gv)
+    return {0: gqkv.reshape(qkv.shape)}
+
+
+causal_attention = _define("causal_attention", _attention_fwd, _attention_bwd)
+
+
+# ---- softmax cross-entropy ---------------------------------------------------------------------
+
+def _xent_fwd(z, targets):
+    """Sum over rows of -log softmax(z)[target]: z (N, V), targets (N,) ints -> scalar; saves softmax."""
+    rows = np.arange(z.shape[0])
+    zs = z - z.max(axis=1, keepdims=True)
+    e = np.exp(zs)
+    s = e.sum(axis=1, keepdims=True)                             # (N, 1)
+    loss = (np.log(s[:, 0]) - zs[rows, targets]).sum()
+    e /= s
+    return loss, e
+
+
+def _xent_bwd(g, probs, argnums, z, targets):
+    gz = probs.copy()
+    gz[np.arange(z.shape[0]), targets] -= 1.0
+    return {0: gz * g}
+
+
+cross_entropy_sum = _define("cross_entropy_sum", _xent_fwd, _xent_bwd)
