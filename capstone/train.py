@@ -98,6 +98,14 @@ class Trainer:
         self.losses = [tuple(x) for x in meta["losses"]]
         self.guard.last_loss = meta.get("guard_last_loss")
         self.resumed_from = path
+        if self.step >= self.tcfg.steps:
+            raise ConfigError(f"{path} is at step {self.step} and --steps is {self.tcfg.steps}: nothing left to do. "
+                              f"Pass --steps larger than {self.step} to train on.")
+        changed = {k: (v, getattr(self.tcfg, k)) for k, v in meta["train_config"].items()
+                   if k != "steps" and getattr(self.tcfg, k, v) != v}
+        if changed:
+            report.say("note: resuming with changed settings: " +
+                       ", ".join(f"{k} {a} -> {b}" for k, (a, b) in sorted(changed.items())), self.dist.rank)
         report.say(f"resumed from {path}: step {self.step}, written by {meta['world_size']} ranks, now "
                    f"{self.dist.world}; sample cursor {self.cursor}; logical digests verified", self.dist.rank)
 

@@ -143,3 +143,14 @@ def test_wall_clock_checkpoints(tmp_path):
     assert res.returncode == 0, res.stderr
     saved = [c["step"] for c in summary(out)["checkpoints"]]
     assert len(saved) >= 3 and saved[-1] == 8, saved  # every ~0.3 s of wall clock, plus the final one
+
+
+def test_resume_past_the_last_step_says_what_to_do(tmp_path):
+    out = tmp_path / "run"
+    assert mpirun(2, "--out", out, "--steps", "4", "--ckpt-every", "2").returncode == 0
+    res = mpirun(2, "--out", out, "--steps", "4", "--resume", "latest", timeout=60)
+    assert res.returncode != 0 and "nothing left to do" in res.stderr and "--steps larger than 4" in res.stderr
+    res = mpirun(2, "--out", out, "--steps", "6", "--resume", "latest", "--lr", "0.005")
+    assert res.returncode == 0, res.stderr
+    assert "resuming with changed settings: lr 0.01 -> 0.005" in res.stdout
+    assert summary(out)["final_step"] == 6
