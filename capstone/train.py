@@ -146,7 +146,8 @@ class Trainer:
         t1 = time.perf_counter()
         clock_due = self.tcfg.ckpt_every_minutes > 0 and self.dist.rank == 0 and \
             time.monotonic() - self.last_save_time >= 60 * self.tcfg.ckpt_every_minutes
-        stats = self.opt.reduce_gradients(extras=[local, eval_local, float(self.stop_requested), float(clock_due)])
+        stop_local = self.stop_requested or _STOP_REQUESTED[0]
+        stats = self.opt.reduce_gradients(extras=[local, eval_local, float(stop_local), float(clock_due)])
         loss, eval_loss = float(stats.extras[0]), float(stats.extras[1])
         stop, clock = stats.extras[2] > 0, stats.extras[3] > 0
         lr = learning_rate(s, self.tcfg.lr, self.tcfg.steps, self.tcfg.lr_schedule, self.tcfg.warmup_steps, self.tcfg.min_lr)
@@ -300,7 +301,16 @@ def _tune_malloc() -> None:
         pass
 
 
+_STOP_REQUESTED = [False]  # set by SIGTERM/SIGUSR1 (Slurm's warning before a time limit or preemption)
+
+
+def _request_stop(signum, frame) -> None:
+    _STOP_REQUESTED[0] = True
+
+
 def main(argv=None) -> None:
+    for sig in (signal.SIGTERM, signal.SIGUSR1):  # first, so an early signal is not fatal either
+        signal.signal(sig, _request_stop)
     dist = Dist()
     try:
         if dist.rank != 0:
@@ -320,8 +330,6 @@ def main(argv=None) -> None:
     _tune_malloc()
     with fail_fast(dist):
         trainer = Trainer(dist, mcfg, tcfg, opts)
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, lambda *_: setattr(trainer, "stop_requested", True))
         try:
             trainer.prepare()
             code = trainer.run()
