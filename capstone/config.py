@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 
 
@@ -77,6 +78,10 @@ class TrainConfig:
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 0,
                      f"{name} must be an integer >= 0, got {value!r} (0 disables it where that applies).")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float):
+                _require(math.isfinite(value), f"{f.name} must be a finite number, got {value}.")
         _require(self.lr > 0, f"lr must be > 0, got {self.lr}; the reference uses --lr 1e-2.")
         _require(0 <= self.min_lr <= self.lr, f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}.")
         _require(self.lr_schedule in ("constant", "cosine"),

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .config import ConfigError
+
 PHRASES = 16
 PHRASE_LEN = 8
 NOISE = 0.0
@@ -44,7 +46,7 @@ class DataStream:
         self.corpus, self.T, self.B, self.seed = corpus, seq_len, batch_size, seed
         self.n_windows = (len(corpus) - 1) // seq_len - EVAL_SEQUENCES
         if self.n_windows < 1:
-            raise ValueError(f"a corpus of {len(corpus)} tokens holds fewer than {EVAL_SEQUENCES + 1} sequences of "
+            raise ConfigError(f"a corpus of {len(corpus)} tokens holds fewer than {EVAL_SEQUENCES + 1} sequences of "
                              f"{seq_len + 1} tokens (training plus the held-out evaluation batch); raise --corpus-tokens")
         self._perm_epoch, self._perm = -1, None
 

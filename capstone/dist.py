@@ -32,6 +32,20 @@ class Dist:
             pos += n
         return out
 
+    def gather_json(self, value, root: int = 0):
+        """Collective: call on all ranks. List of every rank's JSON-able value on `root`, None elsewhere."""
+        data = json.dumps(value).encode()
+        sizes = self._allgather_int(len(data))
+        buf = np.empty(sum(sizes), dtype=np.uint8) if self.rank == root else None
+        self.comm.Gatherv(np.frombuffer(data, dtype=np.uint8), [buf, sizes] if self.rank == root else None, root=root)
+        if self.rank != root:
+            return None
+        out, pos = [], 0
+        for n in sizes:
+            out.append(json.loads(buf[pos:pos + n].tobytes()))
+            pos += n
+        return out
+
     def _allgather_int(self, n: int) -> list[int]:
         out = np.empty(self.world, dtype=np.int64)
         self.comm.Allgather(np.array([n], dtype=np.int64), out)

@@ -16,8 +16,7 @@ import time
 
 import numpy as np
 
-from . import checkpoint, cli, faults, invariants, report
-from .checkpoint import files
+from . import checkpoint, cli, faults, invariants, report, resume
 from .config import ConfigError, ModelConfig, TrainConfig
 from .data import DataStream, make_corpus
 from .dist import Dist, fail_fast
@@ -62,41 +61,26 @@ class Trainer:
                               "Run scripts/setup (it builds h5py against parallel HDF5: CC=mpicc HDF5_MPI=ON "
                               "HDF5_DIR=<prefix> pip install --no-build-isolation --no-binary=h5py h5py), "
                               "or run on one rank, which writes the same format with serial h5py.")
-        if self.dist.rank == 0:
-            os.makedirs(self.ckpt_dir, exist_ok=True)
-        self.dist.barrier()
-        path = self._resume_path()
-        if path is None:
-            has_old = self.dist.bcast_json(bool(files.complete_checkpoints(self.ckpt_dir)) if self.dist.rank == 0 else None)
-            if has_old:
-                raise ConfigError(f"{self.ckpt_dir} already holds checkpoints of an earlier run; continue it with "
-                                  f"--resume latest, or pass a new --out directory for a fresh run (nothing was changed).")
-        else:
+        path = resume.resolve(self.dist, self.opts.resume, self.ckpt_dir)
+        if path is not None:
             self._resume(path)
-        self.guard.remember(None, self.opt.state())
+        else:
+            self.guard.remember(None, self.opt.state())
         self.metrics = report.MetricsLog(os.path.join(self.out, "metrics.jsonl") if self.dist.rank == 0 else None)
         self.metrics.write({"event": "start", "world": self.dist.world, "start_step": self.step,
                             "resumed_from": self.resumed_from, "time": time.time()})
 
-    def _resume_path(self) -> str | None:
-        want = self.opts.resume
-        if want in (None, ""):
-            return None
-        if want not in ("latest", "auto"):
-            return want
-        pointed = self.dist.bcast_json(files.read_pointer(self.ckpt_dir) if self.dist.rank == 0 else None)
-        if pointed is None and want == "latest":
-            raise ConfigError(f"--resume latest: no complete checkpoint in {self.ckpt_dir} (no 'latest' pointer). "
-                              f"Pass the run's --out directory, a ckpt-*.h5 path, or --resume auto to start fresh.")
-        return pointed
+    def expect(self) -> dict:
+        """What a checkpoint must match to be resumed by this run."""
+        return {"model_config": dataclasses.asdict(self.mcfg)}
 
     def _resume(self, path: str) -> None:
-        expect = {"model_config": dataclasses.asdict(self.mcfg)}
-        state, meta = checkpoint.load(self.dist, path, self.layout, expect)
+        state, meta = checkpoint.load(self.dist, path, self.layout, self.expect())
         self.opt.load_state(state["master"], state["m"], state["v"], state["t"])
+        self.guard.from_checkpoint(meta["guard"], {k: state["good_" + k] for k in ("master", "m", "v")})
         self.step, self.cursor = meta["step"], meta["data_cursor"]
         self.losses = [tuple(x) for x in meta["losses"]]
-        self.guard.last_loss = meta.get("guard_last_loss")
+        self.rollbacks = meta["rollbacks"]
         self.resumed_from = path
         if self.step >= self.tcfg.steps:
             raise ConfigError(f"{path} is at step {self.step} and --steps is {self.tcfg.steps}: nothing left to do. "
@@ -153,18 +137,22 @@ class Trainer:
         lr = learning_rate(s, self.tcfg.lr, self.tcfg.steps, self.tcfg.lr_schedule, self.tcfg.warmup_steps, self.tcfg.min_lr)
         events, clipped = [], stats.norm
         reason = self.guard.verdict(loss, stats.norm)
-        if reason:
-            self._rollback(s, reason, loss, events)
-        else:
-            self.guard.accepted()
+        if reason in (None, "grad_nonfinite"):  # the parameters that produced this loss are good
             self.guard.remember(loss, self.opt.state())
+        if reason is None:
             scale = 1.0
             if self.tcfg.clip > 0 and stats.norm > self.tcfg.clip:
                 scale, clipped = self.tcfg.clip / stats.norm, self.tcfg.clip
-            self.opt.apply(lr * lr_mult, scale)
-            self.losses.append((s, loss, eval_loss))
+            with np.errstate(over="ignore", invalid="ignore"):  # judged just below
+                self.opt.apply(lr * lr_mult, scale)
             if lr_mult != 1.0:
                 events.append({"event": "lr_spike_injected", "mult": lr_mult})
+            if self.dist.any(not self.opt.state_finite()):  # e.g. an overflowing update or v = g*g
+                reason = "update_nonfinite"
+            else:
+                self.losses.append((s, loss, eval_loss))
+        if reason:
+            self._rollback(s, reason, loss, events)
         t2 = time.perf_counter()
         first = self.cursor
         self.cursor += self.global_batch
@@ -181,10 +169,7 @@ class Trainer:
 
     def _rollback(self, s: int, reason: str, loss: float, events: list) -> None:
         """Restore the last good state (identical decision on every rank) and skip this batch."""
-        self.guard.triggered(s, reason)
-        if reason == "grad_nonfinite":  # the parameters that produced this finite loss are good
-            self.guard.remember(loss, self.opt.state())
-        good = self.guard.good
+        good = self.guard.triggered(s, reason)
         self.opt.load_state(good["master"], good["m"], good["v"], good["t"])
         event = {"event": "rollback", "reason": reason, "step": s, "loss": loss, "restored_adam_t": good["t"],
                  "skipped_samples": [self.cursor, self.cursor + self.global_batch]}
@@ -207,13 +192,13 @@ class Trainer:
         """Collective: call on all ranks."""
         extra = {"model_config": dataclasses.asdict(self.mcfg), "train_config": dataclasses.asdict(self.tcfg),
                  "data_cursor": self.cursor, "global_batch": self.global_batch, "losses": self.losses,
-                 "guard_last_loss": self.guard.last_loss, "rollbacks": self.rollbacks}
-        state = self.opt.state()
+                 "guard": self.guard.to_meta(), "rollbacks": self.rollbacks}
+        state = {**self.opt.state(), **{"good_" + k: self.guard.good[k] for k in ("master", "m", "v")}}
         protect = [self.manifests[0]["path"]] if self.manifests else []
         man = checkpoint.save(self.dist, self.ckpt_dir, self.step, state, self.layout, extra,
                               self.tcfg.keep_last, protect)
         if self.snapshot is None:
-            self.snapshot = np.stack([state["master"], state["m"], state["v"]])
+            self.snapshot = np.stack([state[row] for row in checkpoint.ROWS])
         self.manifests.append(man)
         self.last_save_time = time.monotonic()
         return man
@@ -231,8 +216,8 @@ class Trainer:
         while self.step < self.tcfg.steps:
             self.step += 1
             m = self.train_step(self.step)
-            stop = m.pop("_stop") or self.step == self.opts.stop_after
-            due = (self.tcfg.ckpt_every and self.step % self.tcfg.ckpt_every == 0) or m.pop("_clock")
+            stop, clock = m.pop("_stop") or self.step == self.opts.stop_after, m.pop("_clock")
+            due = (self.tcfg.ckpt_every and self.step % self.tcfg.ckpt_every == 0) or clock
             if due or stop or self.step == self.tcfg.steps:
                 man = self.save()
                 m["events"].append({"event": "checkpoint", "path": man["path"]})
@@ -258,7 +243,8 @@ class Trainer:
     def finish(self, status: str, rows: list, wall: float) -> int:
         """Collective: call on all ranks. Invariants, report, summary.json; returns the exit code."""
         rank = self.dist.rank
-        verified = checkpoint.verify_snapshot(self.dist, self.manifests[0]["path"], self.snapshot) if self.manifests else None
+        verified = checkpoint.verify_snapshot(self.dist, self.manifests[0]["path"], self.layout, self.expect(),
+                                              self.snapshot) if self.manifests else None
         mem = self.dist.allgather_json(self.memory_row())
         results = {
             "a_loss_monotone": invariants.loss_monotone(self.losses, self.tcfg.loss_tol),
@@ -329,8 +315,8 @@ def main(argv=None) -> None:
         raise
     _tune_malloc()
     with fail_fast(dist):
-        trainer = Trainer(dist, mcfg, tcfg, opts)
         try:
+            trainer = Trainer(dist, mcfg, tcfg, opts)
             trainer.prepare()
             code = trainer.run()
         except (ConfigError, checkpoint.CheckpointError, DivergenceError) as exc:  # raised on every rank alike

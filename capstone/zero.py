@@ -112,6 +112,10 @@ class ZeroAdam:
         self.comm.Allgather(MPI.IN_PLACE, self.params)
         self.timings["allgather"] = time.perf_counter() - t0
 
+    def state_finite(self) -> bool:
+        """Whether this rank's master, m and v are all finite (after an update they may not be)."""
+        return bool(np.isfinite(self.master).all() and np.isfinite(self.m).all() and np.isfinite(self.v).all())
+
     def state(self) -> dict:
         """This rank's optimizer state: arrays are the live shards (copy them to snapshot)."""
         return {"master": self.master, "m": self.m, "v": self.v, "t": self.t}

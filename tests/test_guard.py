@@ -1,12 +1,15 @@
 """Divergence guard, gradient accumulation, clipping and the schedule, end to end and in unit form."""
 
 import json
+import subprocess
+import sys
 
+import h5py
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import mpirun, summary
+from conftest import mpi_env, mpirun, summary
 
 from capstone.cli import RunOptions
 from capstone.config import ModelConfig, TrainConfig
@@ -62,7 +65,7 @@ def test_injected_nan_rolls_back_once_and_optimizer_never_sees_it(tmp_path):
 def test_consecutive_triggers_stop_with_an_error(tmp_path):
     res = mpirun(2, "--out", tmp_path / "run", "--inject-nan", "5:10", "--max-rollbacks", "3", timeout=60)
     assert res.returncode == 1
-    assert "fired 4 steps in a row" in res.stderr and "last at step 8" in res.stderr
+    assert "fired 4 times without progress" in res.stderr and "last at step 8" in res.stderr
 
 
 def test_equivalent_layouts_see_the_same_samples(tmp_path):
@@ -105,7 +108,7 @@ def test_guard_verdicts():
     assert g.verdict(6.5, 1.0) == "loss_spike" and g.verdict(5.9, 1.0) is None
     assert g.verdict(float("nan"), 1.0) == "loss_nonfinite" and g.verdict(1.0, float("inf")) == "grad_nonfinite"
     g.triggered(4, "loss_spike")
-    with pytest.raises(Exception, match="2 steps in a row"):
+    with pytest.raises(Exception, match="2 times without progress"):
         g.triggered(5, "loss_spike")
 
 
@@ -114,3 +117,56 @@ def test_warmup_cosine_schedule():
     assert lrs[:2] == [0.5, 1.0]
     assert all(a >= b for a, b in zip(lrs[1:], lrs[2:])) and lrs[-1] == pytest.approx(0.1)
     assert learning_rate(7, 0.3, 10, "constant") == 0.3
+
+
+def test_spike_on_a_checkpoint_step_resumes_like_the_uninterrupted_run(tmp_path):
+    """The update of step 10 diverges and step 10 is checkpointed: the checkpoint also holds the
+    guard's last good state, so the resumed run rolls back at step 11 exactly as the full run."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert mpirun(4, "--out", full, "--inject-lr-spike", "10:1000").returncode == 0
+    assert mpirun(4, "--out", part, "--inject-lr-spike", "10:1000", "--stop-after", "10").returncode == 0
+    res = mpirun(4, "--out", part, "--resume", "latest")
+    assert res.returncode == 0, res.stderr
+    a, b = summary(full), summary(part)
+    assert [r["step"] for r in a["rollbacks"]] == [11] and a["rollbacks"][0]["restored_adam_t"] == 9
+    assert b["rollbacks"] == a["rollbacks"]
+    assert b["final_param_fingerprint"] == a["final_param_fingerprint"] and b["losses"] == a["losses"]
+
+
+def test_overflowing_update_is_rolled_back_before_anything_keeps_it(tmp_path):
+    """A learning rate of 1e41 for one step turns the parameters into inf: the update is undone in
+    the same step, so no checkpoint (step 10 is one) and no later step ever holds a non-finite value."""
+    out = tmp_path / "run"
+    res = mpirun(2, "--out", out, "--inject-lr-spike", "10:1e41")
+    assert res.returncode == 0, res.stderr
+    s = summary(out)
+    assert [(r["step"], r["reason"]) for r in s["rollbacks"]] == [(10, "update_nonfinite")]
+    assert all(np.isfinite(m["param_norm"]) for m in metrics(out))
+    verify = subprocess.run([sys.executable, "-m", "capstone.checkpoint", "verify",
+                             str(out / "checkpoints" / "ckpt-00000010.h5")], capture_output=True, text=True, env=mpi_env())
+    assert verify.returncode == 0
+    with h5py.File(out / "checkpoints" / "ckpt-00000010.h5", "r") as f:
+        assert all(np.isfinite(f[f"shards/rank{r:05d}"][...]).all() for r in range(2))
+
+
+def test_every_update_diverging_stops_instead_of_alternating(tmp_path):
+    """lr 1e4: each update spikes, each rollback is followed by an accepted loss from the restored
+    state; that is no progress, so the run stops after --max-rollbacks, not at the last step."""
+    res = mpirun(2, "--out", tmp_path / "run", "--lr", "1e4", "--max-rollbacks", "3", timeout=60)
+    assert res.returncode == 1
+    assert "fired 4 times without progress" in res.stderr and "loss_spike" in res.stderr
+
+
+def test_huge_gradient_that_overflows_adam_v_is_caught():
+    """|g| > 1.8e19 has a finite float64 norm but g*g overflows float32 in Adam's v."""
+    from capstone.params import Layout
+    from capstone.zero import ZeroAdam
+    cfg = ModelConfig(vocab_size=5, seq_len=2, d_model=4, n_heads=1, n_layers=1)
+    layout = Layout.for_model(cfg, 1)
+    params, grads = layout.zeros(), layout.zeros()
+    opt = ZeroAdam(MPI.COMM_SELF, layout, params, grads)
+    grads[5] = 3e19
+    stats = opt.reduce_gradients()
+    assert np.isfinite(stats.norm) and Guard().verdict(1.0, stats.norm) is None
+    opt.apply(1e-3)
+    assert not opt.state_finite()

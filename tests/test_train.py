@@ -65,10 +65,22 @@ def test_bad_flags_fail_cleanly_on_every_rank(tmp_path, flags, words):
 
 
 def test_exception_on_one_rank_aborts_the_job(tmp_path):
-    res = mpirun(4, "--out", tmp_path / "run", env_extra={"CAPSTONE_FAULT": "raise_in_step:2:3"}, timeout=60)
+    out = tmp_path / "run"
+    res = mpirun(4, "--out", out, "--ckpt-every", "2", env_extra={"CAPSTONE_FAULT": "raise_in_step:2:3"}, timeout=60)
     assert res.returncode != 0
     assert "[rank 2/4] error: InjectedFault" in res.stderr
-    assert not list((tmp_path / "run" / "checkpoints").glob("*.h5"))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["ckpt-00000002.h5", "latest"]
+    assert summary_absent(out)
+
+
+def summary_absent(out):
+    return not (out / "summary.json").exists()
+
+
+def test_too_short_corpus_is_a_clean_error(tmp_path):
+    res = mpirun(3, "--out", tmp_path / "run", "--corpus-tokens", "300", timeout=60)
+    assert res.returncode == 2 and res.stderr.count("raise --corpus-tokens") == 1
+    assert "Traceback" not in res.stderr and "MPI_ABORT" not in res.stderr
 
 
 def test_fresh_run_refuses_to_overwrite_an_earlier_runs_checkpoints(tmp_path):

@@ -5,7 +5,9 @@ Layout of `ckpt-<step>.h5`:
   /meta_json   uint8: canonical JSON of everything needed to restore and check the run (step,
                layout, configs, Adam step, data cursor, loss history, per-dataset sha256,
                logical digests); `meta_sha256` is its sha256, so a flipped byte there is caught.
-  /shards/rankNNNNN  float32 (3, shard): rows master, m, v of that rank's ZeRO-1 shard;
+  /shards/rankNNNNN  float32 (6, shard): rows master, m, v of that rank's ZeRO-1 shard, then
+               good_master, good_m, good_v: the divergence guard's last good copy of them (so a
+               resumed run rolls back exactly as the uninterrupted one would);
                attrs: sha256 (of the dataset's bytes), rank, offset, length.
 Every metadata operation is collective (all ranks create every dataset and write identical
 attributes); each rank writes only its own shard's data. Loading verifies every digest it uses
@@ -27,7 +29,7 @@ from .digest import CHUNK, distributed_roots, sha256_hex
 
 FORMAT = "capstone-checkpoint"
 VERSION = 1
-ROWS = ("master", "m", "v")
+ROWS = ("master", "m", "v", "good_master", "good_m", "good_v")
 
 
 class CheckpointError(RuntimeError):
@@ -63,11 +65,11 @@ def dataset_name(rank: int) -> str:
 
 def save(dist, directory: str, step: int, state: dict, layout, extra: dict,
          keep_last: int = 0, protect=()) -> dict:
-    """Collective: call on all ranks. Write `state` (this rank's master, m, v shards and Adam
-    step t) and `extra` (JSON-able run metadata) as checkpoint `step` in `directory`, publish it
-    atomically, move `latest` to it and apply retention. Returns the manifest."""
+    """Collective: call on all ranks. Write `state` (this rank's shard of every row in ROWS and
+    Adam step t) and `extra` (JSON-able run metadata) as checkpoint `step` in `directory`, publish
+    it atomically, move `latest` to it and apply retention. Returns the manifest."""
     rank, world, shard = dist.rank, dist.world, layout.shard
-    data = np.stack([state[r] for r in ROWS]).astype("<f4", copy=False)     # (3, shard)
+    data = np.stack([state[r] for r in ROWS]).astype("<f4", copy=False)     # (len(ROWS), shard)
     digests = dist.allgather_json(sha256_hex(data))
     roots = distributed_roots(dist, {r: state[r] for r in ROWS}, rank * shard, layout.n_params)
     token = dist.bcast_json(secrets.token_hex(6) if rank == 0 else None)
@@ -90,7 +92,7 @@ def save(dist, directory: str, step: int, state: dict, layout, extra: dict,
             f.attrs[key] = meta[key]
         f.attrs["meta_sha256"] = meta_sha
         meta_ds = f.create_dataset("meta_json", shape=(len(meta_bytes),), dtype="u1")
-        shards = [f.create_dataset(dataset_name(r), shape=(3, shard), dtype="<f4") for r in range(world)]
+        shards = [f.create_dataset(dataset_name(r), shape=(len(ROWS), shard), dtype="<f4") for r in range(world)]
         for r, ds in enumerate(shards):
             for key, value in meta["datasets"][dataset_name(r)].items():
                 ds.attrs[key] = value
@@ -127,7 +129,7 @@ def _read_meta(f, path: str) -> dict:
         raise CheckpointError(f"{path}: /meta_json sha256 mismatch (stored {stored}, computed {sha256_hex(raw)}): "
                               f"the checkpoint metadata is corrupt; resume from an earlier checkpoint.")
     meta = json.loads(raw.tobytes())
-    if meta.get("format_version") != VERSION:
+    if meta.get("format_version") != VERSION or meta.get("rows") != list(ROWS):
         raise CheckpointError(f"{path}: format_version {meta.get('format_version')} is not supported "
                               f"(this capstone reads {VERSION}).")
     for key in ("step", "world_size", "n_params"):
@@ -144,9 +146,11 @@ def read_dataset(f, path: str, meta: dict, name: str, reader: str) -> np.ndarray
         raise CheckpointError(f"{path}: dataset /{name} is missing (needed by {reader}): the file is "
                               f"incomplete; resume from an earlier checkpoint.")
     ds = f[name]
-    if ds.shape != (3, info["length"]) or ds.dtype != np.dtype("<f4"):
-        raise CheckpointError(f"{path}: dataset /{name} has shape {ds.shape} {ds.dtype}, expected "
-                              f"(3, {info['length']}) float32 ({reader}).")
+    want = (len(ROWS), info["length"])
+    if not isinstance(ds, h5py.Dataset) or ds.shape != want or ds.dtype != np.dtype("<f4"):
+        got = f"{ds.shape} {ds.dtype}" if isinstance(ds, h5py.Dataset) else "not a dataset"
+        raise CheckpointError(f"{path}: /{name} is {got}, expected a float32 dataset of shape {want} "
+                              f"(read by {reader}): the file is damaged; resume from an earlier checkpoint.")
     data = ds[...]
     digest = sha256_hex(data)
     if digest != info["sha256"] or ds.attrs.get("sha256") != info["sha256"]:
@@ -157,7 +161,14 @@ def read_dataset(f, path: str, meta: dict, name: str, reader: str) -> np.ndarray
 
 def _check_compatible(meta: dict, path: str, layout, expect: dict) -> None:
     """Refuse a checkpoint whose model or layout differs from this run's, naming the mismatch."""
-    diffs = [f"{k}: checkpoint {meta.get(k)!r} != this run {v!r}" for k, v in expect.items() if meta.get(k) != v]
+    diffs = []
+    for key, want in expect.items():
+        have = meta.get(key)
+        if isinstance(have, dict) and isinstance(want, dict):
+            diffs += [f"{name} is {have.get(name)!r} in the checkpoint but {want.get(name)!r} in this run"
+                      for name in sorted(set(have) | set(want)) if have.get(name) != want.get(name)]
+        elif have != want:
+            diffs.append(f"{key} is {have!r} in the checkpoint but {want!r} in this run")
     if meta["layout"] != json.loads(layout.to_json()):
         diffs.append("parameter layout (names/shapes/offsets) differs")
     if diffs:
@@ -167,7 +178,7 @@ def _check_compatible(meta: dict, path: str, layout, expect: dict) -> None:
 
 def _gather_shard(f, path: str, meta: dict, lo: int, hi: int, n: int, rank: int) -> np.ndarray:
     """This rank's new shard [lo, hi) assembled from the saved shards that overlap it (resharding)."""
-    out = np.zeros((3, hi - lo), dtype=np.float32)
+    out = np.zeros((len(ROWS), hi - lo), dtype=np.float32)
     old = meta["shard"]
     end = min(hi, n)
     for r in range(lo // old, (end - 1) // old + 1) if end > lo else ():
@@ -204,23 +215,18 @@ def load(dist, path: str, layout, expect: dict) -> tuple[dict, dict]:
     bad = [r for r in ROWS if roots[r] != meta["logical_sha256"][r]]
     agree(dist, f"{path}: logical digest of {bad} differs after loading on {dist.world} ranks: the restored "
                 f"state is not what was saved." if bad else None)
-    return {"master": state[0], "m": state[1], "v": state[2], "t": meta["adam_t"]}, meta
+    return {**dict(zip(ROWS, state)), "t": meta["adam_t"]}, meta
 
 
-def verify_snapshot(dist, path: str, snapshot: np.ndarray) -> dict:
-    """Collective: call on all ranks. Reopen `path` (written by this world), recompute every
-    dataset's sha256 and compare this rank's dataset byte for byte with `snapshot` (3, shard)."""
-    error, mismatched = None, 0
-    with _open(path, "r", dist) as f:
-        try:
-            meta = _read_meta(f, path)
-            for r in range(dist.rank, meta["world_size"], dist.world):  # every dataset, spread over ranks
-                data = read_dataset(f, path, meta, dataset_name(r), f"rank {dist.rank}")
-                if r == dist.rank:
-                    a, b = data.view(np.uint8), np.ascontiguousarray(snapshot, dtype="<f4").view(np.uint8)
-                    mismatched = int(np.count_nonzero(a != b)) if a.shape == b.shape else max(a.size, b.size)
-        except CheckpointError as exc:
-            error = str(exc)
-    counts = dist.allgather_json([error, mismatched])
-    return {"ok": all(e is None and m == 0 for e, m in counts), "mismatched_bytes": sum(m for _, m in counts),
-            "errors": [e for e, _ in counts if e], "path": path}
+def verify_snapshot(dist, path: str, layout, expect: dict, snapshot: np.ndarray) -> dict:
+    """Collective: call on all ranks. Load `path` through `load` (every digest verified) and
+    compare this rank's restored rows byte for byte with `snapshot` (len(ROWS), shard)."""
+    try:
+        state, _ = load(dist, path, layout, expect)
+    except CheckpointError as exc:
+        return {"ok": False, "mismatched_bytes": None, "errors": [str(exc)], "path": path}
+    got = np.stack([state[r] for r in ROWS]).astype("<f4", copy=False).view(np.uint8)
+    want = np.ascontiguousarray(snapshot, dtype="<f4").view(np.uint8)
+    mismatched = int(np.count_nonzero(got != want)) if got.shape == want.shape else max(got.size, want.size)
+    total = sum(dist.allgather_json(mismatched))
+    return {"ok": total == 0, "mismatched_bytes": total, "errors": [], "path": path}

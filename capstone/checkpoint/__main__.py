@@ -1,8 +1,8 @@
 """`python -m capstone.checkpoint inspect|verify FILE`: serial checkpoint tools (no mpirun needed).
 
-inspect prints the manifest (file attributes, datasets, digests, run metadata); verify recomputes
-every sha256 (metadata, each dataset, the logical digests) and exits 0 only if all match.
-Exit codes: 0 ok; 1 verification failed; 2 inspect could not read it.
+Both recompute every sha256 (metadata, each dataset, the logical digests) and exit 0 only if all
+match; inspect prints the manifest and only the failed checks, verify prints every check.
+Exit codes: 0 verified; 1 a digest failed or the file is unreadable / not a checkpoint.
 """
 
 from __future__ import annotations
@@ -54,29 +54,36 @@ def main(argv=None) -> int:
         meta, results = load_all(args.file)
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1 if args.command == "verify" else 2
-    if args.command == "inspect":
-        if args.json:
-            print(json.dumps(meta, indent=2, sort_keys=True))
-            return 0
+        return 1
+    if args.command == "inspect" and args.json:
+        print(json.dumps(meta, indent=2, sort_keys=True))
+    elif args.command == "inspect":
         print(f"{args.file}: capstone checkpoint v{meta['format_version']}, step {meta['step']}, "
               f"{meta['world_size']} ranks, {meta['n_params']} parameters (padded {meta['padded']}), "
               f"Adam step {meta['adam_t']}, data cursor {meta.get('data_cursor')}")
         print(f"  model {json.dumps(meta.get('model_config'), sort_keys=True)}")
         for name, info in sorted(meta["datasets"].items()):
-            print(f"  /{name}  (3, {info['length']}) float32  offset {info['offset']}  sha256 {info['sha256']}")
+            print(f"  /{name}  ({len(ROWS)}, {info['length']}) float32  offset {info['offset']}  sha256 {info['sha256']}")
         for row, root in meta["logical_sha256"].items():
-            print(f"  logical {row:<6} {root}")
-        return 0
+            print(f"  logical {row:<11} {root}")
+    return verify(args.file, meta, results, quiet=args.command == "inspect")
+
+
+def verify(path: str, meta: dict, results: dict, quiet: bool) -> int:
+    """Print the result of every digest check (only failures when quiet); 0 if all match, else 1."""
     ok = True
-    print("ok  /meta_json: sha256 ok (step, config, layout, cursor, Adam step, digests)")
+    lines = ["ok  /meta_json: sha256 ok (step, config, layout, cursor, Adam step, digests)"]
     for name, (good, message, _) in results.items():
         ok &= good
-        print(f"{'ok ' if good else 'BAD'} /{name}: {message}")
+        lines.append(f"{'ok ' if good else 'BAD'} /{name}: {message}")
     for row, good in logical_check(meta, results).items():
         ok &= bool(good)
-        print(f"{'ok ' if good else 'BAD'} logical {row}: {'matches' if good else 'not checked' if good is None else 'MISMATCH'}")
-    print(f"{args.file}: {'verified' if ok else 'FAILED verification'}")
+        lines.append(f"{'ok ' if good else 'BAD'} logical {row}: "
+                     f"{'matches' if good else 'not checked' if good is None else 'MISMATCH'}")
+    for line in lines:
+        if not quiet or not line.startswith("ok"):
+            print(line)
+    print(f"{path}: {'verified' if ok else 'FAILED verification'}")
     return 0 if ok else 1
 
 

@@ -50,8 +50,9 @@ def distributed_roots(dist, shards: dict, lo: int, n: int, chunk: int = CHUNK) -
     """Collective: call on all ranks. Logical digests of vectors sharded as [lo, lo+len) per rank.
 
     `shards` maps a name (e.g. "master") to this rank's 1-D shard; values at positions >= n are
-    padding and ignored. Complete chunks are hashed where they live; partial chunks are gathered
-    to rank 0 (at most two fragments per rank). Returns {name: root hex}, equal on every rank."""
+    padding and ignored. Complete chunks are hashed where they live; the pieces of chunks split
+    between ranks (at most two per rank once shards exceed a chunk) go to rank 0 with the chunk
+    digests, which computes the roots and broadcasts them. Returns {name: root hex} on every rank."""
     length = len(next(iter(shards.values())))
     complete, fragments = split_shard(lo, lo + length, n, chunk)
     local = {"chunks": {}, "fragments": [[a, b] for a, b in fragments], "data": {}}
@@ -59,9 +60,15 @@ def distributed_roots(dist, shards: dict, lo: int, n: int, chunk: int = CHUNK) -
         local["chunks"][name] = [[c, hashlib.sha256(shard[c * chunk - lo:min((c + 1) * chunk, n) - lo].tobytes()).hexdigest()]
                                  for c in complete]
         local["data"][name] = [shard[a - lo:b - lo].tobytes().hex() for a, b in fragments]
-    gathered = dist.allgather_json(local)
+    gathered = dist.gather_json(local)
+    roots = _combine(gathered, list(shards), n, chunk) if dist.rank == 0 else None
+    return dist.bcast_json(roots)
+
+
+def _combine(gathered: list, names: list, n: int, chunk: int) -> dict:
+    """Rank 0's half of `distributed_roots`: join the pieces, hash, and make one root per name."""
     roots = {}
-    for name, shard in shards.items():
+    for name in names:
         digests, parts = {}, {}
         for item in gathered:
             digests.update({c: bytes.fromhex(h) for c, h in item["chunks"][name]})

@@ -20,15 +20,15 @@ EXPECT = {"model_config": {"cfg": 1}}
 
 
 def logical(layout, step=0):
-    """The unsharded (master, m, v) every test saves: a formula of the position."""
+    """The unsharded rows (master, m, v, good_*) every test saves: a formula of the position."""
     i = np.arange(layout.n_params, dtype=np.float64)
-    return [np.sin(i * (k + 1) + step).astype(np.float32) for k in range(3)]
+    return [np.sin(i * (k + 1) + step).astype(np.float32) for k in range(len(checkpoint.ROWS))]
 
 
 def shard_state(layout, rank, step=0):
     lo, hi = layout.shard_range(rank)
     out = {}
-    for name, vec in zip(("master", "m", "v"), logical(layout, step)):
+    for name, vec in zip(checkpoint.ROWS, logical(layout, step)):
         padded = np.zeros(layout.padded, dtype=np.float32)
         padded[:layout.n_params] = vec
         out[name] = padded[lo:hi].copy()
@@ -48,7 +48,7 @@ def test_round_trip_and_sha256_matches_plain_h5py(dist, shared_tmp):
     layout = Layout.for_model(CFG, dist.world)
     state, meta = checkpoint.load(dist, man["path"], layout, EXPECT)
     want = shard_state(layout, dist.rank, 10)
-    for k in ("master", "m", "v"):
+    for k in checkpoint.ROWS:
         assert state[k].tobytes() == want[k].tobytes()
     assert state["t"] == 20 and meta["data_cursor"] == 123 and meta["world_size"] == dist.world
     if dist.rank == 0:  # serial plain h5py, no MPI driver
@@ -65,11 +65,11 @@ def test_verify_snapshot_counts_differing_bytes(dist, shared_tmp):
     man = save(dist, shared_tmp)
     layout = Layout.for_model(CFG, dist.world)
     st = shard_state(layout, dist.rank, 10)
-    snap = np.stack([st["master"], st["m"], st["v"]])
-    assert checkpoint.verify_snapshot(dist, man["path"], snap)["ok"]
+    snap = np.stack([st[row] for row in checkpoint.ROWS])
+    assert checkpoint.verify_snapshot(dist, man["path"], layout, EXPECT, snap)["ok"]
     if dist.rank == dist.world - 1:
-        snap[1, 0] += 1.0
-    res = checkpoint.verify_snapshot(dist, man["path"], snap)
+        snap[4, 0] += 1.0
+    res = checkpoint.verify_snapshot(dist, man["path"], layout, EXPECT, snap)
     assert not res["ok"] and 1 <= res["mismatched_bytes"] <= 4
 
 
@@ -83,7 +83,7 @@ def test_reshard_from_all_ranks_to_fewer(dist, shared_tmp, new_world):
         layout = Layout.for_model(CFG, d.world)
         state, meta = checkpoint.load(d, man["path"], layout, EXPECT)
         want = shard_state(layout, d.rank, 10)
-        for k in ("master", "m", "v"):
+        for k in checkpoint.ROWS:
             assert state[k].tobytes() == want[k].tobytes(), k
         sub.Free()
     dist.barrier()
@@ -99,14 +99,14 @@ def test_reshard_from_fewer_ranks_to_all(dist, shared_tmp):
     state, meta = checkpoint.load(dist, os.path.join(shared_tmp, files.final_name(10)), layout, EXPECT)
     assert meta["world_size"] == min(2, dist.world)
     want = shard_state(layout, dist.rank, 10)
-    for k in ("master", "m", "v"):
+    for k in checkpoint.ROWS:
         assert state[k].tobytes() == want[k].tobytes(), k
 
 
 def test_logical_digest_is_independent_of_sharding(dist, shared_tmp):
     man = save(dist, shared_tmp)
     layout = Layout.for_model(CFG, dist.world)
-    for name, vec in zip(("master", "m", "v"), logical(layout, 10)):
+    for name, vec in zip(checkpoint.ROWS, logical(layout, 10)):
         assert man["logical_sha256"][name] == logical_root(vec)
 
 
@@ -152,7 +152,7 @@ def test_not_a_checkpoint_and_incompatible_config_are_refused(dist, shared_tmp):
     with pytest.raises(CheckpointError, match="not a capstone checkpoint"):
         checkpoint.load(dist, other, layout, EXPECT)
     man = save(dist, shared_tmp)
-    with pytest.raises(CheckpointError, match="model_config"):
+    with pytest.raises(CheckpointError, match="cfg is 1 in the checkpoint but 2 in this run"):
         checkpoint.load(dist, man["path"], layout, {"model_config": {"cfg": 2}})
     with pytest.raises(CheckpointError, match="layout"):
         checkpoint.load(dist, man["path"], Layout.for_model(ModelConfig(vocab_size=30, seq_len=4, d_model=8,

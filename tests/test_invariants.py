@@ -1,0 +1,36 @@
+"""Each invariant check fails when its condition is violated (and passes when it holds)."""
+
+from capstone import invariants
+
+
+def test_loss_monotone():
+    ok = invariants.loss_monotone([(1, 4.0, 4.0), (2, 3.9, 3.5), (3, 3.95, 3.2)], tol=1e-4)
+    assert ok["ok"] and ok["max_increase"] < 0
+    bad = invariants.loss_monotone([(1, 4.0, 4.0), (2, 3.9, 3.5), (3, 3.8, 3.6)], tol=1e-4)
+    assert not bad["ok"] and bad["at_step"] == 3 and abs(bad["max_increase"] - 0.1) < 1e-12
+    flat = invariants.loss_monotone([(1, 4.0, 4.0), (2, 4.0, 4.0)], tol=1e-4)
+    assert not flat["ok"], "it must also end below where it started"
+
+
+def test_params_identical():
+    assert invariants.params_identical([], 20)["ok"]
+    assert not invariants.params_identical([{"step": 3}], 20)["ok"]
+    assert not invariants.params_identical([], 0)["ok"]
+
+
+def test_optimizer_memory():
+    P, N = 30145, 4
+    padded = 30148
+    assert invariants.optimizer_memory([12 * padded // N] * N, P, padded)["ok"]
+    assert not invariants.optimizer_memory([12 * padded] * N, P, padded)["ok"], "unsharded state must fail"
+    assert not invariants.optimizer_memory([12 * padded // N] * 3 + [12 * padded // N + 4], P, padded)["ok"]
+
+
+def test_resume_bytes_and_failure_lines():
+    assert not invariants.resume_bytes(None)["ok"]
+    d = invariants.resume_bytes({"ok": False, "path": "x.h5", "mismatched_bytes": 7, "errors": []})
+    results = {"a_loss_monotone": invariants.loss_monotone([(1, 1.0, 1.0), (2, 1.0, 0.5)], 1e-4),
+               "b_params_identical": invariants.params_identical([], 2),
+               "c_optimizer_memory": invariants.optimizer_memory([48], 4, 4), "d_resume_bytes": d}
+    lines = invariants.failures(results)
+    assert len(lines) == 1 and lines[0].startswith("(d)") and "7 bytes differ" in lines[0]
