@@ -49,7 +49,7 @@ def manifest_text(man: dict) -> str:
     for name, info in man["datasets"].items():
         lines.append(f"  /{name}  offset {info['offset']}  length {info['length']}  sha256 {info['sha256']}")
     for name, root in man["logical_sha256"].items():
-        lines.append(f"  logical {name:<6} {root}")
+        lines.append(f"  logical {name:<11} {root}")
     return "\n".join(lines)
 
 
