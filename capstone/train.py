@@ -18,10 +18,9 @@ import numpy as np
 
 from . import checkpoint, cli, faults, invariants, report, resume
 from .config import ConfigError, ModelConfig, TrainConfig
-from .data import DataStream, make_corpus
+from .data import EVAL_SEQUENCES, DataStream, make_corpus
 from .dist import Dist, fail_fast
 from .guard import DivergenceError, Guard
-from .data import EVAL_SEQUENCES
 from .model import loss_and_grad, loss_sum
 from .params import Layout, fingerprint, init_params
 from .schedule import learning_rate
