@@ -60,11 +60,11 @@ class Dist:
         self.comm.Bcast(buf, root=root)
         return json.loads(buf.tobytes())
 
-    def any(self, flag: bool) -> bool:
-        """Collective: call on all ranks. True if `flag` is true on any rank."""
-        v = np.array([1 if flag else 0], dtype=np.int32)
-        self.comm.Allreduce(MPI.IN_PLACE, v, op=MPI.MAX)
-        return bool(v[0])
+    def allreduce_sum(self, values) -> list[float]:
+        """Collective: call on all ranks. Element-wise sums (float64) of a few numbers."""
+        v = np.array(values, dtype=np.float64)
+        self.comm.Allreduce(MPI.IN_PLACE, v, op=MPI.SUM)
+        return [float(x) for x in v]
 
     def barrier(self) -> None:
         """Collective: call on all ranks."""

@@ -1,15 +1,15 @@
-"""Divergence guard: decide, from globally agreed numbers, whether a step must be rolled back.
+"""Divergence guard: decide, from globally agreed numbers, whether a step is kept.
 
-The loop feeds it the global loss and gradient norm (identical on every rank after one small
-Allreduce) and whether the update it just applied left every rank's state finite, so every rank
-reaches the same verdict without further communication. The guard keeps `good`, a copy of this
-rank's optimizer shard state that produced the last accepted loss; restoring it is the rollback.
-
-Triggers count as consecutive until training makes progress again: a loss is accepted from a
-state that an update produced (not one just restored). So a run whose every update diverges
-(e.g. --lr 1e4) stops after --max-rollbacks instead of alternating restore / bad update forever.
-Its state (good copy, last loss, counters) is saved in checkpoints so a resumed run decides exactly
-as the uninterrupted one would.
+Each step is judged twice, on numbers every rank holds identically (so no further communication
+is needed to agree):
+- the batch, before the update: a non-finite training loss or gradient, or a training loss above
+  `spike_factor` x the last accepted one, skips the batch (the parameters stay as they are);
+- the update, right after it: if any rank's master/m/v is non-finite, or the loss on the fixed
+  held-out batch rose above `spike_factor` x the last accepted one, the update is undone by
+  restoring `good`, the copy of this rank's shard state taken just before it.
+So a diverged state never survives its own step: not into the next step, not into a checkpoint,
+not as the final state. Triggers count as consecutive until an update is accepted again; more
+than `max_consecutive` raise DivergenceError instead of looping.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 ARRAYS = ("master", "m", "v")
+UPDATE_REASONS = ("update_nonfinite", "eval_spike")
 
 
 class DivergenceError(RuntimeError):
@@ -26,18 +27,17 @@ class DivergenceError(RuntimeError):
 
 
 class Guard:
-    """Non-finite loss/gradient/update and loss-spike detection with bounded consecutive rollbacks."""
+    """Batch and update verdicts with bounded consecutive triggers."""
 
     def __init__(self, spike_factor: float = 2.0, max_consecutive: int = 3):
         self.spike_factor, self.max_consecutive = spike_factor, max_consecutive
-        self.last_loss: float | None = None
+        self.last_loss: float | None = None   # last accepted training loss
+        self.last_eval: float | None = None   # held-out loss of the current accepted state
         self.consecutive = 0
-        self.restored = False   # the live state is a restored one: no update has been accepted since
         self.good: dict | None = None
 
-    def verdict(self, loss: float, grad_norm: float) -> str | None:
-        """None if the step may be applied, else the reason: the current parameters are suspect
-        for 'loss_nonfinite' and 'loss_spike'; only the batch's gradient for 'grad_nonfinite'."""
+    def batch_verdict(self, loss: float, grad_norm: float) -> str | None:
+        """None if the batch may be used for an update, else why it is skipped."""
         if not math.isfinite(loss):
             return "loss_nonfinite"
         if self.last_loss is not None and loss > self.spike_factor * self.last_loss:
@@ -46,14 +46,16 @@ class Guard:
             return "grad_nonfinite"
         return None
 
-    def remember(self, loss: float | None, state: dict) -> None:
-        """`state` (live arrays) produced the accepted `loss` (None: a start state): copy it.
-        An accepted loss from a state an update produced is progress: the trigger count resets."""
-        if loss is not None:
-            self.last_loss = loss
-            if not self.restored:
-                self.consecutive = 0
-            self.restored = False
+    def update_verdict(self, eval_loss: float, state_finite: bool) -> str | None:
+        """None if the update just applied may be kept, else why it must be undone."""
+        if not state_finite or not math.isfinite(eval_loss):
+            return "update_nonfinite"
+        if self.last_eval is not None and eval_loss > self.spike_factor * self.last_eval:
+            return "eval_spike"
+        return None
+
+    def keep(self, state: dict) -> None:
+        """Copy `state` (live arrays, about to be updated): what an undone update restores."""
         if self.good is None:
             self.good = {k: np.array(state[k]) for k in ARRAYS}
         else:
@@ -61,29 +63,25 @@ class Guard:
                 np.copyto(self.good[k], state[k])
         self.good["t"] = int(state["t"])
 
-    def triggered(self, step: int, reason: str) -> dict:
-        """Count a trigger (raise DivergenceError past the allowed number in a row) and return
-        the good state to restore."""
+    def accept(self, loss: float, eval_loss: float) -> None:
+        """The update was kept: training made progress."""
+        self.last_loss, self.last_eval, self.consecutive = loss, eval_loss, 0
+
+    def triggered(self, step: int, reason: str) -> None:
+        """Count a trigger; raise DivergenceError past the allowed number without progress."""
         self.consecutive += 1
-        self.restored = True
         if self.consecutive > self.max_consecutive:
             raise DivergenceError(
                 f"divergence guard fired {self.consecutive} times without progress (last at step {step}: "
                 f"{reason}); stopping instead of looping. Lower --lr, set --clip, or resume from an "
                 f"earlier checkpoint.")
-        return self.good
 
     def nbytes(self) -> int:
         return 0 if self.good is None else sum(self.good[k].nbytes for k in ARRAYS)
 
     def to_meta(self) -> dict:
-        """The scalar state, for checkpoints (the good arrays are saved as shard rows)."""
-        return {"last_loss": self.last_loss, "consecutive": self.consecutive, "restored": self.restored,
-                "good_t": None if self.good is None else self.good["t"]}
+        """The guard's state for checkpoints (the saved state itself is always an accepted one)."""
+        return {"last_loss": self.last_loss, "last_eval": self.last_eval, "consecutive": self.consecutive}
 
-    def from_checkpoint(self, meta: dict, arrays: dict) -> None:
-        """Restore what `to_meta` and the good rows of a checkpoint hold."""
-        self.last_loss, self.consecutive = meta["last_loss"], meta["consecutive"]
-        self.restored = meta["restored"]
-        self.good = {k: np.array(arrays[k]) for k in ARRAYS}
-        self.good["t"] = int(meta["good_t"])
+    def from_meta(self, meta: dict) -> None:
+        self.last_loss, self.last_eval, self.consecutive = meta["last_loss"], meta["last_eval"], meta["consecutive"]

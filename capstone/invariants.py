@@ -1,9 +1,9 @@
 """The four invariants of every run, each returned as {"ok": bool, measured values...}.
 
-(a) the loss decreases: the loss on the fixed held-out batch, measured at every accepted step
-    before its update, never rises by more than `tol` (float noise; the training loss itself is
-    measured on a new batch every step, so its batch-to-batch noise is reported, not judged), and
-    the last is below the first;
+(a) the loss decreases: the loss on the fixed held-out batch, measured at the start and after
+    every accepted update, never rises by more than `tol` (float noise; the training loss itself
+    is measured on a new batch every step, so its batch-to-batch noise is reported, not judged),
+    and the last is below the first;
 (b) every rank holds the same parameters at every step (norm and sha256 fingerprint);
 (c) optimizer bytes per rank equal 12 * P / N, up to the padding of the flat buffer;
 (d) the first checkpoint of the run reloads byte-equal to the in-memory snapshot taken when saving.
@@ -12,18 +12,17 @@
 from __future__ import annotations
 
 
-def loss_monotone(history: list, tol: float) -> dict:
-    """(a) over (step, train loss, held-out loss) of the accepted steps, in order."""
-    losses = [(h[0], h[2]) for h in history]
+def loss_monotone(evals: list, tol: float) -> dict:
+    """(a) over (step, held-out loss) of the start state and of every accepted update, in order."""
     worst, at = float("-inf"), None
-    for (_, prev), (step, cur) in zip(losses, losses[1:]):
+    for (_, prev), (step, cur) in zip(evals, evals[1:]):
         if cur - prev > worst:
             worst, at = cur - prev, step
-    decreased = len(losses) < 2 or losses[-1][1] < losses[0][1]
+    decreased = len(evals) < 2 or evals[-1][1] < evals[0][1]
     ok = decreased and (at is None or worst <= tol)
     return {"ok": ok, "tol": tol, "max_increase": None if at is None else worst, "at_step": at,
-            "first": losses[0][1] if losses else None, "last": losses[-1][1] if losses else None,
-            "steps": len(losses)}
+            "first": evals[0][1] if evals else None, "last": evals[-1][1] if evals else None,
+            "steps": len(evals) - 1}
 
 
 def params_identical(mismatches: list[dict], steps_checked: int) -> dict:
@@ -74,7 +73,7 @@ def describe(results: dict, world: int) -> list[str]:
     mark = {True: "ok    ", False: "FAILED"}
     rise = "n/a" if a["max_increase"] is None else f"{a['max_increase']:+.2e} at step {a['at_step']}"
     return [
-        f"(a) {mark[a['ok']]} held-out loss {a['first']:.5f} -> {a['last']:.5f} over {a['steps']} steps; "
+        f"(a) {mark[a['ok']]} held-out loss {a['first']:.5f} -> {a['last']:.5f} over {a['steps']} updates; "
         f"largest step-to-step change {rise} (tolerance {a['tol']:g})",
         f"(b) {mark[b['ok']]} parameter fingerprint identical on all {world} ranks at {b['steps_checked'] - b['n_mismatches']}"
         f"/{b['steps_checked']} steps",

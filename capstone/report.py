@@ -19,7 +19,8 @@ def step_header() -> str:
 
 
 def step_row(m: dict) -> str:
-    return (f"{m['step']:>5} {m['loss']:>9.5f} {m['eval_loss']:>9.5f} {m['grad_norm']:>10.4f} {m['lr']:>9.2e} {m['step_ms']:>7.2f}  "
+    held = "-" if m["eval_loss"] is None else f"{m['eval_loss']:.5f}"
+    return (f"{m['step']:>5} {m['loss']:>9.5f} {held:>9} {m['grad_norm']:>10.4f} {m['lr']:>9.2e} {m['step_ms']:>7.2f}  "
             f"{m['param_norm']:>11.6f} {m['fingerprint']:<16}  {' '.join(e['event'] for e in m['events'])}")
 
 

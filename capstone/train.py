@@ -20,7 +20,7 @@ from . import checkpoint, cli, faults, invariants, report, resume
 from .config import ConfigError, ModelConfig, TrainConfig
 from .data import EVAL_SEQUENCES, DataStream, make_corpus
 from .dist import Dist, fail_fast
-from .guard import DivergenceError, Guard
+from .guard import UPDATE_REASONS, DivergenceError, Guard
 from .model import loss_and_grad, loss_sum
 from .params import Layout, fingerprint, init_params
 from .schedule import learning_rate
@@ -47,7 +47,7 @@ class Trainer:
         self.guard = Guard(tcfg.spike_factor, tcfg.max_rollbacks)
         self.step, self.cursor, self.losses = 0, 0, []
         self.mismatches, self.checked, self.manifests, self.rollbacks = [], 0, [], []
-        self.snapshot = None
+        self.snapshot, self.eval_start = None, None
         self.resumed_from = None
         self.stop_requested = False
         self.last_save_time = time.monotonic()
@@ -64,7 +64,8 @@ class Trainer:
         if path is not None:
             self._resume(path)
         else:
-            self.guard.remember(None, self.opt.state())
+            self.eval_start = self.dist.allreduce_sum([self.eval_share()])[0]
+            self.guard.last_eval = self.eval_start
         self.metrics = report.MetricsLog(os.path.join(self.out, "metrics.jsonl") if self.dist.rank == 0 else None)
         self.metrics.write({"event": "start", "world": self.dist.world, "start_step": self.step,
                             "resumed_from": self.resumed_from, "time": time.time()})
@@ -76,7 +77,8 @@ class Trainer:
     def _resume(self, path: str) -> None:
         state, meta = checkpoint.load(self.dist, path, self.layout, self.expect())
         self.opt.load_state(state["master"], state["m"], state["v"], state["t"])
-        self.guard.from_checkpoint(meta["guard"], {k: state["good_" + k] for k in ("master", "m", "v")})
+        self.guard.from_meta(meta["guard"])
+        self.eval_start = meta["eval_start"]
         self.step, self.cursor = meta["step"], meta["data_cursor"]
         self.losses = [tuple(x) for x in meta["losses"]]
         self.rollbacks = meta["rollbacks"]
@@ -122,7 +124,6 @@ class Trainer:
         faults.point("raise_in_step", self.dist.rank, s)
         with np.errstate(over="ignore", invalid="ignore"):  # a diverging step is the guard's to judge
             local = self.forward_backward()
-            eval_local = self.eval_share()
         nan_now, lr_mult = self._injected(s)
         if nan_now and self.dist.rank == 0:
             self.grads[0] = float("nan")
@@ -130,35 +131,29 @@ class Trainer:
         clock_due = self.tcfg.ckpt_every_minutes > 0 and self.dist.rank == 0 and \
             time.monotonic() - self.last_save_time >= 60 * self.tcfg.ckpt_every_minutes
         stop_local = self.stop_requested or _STOP_REQUESTED[0]
-        stats = self.opt.reduce_gradients(extras=[local, eval_local, float(stop_local), float(clock_due)])
-        loss, eval_loss = float(stats.extras[0]), float(stats.extras[1])
-        stop, clock = stats.extras[2] > 0, stats.extras[3] > 0
-        lr = learning_rate(s, self.tcfg.lr, self.tcfg.steps, self.tcfg.lr_schedule, self.tcfg.warmup_steps, self.tcfg.min_lr)
-        events, clipped = [], stats.norm
-        reason = self.guard.verdict(loss, stats.norm)
-        if reason in (None, "grad_nonfinite"):  # the parameters that produced this loss are good
-            self.guard.remember(loss, self.opt.state())
+        stats = self.opt.reduce_gradients(extras=[local, float(stop_local), float(clock_due)])
+        loss, stop, clock = float(stats.extras[0]), stats.extras[1] > 0, stats.extras[2] > 0
+        lr = learning_rate(s, self.tcfg.lr, self.tcfg.steps, self.tcfg.lr_schedule, self.tcfg.warmup_steps,
+                           self.tcfg.min_lr) * lr_mult
+        events, clipped, eval_loss = [], stats.norm, None
+        reason = self.guard.batch_verdict(loss, stats.norm)
         if reason is None:
-            scale = 1.0
-            if self.tcfg.clip > 0 and stats.norm > self.tcfg.clip:
-                scale, clipped = self.tcfg.clip / stats.norm, self.tcfg.clip
-            with np.errstate(over="ignore", invalid="ignore"):  # judged just below
-                self.opt.apply(lr * lr_mult, scale)
             if lr_mult != 1.0:
                 events.append({"event": "lr_spike_injected", "mult": lr_mult})
-            if self.dist.any(not self.opt.state_finite()):  # e.g. an overflowing update or v = g*g
-                reason = "update_nonfinite"
-            else:
+            clipped, eval_loss, reason = self._update(lr, stats.norm)
+            if reason is None:
+                self.guard.accept(loss, eval_loss)
                 self.losses.append((s, loss, eval_loss))
         if reason:
-            self._rollback(s, reason, loss, events)
+            self._rollback(s, reason, loss, eval_loss, events)
         t2 = time.perf_counter()
         first = self.cursor
         self.cursor += self.global_batch
         norm, fp = self._check_identical(s)
         tm, applied = self.opt.timings, float(reason is None)
-        return {"step": s, "loss": loss, "eval_loss": eval_loss, "accepted": reason is None, "grad_norm": stats.norm, "grad_norm_clipped": clipped,
-                "lr": lr * lr_mult, "tokens": self.global_batch * self.mcfg.seq_len, "samples": [first, self.cursor],
+        return {"step": s, "loss": loss, "eval_loss": eval_loss, "accepted": reason is None,
+                "grad_norm": stats.norm, "grad_norm_clipped": clipped, "lr": lr,
+                "tokens": self.global_batch * self.mcfg.seq_len, "samples": [first, self.cursor],
                 "step_ms": 1e3 * (t2 - t0), "fwd_bwd_ms": 1e3 * (t1 - t0),
                 "comm_ms": 1e3 * (tm["reduce_scatter"] + applied * tm["allgather"]),
                 "reduce_scatter_ms": 1e3 * tm["reduce_scatter"], "allgather_ms": 1e3 * applied * tm["allgather"],
@@ -166,16 +161,35 @@ class Trainer:
                 "tokens_per_s": self.global_batch * self.mcfg.seq_len / max(t2 - t0, 1e-9),
                 "param_norm": norm, "fingerprint": fp, "events": events, "_stop": bool(stop), "_clock": bool(clock)}
 
-    def _rollback(self, s: int, reason: str, loss: float, events: list) -> None:
-        """Restore the last good state (identical decision on every rank) and skip this batch."""
-        good = self.guard.triggered(s, reason)
-        self.opt.load_state(good["master"], good["m"], good["v"], good["t"])
-        event = {"event": "rollback", "reason": reason, "step": s, "loss": loss, "restored_adam_t": good["t"],
-                 "skipped_samples": [self.cursor, self.cursor + self.global_batch]}
+    def _update(self, lr: float, norm: float):
+        """Collective: call on all ranks. Clip, apply the ZeRO-1 update, then judge it with one
+        small Allreduce (held-out loss, non-finite state). Returns (clipped norm, held-out loss,
+        the guard's reason to undo the update or None)."""
+        self.guard.keep(self.opt.state())
+        scale, clipped = 1.0, norm
+        if self.tcfg.clip > 0 and norm > self.tcfg.clip:
+            scale, clipped = self.tcfg.clip / norm, self.tcfg.clip
+        with np.errstate(over="ignore", invalid="ignore"):  # judged just below
+            self.opt.apply(lr, scale)
+            eval_local = self.eval_share()
+        eval_loss, nonfinite = self.dist.allreduce_sum([eval_local, float(not self.opt.state_finite())])
+        return clipped, eval_loss, self.guard.update_verdict(eval_loss, nonfinite == 0)
+
+    def _rollback(self, s: int, reason: str, loss: float, eval_loss, events: list) -> None:
+        """Skip this batch; undo its update if one was applied (identical decision on every rank)."""
+        self.guard.triggered(s, reason)
+        if reason in UPDATE_REASONS:
+            good = self.guard.good
+            self.opt.load_state(good["master"], good["m"], good["v"], good["t"])
+        event = {"event": "rollback", "reason": reason, "step": s, "loss": loss, "eval_loss": eval_loss,
+                 "restored_adam_t": self.opt.t, "skipped_samples": [self.cursor, self.cursor + self.global_batch]}
         events.append(event)
         self.rollbacks.append(event)
-        report.say(f"  rollback at step {s}: {reason} (loss {loss:.6g}, last accepted {self.guard.last_loss:.6g}); "
-                   f"restored the state of Adam step {good['t']}, skipped samples [{self.cursor}, {self.cursor + self.global_batch})", self.dist.rank)
+        held = "-" if eval_loss is None else f"{eval_loss:.6g}"
+        last = "-" if self.guard.last_loss is None else f"{self.guard.last_loss:.6g}"
+        report.say(f"  rollback at step {s}: {reason} (loss {loss:.6g}, held-out {held}; last accepted {last}, "
+                   f"held-out {self.guard.last_eval:.6g}); state of Adam step {self.opt.t} in effect, samples "
+                   f"[{self.cursor}, {self.cursor + self.global_batch}) skipped", self.dist.rank)
 
     def _check_identical(self, s: int):
         """Invariant (b): every rank's parameter fingerprint equals rank 0's."""
@@ -191,8 +205,8 @@ class Trainer:
         """Collective: call on all ranks."""
         extra = {"model_config": dataclasses.asdict(self.mcfg), "train_config": dataclasses.asdict(self.tcfg),
                  "data_cursor": self.cursor, "global_batch": self.global_batch, "losses": self.losses,
-                 "guard": self.guard.to_meta(), "rollbacks": self.rollbacks}
-        state = {**self.opt.state(), **{"good_" + k: self.guard.good[k] for k in ("master", "m", "v")}}
+                 "guard": self.guard.to_meta(), "rollbacks": self.rollbacks, "eval_start": self.eval_start}
+        state = self.opt.state()
         protect = [self.manifests[0]["path"]] if self.manifests else []
         man = checkpoint.save(self.dist, self.ckpt_dir, self.step, state, self.layout, extra,
                               self.tcfg.keep_last, protect)
@@ -246,7 +260,8 @@ class Trainer:
                                               self.snapshot) if self.manifests else None
         mem = self.dist.allgather_json(self.memory_row())
         results = {
-            "a_loss_monotone": invariants.loss_monotone(self.losses, self.tcfg.loss_tol),
+            "a_loss_monotone": invariants.loss_monotone([(0, self.eval_start)] + [(h[0], h[2]) for h in self.losses],
+                                                        self.tcfg.loss_tol),
             "b_params_identical": invariants.params_identical(self.mismatches, self.checked),
             "c_optimizer_memory": invariants.optimizer_memory([r["optimizer_bytes"] for r in mem],
                                                               self.layout.n_params, self.layout.padded),

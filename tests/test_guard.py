@@ -35,18 +35,19 @@ def test_injected_lr_spike_rolls_back_once_and_finishes(tmp_path, clean):
     out = tmp_path / "run"
     res = mpirun(4, "--out", out, "--inject-lr-spike", "12:1000")
     assert res.returncode == 0, res.stderr
-    assert "rollback at step 13: loss_spike" in res.stdout
+    assert "rollback at step 12: eval_spike" in res.stdout
     s = summary(out)
-    assert [r["step"] for r in s["rollbacks"]] == [13] and s["final_step"] == 20
-    assert s["rollbacks"][0]["restored_adam_t"] == 11  # the state that produced step 12's accepted loss
+    assert [r["step"] for r in s["rollbacks"]] == [12] and s["final_step"] == 20
+    assert s["rollbacks"][0]["restored_adam_t"] == 11  # update 12 is undone in its own step
+    assert s["rollbacks"][0]["skipped_samples"] == [11 * 16, 12 * 16]
     events = [e["event"] for m in metrics(out) for e in m["events"]]
     assert events.count("rollback") == 1 and events.count("lr_spike_injected") == 1
-    # The held-out loss of step s is measured before update s. The rollback discards update 12 and
-    # skips batch 13, so the spiked run's last held-out loss follows 17 updates, like the clean
-    # run's at step 18: it lies between that (+3%) and the clean run's last one.
+    # The held-out loss of step s is measured after update s. The spiked run keeps 19 of the 20
+    # updates (batch 12 is skipped), so its last held-out loss lies between the clean run's after
+    # 20 updates and after 19 (+3%).
     held = {step: h for step, _, h in clean["losses"]}
     final = s["losses"][-1][2]
-    assert held[20] <= final <= held[18] * 1.03, (final, held[18], held[20])
+    assert held[20] <= final <= held[19] * 1.03, (final, held[19], held[20])
     assert all(v["ok"] for v in s["invariants"].values())
 
 
@@ -103,13 +104,21 @@ def test_accumulated_gradient_equals_large_batch_gradient(tmp_path):
 
 def test_guard_verdicts():
     g = Guard(spike_factor=2.0, max_consecutive=1)
-    assert g.verdict(3.0, 1.0) is None
-    g.remember(3.0, {"master": np.zeros(2), "m": np.zeros(2), "v": np.zeros(2), "t": 1})
-    assert g.verdict(6.5, 1.0) == "loss_spike" and g.verdict(5.9, 1.0) is None
-    assert g.verdict(float("nan"), 1.0) == "loss_nonfinite" and g.verdict(1.0, float("inf")) == "grad_nonfinite"
+    assert g.batch_verdict(3.0, 1.0) is None and g.update_verdict(3.0, True) is None
+    g.accept(3.0, 2.5)
+    assert g.batch_verdict(6.5, 1.0) == "loss_spike" and g.batch_verdict(5.9, 1.0) is None
+    assert g.batch_verdict(float("nan"), 1.0) == "loss_nonfinite"
+    assert g.batch_verdict(1.0, float("inf")) == "grad_nonfinite"
+    assert g.update_verdict(5.1, True) == "eval_spike" and g.update_verdict(4.9, True) is None
+    assert g.update_verdict(1.0, False) == "update_nonfinite"
+    assert g.update_verdict(float("inf"), True) == "update_nonfinite"
     g.triggered(4, "loss_spike")
     with pytest.raises(Exception, match="2 times without progress"):
         g.triggered(5, "loss_spike")
+    g.consecutive = 0
+    g.triggered(6, "eval_spike")
+    g.accept(3.0, 2.4)  # an accepted update is progress: the count starts again
+    g.triggered(7, "eval_spike")
 
 
 def test_warmup_cosine_schedule():
@@ -120,15 +129,15 @@ def test_warmup_cosine_schedule():
 
 
 def test_spike_on_a_checkpoint_step_resumes_like_the_uninterrupted_run(tmp_path):
-    """The update of step 10 diverges and step 10 is checkpointed: the checkpoint also holds the
-    guard's last good state, so the resumed run rolls back at step 11 exactly as the full run."""
+    """The update of step 10 diverges and step 10 is checkpointed: the update is undone within
+    step 10, so the checkpoint holds the good state and the resumed run equals the full run."""
     full, part = tmp_path / "full", tmp_path / "part"
     assert mpirun(4, "--out", full, "--inject-lr-spike", "10:1000").returncode == 0
     assert mpirun(4, "--out", part, "--inject-lr-spike", "10:1000", "--stop-after", "10").returncode == 0
     res = mpirun(4, "--out", part, "--resume", "latest")
     assert res.returncode == 0, res.stderr
     a, b = summary(full), summary(part)
-    assert [r["step"] for r in a["rollbacks"]] == [11] and a["rollbacks"][0]["restored_adam_t"] == 9
+    assert [r["step"] for r in a["rollbacks"]] == [10] and a["rollbacks"][0]["restored_adam_t"] == 9
     assert b["rollbacks"] == a["rollbacks"]
     assert b["final_param_fingerprint"] == a["final_param_fingerprint"] and b["losses"] == a["losses"]
 
@@ -150,11 +159,11 @@ def test_overflowing_update_is_rolled_back_before_anything_keeps_it(tmp_path):
 
 
 def test_every_update_diverging_stops_instead_of_alternating(tmp_path):
-    """lr 1e4: each update spikes, each rollback is followed by an accepted loss from the restored
-    state; that is no progress, so the run stops after --max-rollbacks, not at the last step."""
+    """lr 1e4: every update spikes and is undone; no update is ever accepted, so the run stops
+    after --max-rollbacks instead of retrying until the last step."""
     res = mpirun(2, "--out", tmp_path / "run", "--lr", "1e4", "--max-rollbacks", "3", timeout=60)
     assert res.returncode == 1
-    assert "fired 4 times without progress" in res.stderr and "loss_spike" in res.stderr
+    assert "fired 4 times without progress (last at step 4: eval_spike)" in res.stderr
 
 
 def test_huge_gradient_that_overflows_adam_v_is_caught():
@@ -167,6 +176,31 @@ def test_huge_gradient_that_overflows_adam_v_is_caught():
     opt = ZeroAdam(MPI.COMM_SELF, layout, params, grads)
     grads[5] = 3e19
     stats = opt.reduce_gradients()
-    assert np.isfinite(stats.norm) and Guard().verdict(1.0, stats.norm) is None
-    opt.apply(1e-3)
+    assert np.isfinite(stats.norm) and Guard().batch_verdict(1.0, stats.norm) is None
+    with np.errstate(over="ignore"):
+        opt.apply(1e-3)
     assert not opt.state_finite()
+
+
+def test_a_diverged_last_update_is_undone_too(tmp_path, clean):
+    """The spike lands on the last step: judged in that step, undone; the final state and the
+    final checkpoint are the clean run's state after 19 updates."""
+    out = tmp_path / "run"
+    res = mpirun(4, "--out", out, "--inject-lr-spike", "20:1000")
+    assert res.returncode == 0, res.stderr
+    s = summary(out)
+    assert [(r["step"], r["reason"]) for r in s["rollbacks"]] == [(20, "eval_spike")]
+    assert s["final_param_fingerprint"][1] == clean["steps"][18]["fingerprint"]
+    assert s["checkpoints"][-1]["step"] == 20
+
+
+def test_a_violated_invariant_fails_the_run(tmp_path):
+    """lr x10 for one step raises the held-out loss by about 27%: below the guard's 2x, so the
+    update is kept, and invariant (a) reports it: exit 1 on every rank, status failed."""
+    out = tmp_path / "run"
+    res = mpirun(2, "--out", out, "--inject-lr-spike", "12:10")
+    assert res.returncode == 1
+    assert "INVARIANT VIOLATED" in res.stdout and "(a) loss not decreasing" in res.stdout and "at step 12" in res.stdout
+    s = summary(out)
+    assert s["status"] == "failed" and not s["invariants"]["a_loss_monotone"]["ok"]
+    assert all(s["invariants"][k]["ok"] for k in ("b_params_identical", "c_optimizer_memory", "d_resume_bytes"))

@@ -4,11 +4,11 @@ from capstone import invariants
 
 
 def test_loss_monotone():
-    ok = invariants.loss_monotone([(1, 4.0, 4.0), (2, 3.9, 3.5), (3, 3.95, 3.2)], tol=1e-4)
-    assert ok["ok"] and ok["max_increase"] < 0
-    bad = invariants.loss_monotone([(1, 4.0, 4.0), (2, 3.9, 3.5), (3, 3.8, 3.6)], tol=1e-4)
-    assert not bad["ok"] and bad["at_step"] == 3 and abs(bad["max_increase"] - 0.1) < 1e-12
-    flat = invariants.loss_monotone([(1, 4.0, 4.0), (2, 4.0, 4.0)], tol=1e-4)
+    ok = invariants.loss_monotone([(0, 4.0), (1, 3.5), (2, 3.2)], tol=1e-4)
+    assert ok["ok"] and ok["max_increase"] < 0 and ok["steps"] == 2
+    bad = invariants.loss_monotone([(0, 4.0), (1, 3.5), (2, 3.6)], tol=1e-4)
+    assert not bad["ok"] and bad["at_step"] == 2 and abs(bad["max_increase"] - 0.1) < 1e-12
+    flat = invariants.loss_monotone([(0, 4.0), (1, 4.0)], tol=1e-4)
     assert not flat["ok"], "it must also end below where it started"
 
 
@@ -29,7 +29,7 @@ def test_optimizer_memory():
 def test_resume_bytes_and_failure_lines():
     assert not invariants.resume_bytes(None)["ok"]
     d = invariants.resume_bytes({"ok": False, "path": "x.h5", "mismatched_bytes": 7, "errors": []})
-    results = {"a_loss_monotone": invariants.loss_monotone([(1, 1.0, 1.0), (2, 1.0, 0.5)], 1e-4),
+    results = {"a_loss_monotone": invariants.loss_monotone([(0, 1.0), (1, 0.5)], 1e-4),
                "b_params_identical": invariants.params_identical([], 2),
                "c_optimizer_memory": invariants.optimizer_memory([48], 4, 4), "d_resume_bytes": d}
     lines = invariants.failures(results)

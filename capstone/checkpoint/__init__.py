@@ -5,9 +5,7 @@ Layout of `ckpt-<step>.h5`:
   /meta_json   uint8: canonical JSON of everything needed to restore and check the run (step,
                layout, configs, Adam step, data cursor, loss history, per-dataset sha256,
                logical digests); `meta_sha256` is its sha256, so a flipped byte there is caught.
-  /shards/rankNNNNN  float32 (6, shard): rows master, m, v of that rank's ZeRO-1 shard, then
-               good_master, good_m, good_v: the divergence guard's last good copy of them (so a
-               resumed run rolls back exactly as the uninterrupted one would);
+  /shards/rankNNNNN  float32 (3, shard): rows master, m, v of that rank's ZeRO-1 shard;
                attrs: sha256 (of the dataset's bytes), rank, offset, length.
 Every metadata operation is collective (all ranks create every dataset and write identical
 attributes); each rank writes only its own shard's data. Loading verifies every digest it uses
@@ -29,7 +27,7 @@ from .digest import CHUNK, distributed_roots, sha256_hex
 
 FORMAT = "capstone-checkpoint"
 VERSION = 1
-ROWS = ("master", "m", "v", "good_master", "good_m", "good_v")
+ROWS = ("master", "m", "v")
 
 
 class CheckpointError(RuntimeError):
