@@ -1,6 +1,7 @@
 """Benchmarks that print figures (not timed tests).
 
   python -m capstone.bench steps RUN_DIR [RUN_DIR ...]   per-step time split from metrics.jsonl
+  python -m capstone.bench model                         serial forward+backward time, two sizes
   mpirun -n 4 python -m capstone.bench comm [--sizes ...] reduce-scatter variants vs allreduce
 """
 
@@ -22,8 +23,9 @@ def step_split(run_dirs: list[str]) -> None:
     """Median and mean of each phase over steps 2.. of every run (step 1 pays one-off warm-up)."""
     rows, walls = [], []
     for d in run_dirs:
-        with open(os.path.join(d, "metrics.jsonl")) as f:
-            rows += [r for r in map(json.loads, f) if r.get("step", 0) >= 2 and r.get("accepted", True)]
+        with open(os.path.join(d, "metrics.jsonl")) as f:  # after a resume a step may repeat: last wins
+            by_step = {r["step"]: r for r in map(json.loads, f) if "step" in r}
+        rows += [r for step, r in sorted(by_step.items()) if step >= 2 and r["accepted"]]
         with open(os.path.join(d, "summary.json")) as f:
             walls.append(json.load(f)["wall_seconds"])
     print(f"per-step time over {len(rows)} steps of {len(run_dirs)} runs (rank 0, ms):")
@@ -32,6 +34,26 @@ def step_split(run_dirs: list[str]) -> None:
         vals = [r[key] for r in rows]
         print(f"  {key[:-3]:<18} {statistics.median(vals):>8.3f} {statistics.mean(vals):>8.3f}")
     print(f"training loop wall time (20 steps, checkpoints, checks): median {statistics.median(walls):.3f} s")
+
+
+def model(repeats: int) -> None:
+    """Serial forward+backward time of one micro-batch at two sizes (float32, one thread)."""
+    from .config import ModelConfig
+    from .data import DataStream, make_corpus
+    from .model import loss_and_grad
+    from .params import Layout, init_params
+    print(f"forward+backward of one micro-batch, serial, best of {repeats} (ms):")
+    for cfg, B in ((ModelConfig(), 4), (ModelConfig(vocab_size=256, seq_len=128, d_model=256, n_heads=4, n_layers=4), 8)):
+        layout = Layout.for_model(cfg, 1)
+        p = layout.views(init_params(layout, cfg, 0))
+        x, y = DataStream(make_corpus(0, 1 << 16, cfg.vocab_size), cfg.seq_len, B, 0).samples(0, B)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            loss_and_grad(p, x, y, cfg, 1.0 / x.size)
+            times.append(time.perf_counter() - t)
+        print(f"  d_model {cfg.d_model:>4}, {cfg.n_layers} layers, T {cfg.seq_len:>3}, B {B}, "
+              f"{layout.n_params:>8} params: {1e3 * min(times):8.2f}")
 
 
 def comm(sizes: list[int], repeats: int) -> None:
@@ -72,9 +94,13 @@ def main(argv=None) -> int:
     c = sub.add_parser("comm", help="collective timings (run under mpirun)")
     c.add_argument("--sizes", type=int, nargs="+", default=[30_144, 1_000_000, 4_000_000], help="floats per rank")
     c.add_argument("--repeats", type=int, default=10, help="repetitions; the best is reported")
+    m = sub.add_parser("model", help="serial forward+backward time at two model sizes")
+    m.add_argument("--repeats", type=int, default=5, help="repetitions; the best is reported")
     args = p.parse_args(argv)
     if args.cmd == "steps":
         step_split(args.runs)
+    elif args.cmd == "model":
+        model(args.repeats)
     else:
         comm(args.sizes, args.repeats)
     return 0

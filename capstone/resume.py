@@ -21,6 +21,9 @@ from .config import ConfigError
 
 def _plan(want: str | None, ckpt_dir: str) -> dict:
     """Rank 0: {"path": str | None} or {"error": message}; reads the file system only."""
+    for d in (os.path.dirname(ckpt_dir), ckpt_dir):
+        if os.path.exists(d) and not os.path.isdir(d):
+            return {"error": f"{d} exists and is not a directory; pass a directory (new or a run's) as --out."}
     complete = files.complete_checkpoints(ckpt_dir)
     if not want:
         if complete:

@@ -55,6 +55,9 @@ class Trainer:
     # ---- start-up -------------------------------------------------------------------------
     def prepare(self) -> None:
         """Collective: call on all ranks. Create the run directory, resume if asked."""
+        if not checkpoint.mpi_io_available() and self.dist.world == 1:
+            report.say("note: h5py has no MPI support; one rank writes the same checkpoint format with serial "
+                       "h5py. More ranks need h5py built against parallel HDF5 (scripts/setup).", self.dist.rank)
         if not checkpoint.mpi_io_available() and self.dist.world > 1:
             raise ConfigError("h5py has no MPI support, so the ranks cannot write one shared checkpoint file. "
                               "Run scripts/setup (it builds h5py against parallel HDF5: CC=mpicc HDF5_MPI=ON "
@@ -87,7 +90,7 @@ class Trainer:
             raise ConfigError(f"{path} is at step {self.step} and --steps is {self.tcfg.steps}: nothing left to do. "
                               f"Pass --steps larger than {self.step} to train on.")
         changed = {k: (v, getattr(self.tcfg, k)) for k, v in meta["train_config"].items()
-                   if k != "steps" and getattr(self.tcfg, k, v) != v}
+                   if getattr(self.tcfg, k, v) != v}
         if changed:
             report.say("note: resuming with changed settings: " +
                        ", ".join(f"{k} {a} -> {b}" for k, (a, b) in sorted(changed.items())), self.dist.rank)

@@ -156,6 +156,16 @@ def tail(path: Path, n: int = 60) -> str:
         return f"--- {path}: not readable ---"
 
 
+def show(where: str, jid: str, info: dict, summary: dict | None) -> None:
+    """One line for the CI log (pytest -rP): what Slurm and the run's summary.json say."""
+    inv = {k: v.get("ok") for k, v in (summary or {}).get("invariants", {}).items()}
+    print(f"{where}: job {jid} JobState={info.get('JobState')} ExitCode={info.get('ExitCode')} "
+          f"Restarts={info.get('Restarts')} NumTasks={info.get('NumTasks')} | summary status="
+          f"{(summary or {}).get('status')} start_step={(summary or {}).get('start_step')} "
+          f"final_step={(summary or {}).get('final_step')} resumed_from={(summary or {}).get('resumed_from')} "
+          f"invariants={inv}", flush=True)
+
+
 def assert_invariants_ok(summary: dict, where: str):
     inv = summary.get("invariants")
     assert isinstance(inv, dict) and inv, f"{where}: summary has no invariants: {summary}"
@@ -245,10 +255,11 @@ def test_reference_experiment_completes(slurm_conf, tmp_path, jobs):
     assert info.get("NumTasks") == "4", info
     run_dir = tmp_path / "runs" / f"slurm-{jid}"
     summary = read_json(run_dir / "summary.json")
+    show("reference run", jid, info, summary)
     assert summary, f"no summary.json in {run_dir}\n{tail(out)}"
     assert summary["status"] == "completed", f"{summary['status']}\n{tail(out)}"
     assert summary["final_step"] == 20
-    assert summary.get("world_size", 4) == 4
+    assert summary["world_size"] == 4
     assert not summary.get("resumed_from"), "a fresh run dir must start fresh"
     assert_invariants_ok(summary, "reference run")
 
@@ -298,6 +309,7 @@ def test_preempt_signal_requeues_and_resumes(slurm_conf, tmp_path, jobs):
         return s if s and s.get("status") == "preempted" else None
     first = wait_until("summary.json with status preempted", preempted_summary, 60,
                        diagnose=lambda: f"{job_info(jid, env)}\n{tail(out)}")
+    show("preempted run (before requeue)", jid, job_info(jid, env), first)
     k = check_preempted(first, run_dir, "preempted run")
     assert first.get("start_step", 0) == 0 and not first.get("resumed_from")
 
@@ -307,6 +319,7 @@ def test_preempt_signal_requeues_and_resumes(slurm_conf, tmp_path, jobs):
     log = out.read_text()
     assert "requeueing job" in log, tail(out)
     second = read_json(run_dir / "summary.json")
+    show("requeued run", jid, info, second)
     check_resumed(second, k, run_dir, "requeued run")
 
 
@@ -325,6 +338,7 @@ def test_preempt_then_resubmit_same_run_dir_mpirun(slurm_conf, tmp_path, jobs):
     assert info["JobState"] == "COMPLETED" and info.get("ExitCode") == "0:0", f"{info}\n{tail(out)}"
     assert int(info.get("Restarts", 0)) == 0, info
     first = read_json(run_dir / "summary.json")
+    show("preempted run (mpirun)", jid, info, first)
     assert first, tail(out)
     k = check_preempted(first, run_dir, "preempted run")
 
@@ -334,4 +348,5 @@ def test_preempt_then_resubmit_same_run_dir_mpirun(slurm_conf, tmp_path, jobs):
     out2 = tmp_path / "runs" / f"slurm-{jid2}.out"
     assert p.returncode == 0, f"resubmission exited {p.returncode}: {p.stderr}\n{tail(out2)}"
     second = read_json(run_dir / "summary.json")
+    show("resubmitted run (mpirun)", jid2, job_info(jid2, env), second)
     check_resumed(second, k, run_dir, "resubmitted run")

@@ -90,3 +90,36 @@ def test_fresh_run_refuses_to_overwrite_an_earlier_runs_checkpoints(tmp_path):
     res = mpirun(2, "--out", out, "--steps", "2")
     assert res.returncode != 0 and "--resume latest" in res.stderr
     assert {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()} == before
+
+
+def test_out_that_is_a_file_is_a_clean_error(tmp_path):
+    target = tmp_path / "file"
+    target.write_text("keep me")
+    res = mpirun(2, "--out", target, timeout=60)
+    assert res.returncode == 2 and "is not a directory" in res.stderr and "MPI_ABORT" not in res.stderr
+    assert target.read_text() == "keep me"
+
+
+def test_h5py_without_mpi_one_rank_writes_the_same_format(tmp_path, monkeypatch):
+    """The fallback for an h5py built without MPI: a single rank writes the file with serial h5py
+    (same format; the checkpoint tool verifies it); more ranks are refused at start-up."""
+    from mpi4py import MPI
+
+    from capstone import checkpoint
+    from capstone.checkpoint.__main__ import main as ckpt_main
+    from capstone.cli import RunOptions
+    from capstone.config import ModelConfig, TrainConfig
+    from capstone.dist import Dist
+    from capstone.train import Trainer
+    monkeypatch.setattr(checkpoint, "mpi_io_available", lambda: False)
+    trainer = Trainer(Dist(MPI.COMM_SELF), ModelConfig(), TrainConfig(steps=4, ckpt_every=2),
+                      RunOptions(out=str(tmp_path / "run"), quiet=True))
+    trainer.prepare()
+    assert trainer.run() == 0
+    assert ckpt_main(["verify", str(tmp_path / "run" / "checkpoints" / "ckpt-00000004.h5")]) == 0
+
+    two_ranks = Dist(MPI.COMM_SELF)
+    two_ranks.world = 2  # what the file layer sees on 2 ranks
+    with pytest.raises(checkpoint.CheckpointError, match="no MPI support"):
+        checkpoint._open(str(tmp_path / "x.h5"), "w", two_ranks)
+    assert not (tmp_path / "x.h5").exists()

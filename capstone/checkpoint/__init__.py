@@ -1,7 +1,8 @@
 """Sharded checkpoints: ONE parallel HDF5 file (h5py `mpio` driver) with a dataset per rank.
 
 Layout of `ckpt-<step>.h5`:
-  /            attrs: format, format_version, step, world_size, n_params, meta_sha256
+  /            attrs: format, format_version, step, world_size, n_params, padded, shard, adam_t,
+               data_cursor, rows, model_config, train_config (JSON), meta_sha256
   /meta_json   uint8: canonical JSON of everything needed to restore and check the run (step,
                layout, configs, Adam step, data cursor, loss history, per-dataset sha256,
                logical digests); `meta_sha256` is its sha256, so a flipped byte there is caught.
@@ -86,8 +87,8 @@ def save(dist, directory: str, step: int, state: dict, layout, extra: dict,
     tmp = os.path.join(directory, files.partial_name(step, token))
     final = os.path.join(directory, files.final_name(step))
     with _open(tmp, "w", dist) as f:
-        for key in ("format", "format_version", "step", "world_size", "n_params"):
-            f.attrs[key] = meta[key]
+        for key, value in root_attributes(meta).items():
+            f.attrs[key] = value
         f.attrs["meta_sha256"] = meta_sha
         meta_ds = f.create_dataset("meta_json", shape=(len(meta_bytes),), dtype="u1")
         shards = [f.create_dataset(dataset_name(r), shape=(len(ROWS), shard), dtype="<f4") for r in range(world)]
@@ -98,6 +99,7 @@ def save(dist, directory: str, step: int, state: dict, layout, extra: dict,
             meta_ds[...] = np.frombuffer(meta_bytes, dtype=np.uint8)
         shards[rank][...] = data
         faults.point("after_data", rank, step)
+        f.flush()  # MPI_File_sync on every rank: each node's writes are durable before the rename
     dist.barrier()
     faults.point("before_rename", rank, step)
     if rank == 0:
@@ -111,6 +113,18 @@ def save(dist, directory: str, step: int, state: dict, layout, extra: dict,
     removed, size = dist.bcast_json([removed, os.path.getsize(final)] if rank == 0 else None)
     return {"path": final, "step": step, "world_size": world, "bytes": size,
             "meta_sha256": meta_sha, "datasets": meta["datasets"], "logical_sha256": roots, "removed": removed}
+
+
+def root_attributes(meta: dict) -> dict:
+    """Readable copies (h5ls/h5dump) of the main metadata as root attributes; /meta_json, covered
+    by meta_sha256, is the authoritative copy and loading checks that the two agree."""
+    attrs = {key: meta[key] for key in ("format", "format_version", "step", "world_size", "n_params",
+                                        "padded", "shard", "adam_t", "data_cursor") if key in meta}
+    attrs["rows"] = ",".join(meta["rows"])
+    for key in ("model_config", "train_config"):
+        if key in meta:
+            attrs[key] = json.dumps(meta[key], sort_keys=True)
+    return attrs
 
 
 def _read_meta(f, path: str) -> dict:
@@ -130,10 +144,12 @@ def _read_meta(f, path: str) -> dict:
     if meta.get("format_version") != VERSION or meta.get("rows") != list(ROWS):
         raise CheckpointError(f"{path}: format_version {meta.get('format_version')} is not supported "
                               f"(this capstone reads {VERSION}).")
-    for key in ("step", "world_size", "n_params"):
-        if int(f.attrs.get(key, -1)) != meta[key]:
-            raise CheckpointError(f"{path}: attribute {key}={f.attrs.get(key)} disagrees with its verified "
-                                  f"metadata ({meta[key]}); the file was modified.")
+    for key, value in root_attributes(meta).items():
+        stored = f.attrs.get(key)
+        stored = stored.item() if isinstance(stored, np.generic) else stored
+        if stored != value:
+            raise CheckpointError(f"{path}: root attribute {key}={stored!r} disagrees with the verified "
+                                  f"/meta_json ({value!r}); the file was modified: resume from an earlier checkpoint.")
     return meta
 
 

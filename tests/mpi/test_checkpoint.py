@@ -120,10 +120,10 @@ def flip_byte(path, dataset, index=5):
         fh.write(bytes([b[0] ^ 0x01]))
 
 
-@pytest.mark.parametrize("target", ["shards/rank00000", "last", "meta_json"])
+@pytest.mark.parametrize("target", ["shards/rank00000", "second", "last", "meta_json"])
 def test_corrupted_byte_is_rejected_on_every_rank(dist, shared_tmp, target):
     man = save(dist, shared_tmp)
-    name = f"shards/rank{dist.world - 1:05d}" if target == "last" else target
+    name = {"last": f"shards/rank{dist.world - 1:05d}", "second": f"shards/rank{min(1, dist.world - 1):05d}"}.get(target, target)
     if dist.rank == 0:
         flip_byte(man["path"], name)
     dist.barrier()
@@ -181,3 +181,14 @@ def test_distributed_logical_digest_equals_serial_for_any_chunking(dist, chunk):
     other = vec.copy()
     other[n // 2] += 1.0
     assert distributed_roots(dist, {"x": other[lo:lo + shard]}, lo, n, chunk)["x"] != roots["x"]
+
+
+@pytest.mark.parametrize("attr, value", [("adam_t", 99), ("step", 11), ("data_cursor", 0)])
+def test_edited_root_attribute_is_rejected(dist, shared_tmp, attr, value):
+    man = save(dist, shared_tmp)
+    if dist.rank == 0:
+        with h5py.File(man["path"], "r+") as f:
+            f.attrs[attr] = value
+    dist.barrier()
+    with pytest.raises(CheckpointError, match=f"root attribute {attr}={value} disagrees"):
+        checkpoint.load(dist, man["path"], Layout.for_model(CFG, dist.world), EXPECT)
