@@ -74,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--corpus-tokens", type=int, default=t.corpus_tokens, help="length of the synthetic corpus")
     g.add_argument("--corpus-seed", type=int, default=t.corpus_seed, help="seed of the synthetic corpus")
     g.add_argument("--loss-tol", type=float, default=t.loss_tol,
-                   help="invariant (a): the held-out loss may rise by at most this from one step to the next")
+                   help="invariant (a): a step may raise the held-out loss by at most this (float noise) ...")
+    g.add_argument("--loss-tol-rel", type=float, default=t.loss_tol_rel,
+                   help="... plus this fraction of the decrease achieved so far (the wiggle of a converging run)")
     g = p.add_argument_group("checkpoints and guard")
     g.add_argument("--ckpt-every", type=int, default=t.ckpt_every, help="checkpoint every K steps (0: off)")
     g.add_argument("--ckpt-every-minutes", type=float, default=t.ckpt_every_minutes,
@@ -83,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spike-factor", type=float, default=t.spike_factor,
                    help="roll back when the loss exceeds this factor times the last accepted loss")
     g.add_argument("--max-rollbacks", type=int, default=t.max_rollbacks,
-                   help="stop with an error after this many consecutive rollbacks")
+                   help="stop with an error when the guard fires more than this many times without an accepted update")
     g = p.add_argument_group("run")
     g.add_argument("--out", default=None, help="run directory (default: runs/run-<time>); checkpoints go to OUT/checkpoints")
     g.add_argument("--resume", default=None,

@@ -68,6 +68,7 @@ class TrainConfig:
     spike_factor: float = 2.0
     max_rollbacks: int = 3
     loss_tol: float = 1e-4
+    loss_tol_rel: float = 0.05
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "grad_accum", "corpus_tokens", "max_rollbacks"):
@@ -95,6 +96,7 @@ class TrainConfig:
         _require(self.ckpt_every_minutes >= 0, f"ckpt_every_minutes must be >= 0, got {self.ckpt_every_minutes}.")
         _require(self.spike_factor > 1, f"spike_factor must be > 1, got {self.spike_factor}; the default is 2.")
         _require(self.loss_tol >= 0, f"loss_tol must be >= 0, got {self.loss_tol}.")
+        _require(0 <= self.loss_tol_rel < 1, f"loss_tol_rel must be in [0, 1), got {self.loss_tol_rel}.")
 
 
 def to_json(config) -> str:

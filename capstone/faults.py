@@ -3,7 +3,8 @@
 Save points (SIGKILL, like a node dying mid-checkpoint): before_data, after_data, before_rename,
 before_pointer, at the save of step <step> (any save if no step is given). Step point:
 raise_in_step (an ordinary exception on one rank at step <step>, default 1, to prove that one
-rank's error aborts the job instead of hanging the others).
+rank's error aborts the job instead of hanging the others). write_error: an OSError on one rank
+while it writes its shard of the save of step <step> (like a full disk on one node).
 With no CAPSTONE_FAULT nothing happens.
 """
 
@@ -14,7 +15,7 @@ import signal
 import sys
 
 KILL_POINTS = ("before_data", "after_data", "before_rename", "before_pointer")
-POINTS = KILL_POINTS + ("raise_in_step",)
+POINTS = KILL_POINTS + ("raise_in_step", "write_error")
 
 
 class InjectedFault(RuntimeError):
@@ -41,5 +42,7 @@ def point(name: str, rank: int, step: int | None = None) -> None:
         return
     if name == "raise_in_step":
         raise InjectedFault(f"injected failure on rank {rank} at step {step} (CAPSTONE_FAULT)")
+    if name == "write_error":
+        raise OSError(28, "No space left on device (injected by CAPSTONE_FAULT)")
     print(f"[rank {rank}] CAPSTONE_FAULT: killing this rank at '{name}'", file=sys.stderr, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -54,6 +55,17 @@ def manifest_text(man: dict) -> str:
     return "\n".join(lines)
 
 
+def jsonable(value):
+    """Floats as JSON can carry them: NaN and infinities become the strings "nan", "inf", "-inf"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
 class MetricsLog:
     """Append-only metrics.jsonl (rank 0 writes; one JSON object per line, flushed per step)."""
 
@@ -62,7 +74,7 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         if self.f:
-            self.f.write(json.dumps(record, sort_keys=True) + "\n")
+            self.f.write(json.dumps(jsonable(record), sort_keys=True, allow_nan=False) + "\n")
             self.f.flush()
 
     def close(self) -> None:
@@ -74,7 +86,7 @@ def write_json(path: str, data: dict) -> None:
     """Write JSON atomically (temporary file + rename)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
+        json.dump(jsonable(data), f, indent=2, sort_keys=True, allow_nan=False)
         f.write("\n")
     os.replace(tmp, path)
 

@@ -74,8 +74,12 @@ class Trainer:
                             "resumed_from": self.resumed_from, "time": time.time()})
 
     def expect(self) -> dict:
-        """What a checkpoint must match to be resumed by this run."""
-        return {"model_config": dataclasses.asdict(self.mcfg)}
+        """What a checkpoint must match to be resumed by this run: the model, and what defines the
+        data stream and the held-out batch (changing those would be another experiment)."""
+        return {"model_config": dataclasses.asdict(self.mcfg), "data": self.data_identity()}
+
+    def data_identity(self) -> dict:
+        return {"seed": self.tcfg.seed, "corpus_seed": self.tcfg.corpus_seed, "corpus_tokens": self.tcfg.corpus_tokens}
 
     def _resume(self, path: str) -> None:
         state, meta = checkpoint.load(self.dist, path, self.layout, self.expect())
@@ -153,7 +157,7 @@ class Trainer:
         first = self.cursor
         self.cursor += self.global_batch
         norm, fp = self._check_identical(s)
-        tm, applied = self.opt.timings, float(reason is None)
+        tm, applied = self.opt.timings, float(eval_loss is not None)  # an update ran (kept or undone)
         return {"step": s, "loss": loss, "eval_loss": eval_loss, "accepted": reason is None,
                 "grad_norm": stats.norm, "grad_norm_clipped": clipped, "lr": lr,
                 "tokens": self.global_batch * self.mcfg.seq_len, "samples": [first, self.cursor],
@@ -184,7 +188,8 @@ class Trainer:
         if reason in UPDATE_REASONS:
             good = self.guard.good
             self.opt.load_state(good["master"], good["m"], good["v"], good["t"])
-        event = {"event": "rollback", "reason": reason, "step": s, "loss": loss, "eval_loss": eval_loss,
+        event = {"event": "rollback", "reason": reason, "step": s, "loss": report.jsonable(loss),
+                 "eval_loss": report.jsonable(eval_loss),
                  "restored_adam_t": self.opt.t, "skipped_samples": [self.cursor, self.cursor + self.global_batch]}
         events.append(event)
         self.rollbacks.append(event)
@@ -208,7 +213,8 @@ class Trainer:
         """Collective: call on all ranks."""
         extra = {"model_config": dataclasses.asdict(self.mcfg), "train_config": dataclasses.asdict(self.tcfg),
                  "data_cursor": self.cursor, "global_batch": self.global_batch, "losses": self.losses,
-                 "guard": self.guard.to_meta(), "rollbacks": self.rollbacks, "eval_start": self.eval_start}
+                 "guard": self.guard.to_meta(), "rollbacks": self.rollbacks, "eval_start": self.eval_start,
+                 "data": self.data_identity()}
         state = self.opt.state()
         protect = [self.manifests[0]["path"]] if self.manifests else []
         man = checkpoint.save(self.dist, self.ckpt_dir, self.step, state, self.layout, extra,
@@ -264,7 +270,7 @@ class Trainer:
         mem = self.dist.allgather_json(self.memory_row())
         results = {
             "a_loss_monotone": invariants.loss_monotone([(0, self.eval_start)] + [(h[0], h[2]) for h in self.losses],
-                                                        self.tcfg.loss_tol),
+                                                        self.tcfg.loss_tol, self.tcfg.loss_tol_rel),
             "b_params_identical": invariants.params_identical(self.mismatches, self.checked),
             "c_optimizer_memory": invariants.optimizer_memory([r["optimizer_bytes"] for r in mem],
                                                               self.layout.n_params, self.layout.padded),

@@ -8,8 +8,16 @@ def test_loss_monotone():
     assert ok["ok"] and ok["max_increase"] < 0 and ok["steps"] == 2
     bad = invariants.loss_monotone([(0, 4.0), (1, 3.5), (2, 3.6)], tol=1e-4)
     assert not bad["ok"] and bad["at_step"] == 2 and abs(bad["max_increase"] - 0.1) < 1e-12
+    assert invariants.loss_monotone([(0, 4.0), (1, 3.5), (2, 3.6)], tol=1e-4, rel=0.25)["ok"]
     flat = invariants.loss_monotone([(0, 4.0), (1, 4.0)], tol=1e-4)
     assert not flat["ok"], "it must also end below where it started"
+    assert not invariants.loss_monotone([(0, 4.0)], tol=1e-4)["ok"], "no accepted update is no decrease"
+    # after learning 2.0, a rise of 0.05 is within 5% of the progress; 0.2 is not
+    converging = [(0, 4.0), (1, 2.0), (2, 2.05), (3, 1.9)]
+    assert invariants.loss_monotone(converging, 1e-4, rel=0.05)["ok"]
+    assert not invariants.loss_monotone(converging, 1e-4, rel=0.0)["ok"]
+    jump = invariants.loss_monotone([(0, 4.0), (1, 2.0), (2, 2.2), (3, 1.9)], 1e-4, rel=0.05)
+    assert not jump["ok"] and jump["at_step"] == 2 and abs(jump["allowed_there"] - (1e-4 + 0.1)) < 1e-12
 
 
 def test_params_identical():

@@ -203,3 +203,25 @@ def test_bad_pointer_and_missing_dataset_are_clean_errors(tmp_path):
 def test_resume_latest_with_a_mistyped_out_creates_nothing(tmp_path):
     res = mpirun(2, "--out", tmp_path / "typo", "--resume", "latest", timeout=60)
     assert res.returncode == 2 and not (tmp_path / "typo").exists()
+
+
+def test_write_error_on_one_rank_fails_cleanly_and_keeps_the_previous_checkpoint(tmp_path, uninterrupted):
+    """A full disk on one node while it writes its shard: every rank stops with the message
+    (no hang in the file's collective close), `latest` still names the previous checkpoint."""
+    out = tmp_path / "run"
+    res = mpirun(4, "--out", out, "--ckpt-every", "5", env_extra={"CAPSTONE_FAULT": "write_error:2:10"}, timeout=90)
+    assert res.returncode == 1
+    assert res.stderr.count("rank 2 could not write its shard of checkpoint step 10") == 1
+    assert "No space left on device" in res.stderr and "MPI_ABORT" not in res.stderr
+    assert files.read_pointer(str(out / "checkpoints")).endswith(files.final_name(5))
+    res = mpirun(4, "--out", out, "--ckpt-every", "5", "--resume", "latest")
+    assert res.returncode == 0, res.stderr
+    assert summary(out)["final_param_fingerprint"] == uninterrupted["final_param_fingerprint"]
+    assert not [p for p in os.listdir(out / "checkpoints") if ".partial-" in p]
+
+
+def test_resume_with_other_data_settings_is_refused(tmp_path):
+    out = tmp_path / "run"
+    assert mpirun(2, "--out", out, "--steps", "4", "--ckpt-every", "2").returncode == 0
+    res = mpirun(2, "--out", out, "--steps", "6", "--resume", "latest", "--corpus-seed", "1", timeout=60)
+    assert res.returncode == 1 and "corpus_seed is 0 in the checkpoint but 1 in this run" in res.stderr

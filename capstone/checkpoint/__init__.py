@@ -95,10 +95,17 @@ def save(dist, directory: str, step: int, state: dict, layout, extra: dict,
         for r, ds in enumerate(shards):
             for key, value in meta["datasets"][dataset_name(r)].items():
                 ds.attrs[key] = value
-        if rank == 0:
-            meta_ds[...] = np.frombuffer(meta_bytes, dtype=np.uint8)
-        shards[rank][...] = data
+        error = None
+        try:  # the only per-rank I/O: a failure here (disk full, quota) must not strand the others
+            if rank == 0:
+                meta_ds[...] = np.frombuffer(meta_bytes, dtype=np.uint8)
+            faults.point("write_error", rank, step)
+            shards[rank][...] = data
+        except OSError as exc:
+            error = (f"rank {rank} could not write its shard of checkpoint step {step} to {tmp}: {exc}. The "
+                     f"previous checkpoint and 'latest' are untouched; free space or fix {directory}, then resume.")
         faults.point("after_data", rank, step)
+        agree(dist, error)  # every rank raises together, so the file's collective close below is reached
         f.flush()  # MPI_File_sync on every rank: each node's writes are durable before the rename
     dist.barrier()
     faults.point("before_rename", rank, step)
@@ -142,8 +149,9 @@ def _read_meta(f, path: str) -> dict:
                               f"the checkpoint metadata is corrupt; resume from an earlier checkpoint.")
     meta = json.loads(raw.tobytes())
     if meta.get("format_version") != VERSION or meta.get("rows") != list(ROWS):
-        raise CheckpointError(f"{path}: format_version {meta.get('format_version')} is not supported "
-                              f"(this capstone reads {VERSION}).")
+        raise CheckpointError(f"{path}: format_version {meta.get('format_version')} with rows {meta.get('rows')} "
+                              f"is not what this capstone reads (version {VERSION}, rows {list(ROWS)}); "
+                              f"resume it with the capstone version that wrote it.")
     for key, value in root_attributes(meta).items():
         stored = f.attrs.get(key)
         stored = stored.item() if isinstance(stored, np.generic) else stored
