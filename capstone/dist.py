@@ -26,11 +26,7 @@ class Dist:
         sizes = self._allgather_int(len(data))
         buf = np.empty(sum(sizes), dtype=np.uint8)
         self.comm.Allgatherv(np.frombuffer(data, dtype=np.uint8), [buf, sizes])
-        out, pos = [], 0
-        for n in sizes:
-            out.append(json.loads(buf[pos:pos + n].tobytes()))
-            pos += n
-        return out
+        return _split_json(buf, sizes)
 
     def gather_json(self, value, root: int = 0):
         """Collective: call on all ranks. List of every rank's JSON-able value on `root`, None elsewhere."""
@@ -38,13 +34,7 @@ class Dist:
         sizes = self._allgather_int(len(data))
         buf = np.empty(sum(sizes), dtype=np.uint8) if self.rank == root else None
         self.comm.Gatherv(np.frombuffer(data, dtype=np.uint8), [buf, sizes] if self.rank == root else None, root=root)
-        if self.rank != root:
-            return None
-        out, pos = [], 0
-        for n in sizes:
-            out.append(json.loads(buf[pos:pos + n].tobytes()))
-            pos += n
-        return out
+        return _split_json(buf, sizes) if self.rank == root else None
 
     def _allgather_int(self, n: int) -> list[int]:
         out = np.empty(self.world, dtype=np.int64)
@@ -75,6 +65,15 @@ class Dist:
         sys.stdout.flush()
         sys.stderr.flush()
         self.comm.Abort(code)
+
+
+def _split_json(buf: np.ndarray, sizes: list[int]) -> list:
+    """Decode the concatenated JSON documents of a gather (one per rank, `sizes` bytes each)."""
+    out, pos = [], 0
+    for n in sizes:
+        out.append(json.loads(buf[pos:pos + n].tobytes()))
+        pos += n
+    return out
 
 
 @contextmanager

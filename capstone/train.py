@@ -49,7 +49,6 @@ class Trainer:
         self.mismatches, self.checked, self.manifests, self.rollbacks = [], 0, [], []
         self.snapshot, self.eval_start = None, None
         self.resumed_from = None
-        self.stop_requested = False
         self.last_save_time = time.monotonic()
 
     # ---- start-up -------------------------------------------------------------------------
@@ -137,8 +136,7 @@ class Trainer:
         t1 = time.perf_counter()
         clock_due = self.tcfg.ckpt_every_minutes > 0 and self.dist.rank == 0 and \
             time.monotonic() - self.last_save_time >= 60 * self.tcfg.ckpt_every_minutes
-        stop_local = self.stop_requested or _STOP_REQUESTED[0]
-        stats = self.opt.reduce_gradients(extras=[local, float(stop_local), float(clock_due)])
+        stats = self.opt.reduce_gradients(extras=[local, float(_STOP_REQUESTED[0]), float(clock_due)])
         loss, stop, clock = float(stats.extras[0]), stats.extras[1] > 0, stats.extras[2] > 0
         lr = learning_rate(s, self.tcfg.lr, self.tcfg.steps, self.tcfg.lr_schedule, self.tcfg.warmup_steps,
                            self.tcfg.min_lr) * lr_mult

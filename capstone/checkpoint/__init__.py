@@ -134,7 +134,7 @@ def root_attributes(meta: dict) -> dict:
     return attrs
 
 
-def _read_meta(f, path: str) -> dict:
+def read_meta(f, path: str) -> dict:
     """Check the format marker and the metadata digest; return the metadata (serial or collective)."""
     if f.attrs.get("format") != FORMAT:
         raise CheckpointError(f"{path} is an HDF5 file but not a capstone checkpoint (no format={FORMAT!r} "
@@ -227,7 +227,7 @@ def load(dist, path: str, layout, expect: dict) -> tuple[dict, dict]:
     state, meta = None, None
     with f:
         try:
-            meta = _read_meta(f, path)
+            meta = read_meta(f, path)
             _check_compatible(meta, path, layout, expect)
             state = _gather_shard(f, path, meta, lo, hi, layout.n_params, rank)
         except (CheckpointError, OSError, KeyError, ValueError) as exc:

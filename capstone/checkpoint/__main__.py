@@ -14,7 +14,7 @@ import sys
 import h5py
 import numpy as np
 
-from . import CheckpointError, ROWS, _read_meta, read_dataset
+from . import CheckpointError, ROWS, read_meta, read_dataset
 from .digest import logical_root
 
 
@@ -25,7 +25,7 @@ def load_all(path: str):
     except OSError as exc:
         raise CheckpointError(f"cannot open {path}: {exc}; the file is truncated or not HDF5") from None
     with f:
-        meta = _read_meta(f, path)
+        meta = read_meta(f, path)
         results = {}
         for name in sorted(meta["datasets"]):
             try:
