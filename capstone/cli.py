@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 from dataclasses import dataclass
 
 from .config import ConfigError, ModelConfig, TrainConfig
@@ -112,3 +114,19 @@ def parse(argv=None) -> tuple[ModelConfig, TrainConfig, RunOptions]:
     if opts.stop_after < 0 or opts.sleep_per_step < 0:
         raise ConfigError("--stop-after and --sleep-per-step must be >= 0.")
     return model, train, opts
+
+
+def parse_on_every_rank(argv, rank: int) -> tuple[ModelConfig, TrainConfig, RunOptions]:
+    """`parse` on every rank, with --help, usage and errors printed once (by rank 0). A bad
+    value exits 2 on every rank; every rank parses the same argv, so they agree without talking."""
+    try:
+        if rank != 0:
+            sys.stdout = open(os.devnull, "w")
+        try:
+            return parse(argv)
+        finally:
+            sys.stdout = sys.__stdout__
+    except ConfigError as exc:
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)

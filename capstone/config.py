@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 
@@ -97,17 +96,3 @@ class TrainConfig:
         _require(self.spike_factor > 1, f"spike_factor must be > 1, got {self.spike_factor}; the default is 2.")
         _require(self.loss_tol >= 0, f"loss_tol must be >= 0, got {self.loss_tol}.")
         _require(0 <= self.loss_tol_rel < 1, f"loss_tol_rel must be in [0, 1), got {self.loss_tol_rel}.")
-
-
-def to_json(config) -> str:
-    """Canonical JSON of a config dataclass (sorted keys): what checkpoints store and compare."""
-    return json.dumps(dataclasses.asdict(config), sort_keys=True)
-
-
-def model_config_from_json(text: str) -> ModelConfig:
-    """Parse a ModelConfig from its canonical JSON; unknown keys are an error."""
-    data = json.loads(text)
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(data) - names)
-    _require(not unknown, f"unknown model config keys {unknown}: this checkpoint was written by another version.")
-    return ModelConfig(**data)

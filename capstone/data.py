@@ -1,7 +1,6 @@
 """Synthetic corpus and the distributed data stream.
 
-`make_corpus` concatenates short random "phrases" (fixed token sequences) drawn at random (with
-optional noise): the next token is predictable from context, so a small GPT learns it in a few
+`make_corpus` concatenates short random "phrases" (fixed token sequences) drawn at random: the next token is predictable from context, so a small GPT learns it in a few
 steps, while the choice of the next phrase keeps an irreducible entropy.
 
 The last EVAL_SEQUENCES windows are held out: the fixed evaluation batch, never trained on.
@@ -22,7 +21,6 @@ from .config import ConfigError
 
 PHRASES = 16
 PHRASE_LEN = 8
-NOISE = 0.0
 EVAL_SEQUENCES = 32
 
 
@@ -33,17 +31,16 @@ def make_corpus(seed: int, total_tokens: int, vocab_size: int = 64) -> np.ndarra
     rng = np.random.default_rng([seed, 0xC0])
     phrases = rng.integers(0, vocab_size, size=(PHRASES, PHRASE_LEN), dtype=np.int32)
     n = -(-total_tokens // PHRASE_LEN)
-    tokens = phrases[rng.integers(0, PHRASES, size=n)].reshape(-1)[:total_tokens]
-    noisy = rng.random(total_tokens) < NOISE
-    tokens[noisy] = rng.integers(0, vocab_size, size=int(noisy.sum()), dtype=np.int32)
-    return tokens
+    return phrases[rng.integers(0, PHRASES, size=n)].reshape(-1)[:total_tokens]
 
 
 class DataStream:
     """Batches of (inputs, targets) as a pure function of (corpus, seed, global sample index)."""
 
-    def __init__(self, corpus: np.ndarray, seq_len: int, batch_size: int, seed: int):
+    def __init__(self, corpus: np.ndarray, seq_len: int, batch_size: int, seed: int, identity: dict | None = None):
         self.corpus, self.T, self.B, self.seed = corpus, seq_len, batch_size, seed
+        self.eval_sequences = EVAL_SEQUENCES
+        self.identity = identity or {"seed": seed}  # what a resumed run must match to see the same stream
         self.n_windows = (len(corpus) - 1) // seq_len - EVAL_SEQUENCES
         if self.n_windows < 1:
             raise ConfigError(f"a corpus of {len(corpus)} tokens holds fewer than {EVAL_SEQUENCES + 1} sequences of "
@@ -72,3 +69,10 @@ class DataStream:
     def micro_batch(self, cursor: int, micro: int, rank: int, world: int):
         """Rank `rank`'s micro-batch `micro` of the step whose first global sample is `cursor`."""
         return self.samples(cursor + (micro * world + rank) * self.B, self.B)
+
+
+def synthetic(mcfg, tcfg) -> DataStream:
+    """The stream of the seed's synthetic corpus for these configs."""
+    corpus = make_corpus(tcfg.corpus_seed, tcfg.corpus_tokens, mcfg.vocab_size)
+    identity = {"seed": tcfg.seed, "corpus_seed": tcfg.corpus_seed, "corpus_tokens": tcfg.corpus_tokens}
+    return DataStream(corpus, mcfg.seq_len, tcfg.batch_size, tcfg.seed, identity)

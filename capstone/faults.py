@@ -5,7 +5,8 @@ before_pointer, at the save of step <step> (any save if no step is given). Step 
 raise_in_step (an ordinary exception on one rank at step <step>, default 1, to prove that one
 rank's error aborts the job instead of hanging the others). write_error: an OSError on one rank
 while it writes its shard of the save of step <step> (like a full disk on one node).
-With no CAPSTONE_FAULT nothing happens.
+With no CAPSTONE_FAULT nothing happens. `Injections` are the training-side faults that the
+command line asks for (--inject-lr-spike, --inject-nan), to exercise the divergence guard.
 """
 
 from __future__ import annotations
@@ -16,6 +17,21 @@ import sys
 
 KILL_POINTS = ("before_data", "after_data", "before_rename", "before_pointer")
 POINTS = KILL_POINTS + ("raise_in_step", "write_error")
+
+
+class Injections:
+    """--inject-lr-spike STEP:MULT and --inject-nan STEP[:COUNT], asked step by step."""
+
+    def __init__(self, lr_spike: tuple[int, float] | None = None, nan: tuple[int, int] | None = None):
+        self.lr_spike, self.nan = lr_spike, nan
+
+    def lr_mult(self, step: int) -> float:
+        return self.lr_spike[1] if self.lr_spike is not None and self.lr_spike[0] == step else 1.0
+
+    def poison(self, step: int, rank: int, grads) -> None:
+        """Make rank 0's gradient NaN on the steps --inject-nan names."""
+        if self.nan is not None and self.nan[0] <= step < self.nan[0] + self.nan[1] and rank == 0:
+            grads[0] = float("nan")
 
 
 class InjectedFault(RuntimeError):

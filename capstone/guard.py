@@ -15,11 +15,27 @@ than `max_consecutive` raise DivergenceError instead of looping.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 
-import numpy as np
+from .zero import ShardState
 
-ARRAYS = ("master", "m", "v")
 UPDATE_REASONS = ("update_nonfinite", "eval_spike")
+
+
+@dataclass
+class GuardState:
+    """What the guard has judged so far (checkpointed; the saved state itself is an accepted one)."""
+
+    last_loss: float | None = None   # last accepted training loss
+    last_eval: float | None = None   # held-out loss of the current accepted state
+    consecutive: int = 0             # triggers since the last accepted update
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "GuardState":
+        return cls(**data)
 
 
 class DivergenceError(RuntimeError):
@@ -29,18 +45,17 @@ class DivergenceError(RuntimeError):
 class Guard:
     """Batch and update verdicts with bounded consecutive triggers."""
 
-    def __init__(self, spike_factor: float = 2.0, max_consecutive: int = 3):
+    def __init__(self, spike_factor: float = 2.0, max_consecutive: int = 3, state: GuardState | None = None):
         self.spike_factor, self.max_consecutive = spike_factor, max_consecutive
-        self.last_loss: float | None = None   # last accepted training loss
-        self.last_eval: float | None = None   # held-out loss of the current accepted state
-        self.consecutive = 0
-        self.good: dict | None = None
+        self.state = GuardState() if state is None else state  # updated in place (a RunState holds it)
+        self.good: ShardState | None = None  # the shard state before the update being judged
 
     def batch_verdict(self, loss: float, grad_norm: float) -> str | None:
         """None if the batch may be used for an update, else why it is skipped."""
         if not math.isfinite(loss):
             return "loss_nonfinite"
-        if self.last_loss is not None and loss > self.spike_factor * self.last_loss:
+        last = self.state.last_loss
+        if last is not None and loss > self.spike_factor * last:
             return "loss_spike"
         if not math.isfinite(grad_norm):
             return "grad_nonfinite"
@@ -50,38 +65,30 @@ class Guard:
         """None if the update just applied may be kept, else why it must be undone."""
         if not state_finite or not math.isfinite(eval_loss):
             return "update_nonfinite"
-        if self.last_eval is not None and eval_loss > self.spike_factor * self.last_eval:
+        last = self.state.last_eval
+        if last is not None and eval_loss > self.spike_factor * last:
             return "eval_spike"
         return None
 
-    def keep(self, state: dict) -> None:
+    def keep(self, state: ShardState) -> None:
         """Copy `state` (live arrays, about to be updated): what an undone update restores."""
         if self.good is None:
-            self.good = {k: np.array(state[k]) for k in ARRAYS}
+            self.good = state.copy()
         else:
-            for k in ARRAYS:
-                np.copyto(self.good[k], state[k])
-        self.good["t"] = int(state["t"])
+            self.good.copy_from(state)
 
     def accept(self, loss: float, eval_loss: float) -> None:
         """The update was kept: training made progress."""
-        self.last_loss, self.last_eval, self.consecutive = loss, eval_loss, 0
+        self.state.last_loss, self.state.last_eval, self.state.consecutive = loss, eval_loss, 0
 
     def triggered(self, step: int, reason: str) -> None:
         """Count a trigger; raise DivergenceError past the allowed number without progress."""
-        self.consecutive += 1
-        if self.consecutive > self.max_consecutive:
+        self.state.consecutive += 1
+        if self.state.consecutive > self.max_consecutive:
             raise DivergenceError(
-                f"divergence guard fired {self.consecutive} times without progress (last at step {step}: "
+                f"divergence guard fired {self.state.consecutive} times without progress (last at step {step}: "
                 f"{reason}); stopping instead of looping. Lower --lr, set --clip, or resume from an "
                 f"earlier checkpoint.")
 
     def nbytes(self) -> int:
-        return 0 if self.good is None else sum(self.good[k].nbytes for k in ARRAYS)
-
-    def to_meta(self) -> dict:
-        """The guard's state for checkpoints (the saved state itself is always an accepted one)."""
-        return {"last_loss": self.last_loss, "last_eval": self.last_eval, "consecutive": self.consecutive}
-
-    def from_meta(self, meta: dict) -> None:
-        self.last_loss, self.last_eval, self.consecutive = meta["last_loss"], meta["last_eval"], meta["consecutive"]
+        return 0 if self.good is None else self.good.nbytes

@@ -12,6 +12,18 @@
 from __future__ import annotations
 
 
+class ReplicaCheck:
+    """(b)'s record: every step's (norm, fingerprint) of every rank, kept only where they differ."""
+
+    def __init__(self):
+        self.checked, self.mismatches = 0, []
+
+    def record(self, step: int, every: list) -> None:
+        self.checked += 1
+        if any(x != every[0] for x in every):
+            self.mismatches.append({"step": step, "fingerprints": every})
+
+
 def loss_monotone(evals: list, tol: float, rel: float = 0.0) -> dict:
     """(a) over (step, held-out loss) of the start state and of every accepted update, in order.
 

@@ -1,23 +1,19 @@
 """MiniGPT in NumPy + autograd, float32 end to end (pre-LN GPT-2 blocks, untied LM head).
 
 Activations are 2-D (B*T, C) so every linear layer is one matmul. The layers are the autograd
-primitives of `kernels`, each with a hand-written VJP (embedding, LayerNorm, linear, linear+GELU,
-causal attention on the fused qkv buffer, softmax cross-entropy), so the graph has a few nodes per
-block. `loss_sum` stays differentiable by autograd w.r.t. the params dict; `loss_and_grad` runs the
-same graph with one root node per parameter, which skips autograd's per-lookup dict VJPs. Every
-gradient has the parameters' dtype (float32 in training; see `kernels` for the NEP 50 pitfalls).
+primitives of `kernels`, each with a hand-written VJP. `Model` owns the flat parameter and
+gradient buffers (their named views are what the layers see) and runs forward+backward with the
+gradients landing in the flat gradient buffer; `loss_sum` is the differentiable loss.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from autograd.core import VJPNode, add_outgrads, vspace
-from autograd.tracer import new_box, trace_stack
-from autograd.util import toposort
 
+from .backward import value_and_grad_into
 from .config import ModelConfig
-from .kernels import GELU_K, causal_mask, gelu, layer_norm  # noqa: F401  (public names of this module)
-from .kernels import causal_attention, cross_entropy_sum, embed, linear, linear_gelu
+from .kernels import causal_attention, cross_entropy_sum, embed, layer_norm, linear, linear_gelu
+from .params import Layout
 
 
 def attention(x, p, h, T, H):
@@ -55,23 +51,24 @@ def loss_sum(p, idx, targets, cfg: ModelConfig, scale: float = 1.0):
 
 
 def loss_and_grad(p: dict, idx: np.ndarray, targets: np.ndarray, cfg: ModelConfig, scale: float):
-    """(loss value, {name: gradient}) of `loss_sum`; gradients have the parameters' dtype (float32).
+    """(loss value, {name: gradient}) of `loss_sum` w.r.t. the arrays of `p` (fresh gradient arrays)."""
+    grads = {name: np.zeros_like(a) for name, a in p.items()}
+    return value_and_grad_into(loss_sum, p, grads, idx, targets, cfg, scale), grads
 
-    Same result as `autograd.value_and_grad(loss_sum)(p, ...)`, but each parameter is its own root
-    node instead of the dict being one boxed container: autograd's container VJPs rebuild a
-    vector space of the whole dict per lookup, which costs more than the model at small sizes.
-    """
-    with trace_stack.new_trace() as trace:
-        roots = {name: VJPNode.new_root() for name in p}
-        end = loss_sum({name: new_box(a, trace, roots[name]) for name, a in p.items()}, idx, targets, cfg, scale)
-    value, end_node = end._value, end._node
-    names = {node: name for name, node in roots.items()}
-    grads = {}
-    outgrads = {end_node: (vspace(value).ones(), False)}
-    for node in toposort(end_node):                    # autograd.core.backward_pass, keeping the roots
-        g = outgrads.pop(node)[0]
-        if node in names:
-            grads[names[node]] = g
-        for parent, parent_g in zip(node.parents, node.vjp(g)):
-            outgrads[parent] = add_outgrads(outgrads.get(parent), parent_g)
-    return float(value), {name: grads[name] if name in grads else np.zeros_like(a) for name, a in p.items()}
+
+class Model:
+    """One MiniGPT's parameters and gradients: flat float32 buffers of `layout`, with named views."""
+
+    def __init__(self, cfg: ModelConfig, layout: Layout, params: np.ndarray):
+        self.cfg, self.layout = cfg, layout
+        self.params, self.grads = params, layout.zeros()
+        self.p, self.g = layout.views(self.params), layout.views(self.grads)
+
+    def forward_backward(self, batches, scale: float) -> float:
+        """Gradient of scale * (summed loss over every (x, y) in `batches`) into `grads`; returns that loss."""
+        self.grads.fill(0.0)
+        return sum(value_and_grad_into(loss_sum, self.p, self.g, x, y, self.cfg, scale) for x, y in batches)
+
+    def loss(self, x: np.ndarray, y: np.ndarray, scale: float) -> float:
+        """scale * summed loss of one batch, forward only (no graph is built)."""
+        return float(loss_sum(self.p, x, y, self.cfg, scale))

@@ -1,7 +1,8 @@
-"""What a run shows and leaves behind: the console tables, metrics.jsonl and summary.json."""
+"""What a run shows and leaves behind: the console lines and tables, metrics.jsonl and summary.json."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -17,6 +18,38 @@ def say(text: str = "", rank: int = 0) -> None:
 
 def step_header() -> str:
     return f"{'step':>5} {'loss':>9} {'eval_loss':>9} {'grad_norm':>10} {'lr':>9} {'ms':>7}  {'param_norm':>11} {'fingerprint':<16}  event"
+
+
+def banner(run) -> None:
+    layout = run.model.layout
+    say(f"capstone: {run.dist.world} ranks, {layout.n_params} parameters (padded {layout.padded}, shard "
+        f"{layout.shard}), global batch {run.global_batch} x {run.mcfg.seq_len} tokens, run dir {run.out}", run.dist.rank)
+    say(step_header(), run.dist.rank)
+
+
+def metrics_row(r, tokens: int) -> dict:
+    """The metrics.jsonl row of a StepResult (`tokens` per step)."""
+    return {"step": r.step, "loss": r.loss, "eval_loss": r.eval_loss, "accepted": r.rollback is None,
+            "grad_norm": r.grad_norm, "grad_norm_clipped": r.grad_norm if r.grad_norm_clipped is None else r.grad_norm_clipped,
+            "lr": r.lr, "tokens": tokens, "samples": list(r.samples), **r.ms,
+            "tokens_per_s": tokens / max(r.ms["step_ms"] / 1e3, 1e-9), "param_norm": r.param_norm,
+            "fingerprint": r.fingerprint, "events": r.events}
+
+
+def rolled_back(r, guard_state, adam_t: int, rank: int) -> None:
+    held = "-" if r.eval_loss is None else f"{r.eval_loss:.6g}"
+    last = "-" if guard_state.last_loss is None else f"{guard_state.last_loss:.6g}"
+    say(f"  rollback at step {r.step}: {r.rollback} (loss {r.loss:.6g}, held-out {held}; last accepted {last}, "
+        f"held-out {guard_state.last_eval:.6g}); state of Adam step {adam_t} in effect, samples "
+        f"[{r.samples[0]}, {r.samples[1]}) skipped", rank)
+
+
+def resumed(path: str, state, saved_world: int, world: int, changed: dict, rank: int) -> None:
+    if changed:
+        say("note: resuming with changed settings: " +
+            ", ".join(f"{k} {a} -> {b}" for k, (a, b) in sorted(changed.items())), rank)
+    say(f"resumed from {path}: step {state.step}, written by {saved_world} ranks, now "
+        f"{world}; sample cursor {state.cursor}; logical digests verified", rank)
 
 
 def step_row(m: dict) -> str:
@@ -80,6 +113,48 @@ class MetricsLog:
     def close(self) -> None:
         if self.f:
             self.f.close()
+
+
+@dataclasses.dataclass
+class Summary:
+    """The end of a run: what summary.json holds and the final report prints."""
+
+    status: str
+    run: object
+    rows: list
+    start_step: int
+    invariants: dict
+    memory: list
+    wall: float
+    final_fingerprint: tuple
+
+    def to_json(self) -> dict:
+        run, layout = self.run, self.run.model.layout
+        return {"status": self.status, "world_size": run.dist.world,
+                "model_config": dataclasses.asdict(run.mcfg), "train_config": dataclasses.asdict(run.tcfg),
+                "n_params": layout.n_params, "padded": layout.padded, "start_step": self.start_step,
+                "final_step": run.state.step, "resumed_from": run.resumed_from,
+                "losses": [list(x) for x in run.state.losses], "steps": self.rows, "invariants": self.invariants,
+                "memory": {"per_rank": self.memory, **aggregate(self.memory)}, "checkpoints": run.ckpt.manifests,
+                "rollbacks": run.state.rollbacks, "wall_seconds": self.wall,
+                "final_param_fingerprint": self.final_fingerprint}
+
+
+def final(summary: Summary, verified: dict | None, failed: list[str], rank: int) -> None:
+    """The final report: memory table, manifests, invariants, and the verdict line."""
+    from .invariants import describe
+    run = summary.run
+    say("\nmemory per rank (bytes):\n" + memory_table(summary.memory), rank)
+    for man in run.ckpt.manifests:
+        say(manifest_text(man), rank)
+    say("\ninvariants:\n  " + "\n  ".join(describe(summary.invariants, run.dist.world)), rank)
+    if verified and verified["ok"]:
+        say(f"resume verified: {verified['path']} reloads byte-equal on all {run.dist.world} ranks", rank)
+    if failed:
+        say("INVARIANT VIOLATED:\n  " + "\n  ".join(failed), rank)
+    else:
+        say(f"{summary.status} step {run.state.step} in {summary.wall:.2f} s; summary "
+            f"{os.path.join(run.out, 'summary.json')}", rank)
 
 
 def write_json(path: str, data: dict) -> None:

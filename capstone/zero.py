@@ -16,13 +16,45 @@ from mpi4py import MPI
 
 from .params import DTYPE, Layout
 
+ROWS = ("master", "m", "v")  # the arrays of a shard's optimizer state, in checkpoint row order
+
+
+@dataclass
+class ShardState:
+    """One rank's ZeRO-1 optimizer state: fp32 master copy, Adam m and v of its shard; Adam step t."""
+
+    master: np.ndarray
+    m: np.ndarray
+    v: np.ndarray
+    t: int = 0
+
+    def rows(self) -> list[np.ndarray]:
+        return [getattr(self, r) for r in ROWS]
+
+    def copy(self) -> "ShardState":
+        return ShardState(*(np.array(a) for a in self.rows()), t=self.t)
+
+    def copy_from(self, other: "ShardState") -> None:
+        for r in ROWS:
+            src, dst = getattr(other, r), getattr(self, r)
+            if src.shape != dst.shape:
+                raise ValueError(f"{r} shard has shape {src.shape}, this rank needs {dst.shape}")
+            dst[...] = src
+        self.t = int(other.t)
+
+    def finite(self) -> bool:
+        return all(bool(np.isfinite(a).all()) for a in self.rows())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.rows())
+
 
 @dataclass(frozen=True)
 class GradStats:
     """Global facts about one step's reduced gradient (identical on every rank)."""
 
     norm: float          # L2 norm of the full (unsharded) reduced gradient
-    finite: bool         # every gradient entry and every `extras` value is finite
     extras: np.ndarray   # the caller's per-rank values, summed over ranks (float64)
 
 
@@ -42,11 +74,9 @@ class ZeroAdam:
         self.lo, self.hi = layout.shard_range(self.rank)
         self.beta1, self.beta2, self.eps, self.weight_decay = float(betas[0]), float(betas[1]), float(eps), float(weight_decay)
         comm.Bcast(params, root=0)
-        self.master = params[self.lo:self.hi].copy()
-        self.m = np.zeros_like(self.master)
-        self.v = np.zeros_like(self.master)
-        self.t = 0
-        self.g_shard = np.empty_like(self.master)
+        master = params[self.lo:self.hi].copy()
+        self.state = ShardState(master, np.zeros_like(master), np.zeros_like(master))
+        self.g_shard = np.empty_like(master)
         self.counts = [layout.shard] * self.world
         self.decay_mask = self._decay_mask() if weight_decay > 0 else None
         self.timings = {"reduce_scatter": 0.0, "adam": 0.0, "allgather": 0.0}  # seconds, last step
@@ -61,7 +91,7 @@ class ZeroAdam:
 
     def optimizer_nbytes(self) -> int:
         """Bytes of optimizer state held by this rank: fp32 master + Adam m + Adam v."""
-        return self.master.nbytes + self.m.nbytes + self.v.nbytes
+        return self.state.nbytes
 
     def reduce_gradients(self, extras=()) -> GradStats:
         """Collective: call on all ranks. Reduce-scatter (sum) the flat gradient into this rank's
@@ -75,7 +105,7 @@ class ZeroAdam:
         g64 = self.g_shard.astype(np.float64)
         small = np.array([np.dot(g64, g64), *extras], dtype=np.float64)
         self.comm.Allreduce(MPI.IN_PLACE, small, op=MPI.SUM)
-        return GradStats(float(np.sqrt(small[0])), bool(np.all(np.isfinite(small))), small[1:])
+        return GradStats(float(np.sqrt(small[0])), small[1:])
 
     def apply(self, lr: float, grad_scale: float = 1.0) -> None:
         """Collective: call on all ranks after `reduce_gradients`. Adam on the local shard with the
@@ -84,47 +114,30 @@ class ZeroAdam:
         g = self.g_shard
         if grad_scale != 1.0:
             g *= np.float32(grad_scale)
-        self.t += 1
+        s = self.state
+        s.t += 1
         b1, b2 = self.beta1, self.beta2
-        self.m *= np.float32(b1)
-        self.m += np.float32(1 - b1) * g
-        self.v *= np.float32(b2)
-        self.v += np.float32(1 - b2) * (g * g)
-        denom = np.sqrt(self.v)
-        denom *= np.float32(1.0 / np.sqrt(1 - b2 ** self.t))
+        s.m *= np.float32(b1)
+        s.m += np.float32(1 - b1) * g
+        s.v *= np.float32(b2)
+        s.v += np.float32(1 - b2) * (g * g)
+        denom = np.sqrt(s.v)
+        denom *= np.float32(1.0 / np.sqrt(1 - b2 ** s.t))
         denom += np.float32(self.eps)
         if self.decay_mask is not None:
-            self.master -= np.float32(lr * self.weight_decay) * self.decay_mask * self.master
-        self.master -= np.float32(lr / (1 - b1 ** self.t)) * (self.m / denom)
+            s.master -= np.float32(lr * self.weight_decay) * self.decay_mask * s.master
+        s.master -= np.float32(lr / (1 - b1 ** s.t)) * (s.m / denom)
         self.timings["adam"] = time.perf_counter() - t0
         self._publish()
-
-    def step(self, lr: float) -> GradStats:
-        """Collective: call on all ranks. The whole optimizer.step(): reduce-scatter, Adam, allgather."""
-        stats = self.reduce_gradients()
-        self.apply(lr)
-        return stats
 
     def _publish(self) -> None:
         """Collective: call on all ranks. Copy the master shard into params and allgather it."""
         t0 = time.perf_counter()
-        self.params[self.lo:self.hi] = self.master
+        self.params[self.lo:self.hi] = self.state.master
         self.comm.Allgather(MPI.IN_PLACE, self.params)
         self.timings["allgather"] = time.perf_counter() - t0
 
-    def state_finite(self) -> bool:
-        """Whether this rank's master, m and v are all finite (after an update they may not be)."""
-        return bool(np.isfinite(self.master).all() and np.isfinite(self.m).all() and np.isfinite(self.v).all())
-
-    def state(self) -> dict:
-        """This rank's optimizer state: arrays are the live shards (copy them to snapshot)."""
-        return {"master": self.master, "m": self.m, "v": self.v, "t": self.t}
-
-    def load_state(self, master: np.ndarray, m: np.ndarray, v: np.ndarray, t: int) -> None:
+    def load_state(self, state: ShardState) -> None:
         """Collective: call on all ranks. Replace the local shard state and rebuild `params`."""
-        for name, dst, src in (("master", self.master, master), ("m", self.m, m), ("v", self.v, v)):
-            if src.shape != dst.shape:
-                raise ValueError(f"{name} shard has shape {src.shape}, this rank needs {dst.shape}")
-            dst[...] = src
-        self.t = int(t)
+        self.state.copy_from(state)
         self._publish()

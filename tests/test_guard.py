@@ -16,7 +16,7 @@ from capstone.config import ModelConfig, TrainConfig
 from capstone.dist import Dist
 from capstone.guard import Guard
 from capstone.schedule import learning_rate
-from capstone.train import Trainer
+from capstone.run import build
 
 
 def metrics(out):
@@ -86,20 +86,21 @@ def test_equivalent_layouts_see_the_same_samples(tmp_path):
             assert a["grad_norm_clipped"] == pytest.approx(min(1.0, b["grad_norm"]), rel=1e-3)
 
 
-def make_trainer(tmp_path, **train):
-    d = Dist(MPI.COMM_SELF)
-    return Trainer(d, ModelConfig(), TrainConfig(**train), RunOptions(out=str(tmp_path)))
+def step_gradient(tmp_path, **train):
+    """(loss, gradient buffer) of the first step's micro-batches of a one-rank run."""
+    run = build(Dist(MPI.COMM_SELF), ModelConfig(), TrainConfig(**train), RunOptions(out=str(tmp_path)))
+    batches = [run.data.micro_batch(0, j, 0, 1) for j in range(run.tcfg.grad_accum)]
+    loss = run.model.forward_backward(batches, 1.0 / (run.global_batch * run.mcfg.seq_len))
+    return loss, run.model.grads
 
 
 def test_accumulated_gradient_equals_large_batch_gradient(tmp_path):
     """4 micro-batches of 2 sequences, summed, against one batch of the same 8 sequences (float32)."""
-    small = make_trainer(tmp_path, batch_size=2, grad_accum=4)
-    large = make_trainer(tmp_path, batch_size=8, grad_accum=1)
-    assert np.array_equal(small.params, large.params)
-    la, lb = small.forward_backward(), large.forward_backward()
+    la, small = step_gradient(tmp_path, batch_size=2, grad_accum=4)
+    lb, large = step_gradient(tmp_path, batch_size=8, grad_accum=1)
     assert la == pytest.approx(lb, rel=1e-6)
-    np.testing.assert_allclose(small.grads, large.grads, rtol=1e-4, atol=1e-7)
-    assert np.abs(small.grads).max() > 1e-3
+    np.testing.assert_allclose(small, large, rtol=1e-4, atol=1e-7)
+    assert np.abs(small).max() > 1e-3
 
 
 def test_guard_verdicts():
@@ -115,7 +116,7 @@ def test_guard_verdicts():
     g.triggered(4, "loss_spike")
     with pytest.raises(Exception, match="2 times without progress"):
         g.triggered(5, "loss_spike")
-    g.consecutive = 0
+    g.state.consecutive = 0
     g.triggered(6, "eval_spike")
     g.accept(3.0, 2.4)  # an accepted update is progress: the count starts again
     g.triggered(7, "eval_spike")
@@ -179,7 +180,7 @@ def test_huge_gradient_that_overflows_adam_v_is_caught():
     assert np.isfinite(stats.norm) and Guard().batch_verdict(1.0, stats.norm) is None
     with np.errstate(over="ignore"):
         opt.apply(1e-3)
-    assert not opt.state_finite()
+    assert not opt.state.finite()
 
 
 def test_a_diverged_last_update_is_undone_too(tmp_path, clean):

@@ -16,7 +16,8 @@ from capstone import kernels
 from capstone.config import ConfigError, ModelConfig
 from capstone.data import DataStream, make_corpus
 from capstone.kernels import causal_attention, cross_entropy_sum, embed, gelu, layer_norm, linear, linear_gelu
-from capstone.model import causal_mask, logits, loss_and_grad, loss_sum
+from capstone.kernels import causal_mask
+from capstone.model import logits, loss_and_grad, loss_sum
 from capstone.params import Layout, init_params
 
 CFG = ModelConfig(vocab_size=11, seq_len=5, d_model=8, n_heads=2, n_layers=2)
@@ -173,10 +174,11 @@ def test_every_backward_gradient_is_float32(vjp_dtypes):
     x, y = batch(cfg, B=2)
     loss, grads = loss_and_grad(layout.views(init_params(layout, cfg, 0)), x, y, cfg, 1.0 / x.size)
     # One gradient per (node, parent): embed 2; per block ln 3+3, linear 3*3, linear_gelu 3,
-    # attention 1, residual adds 2+2 (23); ln_f 3, lm_head 3, cross-entropy 1, * scale 1.
-    assert len(vjp_dtypes) == 2 + 23 * cfg.n_layers + 8
+    # attention 1, residual adds 2+2 (23); ln_f 3, lm_head 3, cross-entropy 1, * scale 1; and one
+    # tap per parameter array (where its gradient lands in the buffer).
+    assert len(vjp_dtypes) == 2 + 23 * cfg.n_layers + 8 + len(layout.entries)
     assert {n for n, _ in vjp_dtypes} == {"embed", "layer_norm", "linear", "linear_gelu", "causal_attention",
-                                          "add", "cross_entropy_sum", "multiply"}
+                                          "add", "cross_entropy_sum", "multiply", "_tap"}
     wrong = sorted({(n, str(d)) for n, d in vjp_dtypes if d != np.float32})
     assert not wrong, f"VJPs producing non-float32 gradients: {wrong}"
     assert all(g.dtype == np.float32 for g in grads.values())

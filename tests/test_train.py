@@ -110,12 +110,13 @@ def test_h5py_without_mpi_one_rank_writes_the_same_format(tmp_path, monkeypatch)
     from capstone.cli import RunOptions
     from capstone.config import ModelConfig, TrainConfig
     from capstone.dist import Dist
-    from capstone.train import Trainer
+    from capstone.run import build, start
+    from capstone.train import train
     monkeypatch.setattr(checkpoint, "mpi_io_available", lambda: False)
-    trainer = Trainer(Dist(MPI.COMM_SELF), ModelConfig(), TrainConfig(steps=4, ckpt_every=2),
-                      RunOptions(out=str(tmp_path / "run"), quiet=True))
-    trainer.prepare()
-    assert trainer.run() == 0
+    run = build(Dist(MPI.COMM_SELF), ModelConfig(), TrainConfig(steps=4, ckpt_every=2),
+                RunOptions(out=str(tmp_path / "run"), quiet=True))
+    start(run)
+    assert train(run) == 0
     assert ckpt_main(["verify", str(tmp_path / "run" / "checkpoints" / "ckpt-00000004.h5")]) == 0
 
     two_ranks = Dist(MPI.COMM_SELF)

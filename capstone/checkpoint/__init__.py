@@ -2,10 +2,10 @@
 
 Layout of `ckpt-<step>.h5`:
   /            attrs: format, format_version, step, world_size, n_params, padded, shard, adam_t,
-               data_cursor, rows, model_config, train_config (JSON), meta_sha256
-  /meta_json   uint8: canonical JSON of everything needed to restore and check the run (step,
-               layout, configs, Adam step, data cursor, loss history, per-dataset sha256,
-               logical digests); `meta_sha256` is its sha256, so a flipped byte there is caught.
+               rows (readable copies of /meta_json's header), meta_sha256
+  /meta_json   uint8: canonical JSON of the header, the layout, per-dataset sha256, logical
+               digests and the caller's run metadata (configs, `RunState`); `meta_sha256` is its
+               sha256, so a flipped byte there is caught.
   /shards/rankNNNNN  float32 (3, shard): rows master, m, v of that rank's ZeRO-1 shard;
                attrs: sha256 (of the dataset's bytes), rank, offset, length.
 Every metadata operation is collective (all ranks create every dataset and write identical
@@ -23,12 +23,13 @@ import h5py
 import numpy as np
 
 from .. import faults
+from ..zero import ROWS, ShardState
 from . import files
 from .digest import CHUNK, distributed_roots, sha256_hex
 
 FORMAT = "capstone-checkpoint"
-VERSION = 1
-ROWS = ("master", "m", "v")
+VERSION = 2
+HEADER = ("format", "format_version", "step", "world_size", "n_params", "padded", "shard", "adam_t")
 
 
 class CheckpointError(RuntimeError):
@@ -62,19 +63,19 @@ def dataset_name(rank: int) -> str:
     return f"shards/rank{rank:05d}"
 
 
-def save(dist, directory: str, step: int, state: dict, layout, extra: dict,
+def save(dist, directory: str, step: int, state: ShardState, layout, extra: dict,
          keep_last: int = 0, protect=()) -> dict:
-    """Collective: call on all ranks. Write `state` (this rank's shard of every row in ROWS and
-    Adam step t) and `extra` (JSON-able run metadata) as checkpoint `step` in `directory`, publish
-    it atomically, move `latest` to it and apply retention. Returns the manifest."""
+    """Collective: call on all ranks. Write `state` (this rank's optimizer shard) and `extra`
+    (JSON-able run metadata) as checkpoint `step` in `directory`, publish it atomically, move
+    `latest` to it and apply retention. Returns the manifest."""
     rank, world, shard = dist.rank, dist.world, layout.shard
-    data = np.stack([state[r] for r in ROWS]).astype("<f4", copy=False)     # (len(ROWS), shard)
+    data = np.stack(state.rows()).astype("<f4", copy=False)     # (len(ROWS), shard)
     digests = dist.allgather_json(sha256_hex(data))
-    roots = distributed_roots(dist, {r: state[r] for r in ROWS}, rank * shard, layout.n_params)
+    roots = distributed_roots(dist, dict(zip(ROWS, state.rows())), rank * shard, layout.n_params)
     token = dist.bcast_json(secrets.token_hex(6) if rank == 0 else None)
     meta = {"format": FORMAT, "format_version": VERSION, "step": step, "world_size": world,
             "n_params": layout.n_params, "padded": layout.padded, "shard": shard,
-            "layout": json.loads(layout.to_json()), "adam_t": int(state["t"]), "rows": list(ROWS),
+            "layout": json.loads(layout.to_json()), "adam_t": int(state.t), "rows": list(ROWS),
             "datasets": {dataset_name(r): {"rank": r, "offset": r * shard, "length": shard, "sha256": digests[r]}
                          for r in range(world)},
             "logical_sha256": roots, "logical_chunk": CHUNK, **extra}
@@ -123,15 +124,9 @@ def save(dist, directory: str, step: int, state: dict, layout, extra: dict,
 
 
 def root_attributes(meta: dict) -> dict:
-    """Readable copies (h5ls/h5dump) of the main metadata as root attributes; /meta_json, covered
-    by meta_sha256, is the authoritative copy and loading checks that the two agree."""
-    attrs = {key: meta[key] for key in ("format", "format_version", "step", "world_size", "n_params",
-                                        "padded", "shard", "adam_t", "data_cursor") if key in meta}
-    attrs["rows"] = ",".join(meta["rows"])
-    for key in ("model_config", "train_config"):
-        if key in meta:
-            attrs[key] = json.dumps(meta[key], sort_keys=True)
-    return attrs
+    """Readable copies (h5ls/h5dump) of the header as root attributes; /meta_json, covered by
+    meta_sha256, is the authoritative copy and loading checks that the two agree."""
+    return {**{key: meta[key] for key in HEADER}, "rows": ",".join(meta["rows"])}
 
 
 def read_meta(f, path: str) -> dict:
@@ -237,7 +232,7 @@ def load(dist, path: str, layout, expect: dict) -> tuple[dict, dict]:
     bad = [r for r in ROWS if roots[r] != meta["logical_sha256"][r]]
     agree(dist, f"{path}: logical digest of {bad} differs after loading on {dist.world} ranks: the restored "
                 f"state is not what was saved." if bad else None)
-    return {**dict(zip(ROWS, state)), "t": meta["adam_t"]}, meta
+    return ShardState(*state, t=meta["adam_t"]), meta
 
 
 def verify_snapshot(dist, path: str, layout, expect: dict, snapshot: np.ndarray) -> dict:
@@ -247,7 +242,7 @@ def verify_snapshot(dist, path: str, layout, expect: dict, snapshot: np.ndarray)
         state, _ = load(dist, path, layout, expect)
     except CheckpointError as exc:
         return {"ok": False, "mismatched_bytes": None, "errors": [str(exc)], "path": path}
-    got = np.stack([state[r] for r in ROWS]).astype("<f4", copy=False).view(np.uint8)
+    got = np.stack(state.rows()).astype("<f4", copy=False).view(np.uint8)
     want = np.ascontiguousarray(snapshot, dtype="<f4").view(np.uint8)
     mismatched = int(np.count_nonzero(got != want)) if got.shape == want.shape else max(got.size, want.size)
     total = sum(dist.allgather_json(mismatched))

@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     elif args.command == "inspect":
         print(f"{args.file}: capstone checkpoint v{meta['format_version']}, step {meta['step']}, "
               f"{meta['world_size']} ranks, {meta['n_params']} parameters (padded {meta['padded']}), "
-              f"Adam step {meta['adam_t']}, data cursor {meta.get('data_cursor')}")
+              f"Adam step {meta['adam_t']}, data cursor {meta.get('run', {}).get('data_cursor')}")
         print(f"  model {json.dumps(meta.get('model_config'), sort_keys=True)}")
         for name, info in sorted(meta["datasets"].items()):
             print(f"  /{name}  ({len(ROWS)}, {info['length']}) float32  offset {info['offset']}  sha256 {info['sha256']}")

@@ -14,6 +14,7 @@ from capstone.checkpoint.digest import logical_root
 from capstone.config import ModelConfig
 from capstone.dist import Dist
 from capstone.params import Layout
+from capstone.zero import ROWS, ShardState
 
 CFG = ModelConfig(vocab_size=29, seq_len=4, d_model=8, n_heads=2, n_layers=1)
 EXPECT = {"model_config": {"cfg": 1}}
@@ -22,24 +23,23 @@ EXPECT = {"model_config": {"cfg": 1}}
 def logical(layout, step=0):
     """The unsharded rows (master, m, v, good_*) every test saves: a formula of the position."""
     i = np.arange(layout.n_params, dtype=np.float64)
-    return [np.sin(i * (k + 1) + step).astype(np.float32) for k in range(len(checkpoint.ROWS))]
+    return [np.sin(i * (k + 1) + step).astype(np.float32) for k in range(len(ROWS))]
 
 
-def shard_state(layout, rank, step=0):
+def shard_state(layout, rank, step=0) -> ShardState:
     lo, hi = layout.shard_range(rank)
-    out = {}
-    for name, vec in zip(checkpoint.ROWS, logical(layout, step)):
+    rows = []
+    for vec in logical(layout, step):
         padded = np.zeros(layout.padded, dtype=np.float32)
         padded[:layout.n_params] = vec
-        out[name] = padded[lo:hi].copy()
-    out["t"] = 10 + step
-    return out
+        rows.append(padded[lo:hi].copy())
+    return ShardState(*rows, t=10 + step)
 
 
 def save(d: Dist, directory, step=10, keep_last=0):
     layout = Layout.for_model(CFG, d.world)
     return checkpoint.save(d, directory, step, shard_state(layout, d.rank, step), layout,
-                           {"model_config": {"cfg": 1}, "data_cursor": 123}, keep_last)
+                           {"model_config": {"cfg": 1}, "run": {"data_cursor": 123}}, keep_last)
 
 
 def test_round_trip_and_sha256_matches_plain_h5py(dist, shared_tmp):
@@ -48,9 +48,9 @@ def test_round_trip_and_sha256_matches_plain_h5py(dist, shared_tmp):
     layout = Layout.for_model(CFG, dist.world)
     state, meta = checkpoint.load(dist, man["path"], layout, EXPECT)
     want = shard_state(layout, dist.rank, 10)
-    for k in checkpoint.ROWS:
-        assert state[k].tobytes() == want[k].tobytes()
-    assert state["t"] == 20 and meta["data_cursor"] == 123 and meta["world_size"] == dist.world
+    for k in ROWS:
+        assert getattr(state, k).tobytes() == getattr(want, k).tobytes()
+    assert state.t == 20 and meta["run"]["data_cursor"] == 123 and meta["world_size"] == dist.world
     if dist.rank == 0:  # serial plain h5py, no MPI driver
         with h5py.File(man["path"], "r") as f:
             assert sorted(f["shards"]) == [f"rank{r:05d}" for r in range(dist.world)]
@@ -65,7 +65,7 @@ def test_verify_snapshot_counts_differing_bytes(dist, shared_tmp):
     man = save(dist, shared_tmp)
     layout = Layout.for_model(CFG, dist.world)
     st = shard_state(layout, dist.rank, 10)
-    snap = np.stack([st[row] for row in checkpoint.ROWS])
+    snap = np.stack(st.rows())
     assert checkpoint.verify_snapshot(dist, man["path"], layout, EXPECT, snap)["ok"]
     if dist.rank == dist.world - 1:
         snap[2, 0] += 1.0
@@ -83,8 +83,8 @@ def test_reshard_from_all_ranks_to_fewer(dist, shared_tmp, new_world):
         layout = Layout.for_model(CFG, d.world)
         state, meta = checkpoint.load(d, man["path"], layout, EXPECT)
         want = shard_state(layout, d.rank, 10)
-        for k in checkpoint.ROWS:
-            assert state[k].tobytes() == want[k].tobytes(), k
+        for k in ROWS:
+            assert getattr(state, k).tobytes() == getattr(want, k).tobytes(), k
         sub.Free()
     dist.barrier()
 
@@ -99,14 +99,14 @@ def test_reshard_from_fewer_ranks_to_all(dist, shared_tmp):
     state, meta = checkpoint.load(dist, os.path.join(shared_tmp, files.final_name(10)), layout, EXPECT)
     assert meta["world_size"] == min(2, dist.world)
     want = shard_state(layout, dist.rank, 10)
-    for k in checkpoint.ROWS:
-        assert state[k].tobytes() == want[k].tobytes(), k
+    for k in ROWS:
+        assert getattr(state, k).tobytes() == getattr(want, k).tobytes(), k
 
 
 def test_logical_digest_is_independent_of_sharding(dist, shared_tmp):
     man = save(dist, shared_tmp)
     layout = Layout.for_model(CFG, dist.world)
-    for name, vec in zip(checkpoint.ROWS, logical(layout, 10)):
+    for name, vec in zip(ROWS, logical(layout, 10)):
         assert man["logical_sha256"][name] == logical_root(vec)
 
 
@@ -183,7 +183,7 @@ def test_distributed_logical_digest_equals_serial_for_any_chunking(dist, chunk):
     assert distributed_roots(dist, {"x": other[lo:lo + shard]}, lo, n, chunk)["x"] != roots["x"]
 
 
-@pytest.mark.parametrize("attr, value", [("adam_t", 99), ("step", 11), ("data_cursor", 0)])
+@pytest.mark.parametrize("attr, value", [("adam_t", 99), ("step", 11), ("shard", 1)])
 def test_edited_root_attribute_is_rejected(dist, shared_tmp, attr, value):
     man = save(dist, shared_tmp)
     if dist.rank == 0:

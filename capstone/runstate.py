@@ -1,0 +1,56 @@
+"""What a run's checkpoint restores besides the optimizer shards, as one typed object.
+
+`RunState` is where the run is (step, data cursor) and what it has judged so far (the guard's
+state, the held-out loss history that invariant (a) judges, the rollbacks). `RunIdentity` is what
+a resumed run must match (the model and the data stream). Both go to and from JSON here and
+nowhere else: save, load and resume all go through these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .config import ModelConfig, TrainConfig
+from .guard import GuardState
+
+
+@dataclass
+class RunState:
+    """Progress of one run; mutated by the training loop, saved in every checkpoint."""
+
+    step: int = 0                       # optimizer steps done
+    cursor: int = 0                     # first global sample of the next step
+    eval_start: float | None = None     # held-out loss of the initial parameters
+    losses: list = field(default_factory=list)     # [step, train loss, held-out loss] of accepted updates
+    rollbacks: list = field(default_factory=list)  # the guard's rollback events
+    guard: GuardState = field(default_factory=GuardState)
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "data_cursor": self.cursor, "eval_start": self.eval_start,
+                "losses": [list(x) for x in self.losses], "rollbacks": self.rollbacks,
+                "guard": self.guard.to_json()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "RunState":
+        return cls(step=int(data["step"]), cursor=int(data["data_cursor"]), eval_start=data["eval_start"],
+                   losses=[tuple(x) for x in data["losses"]], rollbacks=list(data["rollbacks"]),
+                   guard=GuardState.from_json(data["guard"]))
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """The configs of a run; a checkpoint resumes only into the same model and data stream."""
+
+    model: ModelConfig
+    train: TrainConfig
+    data: dict            # the data stream's identity (e.g. seeds and corpus length)
+    global_batch: int     # sequences per optimizer step
+
+    def to_json(self) -> dict:
+        return {"model_config": dataclasses.asdict(self.model), "train_config": dataclasses.asdict(self.train),
+                "data": self.data, "global_batch": self.global_batch}
+
+    def must_match(self) -> dict:
+        """The metadata a checkpoint must hold, key by key, to be resumed by this run."""
+        return {"model_config": dataclasses.asdict(self.model), "data": self.data}
