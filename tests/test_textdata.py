@@ -186,3 +186,9 @@ def test_missing_dataset(tmp_path):
         load_meta(str(tmp_path / "nope"))
     with pytest.raises(DatasetError, match=r"meta\.json: missing"):
         load_meta(str(tmp_path))
+
+
+def test_eval_batch_is_val_batch_zero(ds):
+    data = TokenData(ds, T, B, SEED)
+    full = data.val_batch(0, 32)[0]
+    assert np.array_equal(data.eval_batch(0, 1)[0], full) and np.array_equal(data.eval_batch(1, 2)[0], full[1::2])
