@@ -211,14 +211,16 @@ def write_dataset(out: str, chars: list[str], train: np.ndarray, val: np.ndarray
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m capstone.prepare", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m capstone.prepare", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Turn UTF-8 text into a character-level token dataset for training: DIR/train.bin (first 90%), "
+                    "DIR/val.bin (last 10%), uint16 little-endian ids, and DIR/meta.json. See docs/data.md.")
     p.add_argument("inputs", nargs="+", metavar="TEXT_FILE",
                    help=f"UTF-8 text files (concatenated in this order), .tar.gz archives, or a recipe: {sorted(RECIPES)}")
-    p.add_argument("--out", required=True, help="dataset directory to write (train.bin, val.bin, meta.json)")
-    p.add_argument("--members", default=None,
-                   help="for archives: glob of the files to read, relative to the archive's top folder "
-                        f"(default: the shakespeare recipe's {RECIPES['shakespeare'].members})")
+    p.add_argument("--out", required=True, metavar="DIR", default=argparse.SUPPRESS,
+                   help="dataset directory to write (train.bin, val.bin, meta.json)")
+    p.add_argument("--members", default=RECIPES["shakespeare"].members, metavar="GLOB",
+                   help="for archives and recipes: the files to read, relative to the archive's top folder")
     return p
 
 
