@@ -56,15 +56,6 @@ def strict_json(text: str):
     return json.loads(text, object_pairs_hook=pairs, parse_constant=constant)
 
 
-def file_sha256(path: str, chunk: int = CHUNK) -> str:
-    """Hex sha256 of a file, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 @dataclass(frozen=True)
 class Split:
     """One token file of a dataset: its path, its length in tokens and its sha256."""
@@ -148,6 +139,7 @@ def _chars(path: str, meta: dict) -> tuple[str, ...]:
     _check(len(chars) == size, path, f"chars has {len(chars)} characters but vocab_size is {size}")
     codes = [ord(c) for c in chars]
     _check(all(a < b for a, b in zip(codes, codes[1:])), path, "chars must be distinct and sorted by code point")
+    _check(not any(0xD800 <= c <= 0xDFFF for c in codes), path, "chars must not hold surrogates (not text)")
     return tuple(chars)
 
 

@@ -166,6 +166,7 @@ BAD_META = {
     "chars unsorted": lambda m: m.update(chars=m["chars"][::-1]),
     "chars count": lambda m: m.update(chars=m["chars"][:-1]),
     "chars list": lambda m: m.update(chars=list(m["chars"])),
+    "surrogate": lambda m: m.update(chars=m["chars"][:-1] + "\ud800"),
     "tokens": lambda m: m["splits"]["train"].update(tokens=-1),
     "sha256": lambda m: m["splits"]["val"].update(sha256="abc"),
     "file": lambda m: m["splits"]["train"].update(file="../train.bin"),
