@@ -1,0 +1,195 @@
+"""capstone.textdata: strict meta.json, memmapped splits, verification, DataStream-compatible sampling."""
+
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+
+from capstone.config import ConfigError
+from capstone.data import EVAL_SEQUENCES, DataStream
+from capstone.prepare import prepare
+from capstone.textdata import DatasetError, TokenData, load_meta
+
+T, B, SEED = 8, 3, 5
+
+
+@pytest.fixture
+def ds(tmp_path):
+    """A random 3000-character text over 30 letters: every window of T+1 tokens is distinct."""
+    rng = np.random.default_rng(0)
+    text = "".join(rng.choice(list("abcdefghijklmnopqrstuvwxyzäöü\n"), size=3000))
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8", newline="")
+    prepare([str(tmp_path / "t.txt")], str(tmp_path / "ds"))
+    return str(tmp_path / "ds")
+
+
+def rewrite_meta(directory, change):
+    path = os.path.join(directory, "meta.json")
+    with open(path) as f:
+        meta = json.load(f)
+    text = change(meta)
+    with open(path, "w") as f:
+        f.write(text if isinstance(text, str) else json.dumps(meta))
+
+
+def window_ids(data: TokenData, x, y) -> list[int]:
+    """Which non-overlapping window of train.bin each (x, y) row is."""
+    full = np.asarray(data.train, dtype=np.int32)
+    lookup = {full[w * T:w * T + T + 1].tobytes(): w for w in range(data.n_windows)}
+    assert len(lookup) == data.n_windows
+    return [lookup[np.concatenate([xr, yr[-1:]]).tobytes()] for xr, yr in zip(x, y)]
+
+
+def test_samples_are_a_pure_function_of_the_index(ds):
+    a, b = TokenData(ds, T, B, SEED), TokenData(ds, T, B, SEED)
+    n = a.n_windows
+    x, y = a.samples(n - 7, 20)                                   # crosses the epoch boundary
+    assert x.shape == y.shape == (20, T) and x.dtype == np.int32 and not isinstance(x, np.memmap)
+    assert np.array_equal(x[:, 1:], y[:, :-1])
+    for k in (0, 1, 7, 13, 20):
+        x1, y1 = b.samples(n - 7, k)
+        x2, y2 = b.samples(n - 7 + k, 20 - k)
+        assert np.array_equal(np.concatenate([x1, x2]), x) and np.array_equal(np.concatenate([y1, y2]), y)
+    assert not np.array_equal(TokenData(ds, T, B, SEED + 1).samples(n - 7, 20)[0], x)
+
+
+def test_every_window_once_per_epoch(ds):
+    data = TokenData(ds, T, B, SEED)
+    n = data.n_windows
+    epochs = [window_ids(data, *data.samples(e * n, n)) for e in range(2)]
+    assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(n))
+    assert epochs[0] != epochs[1]
+
+
+def test_same_scheme_as_datastream(ds):
+    data = TokenData(ds, T, B, SEED)
+    train = np.asarray(data.train, dtype=np.int32)
+    corpus = np.concatenate([train, np.zeros(EVAL_SEQUENCES * T, np.int32)])     # DataStream holds these out
+    stream = DataStream(corpus, T, B, SEED)
+    assert stream.n_windows == data.n_windows
+    for first, count in ((0, 5), (data.n_windows - 2, 6)):
+        assert all(np.array_equal(p, q) for p, q in zip(stream.samples(first, count), data.samples(first, count)))
+    for rank, micro in ((0, 0), (1, 1)):
+        assert np.array_equal(stream.micro_batch(12, micro, rank, 2)[0], data.micro_batch(12, micro, rank, 2)[0])
+
+
+def test_micro_batches_of_a_step_are_its_global_batch(ds):
+    data, world, accum = TokenData(ds, T, B, SEED), 2, 3
+    parts = {(j * world + r): data.micro_batch(40, j, r, world)[0] for j in range(accum) for r in range(world)}
+    step = np.concatenate([parts[i] for i in range(accum * world)])
+    assert np.array_equal(step, data.samples(40, B * accum * world)[0])
+
+
+def test_splits_are_read_only_memmaps(ds):
+    data = TokenData(ds, T, B, SEED)
+    for arr, name in ((data.train, "train.bin"), (data.val, "val.bin")):
+        assert isinstance(arr, np.memmap) and arr.mode == "r" and not arr.flags.writeable
+        assert os.path.basename(arr.filename) == name and arr.dtype == np.dtype("<u2")
+
+
+def test_val_batches_fixed_distinct_and_split_across_ranks(ds):
+    a, b = TokenData(ds, T, B, SEED), TokenData(ds, T, B, SEED + 1)      # the seed does not matter
+    count, m = 4, a.n_val_windows // 4
+    batches = [a.val_batch(k, count) for k in range(m)]
+    assert all(np.array_equal(p[0], q[0]) for p, q in zip(batches, (b.val_batch(k, count) for k in range(m))))
+    rows = {np.concatenate([xr, yr[-1:]]).tobytes() for x, y in batches for xr, yr in zip(x, y)}
+    assert len(rows) == m * count                                                   # no window twice
+    val = np.asarray(a.val, dtype=np.int32)
+    x, y = a.val_batch(1, count)
+    for xr, yr in zip(x, y):
+        start = int(np.flatnonzero([np.array_equal(val[s:s + T], xr) for s in range(0, len(val) - T, T)])[0]) * T
+        assert np.array_equal(val[start + 1:start + T + 1], yr)
+    shares = [a.val_batch(1, count, r, 3)[0] for r in range(3)]
+    assert sum(len(s) for s in shares) == count
+    assert all(np.array_equal(shares[r], x[r::3]) for r in range(3))
+    with pytest.raises(ConfigError, match="count <="):
+        a.val_batch(0, a.n_val_windows + 1)
+
+
+def test_verify_identity_encode_decode(ds):
+    data = TokenData(ds, T, B, SEED).verify()
+    ident = data.identity()
+    assert json.loads(json.dumps(ident)) == ident == TokenData(ds, 4, 1, 9).identity()
+    assert ident["vocab_size"] == 30 and ident["train_tokens"] + ident["val_tokens"] == 3000
+    assert ident["train_sha256"] == hashlib.sha256(open(data.train.filename, "rb").read()).hexdigest()
+    assert data.decode(data.encode("äbc\n")) == "äbc\n"
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        data.encode("A")
+    assert load_meta(ds).decode(data.train[:5]) == data.decode(data.train[:5]) and len(data.decode(data.train[:5])) == 5
+
+
+def test_flipped_byte_is_refused(ds):
+    path = os.path.join(ds, "train.bin")
+    with open(path, "r+b") as f:
+        f.seek(101)
+        byte = f.read(1)
+        f.seek(101)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(DatasetError, match=r"not a valid dataset: .*train\.bin: sha256 .* does not match"):
+        TokenData(ds, T, B, SEED).verify()
+
+
+def test_token_id_beyond_vocab_is_refused(ds):
+    path = os.path.join(ds, "val.bin")
+    tokens = np.fromfile(path, dtype="<u2")
+    tokens[3] = 30
+    tokens.tofile(path)
+    digest = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    rewrite_meta(ds, lambda m: m["splits"]["val"].update(sha256=digest))
+    with pytest.raises(DatasetError, match=r"val\.bin: holds token id 30 >= vocab_size 30"):
+        TokenData(ds, T, B, SEED).verify()
+
+
+def test_size_mismatch_and_short_split_are_refused(ds):
+    with pytest.raises(DatasetError, match="shorter than one window"):
+        TokenData(ds, 400, B, SEED)                     # val holds 300 tokens
+    with open(os.path.join(ds, "train.bin"), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(DatasetError, match=r"train\.bin: 100 bytes, but meta.json says"):
+        TokenData(ds, T, B, SEED)
+
+
+BAD_META = {
+    "not json": lambda m: "{not json",
+    "NaN": lambda m: json.dumps(m).replace('"version": 1', '"version": NaN'),
+    "duplicate key": lambda m: json.dumps(m)[:-1] + ', "version": 1}',
+    "not an object": lambda m: "[]",
+    "format": lambda m: m.update(format="nanogpt"),
+    "version": lambda m: m.update(version=2),
+    "version bool": lambda m: m.update(version=True),
+    "missing key": lambda m: m.pop("sources"),
+    "unknown key": lambda m: m.update(extra=1),
+    "dtype": lambda m: m.update(dtype="uint32"),
+    "vocab type": lambda m: m.update(vocab_size="30"),
+    "chars unsorted": lambda m: m.update(chars=m["chars"][::-1]),
+    "chars count": lambda m: m.update(chars=m["chars"][:-1]),
+    "chars list": lambda m: m.update(chars=list(m["chars"])),
+    "surrogate": lambda m: m.update(chars=m["chars"][:-1] + "\ud800"),
+    "tokens": lambda m: m["splits"]["train"].update(tokens=-1),
+    "sha256": lambda m: m["splits"]["val"].update(sha256="abc"),
+    "file": lambda m: m["splits"]["train"].update(file="../train.bin"),
+    "splits": lambda m: m["splits"].pop("val"),
+    "sources": lambda m: m["sources"][0].update(chars=1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_META))
+def test_bad_meta_is_refused_cleanly(ds, case):
+    rewrite_meta(ds, BAD_META[case])
+    with pytest.raises(DatasetError, match=r"^not a valid dataset: .*meta\.json: .*capstone\.prepare"):
+        TokenData(ds, T, B, SEED)
+
+
+def test_missing_dataset(tmp_path):
+    with pytest.raises(DatasetError, match="no such directory"):
+        load_meta(str(tmp_path / "nope"))
+    with pytest.raises(DatasetError, match=r"meta\.json: missing"):
+        load_meta(str(tmp_path))
+
+
+def test_eval_batch_is_val_batch_zero(ds):
+    data = TokenData(ds, T, B, SEED)
+    full = data.val_batch(0, 32)[0]
+    assert np.array_equal(data.eval_batch(0, 1)[0], full) and np.array_equal(data.eval_batch(1, 2)[0], full[1::2])
