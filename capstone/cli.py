@@ -1,4 +1,8 @@
-"""Command line of `python -m capstone.train`: flags -> validated configs and run options."""
+"""Command line of `python -m capstone.train`: flags -> validated configs and run options.
+
+Settings are layered: the dataclass defaults, then `--preset`, then (on resume) the checkpoint's
+own settings, then the flags given explicitly, which always win.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import sys
 from dataclasses import dataclass
 
 from .config import ConfigError, ModelConfig, TrainConfig
+from .presets import PRESETS
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,26 @@ class RunOptions:
     inject_lr_spike: tuple[int, float] | None = None
     inject_nan: tuple[int, int] | None = None
     quiet: bool = False
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The parsed command line: configs, options, and which config fields were given explicitly."""
+
+    model: ModelConfig
+    train: TrainConfig
+    opts: RunOptions
+    explicit: dict   # field name -> value, for the config flags on the command line
+
+    def on_top_of(self, model: dict, train: dict) -> "Settings":
+        """These settings over a checkpoint's (explicit flags win); raises ConfigError if invalid."""
+        m = ModelConfig(**_pick(ModelConfig, {**model, **self.explicit}))
+        t = TrainConfig(**_pick(TrainConfig, {**train, **self.explicit}))
+        return dataclasses.replace(self, model=m, train=t)
+
+
+def _pick(cls, values: dict) -> dict:
+    return {f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
 
 
 def _spike(text: str) -> tuple[int, float]:
@@ -47,76 +72,87 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message}. Run `python -m capstone.train --help` for every flag and its meaning.")
 
 
+_M, _T = ModelConfig(), TrainConfig()
+
+
+def _flag(group, name: str, help: str, **kw) -> None:
+    """A config flag: no argparse default (so explicit flags can be told apart), the default in the help."""
+    default = getattr(_M, name, getattr(_T, name, None))
+    kind = kw.pop("type", type(default) if default is not None else str)
+    group.add_argument("--" + name.replace("_", "-"), type=kind, default=argparse.SUPPRESS,
+                       help=f"{help} (default: {default!r})", **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="python -m capstone.train",
-        description="Train the MiniGPT data-parallel with ZeRO-1 and sharded HDF5 checkpoints; run under "
-                    "mpirun/srun (any number of ranks). Checks the four invariants and exits non-zero if one fails.")
-    m, t = ModelConfig(), TrainConfig()
+    p = _Parser(prog="python -m capstone.train",
+                description="Train the MiniGPT data-parallel with ZeRO-1 and sharded HDF5 checkpoints; run under "
+                            "mpirun/srun (any number of ranks). Checks the four invariants and exits non-zero if one fails.")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="reference",
+                   help="named settings (capstone/presets.py); explicit flags override them (default: 'reference')")
     g = p.add_argument_group("model")
-    g.add_argument("--vocab-size", type=int, default=m.vocab_size, help="vocabulary size V")
-    g.add_argument("--seq-len", type=int, default=m.seq_len, help="sequence length T (context)")
-    g.add_argument("--d-model", type=int, default=m.d_model, help="model width C")
-    g.add_argument("--n-heads", type=int, default=m.n_heads, help="attention heads H (must divide d-model)")
-    g.add_argument("--n-layers", type=int, default=m.n_layers, help="transformer blocks L")
-    g = p.add_argument_group("training")
-    g.add_argument("--seed", type=int, default=t.seed, help="seed of the initial parameters and of the data order")
-    g.add_argument("--steps", type=int, default=t.steps, help="optimizer steps of the whole run")
-    g.add_argument("--batch-size", type=int, default=t.batch_size, help="sequences per rank per micro-batch")
-    g.add_argument("--grad-accum", type=int, default=t.grad_accum, help="micro-batches summed per optimizer step")
-    g.add_argument("--lr", type=float, default=t.lr, help="peak learning rate")
-    g.add_argument("--lr-schedule", choices=("constant", "cosine"), default=t.lr_schedule, help="decay after warmup")
-    g.add_argument("--warmup-steps", type=int, default=t.warmup_steps, help="linear warmup steps")
-    g.add_argument("--min-lr", type=float, default=t.min_lr, help="final learning rate of the cosine schedule")
-    g.add_argument("--beta1", type=float, default=t.beta1, help="Adam beta1")
-    g.add_argument("--beta2", type=float, default=t.beta2, help="Adam beta2")
-    g.add_argument("--eps", type=float, default=t.eps, help="Adam epsilon")
-    g.add_argument("--weight-decay", type=float, default=t.weight_decay, help="decoupled (AdamW) weight decay of matrices")
-    g.add_argument("--clip", type=float, default=t.clip, help="clip the global gradient norm to this (0: off)")
-    g.add_argument("--corpus-tokens", type=int, default=t.corpus_tokens, help="length of the synthetic corpus")
-    g.add_argument("--corpus-seed", type=int, default=t.corpus_seed, help="seed of the synthetic corpus")
-    g.add_argument("--loss-tol", type=float, default=t.loss_tol,
-                   help="invariant (a): a step may raise the held-out loss by at most this (float noise) ...")
-    g.add_argument("--loss-tol-rel", type=float, default=t.loss_tol_rel,
-                   help="... plus this fraction of the decrease achieved so far (the wiggle of a converging run)")
+    for name, text in (("vocab_size", "vocabulary size V (with --data: the data's)"), ("seq_len", "sequence length T"),
+                       ("d_model", "model width C"), ("n_heads", "attention heads H (must divide d-model)"),
+                       ("n_layers", "transformer blocks L")):
+        _flag(g, name, text)
+    g = p.add_argument_group("data and training")
+    for name, text in (
+            ("data", "directory made by `python -m capstone.prepare` ('' for the synthetic corpus)"),
+            ("seed", "seed of the initial parameters and of the data order"), ("steps", "optimizer steps of the run"),
+            ("batch_size", "sequences per rank per micro-batch"),
+            ("global_batch", "sequences per step over all ranks (0: batch-size x grad-accum x ranks)"),
+            ("grad_accum", "micro-batches summed per optimizer step"), ("lr", "peak learning rate"),
+            ("warmup_steps", "linear warmup steps"), ("min_lr", "final learning rate of the cosine schedule"),
+            ("beta1", "Adam beta1"), ("beta2", "Adam beta2"), ("eps", "Adam epsilon"),
+            ("weight_decay", "decoupled (AdamW) weight decay of matrices"),
+            ("clip", "clip the global gradient norm to this (0: off)"),
+            ("corpus_tokens", "length of the synthetic corpus"), ("corpus_seed", "seed of the synthetic corpus"),
+            ("eval_every", "held-out evaluation every K steps (and at checkpoints and the last step)"),
+            ("eval_batches", "held-out batches per evaluation"), ("eval_batch_size", "sequences per held-out batch"),
+            ("loss_tol", "invariant (a): an evaluation may rise by this (float noise) ..."),
+            ("loss_tol_rel", "... plus this fraction of the decrease achieved so far")):
+        _flag(g, name, text)
+    _flag(g, "lr_schedule", "decay after warmup", choices=("constant", "cosine"))
     g = p.add_argument_group("checkpoints and guard")
-    g.add_argument("--ckpt-every", type=int, default=t.ckpt_every, help="checkpoint every K steps (0: off)")
-    g.add_argument("--ckpt-every-minutes", type=float, default=t.ckpt_every_minutes,
-                   help="also checkpoint when this many minutes of wall clock passed since the last one (0: off)")
-    g.add_argument("--keep-last", type=int, default=t.keep_last, help="keep only the newest K checkpoints (0: all)")
-    g.add_argument("--spike-factor", type=float, default=t.spike_factor,
-                   help="roll back when the loss exceeds this factor times the last accepted loss")
-    g.add_argument("--max-rollbacks", type=int, default=t.max_rollbacks,
-                   help="stop with an error when the guard fires more than this many times without an accepted update")
-    g = p.add_argument_group("run")
-    g.add_argument("--out", default=None, help="run directory (default: runs/run-<time>); checkpoints go to OUT/checkpoints")
-    g.add_argument("--resume", default=None,
-                   help="checkpoint to continue from: a ckpt-*.h5 path, 'latest' (newest complete one in OUT), "
-                        "or 'auto' (latest if there is one, else start fresh)")
-    g.add_argument("--stop-after", type=int, default=0,
-                   help="checkpoint and stop (status 'preempted') after this step, as if preempted (0: off)")
-    g.add_argument("--sleep-per-step", type=float, default=0.0, help="sleep this many seconds per step (tests of signals)")
-    g.add_argument("--inject-lr-spike", type=_spike, default=None, metavar="STEP:MULT",
-                   help="fault injection: multiply the learning rate of step STEP by MULT")
-    g.add_argument("--inject-nan", type=_nan, default=None, metavar="STEP[:COUNT]",
-                   help="fault injection: make the gradient NaN at STEP (and the COUNT-1 steps after)")
-    g.add_argument("--quiet", action="store_true", help="print only the final report")
+    for name, text in (("ckpt_every", "checkpoint every K steps (0: off)"),
+                       ("ckpt_every_minutes", "also checkpoint after this many minutes of wall clock (0: off)"),
+                       ("keep_last", "keep the newest K checkpoints and the run's first (0: all)"),
+                       ("spike_factor", "roll back when a loss exceeds this factor times the last accepted one"),
+                       ("max_rollbacks", "stop with an error after this many triggers without an accepted update")):
+        _flag(g, name, text)
+    _run_flags(p)
     return p
 
 
-def parse(argv=None) -> tuple[ModelConfig, TrainConfig, RunOptions]:
-    """Parse and validate; raises ConfigError (with what to do) on bad values, SystemExit on bad syntax."""
-    args = build_parser().parse_args(argv)
-    values = vars(args)
-    model = ModelConfig(**{f.name: values[f.name] for f in dataclasses.fields(ModelConfig)})
-    train = TrainConfig(**{f.name: values[f.name] for f in dataclasses.fields(TrainConfig)})
-    opts = RunOptions(**{f.name: values[f.name] for f in dataclasses.fields(RunOptions)})
+def _run_flags(p) -> None:
+    g = p.add_argument_group("run")
+    g.add_argument("--out", default=None, help="run directory; checkpoints go to OUT/checkpoints (default: runs/run-<time>)")
+    g.add_argument("--resume", default=None,
+                   help="checkpoint to continue from: a ckpt-*.h5 path, 'latest' (newest complete one in OUT), or "
+                        "'auto' (latest if there is one, else start fresh); its settings are used unless given as flags")
+    g.add_argument("--quiet", action="store_true", help="print only the final report")
+    g = p.add_argument_group("test hooks (fault injection, not for training)")
+    g.add_argument("--stop-after", type=int, default=0, help="checkpoint and stop after this step, as if preempted (0: off)")
+    g.add_argument("--sleep-per-step", type=float, default=0.0, help="sleep this many seconds per step")
+    g.add_argument("--inject-lr-spike", type=_spike, default=None, metavar="STEP:MULT",
+                   help="multiply the learning rate of step STEP by MULT")
+    g.add_argument("--inject-nan", type=_nan, default=None, metavar="STEP[:COUNT]",
+                   help="make the gradient NaN at STEP (and the COUNT-1 steps after)")
+
+
+def parse(argv=None) -> Settings:
+    """Parse and validate; raises ConfigError (with what to do) on bad values, SystemExit on --help."""
+    values = vars(build_parser().parse_args(argv))
+    preset = PRESETS[values.pop("preset")]
+    opts = RunOptions(**_pick(RunOptions, values))
+    explicit = {k: v for k, v in values.items() if k not in {f.name for f in dataclasses.fields(RunOptions)}}
     if opts.stop_after < 0 or opts.sleep_per_step < 0:
         raise ConfigError("--stop-after and --sleep-per-step must be >= 0.")
-    return model, train, opts
+    base = {**preset, **explicit}
+    return Settings(ModelConfig(**_pick(ModelConfig, base)), TrainConfig(**_pick(TrainConfig, base)), opts,
+                    {**preset, **explicit} if opts.resume is None else explicit)
 
 
-def parse_on_every_rank(argv, rank: int) -> tuple[ModelConfig, TrainConfig, RunOptions]:
+def parse_on_every_rank(argv, rank: int) -> Settings:
     """`parse` on every rank, with --help, usage and errors printed once (by rank 0). A bad
     value exits 2 on every rank; every rank parses the same argv, so they agree without talking."""
     try:

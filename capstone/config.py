@@ -49,6 +49,7 @@ class TrainConfig:
     seed: int = 1234
     steps: int = 20
     batch_size: int = 4
+    global_batch: int = 0          # sequences per step over all ranks; if set, fixes batch_size per world size
     grad_accum: int = 1
     lr: float = 1e-2
     lr_schedule: str = "constant"
@@ -59,22 +60,39 @@ class TrainConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     clip: float = 0.0
+    data: str = ""                 # a directory made by capstone.prepare; "" for the synthetic corpus
     corpus_tokens: int = 1 << 18
     corpus_seed: int = 0
+    eval_every: int = 1
+    eval_batches: int = 1
+    eval_batch_size: int = 32
     ckpt_every: int = 10
-    ckpt_every_minutes: float = 0.0
-    keep_last: int = 0
+    ckpt_every_minutes: float = 30.0
+    keep_last: int = 3
     spike_factor: float = 2.0
     max_rollbacks: int = 3
     loss_tol: float = 1e-4
     loss_tol_rel: float = 0.05
 
+    def batch_for(self, world: int) -> int:
+        """Sequences per rank per micro-batch on `world` ranks (from global_batch when it is set)."""
+        if not self.global_batch:
+            return self.batch_size
+        per = self.global_batch // (world * self.grad_accum)
+        _require(per * world * self.grad_accum == self.global_batch,
+                 f"global_batch {self.global_batch} is not divisible by {world} ranks x grad_accum "
+                 f"{self.grad_accum}; choose a world size or --grad-accum that divides it, or --global-batch 0.")
+        return per
+
     def __post_init__(self):
-        for name in ("steps", "batch_size", "grad_accum", "corpus_tokens", "max_rollbacks"):
+        for name in ("steps", "batch_size", "grad_accum", "max_rollbacks", "eval_every", "eval_batches",
+                     "eval_batch_size"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1,
                      f"{name} must be a positive integer, got {value!r}; pass e.g. --{name.replace('_', '-')} 1.")
-        for name in ("warmup_steps", "ckpt_every", "keep_last", "seed", "corpus_seed"):
+        _require(isinstance(self.corpus_tokens, int) and self.corpus_tokens >= 2,
+                 f"corpus_tokens must be an integer >= 2, got {self.corpus_tokens!r}; the default is {1 << 18}.")
+        for name in ("warmup_steps", "ckpt_every", "keep_last", "seed", "corpus_seed", "global_batch"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 0,
                      f"{name} must be an integer >= 0, got {value!r} (0 disables it where that applies).")

@@ -3,7 +3,7 @@
 `make_corpus` concatenates short random "phrases" (fixed token sequences) drawn at random: the next token is predictable from context, so a small GPT learns it in a few
 steps, while the choice of the next phrase keeps an irreducible entropy.
 
-The last EVAL_SEQUENCES windows are held out: the fixed evaluation batch, never trained on.
+The last `eval_sequences` windows are held out for evaluation, never trained on.
 
 The stream is a function of the *global sample index*: sample i is a window of T+1 tokens chosen
 by a seeded per-epoch permutation of non-overlapping windows. Optimizer step s consumes samples
@@ -21,7 +21,6 @@ from .config import ConfigError
 
 PHRASES = 16
 PHRASE_LEN = 8
-EVAL_SEQUENCES = 32
 
 
 def make_corpus(seed: int, total_tokens: int, vocab_size: int = 64) -> np.ndarray:
@@ -37,13 +36,11 @@ def make_corpus(seed: int, total_tokens: int, vocab_size: int = 64) -> np.ndarra
 class DataStream:
     """Batches of (inputs, targets) as a pure function of (corpus, seed, global sample index)."""
 
-    def __init__(self, corpus: np.ndarray, seq_len: int, batch_size: int, seed: int, identity: dict | None = None):
+    def __init__(self, corpus: np.ndarray, seq_len: int, batch_size: int, seed: int, eval_sequences: int = 32):
         self.corpus, self.T, self.B, self.seed = corpus, seq_len, batch_size, seed
-        self.eval_sequences = EVAL_SEQUENCES
-        self.identity = identity or {"seed": seed}  # what a resumed run must match to see the same stream
-        self.n_windows = (len(corpus) - 1) // seq_len - EVAL_SEQUENCES
+        self.n_windows = (len(corpus) - 1) // seq_len - eval_sequences
         if self.n_windows < 1:
-            raise ConfigError(f"a corpus of {len(corpus)} tokens holds fewer than {EVAL_SEQUENCES + 1} sequences of "
+            raise ConfigError(f"a corpus of {len(corpus)} tokens holds fewer than {eval_sequences + 1} sequences of "
                              f"{seq_len + 1} tokens (training plus the held-out evaluation batch); raise --corpus-tokens")
         self._perm_epoch, self._perm = -1, None
 
@@ -60,9 +57,9 @@ class DataStream:
         windows = self.corpus[starts[:, None] + np.arange(self.T + 1)]   # (count, T+1)
         return windows[:, :-1], windows[:, 1:]
 
-    def eval_batch(self, rank: int, world: int) -> tuple[np.ndarray, np.ndarray]:
-        """Rank `rank`'s rows (r, r+world, ...) of the fixed held-out evaluation batch."""
-        starts = (self.n_windows + np.arange(EVAL_SEQUENCES)[rank::world]) * self.T
+    def val_batch(self, k: int, count: int, rank: int = 0, world: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Rows rank, rank+world, ... of held-out batch k (windows k*count .. (k+1)*count-1 of the held-out part)."""
+        starts = (self.n_windows + k * count + np.arange(count)[rank::world]) * self.T
         windows = self.corpus[starts[:, None] + np.arange(self.T + 1)]
         return windows[:, :-1], windows[:, 1:]
 
@@ -71,8 +68,21 @@ class DataStream:
         return self.samples(cursor + (micro * world + rank) * self.B, self.B)
 
 
-def synthetic(mcfg, tcfg) -> DataStream:
-    """The stream of the seed's synthetic corpus for these configs."""
+def open_data(mcfg, tcfg, batch_size: int):
+    """(data, identity) of these configs: a prepared directory (`tcfg.data`, verified) or the
+    synthetic corpus, both with the same interface; `identity` is what a resume must match."""
+    eval_sequences = tcfg.eval_batches * tcfg.eval_batch_size
+    if tcfg.data:
+        from .textdata import TokenData
+        data = TokenData(tcfg.data, mcfg.seq_len, batch_size, tcfg.seed).verify()
+        if data.vocab_size > mcfg.vocab_size:
+            raise ConfigError(f"{tcfg.data} has {data.vocab_size} distinct tokens but --vocab-size is "
+                              f"{mcfg.vocab_size}; leave --vocab-size out (it is taken from the data) or raise it.")
+        if data.n_val_windows < tcfg.eval_batch_size:
+            raise ConfigError(f"{tcfg.data}: the validation split holds {data.n_val_windows} sequences of "
+                              f"{mcfg.seq_len + 1} tokens, fewer than --eval-batch-size {tcfg.eval_batch_size}.")
+        return data, {**data.identity(), "seed": tcfg.seed}
     corpus = make_corpus(tcfg.corpus_seed, tcfg.corpus_tokens, mcfg.vocab_size)
-    identity = {"seed": tcfg.seed, "corpus_seed": tcfg.corpus_seed, "corpus_tokens": tcfg.corpus_tokens}
-    return DataStream(corpus, mcfg.seq_len, tcfg.batch_size, tcfg.seed, identity)
+    identity = {"seed": tcfg.seed, "corpus_seed": tcfg.corpus_seed, "corpus_tokens": tcfg.corpus_tokens,
+                "eval_sequences": eval_sequences}
+    return DataStream(corpus, mcfg.seq_len, batch_size, tcfg.seed, eval_sequences), identity

@@ -3,12 +3,13 @@
 Each step is judged twice, on numbers every rank holds identically (so no further communication
 is needed to agree):
 - the batch, before the update: a non-finite training loss or gradient, or a training loss above
-  `spike_factor` x the last accepted one, skips the batch (the parameters stay as they are);
-- the update, right after it: if any rank's master/m/v is non-finite, or the loss on the fixed
-  held-out batch rose above `spike_factor` x the last accepted one, the update is undone by
+  `spike_factor` x the last accepted one, skips the batch; if the previous update was not judged
+  on the held-out set (`pending`), it is undone too, since this batch is the first to see it;
+- the update, right after it: if any rank's master/m/v is non-finite, or (on evaluation steps)
+  the held-out loss rose above `spike_factor` x the last accepted one, the update is undone by
   restoring `good`, the copy of this rank's shard state taken just before it.
-So a diverged state never survives its own step: not into the next step, not into a checkpoint,
-not as the final state. Triggers count as consecutive until an update is accepted again; more
+Evaluation steps include every checkpoint and the last step, so a diverged state never reaches a
+checkpoint or the end of the run, and survives at most into the next step's forward pass. Triggers count as consecutive until an update is accepted again; more
 than `max_consecutive` raise DivergenceError instead of looping.
 """
 
@@ -29,6 +30,7 @@ class GuardState:
     last_loss: float | None = None   # last accepted training loss
     last_eval: float | None = None   # held-out loss of the current accepted state
     consecutive: int = 0             # triggers since the last accepted update
+    pending: bool = False            # the last update was accepted without a held-out evaluation
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -61,12 +63,13 @@ class Guard:
             return "grad_nonfinite"
         return None
 
-    def update_verdict(self, eval_loss: float, state_finite: bool) -> str | None:
-        """None if the update just applied may be kept, else why it must be undone."""
-        if not state_finite or not math.isfinite(eval_loss):
+    def update_verdict(self, eval_loss: float | None, state_finite: bool) -> str | None:
+        """None if the update just applied may be kept, else why it must be undone (`eval_loss`
+        None: not an evaluation step, only finiteness is judged)."""
+        if not state_finite or eval_loss is not None and not math.isfinite(eval_loss):
             return "update_nonfinite"
         last = self.state.last_eval
-        if last is not None and eval_loss > self.spike_factor * last:
+        if eval_loss is not None and last is not None and eval_loss > self.spike_factor * last:
             return "eval_spike"
         return None
 
@@ -77,13 +80,20 @@ class Guard:
         else:
             self.good.copy_from(state)
 
-    def accept(self, loss: float, eval_loss: float) -> None:
+    def accept(self, loss: float, eval_loss: float | None) -> None:
         """The update was kept: training made progress."""
-        self.state.last_loss, self.state.last_eval, self.state.consecutive = loss, eval_loss, 0
+        self.state.last_loss, self.state.consecutive, self.state.pending = loss, 0, eval_loss is None
+        if eval_loss is not None:
+            self.state.last_eval = eval_loss
+
+    def undoes(self, reason: str) -> bool:
+        """Whether a trigger for `reason` must restore `good` (an update was applied and not kept)."""
+        return reason in UPDATE_REASONS or self.state.pending
 
     def triggered(self, step: int, reason: str) -> None:
         """Count a trigger; raise DivergenceError past the allowed number without progress."""
         self.state.consecutive += 1
+        self.state.pending = False
         if self.state.consecutive > self.max_consecutive:
             raise DivergenceError(
                 f"divergence guard fired {self.state.consecutive} times without progress (last at step {step}: "

@@ -1,9 +1,8 @@
 """The four invariants of every run, each returned as {"ok": bool, measured values...}.
 
-(a) the loss decreases: the loss on the fixed held-out batch, measured at the start and after
-    every accepted update, never rises by more than tol + rel x (progress so far) (the training
-    loss itself is measured on a new batch every step, so its batch-to-batch noise is reported,
-    not judged), and the last is below the first;
+(a) the loss decreases: the held-out loss at the evaluation points never rises by more than
+    loss_monotone allows, and ends below where it began (the training loss is measured on a new
+    batch every step, so its batch-to-batch noise is reported, not judged);
 (b) every rank holds the same parameters at every step (norm and sha256 fingerprint);
 (c) optimizer bytes per rank equal 12 * P / N, up to the padding of the flat buffer;
 (d) the first checkpoint of the run reloads byte-equal to the in-memory snapshot taken when saving.
@@ -24,25 +23,30 @@ class ReplicaCheck:
             self.mismatches.append({"step": step, "fingerprints": every})
 
 
-def loss_monotone(evals: list, tol: float, rel: float = 0.0) -> dict:
-    """(a) over (step, held-out loss) of the start state and of every accepted update, in order.
+def loss_monotone(evals: list, start: float, best: float, tol: float, rel: float = 0.0,
+                  settle_until: int = 0, fresh: bool = True) -> dict:
+    """(a) over the (step, held-out loss) evaluation points of this run segment, in order; the first
+    is the segment's baseline (the start of the run, or the state it resumed from).
 
-    A step may rise by at most tol + rel * (progress so far: the start minus the best loss before
-    it): float noise early on, and the wiggle of a converging run later, in proportion to what it
-    has learnt. A broken composition (gradients not averaged, a stale shard) or a bad update rises
-    far more. The last loss must also be below the first."""
+    A point may rise over the one before by at most tol + rel * (start - best so far): float noise
+    early on, and the wiggle of a converging run later, in proportion to what it has learnt. Up to
+    step `settle_until` (the warmup, or the first tenth of the run) a point may rise as far as the
+    starting loss: Adam's first updates move every parameter by about lr, and the held-out loss
+    may overshoot before it falls. The last point must be below the first (a fresh run) or below
+    the run's starting loss (a resumed segment). A diverging run or a bad update rises far more."""
     worst, at, worst_rise, allowed_at = float("-inf"), None, None, None
-    best = evals[0][1] if evals else None
     for (_, prev), (step, cur) in zip(evals, evals[1:]):
-        allowed = tol + rel * (evals[0][1] - best)
+        allowed = tol + rel * (start - best)
+        if step <= settle_until:
+            allowed = max(allowed, start + tol - prev)
         if cur - prev - allowed > worst:
             worst, at, worst_rise, allowed_at = cur - prev - allowed, step, cur - prev, allowed
         best = min(best, cur)
-    decreased = len(evals) >= 2 and evals[-1][1] < evals[0][1]  # at least one accepted update
-    ok = decreased and (at is None or worst <= 0)
-    return {"ok": ok, "tol": tol, "rel": rel, "max_increase": worst_rise, "allowed_there": allowed_at,
-            "at_step": at, "first": evals[0][1] if evals else None, "last": evals[-1][1] if evals else None,
-            "steps": len(evals) - 1}
+    first, last = (evals[0][1], evals[-1][1]) if evals else (None, None)
+    decreased = len(evals) >= 2 and last < (first if fresh else start)
+    return {"ok": decreased and (at is None or worst <= 0), "tol": tol, "rel": rel, "settle_until": settle_until,
+            "max_increase": worst_rise, "allowed_there": allowed_at, "at_step": at, "first": first, "last": last,
+            "start": start, "fresh": fresh, "steps": len(evals) - 1}
 
 
 def params_identical(mismatches: list[dict], steps_checked: int) -> dict:
@@ -76,8 +80,8 @@ def failures(results: dict) -> list[str]:
     a, b, c, d = (results[k] for k in ("a_loss_monotone", "b_params_identical", "c_optimizer_memory", "d_resume_bytes"))
     if not a["ok"]:
         lines.append(f"(a) loss not decreasing: rose by {a['max_increase']} at step {a['at_step']} where "
-                     f"{a['allowed_there']} was allowed (tol {a['tol']} + {a['rel']} x progress); "
-                     f"first {a['first']}, last {a['last']}")
+                     f"{a['allowed_there']} was allowed (tol {a['tol']} + {a['rel']} x progress; up to the start "
+                     f"until step {a['settle_until']}); first {a['first']}, last {a['last']}")
     if not b["ok"]:
         lines.append(f"(b) parameters differ across ranks at {b['n_mismatches']} of {b['steps_checked']} steps: {b['mismatches']}")
     if not c["ok"]:
@@ -95,7 +99,7 @@ def describe(results: dict, world: int) -> list[str]:
     rise = "n/a" if a["max_increase"] is None else \
         f"{a['max_increase']:+.2e} at step {a['at_step']} (allowed there {a['allowed_there']:.2e})"
     return [
-        f"(a) {mark[a['ok']]} held-out loss {a['first']:.5f} -> {a['last']:.5f} over {a['steps']} updates; "
+        f"(a) {mark[a['ok']]} held-out loss {a['first']:.5f} -> {a['last']:.5f} over {a['steps']} evaluations; "
         f"closest to the limit: {rise}",
         f"(b) {mark[b['ok']]} parameter fingerprint identical on all {world} ranks at {b['steps_checked'] - b['n_mismatches']}"
         f"/{b['steps_checked']} steps",

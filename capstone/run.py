@@ -7,6 +7,7 @@ progress that a checkpoint restores, `ReplicaCheck` invariant (b)'s record.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import time
@@ -14,15 +15,17 @@ from dataclasses import dataclass
 
 from . import checkpoint, faults, report, resume
 from .checkpointer import Checkpointer
-from .cli import RunOptions
+from .cli import RunOptions, Settings
 from .config import ConfigError, ModelConfig, TrainConfig
-from .data import DataStream, synthetic
+from .data import DataStream, open_data
 from .dist import Dist
+from .evaluate import HeldOut
 from .guard import Guard
 from .invariants import ReplicaCheck
 from .model import Model
 from .params import Layout, init_params
 from .runstate import RunIdentity, RunState
+from .textdata import load_meta
 from .zero import ZeroAdam
 
 
@@ -38,25 +41,25 @@ class Run:
     model: Model
     opt: ZeroAdam
     data: DataStream
+    heldout: HeldOut
     guard: Guard
     ckpt: Checkpointer
     state: RunState
     replicas: ReplicaCheck
     faults: faults.Injections
+    batch_size: int                        # sequences per rank per micro-batch
     metrics: report.MetricsLog | None = None
+    segment_start: tuple = (None, None)    # (held-out loss, best held-out loss) where this segment began
     resumed_from: str | None = None
 
     @property
     def global_batch(self) -> int:
         """Sequences per optimizer step, over all ranks and micro-batches."""
-        return self.tcfg.batch_size * self.tcfg.grad_accum * self.dist.world
+        return self.batch_size * self.tcfg.grad_accum * self.dist.world
 
-    def eval_loss_share(self) -> float:
-        """This rank's share of the held-out loss (summed over ranks it is the mean per token)."""
-        x, y = self.data.eval_batch(self.dist.rank, self.dist.world)
-        if len(x) == 0:
-            return 0.0
-        return self.model.loss(x, y, 1.0 / (self.data.eval_sequences * self.mcfg.seq_len))
+    def eval_due(self, step: int, checkpoint_due: bool) -> bool:
+        """Evaluation steps: every eval_every steps, every checkpoint, the last step."""
+        return step % self.tcfg.eval_every == 0 or checkpoint_due or step == self.tcfg.steps
 
     def memory_row(self) -> dict:
         return {"rank": self.dist.rank, "params_bytes": self.model.params.nbytes,
@@ -65,34 +68,61 @@ class Run:
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def build(dist: Dist, mcfg: ModelConfig, tcfg: TrainConfig, opts: RunOptions) -> Run:
+def open_run(dist: Dist, settings: Settings) -> Run:
+    """Collective: call on all ranks. Decide fresh or resumed (the checkpoint's settings under the
+    explicit flags), build every piece, restore the checkpoint or measure the starting loss."""
+    opts = settings.opts
+    out = dist.bcast_json(opts.out or time.strftime("runs/run-%Y%m%d-%H%M%S") + f"-{os.getpid()}")
+    _check_parallel_io(dist)
+    path = resume.resolve(dist, opts.resume, os.path.join(out, "checkpoints"))
+    if path is not None:
+        saved = _agreed(dist, lambda: checkpoint.read_meta_file(path))
+        settings = settings.on_top_of(saved["model_config"], saved["train_config"])
+    elif settings.train.data and "vocab_size" not in settings.explicit:
+        vocab = _agreed(dist, lambda: load_meta(settings.train.data).vocab_size)
+        settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, vocab_size=vocab))
+    run = build(dist, settings, out)
+    if path is not None:
+        _resume(run, path, saved["train_config"])
+    else:
+        run.state.eval_start = run.state.best_eval = run.dist.allreduce_sum([run.heldout.loss_share(run.model)])[0]
+        run.guard.state.last_eval = run.state.eval_start
+    run.metrics = report.MetricsLog(os.path.join(run.out, "metrics.jsonl") if run.dist.rank == 0 else None)
+    run.metrics.write({"event": "start", "world": run.dist.world, "start_step": run.state.step,
+                       "resumed_from": run.resumed_from, "time": time.time(),
+                       "train_config": dataclasses.asdict(run.tcfg), "model_config": dataclasses.asdict(run.mcfg)})
+    return run
+
+
+def _agreed(dist: Dist, read):
+    """Rank 0 runs `read()`; its value, or its ConfigError/CheckpointError, reaches every rank."""
+    if dist.rank == 0:
+        try:
+            value = {"value": read()}
+        except (ConfigError, checkpoint.CheckpointError) as exc:
+            value = {"error": str(exc), "config": isinstance(exc, ConfigError)}
+    got = dist.bcast_json(value if dist.rank == 0 else None)
+    if "error" in got:
+        raise (ConfigError if got["config"] else checkpoint.CheckpointError)(got["error"])
+    return got["value"]
+
+
+def build(dist: Dist, settings: Settings, out: str) -> Run:
     """Collective: call on all ranks. Fresh objects; rank 0's initial parameters are broadcast."""
+    mcfg, tcfg, opts = settings.model, settings.train, settings.opts
+    batch = tcfg.batch_for(dist.world)
     layout = Layout.for_model(mcfg, dist.world)
     params = init_params(layout, mcfg, tcfg.seed) if dist.rank == 0 else layout.zeros()
     model = Model(mcfg, layout, params)
     opt = ZeroAdam(dist.comm, layout, model.params, model.grads, (tcfg.beta1, tcfg.beta2), tcfg.eps, tcfg.weight_decay)
-    data = synthetic(mcfg, tcfg)
-    out = dist.bcast_json(opts.out or time.strftime("runs/run-%Y%m%d-%H%M%S") + f"-{os.getpid()}")
-    identity = RunIdentity(mcfg, tcfg, data.identity, tcfg.batch_size * tcfg.grad_accum * dist.world)
+    data, data_identity = open_data(mcfg, tcfg, batch)
+    heldout = HeldOut(data, tcfg.eval_batches, tcfg.eval_batch_size, mcfg.seq_len, dist.rank, dist.world)
+    identity = RunIdentity(mcfg, tcfg, data_identity, batch * tcfg.grad_accum * dist.world)
     ckpt = Checkpointer(dist, os.path.join(out, "checkpoints"), layout, identity)
     state = RunState()
     guard = Guard(tcfg.spike_factor, tcfg.max_rollbacks, state.guard)
-    return Run(dist, mcfg, tcfg, opts, out, model, opt, data, guard, ckpt, state, ReplicaCheck(),
-               faults.Injections(opts.inject_lr_spike, opts.inject_nan))
-
-
-def start(run: Run) -> None:
-    """Collective: call on all ranks. Check the I/O stack, create the run directory, resume if asked."""
-    _check_parallel_io(run.dist)
-    path = resume.resolve(run.dist, run.opts.resume, run.ckpt.directory)
-    if path is not None:
-        _resume(run, path)
-    else:
-        run.state.eval_start = run.dist.allreduce_sum([run.eval_loss_share()])[0]
-        run.guard.state.last_eval = run.state.eval_start
-    run.metrics = report.MetricsLog(os.path.join(run.out, "metrics.jsonl") if run.dist.rank == 0 else None)
-    run.metrics.write({"event": "start", "world": run.dist.world, "start_step": run.state.step,
-                       "resumed_from": run.resumed_from, "time": time.time()})
+    return Run(dist, mcfg, tcfg, opts, out, model, opt, data, heldout, guard, ckpt, state, ReplicaCheck(),
+               faults.Injections(opts.inject_lr_spike, opts.inject_nan), batch)
 
 
 def _check_parallel_io(dist: Dist) -> None:
@@ -108,14 +138,14 @@ def _check_parallel_io(dist: Dist) -> None:
                       "or run on one rank, which writes the same format with serial h5py.")
 
 
-def _resume(run: Run, path: str) -> None:
+def _resume(run: Run, path: str, saved: dict) -> None:
     shard, state, meta = run.ckpt.load(path)
     run.opt.load_state(shard)
     run.guard.state = state.guard
     run.state, run.resumed_from = state, path
+    run.segment_start = (state.guard.last_eval, state.best_eval)
     if state.step >= run.tcfg.steps:
         raise ConfigError(f"{path} is at step {state.step} and --steps is {run.tcfg.steps}: nothing left to do. "
                           f"Pass --steps larger than {state.step} to train on.")
-    saved = meta["train_config"]
     changed = {k: (v, getattr(run.tcfg, k)) for k, v in saved.items() if getattr(run.tcfg, k, v) != v}
     report.resumed(path, state, meta["world_size"], run.dist.world, changed, run.dist.rank)

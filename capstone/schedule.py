@@ -1,4 +1,7 @@
-"""Learning-rate schedule: linear warmup, then constant or cosine decay to min_lr."""
+"""Learning-rate schedule: linear warmup, then constant or cosine decay towards min_lr.
+
+The cosine reaches min_lr one step after the last, so the last step still updates (with
+min_lr 0, a schedule that hit it on the last step would make that step a no-op)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,6 @@ def learning_rate(step: int, lr: float, steps: int, kind: str = "constant", warm
         return lr
     if kind == "cosine":
         span = max(1, steps - warmup)
-        progress = min(1.0, (step - warmup) / span)
+        progress = min(1.0, (step - warmup - 1) / span)
         return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
     raise ValueError(f"unknown schedule {kind!r}: use 'constant' or 'cosine'")

@@ -18,9 +18,9 @@ import numpy as np
 from . import checkpoint, cli, faults, invariants, report, stop
 from .config import ConfigError
 from .dist import Dist, fail_fast
-from .guard import UPDATE_REASONS, DivergenceError
+from .guard import DivergenceError
 from .params import fingerprint
-from .run import Run, build, start
+from .run import Run, open_run
 from .schedule import learning_rate
 
 
@@ -36,6 +36,7 @@ class StepResult:
     eval_loss: float | None = None            # held-out loss after the update (None: no update ran)
     grad_norm_clipped: float | None = None
     rollback: str | None = None               # the guard's reason, if the step was not kept
+    updated: bool = False                     # an update was applied (kept or undone)
     ms: dict = field(default_factory=dict)    # phase -> milliseconds
     param_norm: float = 0.0
     fingerprint: str = ""
@@ -60,6 +61,7 @@ def train_step(run: Run, s: int) -> StepResult:
                                                run.tcfg.warmup_steps, run.tcfg.min_lr)
     r = StepResult(s, float(stats.extras[0]), stats.norm, lr, (state.cursor, state.cursor + run.global_batch),
                    stop=stats.extras[1] > 0, clock_due=stats.extras[2] > 0)
+    evaluate = run.eval_due(s, run.ckpt.due(s, r.clock_due, r.stop or s == run.opts.stop_after, s == run.tcfg.steps))
     r.rollback = guard.batch_verdict(r.loss, r.grad_norm)                             # guard: the batch
     if r.rollback is None:
         if run.faults.lr_mult(s) != 1.0:
@@ -69,19 +71,20 @@ def train_step(run: Run, s: int) -> StepResult:
         r.grad_norm_clipped = clip or r.grad_norm
         with np.errstate(over="ignore", invalid="ignore"):                            # judged just below
             opt.apply(lr, clip / r.grad_norm if clip else 1.0)                         # ZeRO-1 update
-            eval_local = run.eval_loss_share()
-        r.eval_loss, nonfinite = dist.allreduce_sum([eval_local, float(not opt.state.finite())])
+            eval_local = run.heldout.loss_share(model) if evaluate else 0.0
+        eval_loss, nonfinite = dist.allreduce_sum([eval_local, float(not opt.state.finite())])
+        r.eval_loss, r.updated = eval_loss if evaluate else None, True
         r.rollback = guard.update_verdict(r.eval_loss, nonfinite == 0)                 # guard: the update
     if r.rollback is None:
         guard.accept(r.loss, r.eval_loss)
-        state.losses.append((s, r.loss, r.eval_loss))
+        state.accepted(s, r.loss, r.eval_loss)
     else:
         roll_back(run, r)
     state.cursor += run.global_batch
     t2 = time.perf_counter()
     r.param_norm, r.fingerprint = fingerprint(model.params)                           # invariant (b)
     run.replicas.record(s, dist.allgather_json([r.param_norm, r.fingerprint]))
-    applied = float(r.eval_loss is not None)  # an update ran (kept or undone)
+    applied = float(r.updated)  # an update ran (kept or undone)
     tm = opt.timings
     r.ms = {"step_ms": 1e3 * (t2 - t0), "fwd_bwd_ms": 1e3 * (t1 - t0),
             "comm_ms": 1e3 * (tm["reduce_scatter"] + applied * tm["allgather"]),
@@ -92,8 +95,9 @@ def train_step(run: Run, s: int) -> StepResult:
 
 def roll_back(run: Run, r: StepResult) -> None:
     """Skip this batch; undo its update if one was applied (the same decision on every rank)."""
+    undo = run.guard.undoes(r.rollback)
     run.guard.triggered(r.step, r.rollback)
-    if r.rollback in UPDATE_REASONS:
+    if undo:
         run.opt.load_state(run.guard.good)
     event = {"event": "rollback", "reason": r.rollback, "step": r.step, "loss": report.jsonable(r.loss),
              "eval_loss": report.jsonable(r.eval_loss), "restored_adam_t": run.opt.state.t,
@@ -136,8 +140,7 @@ def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> i
     mem = run.dist.allgather_json(run.memory_row())
     state, layout = run.state, run.model.layout
     results = {
-        "a_loss_monotone": invariants.loss_monotone([(0, state.eval_start)] + [(h[0], h[2]) for h in state.losses],
-                                                    run.tcfg.loss_tol, run.tcfg.loss_tol_rel),
+        "a_loss_monotone": loss_invariant(run, start_step),
         "b_params_identical": invariants.params_identical(run.replicas.mismatches, run.replicas.checked),
         "c_optimizer_memory": invariants.optimizer_memory([m["optimizer_bytes"] for m in mem],
                                                           layout.n_params, layout.padded),
@@ -150,6 +153,17 @@ def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> i
         report.write_json(os.path.join(run.out, "summary.json"), summary.to_json())
     run.metrics.close()
     return 1 if failed else 0
+
+
+def loss_invariant(run: Run, start_step: int) -> dict:
+    """(a) on this segment's evaluation points, from its baseline (the start, or the resumed state)."""
+    state, tcfg = run.state, run.tcfg
+    first = (start_step, state.eval_start if start_step == 0 else run.segment_start[0])
+    points = [first] + [(step, held) for step, _, held in state.losses if held is not None]
+    settle = max(tcfg.warmup_steps, -(-tcfg.steps // 10))
+    best = state.eval_start if start_step == 0 else run.segment_start[1]
+    return invariants.loss_monotone(points, state.eval_start, best, tcfg.loss_tol, tcfg.loss_tol_rel, settle,
+                                    fresh=start_step == 0)
 
 
 def _tune_malloc() -> None:
@@ -166,13 +180,11 @@ def _tune_malloc() -> None:
 def main(argv=None) -> None:
     stop.install()
     dist = Dist()
-    mcfg, tcfg, opts = cli.parse_on_every_rank(argv, dist.rank)
+    settings = cli.parse_on_every_rank(argv, dist.rank)
     _tune_malloc()
     with fail_fast(dist):
         try:
-            run = build(dist, mcfg, tcfg, opts)
-            start(run)
-            code = train(run)
+            code = train(open_run(dist, settings))
         except (ConfigError, checkpoint.CheckpointError, DivergenceError) as exc:  # raised on every rank alike
             if dist.rank == 0:
                 report.error(f"error: {exc}")

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from capstone.config import ConfigError
-from capstone.data import EVAL_SEQUENCES, DataStream
+from capstone.data import DataStream
+
+EVAL_SEQUENCES = 32  # DataStream's default held-out windows
 from capstone.prepare import prepare
 from capstone.textdata import DatasetError, TokenData, load_meta
 

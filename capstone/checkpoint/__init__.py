@@ -156,6 +156,21 @@ def read_meta(f, path: str) -> dict:
     return meta
 
 
+def read_meta_file(path: str) -> dict:
+    """Serial: open `path` with plain h5py and return its checked metadata (one process only)."""
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise CheckpointError(f"cannot open checkpoint {path}: {exc}. The file is truncated or not HDF5; "
+                              f"resume from an earlier checkpoint.") from None
+    with f:
+        try:
+            return read_meta(f, path)
+        except (OSError, KeyError, ValueError, TypeError) as exc:
+            raise CheckpointError(f"{path}: unreadable metadata ({type(exc).__name__}: {exc}); resume from "
+                                  f"an earlier checkpoint.") from None
+
+
 def read_dataset(f, path: str, meta: dict, name: str, reader: str) -> np.ndarray:
     """Read one shard dataset whole and verify its shape and sha256 against the metadata."""
     info = meta["datasets"].get(name)

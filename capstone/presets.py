@@ -1,0 +1,24 @@
+"""Named settings (`--preset NAME`): plain data, overridden by any flag given explicitly.
+
+`reference` is the product's experiment (every default). `shakespeare-char` is nanoGPT's CPU
+"baby GPT" on character-level Shakespeare; `medium` is a size where speed matters.
+"""
+
+from __future__ import annotations
+
+PRESETS: dict[str, dict] = {
+    "reference": {},
+    "shakespeare-char": {
+        "n_layers": 4, "n_heads": 4, "d_model": 128, "seq_len": 64,
+        "data": "data/shakespeare", "global_batch": 12, "steps": 2000,
+        "lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "clip": 1.0,
+        "lr_schedule": "cosine", "warmup_steps": 100, "min_lr": 1e-4,
+        "eval_every": 250, "eval_batches": 20, "eval_batch_size": 12, "ckpt_every": 250,
+    },
+    "medium": {
+        "n_layers": 4, "n_heads": 8, "d_model": 256, "seq_len": 128, "batch_size": 8, "steps": 400,
+        "lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "clip": 1.0,
+        "lr_schedule": "cosine", "warmup_steps": 40, "min_lr": 1e-4,
+        "eval_every": 50, "eval_batches": 4, "eval_batch_size": 16, "ckpt_every": 100,
+    },
+}
