@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+SETTLE_MARGIN = 0.05  # how far above its start the held-out loss may wander while the run settles
+
 
 class ReplicaCheck:
     """(b)'s record: every step's (norm, fingerprint) of every rank, kept only where they differ."""
@@ -30,15 +32,15 @@ def loss_monotone(evals: list, start: float, best: float, tol: float, rel: float
 
     A point may rise over the one before by at most tol + rel * (start - best so far): float noise
     early on, and the wiggle of a converging run later, in proportion to what it has learnt. Up to
-    step `settle_until` (the warmup, or the first tenth of the run) a point may rise as far as the
-    starting loss: Adam's first updates move every parameter by about lr, and the held-out loss
-    may overshoot before it falls. The last point must be below the first (a fresh run) or below
+    step `settle_until` (the warmup, or the first tenth of the run) a point may rise as far as
+    SETTLE_MARGIN above the starting loss: Adam's first updates move every parameter by about lr,
+    and the held-out loss may overshoot before it falls. The last point must be below the first (a fresh run) or below
     the run's starting loss (a resumed segment). A diverging run or a bad update rises far more."""
     worst, at, worst_rise, allowed_at = float("-inf"), None, None, None
     for (_, prev), (step, cur) in zip(evals, evals[1:]):
         allowed = tol + rel * (start - best)
         if step <= settle_until:
-            allowed = max(allowed, start + tol - prev)
+            allowed = max(allowed, start * (1 + SETTLE_MARGIN) + tol - prev)
         if cur - prev - allowed > worst:
             worst, at, worst_rise, allowed_at = cur - prev - allowed, step, cur - prev, allowed
         best = min(best, cur)
