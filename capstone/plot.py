@@ -320,9 +320,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         runs = [read_run(p, label) for p, label in zip(args.runs, run_labels(args.runs))]
-        figs = make_figures(runs)
         if not any(run.rows for run in runs):
             raise FileNotFoundError(f"no step rows in {', '.join(args.runs)} yet: nothing to plot")
+        figs = make_figures(runs)
     except (FileNotFoundError, MissingMatplotlib) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
