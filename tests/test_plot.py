@@ -1,4 +1,4 @@
-"""capstone.plot: exact metrics reading on a synthetic run, figures whose curves are the file's
+"""capstone.runlog and capstone.plot: exact metrics reading on a synthetic run, figures whose curves are the file's
 values, a running run, a resumed run (each step once), and real short runs under mpirun."""
 
 import importlib.util
@@ -11,7 +11,7 @@ import pytest
 
 from conftest import ROOT, mpi_env, mpirun
 
-from capstone import plot
+from capstone import plot, runlog
 
 # Reading is tested without matplotlib; drawing needs it (pip install matplotlib).
 needs_mpl = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
@@ -58,40 +58,41 @@ def lines_of(fig, ax=0) -> dict:
 
 
 def test_parse_skips_partial_and_garbled_lines():
-    records, bad = plot.parse_lines('{"step": 1}\n\n[1, 2]\n{"step": 2, "lo{"event": "start"}\n{"step": 3}\n{"st')
+    records, bad = runlog.parse_lines('{"step": 1}\n\n[1, 2]\n{"step": 2, "lo{"event": "start"}\n{"step": 3}\n{"st')
     assert [r["step"] for r in records] == [1, 3] and bad == 3
 
 
 def test_reading_dedupes_by_step_latest_row_wins(syn):
-    run = plot.read_run(str(syn))
+    run = runlog.read_run(str(syn))
     assert [r["step"] for r in run.rows] == [1, 2, 3, 4, 5, 6] and run.skipped_lines == 1
     assert [r["loss"] for r in run.rows] == [4.9, 50.0, 4.7, 3.6, 3.5, 3.4]
     assert [r["tokens_total"] for r in run.rows] == [100, 200, 300, 400, 500, 600]  # summed, then given
-    assert plot.series(list(run.rows), "loss", accepted_only=True) == ([1, 3, 4, 5, 6], [4.9, 4.7, 3.6, 3.5, 3.4])
-    assert plot.series(list(run.rows), "eval_loss", "tokens_total")[0] == [100, 200, 300, 400, 500, 600]
-    assert plot.event_steps(list(run.rows), "rollback") == [2] and plot.event_steps(list(run.rows), "checkpoint") == [3]
-    assert plot.resume_steps(list(run.starts)) == [3] and plot.clip_level(run) == 1.5
-    assert [m["rank"] for m in plot.memory_rows(run)] == [0, 1]
+    assert runlog.series(list(run.rows), "loss", accepted_only=True) == ([1, 3, 4, 5, 6], [4.9, 4.7, 3.6, 3.5, 3.4])
+    assert runlog.series(list(run.rows), "eval_loss", "tokens_total")[0] == [100, 200, 300, 400, 500, 600]
+    assert runlog.event_steps(list(run.rows), "rollback") == [2] and runlog.event_steps(list(run.rows), "checkpoint") == [3]
+    assert runlog.resume_steps(list(run.starts)) == [3] and runlog.clip_level(run) == 1.5
+    assert [m["rank"] for m in runlog.memory_rows(run)] == [0, 1]
 
 
 def test_timing_parts_use_the_comm_dict_and_skip_totals(syn):
-    rows = plot.read_run(str(syn)).rows
-    assert plot.timing_parts(rows[0]) == {"fwd_bwd": 6.0, "reduce_scatter": 2.0, "allgather": 1.0, "optimizer": 0.5}
-    assert plot.timing_parts(rows[-1]) == {"fwd_bwd": 6.0, "reduce_scatter": 2.5, "allgather": 1.5, "optimizer": 0.5,
+    rows = runlog.read_run(str(syn)).rows
+    assert runlog.timing_parts(rows[0]) == {"fwd_bwd": 6.0, "reduce_scatter": 2.0, "allgather": 1.0, "optimizer": 0.5}
+    assert runlog.timing_parts(rows[-1]) == {"fwd_bwd": 6.0, "reduce_scatter": 2.5, "allgather": 1.5, "optimizer": 0.5,
                                            "eval": 0.7}
-    assert plot.phase_order(list(rows)) == ["fwd_bwd", "reduce_scatter", "allgather", "optimizer", "eval"]
+    assert runlog.phase_order(list(rows)) == ["fwd_bwd", "reduce_scatter", "allgather", "optimizer", "eval"]
 
 
 def test_values_nulls_and_clip_sources():
-    assert [plot.number(v) for v in (1, "2.5", None, "nan", "inf", True, "x")] == [1.0, 2.5, None, None, None, None, None]
-    run = plot.Run("d", "d", (), ({"event": "start", "train_config": {"clip": 0.5}},), None, 0)
-    assert plot.clip_level(run) == 0.5
-    assert plot.clip_level(plot.Run("d", "d", (), (), {"train_config": {"clip": 0.0}}, 0)) is None
+    assert [runlog.number(v) for v in (1, "2.5", None, "nan", "inf", True, "x")] == [1.0, 2.5, None, None, None, None, None]
+    run = runlog.Run("d", "d", (), ({"event": "start", "train_config": {"clip": 0.5}},), None, 0)
+    assert runlog.clip_level(run) == 0.5
+    assert runlog.clip_level(runlog.Run("d", "d", (), run.starts, {"train_config": {"clip": 1.5}}, 0)) == 0.5
+    assert runlog.clip_level(runlog.Run("d", "d", (), (), {"train_config": {"clip": 0.0}}, 0)) is None
 
 
 @needs_mpl
 def test_figures_plot_the_file_values(syn, tmp_path):
-    figs = plot.make_figures([plot.read_run(str(syn))])
+    figs = plot.make_figures([runlog.read_run(str(syn))])
     assert set(figs) == {"loss_step", "loss_tokens", "grad_norm", "lr", "step_time", "memory"}
     loss = lines_of(figs["loss_step"])
     assert loss["syn train"] == ([1, 3, 4, 5, 6], [4.9, 4.7, 3.6, 3.5, 3.4])
@@ -128,11 +129,11 @@ def test_cli_errors(tmp_path, syn, monkeypatch, capsys):
 
 
 def test_runs_with_one_name_are_told_apart():
-    assert plot.run_labels(["a/run", "b/run/", "c"]) == ["a/run", "b/run", "c"]
+    assert runlog.run_labels(["a/run", "b/run/", "c"]) == ["a/run", "b/run", "c"]
 
 
 def test_training_and_reading_do_not_import_matplotlib():
-    code = "import sys, capstone.train, capstone.plot, capstone.accounting; sys.exit('matplotlib' in sys.modules)"
+    code = "import sys, capstone.train, capstone.runlog, capstone.plot, capstone.accounting; sys.exit('matplotlib' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], env=mpi_env(), cwd=ROOT).returncode == 0
 
 
@@ -148,7 +149,7 @@ def test_real_run(tmp_path):
     res = mpirun(2, "--out", out, "--steps", 6, "--ckpt-every", 3, "--quiet")
     assert res.returncode == 0, res.stderr
     rows = metrics_steps(out)
-    figs = plot.make_figures([plot.read_run(str(out))])
+    figs = plot.make_figures([runlog.read_run(str(out))])
     assert lines_of(figs["loss_step"])["n2 train"] == ([r["step"] for r in rows], [r["loss"] for r in rows])
     assert lines_of(figs["loss_step"])["n2 held-out"][1] == [r["eval_loss"] for r in rows]
     assert lines_of(figs["grad_norm"])["n2 grad norm"][1] == [r["grad_norm"] for r in rows]
@@ -171,6 +172,6 @@ def test_real_resumed_run_plots_each_step_once(tmp_path):
     raw = metrics_steps(out)
     assert [r["step"] for r in raw] == [1, 2, 3, 4, 4, 5, 6]
     latest = {r["step"]: r for r in raw}
-    x, y = lines_of(plot.make_figures([plot.read_run(str(out))])["loss_step"])["res train"]
+    x, y = lines_of(plot.make_figures([runlog.read_run(str(out))])["loss_step"])["res train"]
     assert x == [1, 2, 3, 4, 5, 6] and y == [latest[s]["loss"] for s in x]
-    assert plot.resume_steps(list(plot.read_run(str(out)).starts)) == [3, 3]
+    assert runlog.resume_steps(list(runlog.read_run(str(out)).starts)) == [3, 3]
