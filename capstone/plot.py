@@ -39,13 +39,20 @@ def _figure(rows: int = 1, cols: int = 1, size=(9, 4.8), **kw):
 
 
 def _finish(ax, xlabel: str, ylabel: str, title: str, legend: bool = True) -> None:
-    """Labels, grid, whole-number step ticks and the legend (outside on the right if it is long)."""
+    """Labels, grid, whole-number step ticks and the legend (outside, on the right)."""
     from matplotlib.ticker import MaxNLocator
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if xlabel == "step":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(alpha=0.3, which="both")
     if legend:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
+def _log_if_wide(ax, values: list[float], span: float) -> None:
+    """Log y scale when the positive values span more than `span` times (a spike), else linear."""
+    if values and min(values) > 0 and max(values) > span * min(values):
+        ax.set_yscale("log")
 
 
 def _marks(ax, run: Run, color: str, x: str = "step") -> None:
@@ -70,17 +77,20 @@ def fig_loss(runs: list[Run], x: str = "step"):
 
 
 def fig_grad_norm(runs: list[Run]):
-    """Global gradient norm before clipping (log scale) and the clip level where clipping is on."""
+    """Global gradient norm before clipping and the clip level where clipping is on (log scale
+    when the norms span more than 10x)."""
     fig, axes = _figure()
-    ax = axes[0][0]
+    ax, values = axes[0][0], []
     for c, run in zip(itertools.cycle(COLORS), runs):
-        ax.plot(*series(run.rows, "grad_norm"), color=c, lw=1.5, label=f"{run.label} grad norm")
+        xs, ys = series(run.rows, "grad_norm")
+        ax.plot(xs, ys, color=c, lw=1.5, label=f"{run.label} grad norm")
+        values += ys
         clip = clip_level(run)
         if clip is not None:
             ax.axhline(clip, color=c, ls="-.", lw=1, label=f"{run.label} clip {clip:g}")
         _marks(ax, run, c)
-    ax.set_yscale("log")
-    _finish(ax, "step", "L2 norm (log scale)", "global gradient norm before clipping")
+    _log_if_wide(ax, values, 10)
+    _finish(ax, "step", "L2 norm", "global gradient norm before clipping")
     return fig
 
 
@@ -93,8 +103,7 @@ def fig_lr(runs: list[Run]):
         ax.plot(xs, ys, color=c, lw=1.5, marker=".", label=run.label)
         values += ys
         _marks(ax, run, c)
-    if values and min(values) > 0 and max(values) > 50 * min(values):
-        ax.set_yscale("log")
+    _log_if_wide(ax, values, 50)
     _finish(ax, "step", "learning rate", "learning rate")
     return fig
 
@@ -124,7 +133,7 @@ def fig_memory(runs: list[Run]):
     fig, axes = _figure(2, len(have), size=(4.5 + 2.6 * len(have), 6.4), sharey="row")
     for col, run in enumerate(have):
         mem = memory_rows(run)
-        ranks, bottom, top = [str(m.get("rank", i)) for i, m in enumerate(mem)], [0.0] * len(mem), axes[0][col]
+        ranks, bottom, top = list(range(len(mem))), [0.0] * len(mem), axes[0][col]
         for key in MEMORY:
             vals = [(number(m.get(key)) or 0.0) / KIB for m in mem]
             top.bar(ranks, vals, bottom=bottom, width=0.6, label=key[:-6])
@@ -134,6 +143,7 @@ def fig_memory(runs: list[Run]):
         low.bar(ranks, [(number(m.get("peak_rss_bytes")) or 0.0) / MIB for m in mem], width=0.6, color="0.5")
         _finish(low, "rank", "MiB", f"{run.label}: peak RSS", legend=False)
         for ax in (top, low):
+            ax.set_xticks(ranks, [str(m.get("rank", i)) for i, m in enumerate(mem)])
             ax.set_xlim(-0.75, len(mem) - 0.25)
     return fig
 

@@ -104,6 +104,9 @@ def test_figures_plot_the_file_values(syn, tmp_path):
     assert grad["syn grad norm"] == ([1, 2, 3, 4, 5, 6], [3.0, 4.0, 5.0, 6.0, 7.0, 8.0]) and grad["syn clip 1.5"][1] == [1.5, 1.5]
     assert lines_of(figs["lr"])["syn"][1] == pytest.approx([0.01, 0.02, 0.03, 0.04, 0.05, 0.06])
     assert lines_of(figs["step_time"])["step_ms (measured total)"][1] == [10.0] * 6
+    mem = figs["memory"].axes[0]
+    assert [t.get_text() for t in mem.get_xticklabels()] == ["0", "1"]
+    assert [p.get_height() for p in mem.patches] == [4.0, 4.0, 8.0, 8.0, 6.0, 6.0, 100 / 1024, 100 / 1024]  # KiB
     paths = plot.save_figures(figs, str(tmp_path / "png"))
     for p in paths:
         with open(p, "rb") as f:
