@@ -12,7 +12,7 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-from .runlog import read_run
+from .runlog import read_run, timing_parts
 
 # nccl-tests doc/PERFORMANCE.md, "Summary": busbw = algbw * factor(n), independent of the algorithm
 # as long as it is built from point-to-point transfers.
@@ -91,11 +91,12 @@ class Collective:
 
 def step_collectives(row: dict, padded: int, world: int, itemsize: int = 4) -> list[Collective]:
     """The two large collectives of one ZeRO-1 step, from a metrics.jsonl row: reduce-scatter of the
-    gradient buffer and allgather of the parameters (left out when it did not run: allgather_ms 0)."""
-    out = []
+    gradient buffer and allgather of the parameters (left out when it did not run: allgather_ms 0).
+    Times from "<name>_ms" or the row's per-collective "comm" dict (runlog.timing_parts)."""
+    out, parts = [], timing_parts(row)
     for name in ("reduce_scatter", "allgather"):
-        ms = row.get(f"{name}_ms")
-        if isinstance(ms, (int, float)) and ms > 0:
+        ms = parts.get(name)
+        if ms is not None and ms > 0:
             out.append(Collective(name, padded, itemsize, world, ms / 1e3))
     return out
 

@@ -98,12 +98,14 @@ def resume_steps(starts: list[dict]) -> list[int]:
 
 def timing_parts(row: dict) -> dict[str, float]:
     """Milliseconds of each phase of a step row: every "<phase>_ms" field except step_ms and comm_ms,
-    with the entries of a per-collective "comm" dict (ms numbers or {"ms": ...}) replacing same-named fields."""
+    with the entries of a per-collective "comm" dict replacing same-named fields (an entry is a number
+    of ms, or a dict with "ms" or "seconds")."""
     parts = {k[:-3]: number(v) for k, v in row.items() if k.endswith("_ms") and k[:-3] not in NOT_PHASES}
     comm = row.get("comm")
-    if isinstance(comm, dict):
-        for name, v in comm.items():
-            parts[name] = number(v.get("ms") if isinstance(v, dict) else v)
+    for name, v in (comm.items() if isinstance(comm, dict) else ()):
+        if isinstance(v, dict):
+            v = v.get("ms") if "ms" in v else 1e3 * (number(v.get("seconds")) or math.nan)
+        parts[name] = number(v)
     return {k: v for k, v in parts.items() if v is not None}
 
 

@@ -56,6 +56,8 @@ def test_step_collectives_from_a_metrics_row():
     both = acc.step_collectives({"reduce_scatter_ms": 2.0, "allgather_ms": 1.0}, 30144, 4)
     assert [c.name for c in both] == ["reduce_scatter", "allgather"]
     assert "reduce_scatter" in acc.format_collectives(both)
+    from_comm = acc.step_collectives({"comm": {"reduce_scatter": {"ms": 4.0}, "allgather": 2.0}}, 8, 2)
+    assert [(c.name, c.seconds) for c in from_comm] == [("reduce_scatter", 4e-3), ("allgather", 2e-3)]
 
 
 def test_zero_table_fp32_closed_form():

@@ -32,7 +32,7 @@ def synthetic_lines():
     first = [step(1, 4.9), step(2, 50.0, accepted=False, eval_loss=99.0,
                                 events=[{"event": "rollback", "reason": "loss_spike", "step": 2}]),
              step(3, 4.7, events=[{"event": "checkpoint", "path": "ckpt-3"}]), step(4, 4.6), step(5, 4.5)]
-    new = dict(eval_ms=0.7, comm={"reduce_scatter": {"ms": 2.5}, "allgather": 1.5})
+    new = dict(eval_ms=0.7, comm={"reduce_scatter": {"ms": 2.5, "bytes": 8}, "allgather": 1.5, "bcast": {"seconds": 1e-3}})
     second = [step(s, 4.0 - 0.1 * s, tokens_total=100 * s, time=1e9 + s, repeat=s < 6, **new) for s in (4, 5, 6)]
     start = {"event": "start", "world": 2, "start_step": 0, "resumed_from": None, "time": 1e9}
     resume = dict(start, start_step=3, resumed_from="ckpt-3")
@@ -78,8 +78,9 @@ def test_timing_parts_use_the_comm_dict_and_skip_totals(syn):
     rows = runlog.read_run(str(syn)).rows
     assert runlog.timing_parts(rows[0]) == {"fwd_bwd": 6.0, "reduce_scatter": 2.0, "allgather": 1.0, "optimizer": 0.5}
     assert runlog.timing_parts(rows[-1]) == {"fwd_bwd": 6.0, "reduce_scatter": 2.5, "allgather": 1.5, "optimizer": 0.5,
-                                           "eval": 0.7}
-    assert runlog.phase_order(list(rows)) == ["fwd_bwd", "reduce_scatter", "allgather", "optimizer", "eval"]
+                                             "eval": 0.7, "bcast": 1.0}
+    assert runlog.phase_order(list(rows)) == ["fwd_bwd", "reduce_scatter", "allgather", "optimizer", "eval", "bcast"]
+    assert runlog.timing_parts({"comm": {"x": {"seconds": None}, "y": "nan"}, "step_ms": 1.0, "comm_ms": 1.0}) == {}
 
 
 def test_values_nulls_and_clip_sources():
