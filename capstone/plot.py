@@ -32,7 +32,8 @@ def _figure(rows: int = 1, cols: int = 1, size=(9, 4.8), **kw):
         import matplotlib
     except ImportError:
         raise MissingMatplotlib(f"matplotlib is needed to plot: {INSTALL}") from None
-    matplotlib.use("Agg")  # before pyplot could be imported anywhere; no display needed
+    if "matplotlib.pyplot" not in sys.modules:  # no display needed; leave a caller's pyplot backend alone
+        matplotlib.use("Agg")
     from matplotlib.figure import Figure
     fig = Figure(figsize=size, dpi=110, layout="constrained")
     return fig, fig.subplots(rows, cols, squeeze=False, **kw)

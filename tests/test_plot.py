@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -179,3 +180,21 @@ def test_real_resumed_run_plots_each_step_once(tmp_path):
     x, y = lines_of(plot.make_figures([runlog.read_run(str(out))])["loss_step"])["res train"]
     assert x == [1, 2, 3, 4, 5, 6] and y == [latest[s]["loss"] for s in x]
     assert runlog.resume_steps(list(runlog.read_run(str(out)).starts)) == [3, 3]
+
+
+@needs_mpl
+def test_plot_while_the_run_is_still_writing(tmp_path):
+    out = tmp_path / "live"
+    cmd = ["mpirun", "-n", "2", "--oversubscribe", sys.executable, "-m", "capstone.train", "--out", str(out),
+           "--steps", "8", "--sleep-per-step", "0.4", "--quiet"]
+    proc = subprocess.Popen(cmd, env=mpi_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not (out / "metrics.jsonl").exists() or len(runlog.read_run(str(out)).rows) < 2):
+            time.sleep(0.1)
+        assert plot.main([str(out), "--out", str(tmp_path / "png")]) == 0
+        assert not (out / "summary.json").exists(), "the run finished before the plot: make it slower"
+        assert not (tmp_path / "png" / "memory.png").exists() and (tmp_path / "png" / "loss_step.png").exists()
+    finally:
+        assert proc.wait(timeout=120) == 0
+
