@@ -23,7 +23,8 @@ def test_environment_yml_lists_every_declared_dependency():
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)["project"]
     declared = {re.split(r"[<>=!~\[ ;]", d)[0].lower() for d in project["dependencies"]}
-    declared |= {re.split(r"[<>=!~\[ ;]", d)[0].lower() for d in project["optional-dependencies"]["test"]}
+    for extra in project["optional-dependencies"].values():  # test, plot: the conda env brings them all
+        declared |= {re.split(r"[<>=!~\[ ;]", d)[0].lower() for d in extra}
     conda = conda_names()
     assert declared <= conda, f"missing from environment.yml: {sorted(declared - conda)}"
     assert {"openmpi", "python"} <= conda, "environment.yml must bring MPI and Python too"
@@ -40,5 +41,5 @@ def test_h5py_in_environment_yml_is_the_mpi_build():
 def test_setup_installs_the_declared_dependencies():
     with open(os.path.join(ROOT, "scripts", "setup")) as f:
         setup = f.read()
-    for name in ("numpy", "autograd", "mpi4py", "pytest", "h5py"):
+    for name in ("numpy", "autograd", "mpi4py", "pytest", "h5py", "matplotlib"):
         assert name in setup, name

@@ -1,0 +1,218 @@
+"""Communication and memory accounting: pure functions, no MPI.
+
+Bytes moved and achieved bandwidth of a collective as nccl-tests reports them (algbw, busbw), and
+the ZeRO what-if: bytes per rank of parameters, gradients and optimizer state at stages 0-3.
+`python -m capstone.accounting` prints the what-if table and, with --run, a run's bandwidths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import dataclass
+
+from .runlog import read_run, timing_parts
+
+# nccl-tests doc/PERFORMANCE.md, "Summary": busbw = algbw * factor(n), independent of the algorithm
+# as long as it is built from point-to-point transfers.
+BUS_FACTORS = {
+    "allreduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
+    "alltoall": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+}
+PER_RANK_COUNT = ("reduce_scatter", "allgather", "alltoall")  # ops whose buffer is n equal per-rank blocks
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective call, in nccl-tests' terms (doc/PERFORMANCE.md):
+
+    - S (`size_bytes`) is the total data size: `count * itemsize`, where `count` is the element count
+      of the whole buffer. For allreduce/broadcast/reduce that is the buffer every rank passes; for
+      reduce-scatter and allgather it is the full (gathered / unscattered) buffer, i.e.
+      n * per-rank count * itemsize ("recvcount*sizeof(datatype)*n" and "sendcount*...*n").
+    - algbw = S / t.
+    - busbw = algbw * 2(n-1)/n for allreduce, algbw * (n-1)/n for reduce-scatter, allgather and
+      alltoall, algbw for broadcast and reduce: the per-link rate that can be compared with the
+      hardware peak, whatever n is.
+    - A ring sends busbw * t bytes out of each rank: 2(n-1)/n * S for allreduce (reduce-scatter then
+      allgather, 2(n-1) chunks of S/n), (n-1)/n * S for reduce-scatter and allgather, S for broadcast
+      and reduce (the root's link is the bottleneck).
+    Bandwidths are in bytes per second (nccl-tests prints GB/s = 1e9 bytes/s).
+    """
+
+    name: str        # a key of BUS_FACTORS
+    count: int       # elements of the whole buffer (see above)
+    itemsize: int    # bytes per element (4 for float32)
+    world: int       # ranks n
+    seconds: float   # measured time t
+
+    def __post_init__(self):
+        if self.name not in BUS_FACTORS:
+            raise ValueError(f"unknown collective {self.name!r}; one of {sorted(BUS_FACTORS)}")
+        if self.world < 1 or self.count < 0 or self.itemsize < 1:
+            raise ValueError(f"need world >= 1, count >= 0, itemsize >= 1; got {self}")
+        if self.name in PER_RANK_COUNT and self.count % self.world:
+            raise ValueError(f"{self.name}: count {self.count} is not n={self.world} equal blocks (pad the buffer)")
+
+    @classmethod
+    def per_rank(cls, name: str, per_rank_count: int, itemsize: int, world: int, seconds: float) -> "Collective":
+        """From the per-rank count MPI/NCCL take for reduce-scatter (recvcount) and allgather (sendcount)."""
+        return cls(name, per_rank_count * world, itemsize, world, seconds)
+
+    @property
+    def size_bytes(self) -> int:
+        """S, the total data size in bytes."""
+        return self.count * self.itemsize
+
+    @property
+    def bus_factor(self) -> float:
+        return BUS_FACTORS[self.name](self.world)
+
+    @property
+    def algbw(self) -> float:
+        """S / t in bytes/s (NaN when no time was measured)."""
+        return self.size_bytes / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def busbw(self) -> float:
+        """algbw times the collective's bus factor, bytes/s."""
+        return self.algbw * self.bus_factor
+
+    @property
+    def ring_bytes_sent_per_rank(self) -> float:
+        """Bytes each rank sends with a ring algorithm (= busbw * t)."""
+        return self.size_bytes * self.bus_factor
+
+
+def step_collectives(row: dict, padded: int, world: int, itemsize: int = 4) -> list[Collective]:
+    """The two large collectives of one ZeRO-1 step, from a metrics.jsonl row: reduce-scatter of the
+    gradient buffer and allgather of the parameters (left out when it did not run: allgather_ms 0).
+    Times from "<name>_ms" or the row's per-collective "comm" dict (runlog.timing_parts)."""
+    out, parts = [], timing_parts(row)
+    for name in ("reduce_scatter", "allgather"):
+        ms = parts.get(name)
+        if ms is not None and ms > 0:
+            out.append(Collective(name, padded, itemsize, world, ms / 1e3))
+    return out
+
+
+def format_collectives(records: list[Collective]) -> str:
+    lines = [f"{'collective':<15} {'ranks':>5} {'S bytes':>10} {'time ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11} "
+             f"{'sent/rank B':>12}"]
+    for c in records:
+        lines.append(f"{c.name:<15} {c.world:>5} {c.size_bytes:>10} {1e3 * c.seconds:>9.3f} {c.algbw / 1e9:>11.3f} "
+                     f"{c.busbw / 1e9:>11.3f} {c.ring_bytes_sent_per_rank:>12.0f}")
+    return "\n".join(lines)
+
+
+# ---- ZeRO what-if ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Precision:
+    """Bytes per parameter of each kind of state."""
+
+    name: str
+    param: int      # the parameters the model computes with
+    grad: int       # their gradients
+    optimizer: int  # K: everything Adam keeps (the fp32 master copy, m and v)
+
+
+# This project: fp32 parameters and gradients; Adam keeps an fp32 master copy plus m and v (12 bytes).
+FP32 = Precision("fp32", 4, 4, 12)
+# The ZeRO paper (Rajbhandari et al. 2020, section 3.1): mixed-precision Adam, fp16 parameters and
+# gradients (2 + 2 bytes) and K = 12 bytes of fp32 master parameters, momentum and variance.
+MIXED = Precision("mixed", 2, 2, 12)
+PRECISIONS = {p.name: p for p in (FP32, MIXED)}
+STAGES = {0: "nothing (DDP)", 1: "optimizer state", 2: "optimizer state, grads", 3: "opt. state, grads, params"}
+
+
+@dataclass(frozen=True)
+class ZeroRow:
+    """Bytes held per rank at one ZeRO stage."""
+
+    stage: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+def zero_row(stage: int, n_params: int, world: int, precision: Precision = FP32) -> ZeroRow:
+    """Stage s shards (1) the optimizer state, (2) also the gradients, (3) also the parameters over
+    `world` ranks; a sharded rank holds ceil(n_params / world) elements (the project's padded shard)."""
+    if stage not in STAGES or n_params < 0 or world < 1:
+        raise ValueError(f"need stage in 0..3, n_params >= 0, world >= 1; got {stage}, {n_params}, {world}")
+    shard = -(-n_params // world)
+    held = lambda sharded: shard if sharded else n_params  # noqa: E731
+    return ZeroRow(stage, precision.param * held(stage >= 3), precision.grad * held(stage >= 2),
+                   precision.optimizer * held(stage >= 1))
+
+
+def zero_table(n_params: int, world: int, precision: Precision = FP32) -> list[ZeroRow]:
+    """Stages 0..3 for a model of `n_params` parameters (or the padded buffer length) on `world` ranks."""
+    return [zero_row(s, n_params, world, precision) for s in STAGES]
+
+
+def format_zero_table(rows: list[ZeroRow], n_params: int, world: int, precision: Precision = FP32) -> str:
+    p = precision
+    lines = [f"ZeRO what-if, {precision.name} ({p.param}+{p.grad}+{p.optimizer} bytes per parameter): "
+             f"P={n_params} parameters on N={world} ranks, bytes per rank",
+             f"{'stage':<5} {'sharded':<26} {'params':>12} {'grads':>12} {'optimizer':>12} {'total':>12}"]
+    for r in rows:
+        lines.append(f"{r.stage:<5} {STAGES[r.stage]:<26} {r.params_bytes:>12} {r.grads_bytes:>12} "
+                     f"{r.optimizer_bytes:>12} {r.total_bytes:>12}")
+    return "\n".join(lines)
+
+
+# ---- command line ------------------------------------------------------------------------------
+def run_bandwidths(run_dir: str) -> tuple[dict, list[Collective]]:
+    """(summary, one record per collective with the median time over steps 2..) of a finished run."""
+    run = read_run(run_dir)
+    if not run.summary:
+        raise FileNotFoundError(f"{run_dir}/summary.json not found: the run has not finished")
+    padded, world = run.summary["padded"], run.summary["world_size"]
+    by_name: dict[str, list[float]] = {}
+    for row in run.rows:
+        if row["step"] >= 2:  # step 1 pays one-off warm-up
+            for c in step_collectives(row, padded, world):
+                by_name.setdefault(c.name, []).append(c.seconds)
+    return run.summary, [Collective(n, padded, 4, world, statistics.median(t)) for n, t in by_name.items()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m capstone.accounting", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                description="ZeRO what-if memory table and, for a finished run, the achieved "
+                                            "bandwidth of its collectives (nccl-tests definitions).")
+    p.add_argument("--params", type=int, default=30144, help="parameters P (or the padded buffer length)")
+    p.add_argument("--world", type=int, default=4, help="ranks N")
+    p.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32",
+                   help="fp32: this project (4+4+12 bytes); mixed: the ZeRO paper (2+2+12)")
+    p.add_argument("--run", default=None, help="a finished run dir: print its bandwidths; its padded size and world replace --params/--world")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    n_params, world = args.params, args.world
+    if args.run:
+        try:
+            summary, records = run_bandwidths(args.run)
+        except (FileNotFoundError, KeyError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        n_params, world = summary["padded"], summary["world_size"]
+        print(f"{args.run}: median over steps 2.. of rank 0's timings\n{format_collectives(records)}\n")
+    precision = PRECISIONS[args.precision]
+    print(format_zero_table(zero_table(n_params, world, precision), n_params, world, precision))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""capstone.accounting: nccl-tests byte counts and bandwidths, the ZeRO what-if table (closed form,
+the ZeRO paper's own numbers) and a real run's measured memory against it."""
+
+import pytest
+
+from conftest import mpirun, summary
+
+from capstone import accounting as acc
+from capstone.accounting import Collective
+
+SIZES = (1, 7536, 1 << 20)  # elements per rank: tiny, the default model's shard on 4 ranks, 4 MiB
+WORLDS = (1, 3, 4)
+
+
+@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("per_rank", SIZES)
+def test_bytes_follow_the_nccl_tests_definitions(n, per_rank):
+    full = per_rank * n
+    ar = Collective("allreduce", full, 4, n, 1.0)
+    rs = Collective.per_rank("reduce_scatter", per_rank, 4, n, 1.0)
+    ag = Collective.per_rank("allgather", per_rank, 4, n, 1.0)
+    for c in (ar, rs, ag):
+        assert c.size_bytes == 4 * per_rank * n  # S: the whole buffer (recvcount/sendcount * size * n)
+    assert ar.ring_bytes_sent_per_rank == pytest.approx(2 * (n - 1) * per_rank * 4)  # 2(n-1) chunks of S/n
+    assert rs.ring_bytes_sent_per_rank == pytest.approx((n - 1) * per_rank * 4)       # n-1 chunks of S/n
+    assert ag.ring_bytes_sent_per_rank == pytest.approx((n - 1) * per_rank * 4)
+    assert rs.count == ag.count == full
+
+
+@pytest.mark.parametrize("n", WORLDS)
+def test_busbw_factors(n):
+    t, count = 2e-3, 3 * 4 * 1000  # divisible by every n here
+    ar, rs, ag = (Collective(name, count, 4, n, t) for name in ("allreduce", "reduce_scatter", "allgather"))
+    algbw = count * 4 / t
+    assert ar.algbw == rs.algbw == ag.algbw == pytest.approx(algbw)
+    assert ar.busbw == pytest.approx(algbw * 2 * (n - 1) / n)
+    assert rs.busbw == pytest.approx(algbw * (n - 1) / n) and ag.busbw == pytest.approx(algbw * (n - 1) / n)
+    for c in (ar, rs, ag):
+        assert c.busbw * t == pytest.approx(c.ring_bytes_sent_per_rank)
+    assert Collective("broadcast", count, 4, n, t).busbw == pytest.approx(algbw)
+
+
+def test_a_worked_example_and_bad_input():
+    c = Collective.per_rank("reduce_scatter", 7536, 4, 4, 1e-3)  # the default model's gradients on 4 ranks
+    assert (c.size_bytes, c.algbw, c.busbw) == (120576, pytest.approx(1.20576e8), pytest.approx(9.0432e7))
+    assert Collective("allgather", 8, 4, 4, 0.0).algbw != Collective("allgather", 8, 4, 4, 0.0).algbw  # NaN: no time
+    with pytest.raises(ValueError, match="equal blocks"):
+        Collective("reduce_scatter", 10, 4, 4, 1.0)
+    with pytest.raises(ValueError, match="unknown collective"):
+        Collective("alltoallv", 8, 4, 4, 1.0)
+
+
+def test_step_collectives_from_a_metrics_row():
+    row = {"reduce_scatter_ms": 2.0, "allgather_ms": 0.0}  # a batch the guard skipped: no allgather
+    assert acc.step_collectives(row, 30144, 4) == [Collective("reduce_scatter", 30144, 4, 4, 2e-3)]
+    both = acc.step_collectives({"reduce_scatter_ms": 2.0, "allgather_ms": 1.0}, 30144, 4)
+    assert [c.name for c in both] == ["reduce_scatter", "allgather"]
+    assert "reduce_scatter" in acc.format_collectives(both)
+    from_comm = acc.step_collectives({"comm": {"reduce_scatter": {"ms": 4.0}, "allgather": 2.0}}, 8, 2)
+    assert [(c.name, c.seconds) for c in from_comm] == [("reduce_scatter", 4e-3), ("allgather", 2e-3)]
+
+
+def test_zero_table_fp32_closed_form():
+    P, N = 30144, 4  # the default model (V=64, T=16, C=32, L=2); 30144 = 4 * 7536
+    rows = acc.zero_table(P, N)
+    got = [(r.stage, r.params_bytes, r.grads_bytes, r.optimizer_bytes, r.total_bytes) for r in rows]
+    assert got == [(0, 4 * P, 4 * P, 12 * P, 20 * P),
+                   (1, 4 * P, 4 * P, 12 * P // N, 8 * P + 12 * P // N),
+                   (2, 4 * P, 4 * P // N, 12 * P // N, 4 * P + 16 * P // N),
+                   (3, 4 * P // N, 4 * P // N, 12 * P // N, 20 * P // N)]
+    assert acc.zero_row(1, 30145, 4).optimizer_bytes == 12 * 7537  # a rank holds the padded shard
+    text = acc.format_zero_table(rows, P, N)
+    assert "602880" in text and "150720" in text and "fp32 (4+4+12" in text
+
+
+def test_zero_table_mixed_precision_matches_the_paper():
+    """ZeRO paper, Figure 1: 7.5B parameters, N=64, K=12: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB per device."""
+    totals = [r.total_bytes / 1e9 for r in acc.zero_table(7_500_000_000, 64, acc.MIXED)]
+    assert totals == pytest.approx([120.0, 31.4, 16.6, 1.9], abs=0.05)
+
+
+def test_cli_what_if(capsys):
+    assert acc.main(["--params", "30144", "--world", "4", "--precision", "mixed"]) == 0
+    out = capsys.readouterr().out
+    assert "mixed (2+2+12" in out and f"{16 * 30144:>12}" in out and f"{16 * 30144 // 4:>12}" in out
+
+
+def test_a_real_run_measures_what_stage_1_predicts(tmp_path, capsys):
+    out = tmp_path / "n2"
+    assert mpirun(2, "--out", out, "--steps", 4, "--ckpt-every", 0, "--quiet").returncode == 0
+    s = summary(out)
+    padded, world = s["padded"], s["world_size"]
+    stage1 = acc.zero_row(1, padded, world)
+    for m in s["memory"]["per_rank"]:
+        assert m["params_bytes"] == stage1.params_bytes and m["optimizer_bytes"] == stage1.optimizer_bytes
+        assert m["grads_bytes"] == stage1.grads_bytes + 4 * padded // world  # + the reduce-scatter receive shard
+    assert acc.main(["--run", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "reduce_scatter" in text and "allgather" in text and f"P={padded} parameters on N=2" in text
