@@ -25,8 +25,8 @@ class ReplicaCheck:
             self.mismatches.append({"step": step, "fingerprints": every})
 
 
-def loss_monotone(evals: list, start: float, best: float, tol: float, rel: float = 0.0,
-                  settle_until: int = 0, fresh: bool = True) -> dict:
+def loss_monotone(evals: list, tol: float, rel: float = 0.0, settle_until: int = 0,
+                  start: float | None = None, best: float | None = None, fresh: bool = True) -> dict:
     """(a) over the (step, held-out loss) evaluation points of this run segment, in order; the first
     is the segment's baseline (the start of the run, or the state it resumed from).
 
@@ -35,8 +35,11 @@ def loss_monotone(evals: list, start: float, best: float, tol: float, rel: float
     step `settle_until` (the warmup, or the first tenth of the run) a point may rise as far as
     SETTLE_MARGIN above the starting loss: Adam's first updates move every parameter by about lr,
     and the held-out loss may overshoot before it falls. The last point must be below the first (a fresh run) or below
-    the run's starting loss (a resumed segment). A diverging run or a bad update rises far more."""
+    the run's starting loss (a resumed segment). A diverging run or a bad update rises far more.
+    `start` and `best` default to the first point (a fresh run)."""
     worst, at, worst_rise, allowed_at = float("-inf"), None, None, None
+    start = evals[0][1] if start is None and evals else start
+    best = start if best is None else best
     for (_, prev), (step, cur) in zip(evals, evals[1:]):
         allowed = tol + rel * (start - best)
         if step <= settle_until:

@@ -162,7 +162,7 @@ def loss_invariant(run: Run, start_step: int) -> dict:
     points = [first] + [(step, held) for step, _, held in state.losses if held is not None]
     settle = max(tcfg.warmup_steps, -(-tcfg.steps // 10))
     best = state.eval_start if start_step == 0 else run.segment_start[1]
-    return invariants.loss_monotone(points, state.eval_start, best, tcfg.loss_tol, tcfg.loss_tol_rel, settle,
+    return invariants.loss_monotone(points, tcfg.loss_tol, tcfg.loss_tol_rel, settle, state.eval_start, best,
                                     fresh=start_step == 0)
 
 

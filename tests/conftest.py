@@ -31,6 +31,26 @@ def summary(out) -> dict:
         return json.load(f)
 
 
+def by_step(out) -> dict:
+    """metrics.jsonl of a run as {step: (loss, eval_loss, fingerprint)}, the latest row of a step
+    winning (a resumed run repeats the steps after its checkpoint)."""
+    rows = {}
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        for r in map(json.loads, f):
+            if "step" in r:
+                rows[r["step"]] = (r["loss"], r["eval_loss"], r["fingerprint"])
+    return rows
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """The reference experiment on 4 ranks, run once per session: (run dir, result, summary)."""
+    out = tmp_path_factory.mktemp("reference") / "run"
+    res = mpirun(4, "--out", out)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return out, res, summary(out)
+
+
 @pytest.fixture
 def run_train():
     return mpirun

@@ -20,6 +20,21 @@ def test_loss_monotone():
     assert not jump["ok"] and jump["at_step"] == 2 and abs(jump["allowed_there"] - (1e-4 + 0.1)) < 1e-12
 
 
+def test_loss_monotone_settle_window_and_resumed_segments():
+    early = [(0, 4.0), (1, 3.9), (2, 4.1), (3, 3.0)]  # an overshoot above the start at step 2
+    assert not invariants.loss_monotone(early, 1e-4, 0.05)["ok"]
+    assert invariants.loss_monotone(early, 1e-4, 0.05, settle_until=2)["ok"]
+    assert not invariants.loss_monotone([(0, 4.0), (1, 3.9), (2, 4.3), (3, 3.0)], 1e-4, 0.05, settle_until=2)["ok"], \
+        "more than 5% above the start is not settling"
+    # A resumed segment starts from its own state; an old rise is not judged again
+    seg = invariants.loss_monotone([(10, 2.0), (20, 1.9)], 1e-4, 0.05, start=4.0, best=1.95, fresh=False)
+    assert seg["ok"] and seg["first"] == 2.0
+    flat = invariants.loss_monotone([(10, 2.0), (20, 2.01)], 1e-4, 0.05, start=4.0, best=1.95, fresh=False)
+    assert flat["ok"], "a resumed segment near convergence may be flat (within the wiggle)"
+    up = invariants.loss_monotone([(10, 2.0), (20, 2.5)], 1e-4, 0.05, start=4.0, best=1.95, fresh=False)
+    assert not up["ok"] and up["at_step"] == 20
+
+
 def test_params_identical():
     assert invariants.params_identical([], 20)["ok"]
     assert not invariants.params_identical([{"step": 3}], 20)["ok"]

@@ -8,10 +8,10 @@ import os
 import h5py
 import pytest
 
-from conftest import mpirun, summary
+from conftest import by_step, mpirun, summary
 
 
-@pytest.mark.parametrize("n", [1, 3, 4, 5])  # 5: the flat buffer needs padding
+@pytest.mark.parametrize("n", [1, 3, 5])  # 5: the flat buffer needs padding
 def test_reference_run_holds_all_invariants(tmp_path, n):
     out = tmp_path / "run"
     res = mpirun(n, "--out", out)
@@ -45,7 +45,7 @@ def test_same_seed_same_world_same_bits(tmp_path):
     assert all(r.returncode == 0 for r in runs), runs[0].stderr
     a, b = (summary(tmp_path / f"r{i}") for i in range(2))
     assert a["final_param_fingerprint"] == b["final_param_fingerprint"]
-    assert a["losses"] == b["losses"]
+    assert a["losses"] == b["losses"] and by_step(tmp_path / "r0") == by_step(tmp_path / "r1")
     c = mpirun(2, "--out", tmp_path / "r3", "--steps", "6", "--seed", "7")
     assert summary(tmp_path / "r3")["final_param_fingerprint"] != a["final_param_fingerprint"], c.stderr
 
@@ -110,13 +110,12 @@ def test_h5py_without_mpi_one_rank_writes_the_same_format(tmp_path, monkeypatch)
     from capstone.cli import RunOptions
     from capstone.config import ModelConfig, TrainConfig
     from capstone.dist import Dist
-    from capstone.run import build, start
+    from capstone.cli import Settings
+    from capstone.run import open_run
     from capstone.train import train
     monkeypatch.setattr(checkpoint, "mpi_io_available", lambda: False)
-    run = build(Dist(MPI.COMM_SELF), ModelConfig(), TrainConfig(steps=4, ckpt_every=2),
-                RunOptions(out=str(tmp_path / "run"), quiet=True))
-    start(run)
-    assert train(run) == 0
+    settings = Settings(ModelConfig(), TrainConfig(steps=4, ckpt_every=2), RunOptions(out=str(tmp_path / "run"), quiet=True), {})
+    assert train(open_run(Dist(MPI.COMM_SELF), settings)) == 0
     assert ckpt_main(["verify", str(tmp_path / "run" / "checkpoints" / "ckpt-00000004.h5")]) == 0
 
     two_ranks = Dist(MPI.COMM_SELF)
