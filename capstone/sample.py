@@ -150,31 +150,34 @@ class KVCache:
     def reset(self) -> None:
         self.n = 0
 
-    def _attend(self, i: int, qkv: np.ndarray) -> np.ndarray:
-        """Causal attention of the new rows qkv (n, 3C) over cached + new positions of layer i -> (n, C)."""
+    def _attend(self, i: int, qkv: np.ndarray, last: bool) -> np.ndarray:
+        """Causal attention of the new rows qkv (n, 3C) over cached + new positions of layer i -> (n, C)
+        (only the last row's output, (1, C), if `last`: every new row's key and value is cached anyway)."""
         n, s, H, D = qkv.shape[0], self.n, self.H, self.D
         q, k, v = qkv.reshape(n, 3, H, D).transpose(1, 2, 0, 3)             # each (H, n, D)
         self.k[i, :, s:s + n], self.v[i, :, s:s + n] = k, v
-        att = q @ self.k[i, :, :s + n].swapaxes(-1, -2)                      # (H, n, s+n)
+        q = q[:, -1:] if last else q
+        att = q @ self.k[i, :, :s + n].swapaxes(-1, -2)                      # (H, rows, s+n)
         att *= 1.0 / math.sqrt(D)
-        if n > 1:
+        if q.shape[1] > 1:
             att += np.triu(np.full((n, s + n), -np.inf, dtype=np.float32), k=s + 1)
         att -= att.max(axis=-1, keepdims=True)
         np.exp(att, out=att)
         att /= att.sum(axis=-1, keepdims=True)
-        return (att @ self.v[i, :, :s + n]).transpose(1, 0, 2).reshape(n, H * D)
+        return (att @ self.v[i, :, :s + n]).transpose(1, 0, 2).reshape(q.shape[1], H * D)
 
-    def forward(self, ids) -> np.ndarray:
-        """Logits (n, V) of the tokens `ids` at the next n positions; their keys/values join the cache."""
-        p, n, s = self.p, len(ids), self.n
+    def forward(self, ids, last: bool = False) -> np.ndarray:
+        """Logits (n, V) of the tokens `ids` at the next n positions (only the last position's, (1, V), if
+        `last`: the top block then skips the other rows after attention); their keys/values join the cache."""
+        p, n, s, L = self.p, len(ids), self.n, self.cfg.n_layers
         if s + n > self.cfg.seq_len:
             raise ValueError(f"{s}+{n} positions exceed seq_len {self.cfg.seq_len}; reset() and crop the context")
         x = p["wte"][np.asarray(ids)] + p["wpe"][s:s + n]                    # (n, C)
-        for i in range(self.cfg.n_layers):
-            h = f"h{i}."
+        for i in range(L):
+            h, top = f"h{i}.", last and i == L - 1
             a = layer_norm(x, p[h + "ln_1.w"], p[h + "ln_1.b"])
-            y = self._attend(i, linear(a, p[h + "attn.c_attn.w"], p[h + "attn.c_attn.b"]))
-            x = x + linear(y, p[h + "attn.c_proj.w"], p[h + "attn.c_proj.b"])
+            y = self._attend(i, linear(a, p[h + "attn.c_attn.w"], p[h + "attn.c_attn.b"]), top)
+            x = (x[-1:] if top else x) + linear(y, p[h + "attn.c_proj.w"], p[h + "attn.c_proj.b"])
             u = linear_gelu(layer_norm(x, p[h + "ln_2.w"], p[h + "ln_2.b"]), p[h + "mlp.c_fc.w"], p[h + "mlp.c_fc.b"])
             x = x + linear(u, p[h + "mlp.c_proj.w"], p[h + "mlp.c_proj.b"])
         self.n = s + n
@@ -198,7 +201,7 @@ def generate(p: dict, cfg: ModelConfig, prompt: list[int], tokens: int, temperat
     is full; after that every position shifts, so each step recomputes the window, as nanoGPT does)."""
     rng, T, seq = np.random.default_rng(seed), cfg.seq_len, list(prompt)
     kv = KVCache(p, cfg)
-    step = (lambda: kv.forward(seq[-T:])[-1]) if cache else \
+    step = (lambda: kv.forward(seq[-T:], last=True)[-1]) if cache else \
         (lambda: full_logits(p, np.array([seq[-T:]], dtype=np.int32), cfg)[-1])
     z = step()
     for i in range(tokens):
@@ -245,14 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("target", metavar="RUN_DIR_or_CKPT",
                    help="a training run directory (its checkpoints/latest is used) or a ckpt-*.h5 file")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--prompt", default=None, help="text to continue (default: a newline)")
-    g.add_argument("--prompt-ids", default=None, metavar="\"ID ID ...\"",
+    g.add_argument("--prompt", default=argparse.SUPPRESS, help="text to continue (default: a newline)")
+    g.add_argument("--prompt-ids", default=argparse.SUPPRESS, metavar="\"ID ID ...\"",
                    help="the prompt as space-separated token ids (needed for a synthetic-corpus checkpoint)")
     p.add_argument("--tokens", type=int, default=500, help="number of new tokens to generate")
     p.add_argument("--temperature", type=float, default=0.8, help="divide the logits by this (0: greedy)")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens only (0: all)")
     p.add_argument("--seed", type=int, default=1, help="seed of the sampler: the same seed gives the same text")
-    p.add_argument("--data", default=None, metavar="DIR",
+    p.add_argument("--data", default=argparse.SUPPRESS, metavar="DIR",
                    help="prepared dataset whose meta.json gives the vocabulary (default: the training run's)")
     p.add_argument("--no-kv-cache", action="store_true", help="recompute the whole context every token (slower)")
     return p
@@ -265,21 +268,23 @@ def run(args) -> int:
     meta, cfg, params = load_checkpoint(path)
     vocab = load_vocab(meta, cfg, args.data, path)
     prompt = prompt_ids(args, vocab, cfg.vocab_size)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     new = generate(params, cfg, prompt, args.tokens, args.temperature, args.top_k, args.seed, not args.no_kv_cache)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     if vocab is None:
         print(" ".join(map(str, prompt + new)))
     else:
         print(vocab.decode(prompt + new))
     source = "token ids (synthetic-corpus checkpoint)" if vocab is None else f"vocabulary {vocab.directory}"
-    print(f"# {path}: step {meta['step']}, {meta['world_size']} ranks; {len(new)} tokens in {seconds:.2f} s; "
+    print(f"# {path}: step {meta['step']}, {meta['world_size']} ranks; {len(new)} tokens in {seconds:.2f} s "
+          f"(CPU {cpu:.2f} s); "
           f"{source}", file=sys.stderr)
     return 0
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = argparse.Namespace(prompt=None, prompt_ids=None, data=None)
+    build_parser().parse_args(argv, namespace=args)
     try:
         return run(args)
     except SampleError as exc:

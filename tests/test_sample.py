@@ -149,6 +149,8 @@ def test_kv_cache_equals_full_forward():
     assert got.dtype == np.float32 and np.abs(got - want).max() < 1e-5
     with pytest.raises(ValueError, match="seq_len"):
         kv.forward(ids[:1])
+    kv.reset()
+    assert np.abs(kv.forward(ids, last=True) - want[-1:]).max() < 1e-5                 # the top block's last row
     # past seq_len the context is cropped, as nanoGPT does: both paths pick the same tokens
     args = (p, cfg, [1, 2, 3], 3 * cfg.seq_len, 1.0, 0, 7)
     assert sample.generate(*args, cache=True) == sample.generate(*args, cache=False)
