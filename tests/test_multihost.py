@@ -1,0 +1,269 @@
+"""Many hosts: Open MPI across network-namespace "hosts" on this machine (scripts/hosts).
+
+Run serially, NOT under mpirun (the tests start their own jobs):
+
+    python -m pytest -v -rsP tests/test_multihost.py
+
+The session fixture brings up hosts h1 and h2 once (`scripts/hosts up 2`: a namespace per host,
+veth pairs on a bridge in its own namespace, 10.213.0.0/24) and always tears them down, also after
+a failure or Ctrl-C. Needs root and `ip netns`; otherwise the tests are skipped with the reason,
+unless CAPSTONE_REQUIRE_HOSTS=1, which turns the skip into a failure (CI sets it).
+
+What is proven:
+  (1) the reference experiment on 2 hosts x 2 ranks (TCP only: btl tcp,self; the ranks' hostnames
+      differ; bytes measurably crossed h2's link) writes checkpoints whose shard sha256s and
+      logical digests are identical to the same run on one host with 4 ranks;
+  (2) a host whose processes are all killed mid-run ends the whole job within KILL_BOUND_S, and
+      `--resume latest` on the surviving host with 2 ranks x --grad-accum 2 (same global batch)
+      completes with every invariant ok, bit-identical to the uninterrupted run at step 20;
+  (3) a host whose link is cut mid-run ends the job within CUT_BOUND_S (Open MPI's out-of-band
+      TCP keepalive, set by scripts/hosts), the cut host's processes end by themselves, and the
+      resume on the surviving host completes;
+  (4) SIGUSR1 to mpirun reaches the ranks on every host: a checkpoint, exit 0, and `--resume auto`
+      completes the run (the preemption path of scripts/slurm/*.sbatch, across nodes).
+Measured times and the messages the user sees are printed (shown with -rP / -s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import hosts as H
+
+REQUIRE = os.environ.get("CAPSTONE_REQUIRE_HOSTS") == "1"
+
+# How long a failed node may take to end the whole job (seconds after the fault).
+KILL_BOUND_S = 30   # measured ~2 s: the dead daemon's TCP connection closes at once
+CUT_BOUND_S = 60    # measured ~13 s: OOB keepalive 5 s idle + 3 probes x 2 s (scripts/hosts);
+#                     lower it once capstone's own collective timeout lands (issue 13)
+
+STEPS = 20          # the reference experiment: checkpoints at steps 10 and 20
+CKPTS = ("ckpt-00000010.h5", "ckpt-00000020.h5")
+PY = sys.executable
+
+if any(int(os.environ.get(k, "1") or 1) > 1 for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")):
+    pytest.skip("tests/test_multihost.py must run serially, not under mpirun (it starts its own jobs)",
+                allow_module_level=True)
+
+
+def _unavailable(reason: str):
+    if REQUIRE:
+        pytest.fail(f"{reason} (and CAPSTONE_REQUIRE_HOSTS=1)", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def hosts():
+    reason = H.unavailable_reason()
+    if reason:
+        _unavailable(reason)
+    h = H.Hosts(2)
+    try:
+        ctx = h.session()
+        ctx.__enter__()
+    except H.HostsUnavailable as exc:
+        _unavailable(str(exc))
+    try:
+        yield h
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+@pytest.fixture
+def fresh(hosts):
+    """Each test starts with every link up and no process on any host."""
+    hosts.reset()
+    yield hosts
+    hosts.reset()
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def train(out, *flags) -> list:
+    return [PY, "-m", "capstone.train", "--out", str(out), *map(str, flags)]
+
+
+def inspect(path: Path) -> dict:
+    """`python -m capstone.checkpoint inspect --json FILE`: the metadata (the command also
+    recomputes every digest and exits 0 only if all match)."""
+    p = subprocess.run([PY, "-m", "capstone.checkpoint", "inspect", "--json", str(path)], capture_output=True,
+                       text=True, timeout=120, env=H.env(), cwd=H.ROOT)
+    assert p.returncode == 0, f"{path} does not verify:\n{p.stdout}\n{p.stderr}"
+    meta, _ = json.JSONDecoder().raw_decode(p.stdout)   # the JSON, then the verification line
+    return meta
+
+
+def digests(run_dir: Path) -> dict:
+    """{checkpoint: {"shards": {dataset: sha256}, "logical": {row: root}, "world_size": n}}."""
+    result = {}
+    for name in CKPTS:
+        meta = inspect(run_dir / "checkpoints" / name)
+        result[name] = {"shards": {k: v["sha256"] for k, v in meta["datasets"].items()},
+                        "logical": meta["logical_sha256"], "world_size": meta["world_size"]}
+    return result
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def assert_completed(p, run_dir: Path, world: int):
+    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
+    s = summary(run_dir)
+    assert s["status"] == "completed" and s["world_size"] == world and s["final_step"] == STEPS, s["status"]
+    bad = [k for k, v in s["invariants"].items() if not v["ok"]]
+    assert not bad, f"invariants violated: {bad}"
+    assert "resume verified" in p.stdout
+    return s
+
+
+def wait_for(path: Path, job, log: Path, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if job.poll() is not None:
+            pytest.fail(f"the job ended (exit {job.returncode}) before {path} existed:\n{log.read_text()[-4000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"{path} did not appear within {timeout} s:\n{log.read_text()[-4000:]}")
+        time.sleep(0.05)
+
+
+def mpi_messages(text: str) -> str:
+    """What Open MPI printed (its boxed help messages and 'mpirun ...' lines), without the table."""
+    lines = [ln for ln in text.splitlines() if not ln.startswith("hosts: on ")]
+    keep = [ln for ln in lines if not (ln[:5].strip().isdigit() or ln.startswith((" step", "capstone:")))]
+    return "\n".join(keep).strip()
+
+
+@pytest.fixture(scope="module")
+def one_host(tmp_path_factory):
+    """The reference experiment on one host, 4 ranks, plain mpirun (shared memory allowed)."""
+    out = tmp_path_factory.mktemp("one-host") / "run"
+    cmd = ["mpirun", "-n", "4", "--oversubscribe", *train(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=H.env(), cwd=H.ROOT)
+    assert_completed(p, out, 4)
+    return digests(out)
+
+
+# ---- (1) two hosts give the same bytes as one ---------------------------------------------------
+def test_two_hosts_match_one_host(fresh, one_host, tmp_path):
+    # Where every rank runs, and with what transport (the same launcher as the training run).
+    probe = ("import json, os, socket; h = socket.gethostname(); print('RANK ' + json.dumps({"
+             "'rank': int(os.environ['OMPI_COMM_WORLD_RANK']), 'host': h, 'ip': socket.gethostbyname(h), "
+             "'btl': os.environ.get('OMPI_MCA_btl'), 'if': os.environ.get('OMPI_MCA_btl_tcp_if_include')}))")
+    p = fresh.mpirun("h1:2,h2:2", [PY, "-c", probe], timeout=120)
+    assert p.returncode == 0, p.stderr
+    # (mpirun forwards the ranks' output as it comes: two ranks' lines may share one line)
+    ranks = sorted((json.loads(m) for m in re.findall(r"RANK (\{[^{}]*\})", p.stdout)), key=lambda r: r["rank"])
+    print("placement:", ranks)
+    assert [(r["rank"], r["host"], r["ip"]) for r in ranks] == [
+        (0, "h1", "10.213.0.1"), (1, "h1", "10.213.0.1"), (2, "h2", "10.213.0.2"), (3, "h2", "10.213.0.2")]
+    assert {r["btl"] for r in ranks} == {"tcp,self"}, "every byte between ranks must go over TCP"
+    assert {r["if"] for r in ranks} == {"10.213.0.0/24"}
+
+    out = tmp_path / "two-hosts"
+    rx0, tx0 = fresh.link_bytes("h2")
+    t0 = time.monotonic()
+    p = fresh.mpirun("h1:2,h2:2", train(out), timeout=300)
+    wall = time.monotonic() - t0
+    rx1, tx1 = fresh.link_bytes("h2")
+    assert_completed(p, out, 4)
+    # Each step, h2 must at least receive h1's half of the updated parameters and send its own half.
+    floor = STEPS * (summary(out)["n_params"] // 2) * 4
+    print(f"2 hosts x 2 ranks: {wall:.1f} s; h2 link: received {rx1 - rx0} B, sent {tx1 - tx0} B (floor {floor} B)")
+    assert rx1 - rx0 >= floor and tx1 - tx0 >= floor, "the ranks did not talk across the link"
+
+    two = digests(out)
+    for name in CKPTS:
+        assert two[name]["shards"] == one_host[name]["shards"], f"{name}: shard sha256s differ"
+        assert two[name]["logical"] == one_host[name]["logical"], f"{name}: logical digests differ"
+
+
+# ---- (2) a host dies ---------------------------------------------------------------------------
+def test_killed_host_ends_job_then_resume_on_survivor(fresh, one_host, tmp_path):
+    out, log = tmp_path / "killed", tmp_path / "killed.log"
+    job = fresh.start("h1:2,h2:2", train(out, "--sleep-per-step", 0.5), log)
+    wait_for(out / "checkpoints" / "latest", job, log)
+    fresh.kill("h2")                       # every process on h2: its orted and both ranks
+    t0 = time.monotonic()
+    try:
+        rc = job.wait(timeout=KILL_BOUND_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the job did not end within {KILL_BOUND_S} s of h2 dying:\n{log.read_text()[-4000:]}")
+    ended = time.monotonic() - t0
+    text = log.read_text()
+    print(f"kill h2 -> job ended in {ended:.1f} s, mpirun exit {rc}; Open MPI said:\n{mpi_messages(text)}")
+    assert rc != 0
+    assert "h2" in mpi_messages(text), "the message should name the lost host"
+    left = fresh.wait_no_processes(["h1", "h2"], timeout=10)
+    assert not left, f"processes left behind: {left}"
+
+    resume_on_survivor(fresh, out, one_host)
+
+
+# ---- (3) a host's link is cut --------------------------------------------------------------------
+def test_cut_link_ends_job_then_resume_on_survivor(fresh, one_host, tmp_path):
+    out, log = tmp_path / "cut", tmp_path / "cut.log"
+    job = fresh.start("h1:2,h2:2", train(out, "--sleep-per-step", 0.5), log)
+    wait_for(out / "checkpoints" / "latest", job, log)
+    fresh.cut("h2")                        # ip link set eth0 down inside h2: no FIN, no RST, silence
+    t0 = time.monotonic()
+    try:
+        rc = job.wait(timeout=CUT_BOUND_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the job did not end within {CUT_BOUND_S} s of h2's link being cut:\n{log.read_text()[-4000:]}")
+    ended = time.monotonic() - t0
+    text = log.read_text()
+    # The ranks on h2 cannot be told by mpirun; their own daemon must notice and end them.
+    left = fresh.wait_no_processes(["h1", "h2"], timeout=max(5.0, CUT_BOUND_S - ended))
+    h2_gone = time.monotonic() - t0
+    print(f"cut h2 -> job ended in {ended:.1f} s (mpirun exit {rc}); h2's processes gone after {h2_gone:.1f} s; "
+          f"Open MPI said:\n{mpi_messages(text)}")
+    assert rc != 0
+    assert "h2" in mpi_messages(text), "the message should name the lost host"
+    assert not left, f"processes left behind: {left}"
+
+    resume_on_survivor(fresh, out, one_host)
+
+
+# ---- (4) a graceful stop across hosts -------------------------------------------------------------
+def test_usr1_to_mpirun_checkpoints_on_every_host(fresh, one_host, tmp_path):
+    """SIGUSR1 to mpirun (what a batch script forwards before a time limit or preemption) reaches
+    the ranks on every host: they checkpoint, exit 0 with status "preempted", and the rerun with
+    `--resume auto` finishes bit-identical to the uninterrupted run. (SIGINT/SIGTERM to mpirun are
+    NOT forwarded: mpirun kills the job with SIGTERM then SIGKILL, and the checkpoint may not finish.)"""
+    out, log = tmp_path / "usr1", tmp_path / "usr1.log"
+    job = fresh.start("h1:2,h2:2", train(out, "--sleep-per-step", 0.5), log)
+    wait_for(out / "checkpoints" / "latest", job, log)
+    job.send_signal(signal.SIGUSR1)          # the job's pid is mpirun's (scripts/hosts execs it)
+    try:
+        rc = job.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the job did not stop within 60 s of SIGUSR1:\n{log.read_text()[-4000:]}")
+    s = summary(out)
+    assert rc == 0 and s["status"] == "preempted", f"exit {rc}, status {s['status']}\n{log.read_text()[-4000:]}"
+    print(f"SIGUSR1 -> preempted at step {s['final_step']}, exit 0")
+    p = fresh.mpirun("h1:2,h2:2", train(out, "--resume", "auto"), timeout=300)
+    assert_completed(p, out, 4)
+    assert inspect(out / "checkpoints" / CKPTS[-1])["logical_sha256"] == one_host[CKPTS[-1]]["logical"]
+
+
+def resume_on_survivor(hosts, out: Path, one_host: dict):
+    """Continue on h1 alone: 2 ranks x --grad-accum 2 keep the global batch of 4 x 1."""
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    t0 = time.monotonic()
+    p = hosts.mpirun("h1:2", train(out, "--resume", "latest", "--grad-accum", 2), timeout=300)
+    s = assert_completed(p, out, 2)
+    assert s["resumed_from"] and os.path.basename(s["resumed_from"]) == os.path.basename(latest)
+    print(f"resume on h1 (2 ranks x grad-accum 2) from {latest}: exit 0 in {time.monotonic() - t0:.1f} s")
+    # Same global batch, same samples: the state at step 20 is the uninterrupted run's, bit for bit.
+    meta = inspect(out / "checkpoints" / CKPTS[-1])
+    assert meta["world_size"] == 2
+    assert meta["logical_sha256"] == one_host[CKPTS[-1]]["logical"]
