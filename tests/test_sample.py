@@ -33,7 +33,7 @@ def prepare(tmp, name: str, text: str) -> str:
 
 def train(out, *args):
     """4 steps on 3 ranks, checkpoints at steps 2 and 4 (the sampler needs those, not a passing invariant)."""
-    return mpirun(3, "--out", out, "--steps", 4, "--ckpt-every", 2, "--quiet", *args)
+    return mpirun(3, "--out", out, "--steps", 4, "--ckpt-every", 2, "--eval-batch-size", 8, "--quiet", *args)
 
 
 def trained(out, res) -> str:
