@@ -134,7 +134,8 @@ class Summary:
                 "model_config": dataclasses.asdict(run.mcfg), "train_config": dataclasses.asdict(run.tcfg),
                 "n_params": layout.n_params, "padded": layout.padded, "start_step": self.start_step,
                 "final_step": run.state.step, "resumed_from": run.resumed_from,
-                "losses": [list(x) for x in run.state.losses], "steps": self.rows, "invariants": self.invariants,
+                "losses": [list(x) for x in run.state.losses], "last_step": self.rows[-1] if self.rows else None,
+                "invariants": self.invariants,
                 "memory": {"per_rank": self.memory, **aggregate(self.memory)}, "checkpoints": run.ckpt.manifests,
                 "rollbacks": run.state.rollbacks, "wall_seconds": self.wall,
                 "final_param_fingerprint": self.final_fingerprint}
@@ -145,8 +146,12 @@ def final(summary: Summary, verified: dict | None, failed: list[str], rank: int)
     from .invariants import describe
     run = summary.run
     say("\nmemory per rank (bytes):\n" + memory_table(summary.memory), rank)
-    for man in run.ckpt.manifests:
+    kept = [m for m in run.ckpt.manifests if os.path.exists(m["path"])]
+    for man in kept[:1] + kept[-1:] if len(kept) > 1 else kept:  # the verified one and the newest
         say(manifest_text(man), rank)
+    if len(kept) > 2 or len(kept) < len(run.ckpt.manifests):
+        say(f"({len(run.ckpt.manifests)} checkpoints written, {len(kept)} kept; every manifest is in summary.json, "
+            f"`python -m capstone.checkpoint inspect FILE` shows one)", rank)
     say("\ninvariants:\n  " + "\n  ".join(describe(summary.invariants, run.dist.world)), rank)
     if verified and verified["ok"]:
         say(f"resume verified: {verified['path']} reloads byte-equal on all {run.dist.world} ranks", rank)
