@@ -1,6 +1,7 @@
-"""Damaged checkpoints on disk (issue 9: items 12, 13, 16), with real byte flips in a real
+"""Damaged checkpoints on disk (issue 9: items 11, 12, 13, 16), with real byte flips in a real
 checkpoint: every reader refuses them with "not a valid checkpoint: FILE: reason" (never a crash
-or a raw HDF5 error), and the tools accept a run directory or a `latest` pointer.
+or a raw HDF5 error), `--resume auto` falls back past them and sets them aside, and the tools
+accept a run directory or a `latest` pointer.
 
 The CLI runs in a forked child per call (`cli`), so ~300 flips take seconds; a handful of real
 `python -m capstone.checkpoint` and `mpirun` runs check the same end to end.
@@ -18,8 +19,9 @@ import tempfile
 import h5py
 import pytest
 
-from conftest import ROOT, mpi_env, mpirun
+from conftest import ROOT, mpi_env, mpirun, summary
 
+from capstone import resume
 from capstone.checkpoint import files, integrity
 from capstone.checkpoint.__main__ import main as checkpoint_main
 
@@ -170,6 +172,60 @@ def test_checkpoint_without_digest_file_is_refused_and_seal_adds_one(run, tmp_pa
     assert cli("seal", good)[1].endswith("already sealed: its digest file " + str(good) + ".sha256 matches\n")
 
 
+# --- item 11: --resume auto past a corrupt latest ---------------------------------------------------
+
+
+def test_resume_auto_falls_back_past_a_corrupt_latest_and_sets_it_aside(run, tmp_path):
+    out, ckpts = copy_run(run, tmp_path)
+    latest = ckpts / files.final_name(4)
+    flip(latest, 200)  # HDF5 metadata
+    damaged = latest.read_bytes()
+    res = mpirun(2, "--out", out, "--steps", "6", "--resume", "latest", timeout=60)
+    assert res.returncode == 1 and res.stderr.count(f"{CLEAN}: {latest}") == 1 and "--resume auto" in res.stderr
+    assert latest.read_bytes() == damaged, "--resume latest changes nothing"
+    res = mpirun(2, "--out", out, "--steps", "6", "--resume", "auto", timeout=90)
+    assert res.returncode == 0, res.stderr
+    warning = [line for line in res.stderr.splitlines() if "--resume auto" in line]
+    assert len(warning) == 1 and "set aside ckpt-00000004.h5 as ckpt-00000004.h5.corrupt-" in warning[0]
+    assert "resuming from ckpt-00000002.h5" in warning[0]
+    s = summary(out)
+    assert s["resumed_from"].endswith(files.final_name(2)) and s["start_step"] == 2 and s["final_step"] == 6
+    aside = [p for p in os.listdir(ckpts) if p.startswith("ckpt-00000004.h5.corrupt-")]
+    assert len(aside) == 2 and (ckpts / sorted(aside)[0]).read_bytes() == damaged  # and its .sha256
+    res = mpirun(2, "--out", out, "--steps", "8", "--resume", "auto", timeout=90)  # the requeue
+    assert res.returncode == 0 and "--resume auto" not in res.stderr, res.stderr
+    assert summary(out)["start_step"] == 6
+
+
+def _state(ckpts):
+    return {p.name: p.read_bytes() for p in ckpts.iterdir()}
+
+
+def test_auto_plan_sets_aside_only_when_a_checkpoint_verifies(run, tmp_path):
+    """Rank 0's decision, on each kind of damage: a corrupt newest (bytes, or a shard damaged
+    before hashing) is set aside and `latest` moves; a missing digest file, or no checkpoint
+    that verifies, stops with an error and changes nothing."""
+    _, ckpts = copy_run(run, tmp_path)
+    newest, older = ckpts / files.final_name(4), ckpts / files.final_name(2)
+    flip(newest, data_regions(newest)[0][0] + 3)
+    integrity.write_digest(str(newest))  # damaged before it was hashed: only the shard digest knows
+    flip(older, 100)
+    before = _state(ckpts)
+    plan = resume._plan("auto", str(ckpts))
+    assert "no checkpoint in" in plan["error"] and plan["invalid"] and _state(ckpts) == before
+    flip(older, 100)  # undo
+    os.rename(str(older) + ".sha256", str(older) + ".saved")
+    before = _state(ckpts)
+    plan = resume._plan("auto", str(ckpts))
+    assert "no digest file" in plan["error"] and "seal" in plan["error"] and _state(ckpts) == before
+    os.rename(str(older) + ".saved", str(older) + ".sha256")
+    plan = resume._plan("auto", str(ckpts))
+    assert plan["path"] == str(older) and "\n" not in plan["warning"] and "/shards/rank00000 sha256" in plan["warning"]
+    assert files.read_pointer(str(ckpts)) == str(older) and not newest.exists()
+    assert len([p for p in os.listdir(ckpts) if ".corrupt-" in p]) == 2
+    assert resume._plan("auto", str(ckpts)) == {"path": str(older)}
+
+
 # --- item 13: inspect --json ------------------------------------------------------------------------
 
 
@@ -189,7 +245,7 @@ def test_inspect_json_prints_only_json(run, tmp_path):
 # --- item 16: a run directory or `latest` ---------------------------------------------------------
 
 
-def test_tools_accept_a_run_directory_or_latest(run, tmp_path):
+def test_tools_and_resume_accept_a_run_directory_or_latest(run, tmp_path):
     want = str(run / "checkpoints" / files.final_name(4))
     for target in (run, run / "checkpoints", run / "checkpoints" / "latest"):
         for command in ("verify", "inspect"):
@@ -201,3 +257,6 @@ def test_tools_accept_a_run_directory_or_latest(run, tmp_path):
     assert code == 1 and "is a directory without checkpoints" in err and "errno" not in err.lower()
     code, out, err = cli("verify", tmp_path / "missing.h5")
     assert code == 1 and f"{CLEAN}: {tmp_path / 'missing.h5'}: it does not exist" in err
+    res = mpirun(2, "--out", tmp_path / "branch", "--steps", "6", "--resume", run, timeout=90)
+    assert res.returncode == 0, res.stderr
+    assert summary(tmp_path / "branch")["resumed_from"] == want

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 
 POINTER = "latest"
 NAME_RE = re.compile(r"^ckpt-(\d{8})\.h5$")
@@ -122,3 +123,13 @@ def _orphan_digest(directory: str, name: str) -> bool:
     return name.endswith(DIGEST_SUFFIX) and bool(NAME_RE.match(stem)) and \
         not os.path.exists(os.path.join(directory, stem))
 
+
+def quarantine(path: str) -> str:
+    """Set a corrupt checkpoint aside (never delete it): rename it and its digest file to
+    `<name>.corrupt-<token>[.sha256]`, durably. Returns the new path of the checkpoint."""
+    moved = f"{path}.corrupt-{secrets.token_hex(4)}"
+    if os.path.exists(path + DIGEST_SUFFIX):
+        os.replace(path + DIGEST_SUFFIX, moved + DIGEST_SUFFIX)
+    os.replace(path, moved)
+    fsync_path(os.path.dirname(os.path.abspath(path)))
+    return moved
