@@ -120,7 +120,8 @@ def seal(target: str) -> int:
     if child.returncode != 0:
         how = f"killed by signal {-child.returncode}" if child.returncode < 0 else f"exit {child.returncode}"
         print(f"error: not sealing {path}: verify --unsealed failed ({how}); the file is damaged or not a "
-              f"capstone checkpoint: resume from another checkpoint.", file=sys.stderr)
+              f"capstone checkpoint. Set it aside (mv {path} {path}.corrupt) and resume from another checkpoint: "
+              f"--resume auto then takes the newest one that verifies.", file=sys.stderr)
         return 1
     integrity.write_digest(path)
     print(f"{path}: sealed: wrote {path}{DIGEST_SUFFIX}")

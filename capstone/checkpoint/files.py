@@ -125,11 +125,12 @@ def _orphan_digest(directory: str, name: str) -> bool:
 
 
 def quarantine(path: str) -> str:
-    """Set a corrupt checkpoint aside (never delete it): rename it and its digest file to
-    `<name>.corrupt-<token>[.sha256]`, durably. Returns the new path of the checkpoint."""
+    """Set a corrupt checkpoint aside (never delete it): rename it, then its digest file, to
+    `<name>.corrupt-<token>[.sha256]`, durably (a crash in between leaves an orphan digest file,
+    which `retain` removes). Returns the new path of the checkpoint."""
     moved = f"{path}.corrupt-{secrets.token_hex(4)}"
+    os.replace(path, moved)
     if os.path.exists(path + DIGEST_SUFFIX):
         os.replace(path + DIGEST_SUFFIX, moved + DIGEST_SUFFIX)
-    os.replace(path, moved)
     fsync_path(os.path.dirname(os.path.abspath(path)))
     return moved
