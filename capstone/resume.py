@@ -3,10 +3,17 @@
 - no --resume: a fresh run, refused if OUT/checkpoints already holds a checkpoint (nothing is
   ever overwritten by accident);
 - latest: the checkpoint `latest` names; if there is no pointer (a save was interrupted before
-  its first pointer update), the newest complete `ckpt-*.h5` file; an error if there is none;
-- auto: like latest, but a fresh start when there is no checkpoint (for batch scripts);
-- PATH: that file. Refused if OUT/checkpoints holds newer checkpoints that `latest` acknowledged,
-  since this run's saves would replace them: branch off with a new --out instead.
+  its first pointer update), the newest complete `ckpt-*.h5` file; an error if there is none, or
+  if its bytes do not match its digest file (the error names it and suggests auto);
+- auto (batch scripts, requeues): a fresh start when there is no checkpoint; else the newest one
+  that verifies (rank 0 checks the bytes against the digest file and every shard's sha256): the
+  one `latest` names, else each older one in turn. Each corrupt one passed over is set aside as
+  `ckpt-*.h5.corrupt-<token>` (never deleted), `latest` moves to the one chosen, and one warning
+  line says so. When none verifies, or one is refused for a reason a person must settle (no
+  digest file, another format version), it stops with an error and changes nothing;
+- PATH: that file, or the checkpoint a run directory or `latest` pointer names. Refused if
+  OUT/checkpoints holds newer checkpoints that `latest` acknowledged, since this run's saves
+  would replace them: branch off with a new --out instead.
 A complete file newer than `latest` is the leftover of a save killed before its pointer update;
 the resumed run writes that step again.
 """
@@ -14,13 +21,14 @@ the resumed run writes that step again.
 from __future__ import annotations
 
 import os
+import sys
 
-from .checkpoint import files
+from .checkpoint import CheckpointError, CorruptCheckpoint, files, integrity, verify_contents
 from .config import ConfigError
 
 
 def _plan(want: str | None, ckpt_dir: str) -> dict:
-    """Rank 0: {"path": str | None} or {"error": message}; reads the file system only."""
+    """Rank 0: {"path": str | None, "warning"?: str} or {"error": message, "invalid"?: True (exit 1)}."""
     for d in (os.path.dirname(ckpt_dir), ckpt_dir):
         if os.path.exists(d) and not os.path.isdir(d):
             return {"error": f"{d} exists and is not a directory; pass a directory (new or a run's) as --out."}
@@ -34,23 +42,75 @@ def _plan(want: str | None, ckpt_dir: str) -> dict:
         pointed = files.read_pointer(ckpt_dir)
     except ValueError as exc:
         return {"error": str(exc)}
-    if want in ("latest", "auto"):
-        if pointed is not None and not os.path.isfile(pointed):
-            return {"error": f"{ckpt_dir}/latest names {os.path.basename(pointed)}, which is missing; pass "
-                             f"--resume with one of the files there: {[os.path.basename(p) for _, p in complete]}"}
-        path = pointed or (complete[-1][1] if complete else None)
-        if path is None and want == "latest":
-            return {"error": f"--resume latest: no complete checkpoint in {ckpt_dir}. Pass the run's --out "
-                             f"directory, a ckpt-*.h5 path, or --resume auto to start fresh when there is none."}
+    if want == "auto":
+        return _auto(ckpt_dir, pointed, complete)
+    if want == "latest":
+        return _latest(ckpt_dir, pointed, complete)
+    return _explicit(want, ckpt_dir, pointed, complete)
+
+
+def _latest(ckpt_dir: str, pointed: str | None, complete: list) -> dict:
+    if pointed is not None and not os.path.isfile(pointed):
+        return {"error": f"{ckpt_dir}/latest names {os.path.basename(pointed)}, which is missing; pass "
+                         f"--resume with one of the files there: {[os.path.basename(p) for _, p in complete]}, "
+                         f"or --resume auto to take the newest one that verifies."}
+    path = pointed or (complete[-1][1] if complete else None)
+    if path is None:
+        return {"error": f"--resume latest: no complete checkpoint in {ckpt_dir}. Pass the run's --out "
+                         f"directory, a ckpt-*.h5 path, or --resume auto to start fresh when there is none."}
+    found = integrity.problem(path)
+    if found:
+        return {"error": f"--resume latest: {integrity.message(path, *found)}", "invalid": True}
+    return {"path": path}
+
+
+def _auto(ckpt_dir: str, pointed: str | None, complete: list) -> dict:
+    newest = pointed or (complete[-1][1] if complete else None)
+    if newest is None:
+        return {"path": None}
+    candidates = [newest] + [p for s, p in reversed(complete) if s < _step_of(newest)]
+    bad = []
+    for path in candidates:
+        try:
+            if os.path.exists(path):
+                verify_contents(path)
+                return _fall_back(ckpt_dir, path, bad)
+            reason = "it does not exist"
+        except CorruptCheckpoint as exc:
+            reason = exc.reason
+        except CheckpointError as exc:
+            return {"error": f"--resume auto: {exc}", "invalid": True}
+        bad.append((path, reason))
+    listed = "; ".join(f"{os.path.basename(p)}: {r}" for p, r in bad)
+    return {"error": f"--resume auto: no checkpoint in {ckpt_dir} verifies ({listed}). Nothing was changed: "
+                     f"restore a good copy, or pass a new --out for a fresh run.", "invalid": True}
+
+
+def _fall_back(ckpt_dir: str, path: str, bad: list) -> dict:
+    """Set the corrupt checkpoints newer than `path` aside, point `latest` at `path`, say so."""
+    if not bad:
         return {"path": path}
-    step = _step_of(want)
+    moved = [(p, files.quarantine(p) if os.path.exists(p) else None, r) for p, r in bad]
+    files.write_pointer(ckpt_dir, os.path.basename(path))
+    aside = "; ".join(f"set aside {os.path.basename(p)} as {os.path.basename(m)} ({r})" if m else
+                      f"{os.path.basename(p)} is missing" for p, m, r in moved)
+    return {"path": path, "warning": f"warning: --resume auto: {aside}; resuming from {os.path.basename(path)}, "
+                                     f"the newest checkpoint that verifies ({ckpt_dir}/latest now names it)."}
+
+
+def _explicit(want: str, ckpt_dir: str, pointed: str | None, complete: list) -> dict:
+    try:
+        path = integrity.resolve(want)
+    except CheckpointError as exc:
+        return {"error": str(exc)}
+    step = _step_of(path)
     acknowledged = _step_of(pointed) if pointed else -1
     newer = [os.path.basename(p) for s, p in complete if step < s <= acknowledged]
     if newer:
         return {"error": f"--resume {want} (step {step}) into --out {os.path.dirname(ckpt_dir)}, which holds newer "
                          f"checkpoints {newer}: this run would replace them. Pass a new --out directory to branch "
                          f"off from step {step}, or --resume latest to continue the newest one."}
-    return {"path": want}
+    return {"path": path}
 
 
 def _step_of(path: str) -> int:
@@ -60,11 +120,18 @@ def _step_of(path: str) -> int:
 
 def resolve(dist, want: str | None, ckpt_dir: str) -> str | None:
     """Collective: call on all ranks. The checkpoint to resume from (None: fresh start); creates
-    the checkpoint directory once the decision is made; raises ConfigError on every rank."""
-    plan = dist.bcast_json(_plan(want, ckpt_dir) if dist.rank == 0 else None)
+    the checkpoint directory once the decision is made. Raises on every rank: CheckpointError
+    when a checkpoint is not valid, ConfigError otherwise."""
+    try:
+        plan = _plan(want, ckpt_dir) if dist.rank == 0 else None
+    except OSError as exc:  # e.g. no permission to set a corrupt file aside
+        plan = {"error": f"--resume {want}: {exc}; fix the permissions of {ckpt_dir} and rerun."}
+    plan = dist.bcast_json(plan)
     if "error" in plan:
-        raise ConfigError(plan["error"])
+        raise (CheckpointError if plan.get("invalid") else ConfigError)(plan["error"])
     if dist.rank == 0:
+        if plan.get("warning"):
+            print(plan["warning"], file=sys.stderr, flush=True)
         os.makedirs(ckpt_dir, exist_ok=True)
     dist.barrier()
     return plan["path"]

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT, by_step, mpi_env, mpirun, summary
 
-from capstone.checkpoint import files
+from capstone.checkpoint import files, integrity
 
 
 @pytest.fixture
@@ -97,7 +97,14 @@ def test_corrupt_latest_is_rejected_by_resume_and_verify(tmp_path):
         fh.seek(offset + 100)
         fh.write(bytes([byte[0] ^ 0x80]))
     res = mpirun(4, "--out", out, "--steps", "6", "--resume", "latest", timeout=60)
-    assert res.returncode != 0
+    assert res.returncode == 1  # the whole-file digest, before HDF5 parses the file
+    assert res.stderr.count(f"not a valid checkpoint: {path}: its sha256 is") == 1 and "--resume auto" in res.stderr
+    verify = subprocess.run([sys.executable, "-m", "capstone.checkpoint", "verify", path],
+                            capture_output=True, text=True, env=mpi_env())
+    assert verify.returncode == 1 and "not a valid checkpoint" in verify.stderr
+    integrity.write_digest(path)  # as if damaged before it was hashed: the shard's own digest catches it
+    res = mpirun(4, "--out", out, "--steps", "6", "--resume", "latest", timeout=60)
+    assert res.returncode == 1
     assert path in res.stderr and "/shards/rank00002" in res.stderr and "rank 2" in res.stderr
     verify = subprocess.run([sys.executable, "-m", "capstone.checkpoint", "verify", path],
                             capture_output=True, text=True, env=mpi_env())
@@ -159,7 +166,7 @@ def test_kill_during_the_first_save_then_resume_auto(tmp_path, uninterrupted):
     out = tmp_path / "run"
     res = mpirun(4, "--out", out, "--ckpt-every", "5", env_extra={"CAPSTONE_FAULT": "before_pointer:0:5"})
     assert res.returncode != 0
-    assert sorted(os.listdir(out / "checkpoints")) == [files.final_name(5)]
+    assert sorted(os.listdir(out / "checkpoints")) == [files.final_name(5), files.final_name(5) + ".sha256"]
     res = mpirun(4, "--out", out, "--ckpt-every", "5", "--resume", "auto")
     assert res.returncode == 0, res.stderr
     s = summary(out)
@@ -192,6 +199,7 @@ def test_bad_pointer_and_missing_dataset_are_clean_errors(tmp_path):
     import h5py
     with h5py.File(out / "checkpoints" / good.strip(), "r+") as f:
         del f["shards/rank00001"]
+    integrity.write_digest(str(out / "checkpoints" / good.strip()))  # else the whole-file digest refuses it first
     res = mpirun(3, "--out", out, "--steps", "6", "--resume", "latest", timeout=60)
     assert res.returncode == 1 and "/shards/rank00001 is missing (needed by rank 1)" in res.stderr
     assert "MPI_ABORT" not in res.stderr

@@ -69,7 +69,8 @@ def test_exception_on_one_rank_aborts_the_job(tmp_path):
     res = mpirun(4, "--out", out, "--ckpt-every", "2", env_extra={"CAPSTONE_FAULT": "raise_in_step:2:3"}, timeout=60)
     assert res.returncode != 0
     assert "[rank 2/4] error: InjectedFault" in res.stderr
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["ckpt-00000002.h5", "latest"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["ckpt-00000002.h5", "ckpt-00000002.h5.sha256",
+                                                                      "latest"]
     assert summary_absent(out)
 
 

@@ -7,10 +7,14 @@ Layout of `ckpt-<step>.h5`:
                digests and the caller's run metadata (configs, `RunState`); `meta_sha256` is its
                sha256, so a flipped byte there is caught.
   /shards/rankNNNNN  float32 (3, shard): rows master, m, v of that rank's ZeRO-1 shard;
-               attrs: sha256 (of the dataset's bytes), rank, offset, length.
+               attrs: sha256 (of the dataset's bytes), rank, offset, length (checked
+               against /meta_json by every reader; see `reader`).
+Next to it, `ckpt-<step>.h5.sha256` records the size and sha256 of the whole file; it is written
+before the file is renamed into place and checked before HDF5 parses the file (`integrity`).
 Every metadata operation is collective (all ranks create every dataset and write identical
-attributes); each rank writes only its own shard's data. Loading verifies every digest it uses
-and reshards to any world size; errors are agreed across ranks and raised on all of them.
+attributes); each rank writes only its own shard's data. Loading verifies the whole-file digest
+(rank 0), then every digest it uses, and reshards to any world size; errors are agreed across
+ranks and raised on all of them. Serial readers call `open_verified(path)` first.
 """
 
 from __future__ import annotations
@@ -24,16 +28,23 @@ import numpy as np
 
 from .. import faults
 from ..zero import ROWS, ShardState
-from . import files
+from . import files, integrity, reader
 from .digest import CHUNK, distributed_roots, sha256_hex
+from .files import CheckpointError, CorruptCheckpoint
+from .integrity import check_file
+from .reader import (FORMAT, HEADER, VERSION, dataset_name, open_verified, read_dataset, read_meta,
+                     root_attributes, verify_contents)
 
-FORMAT = "capstone-checkpoint"
-VERSION = 2
-HEADER = ("format", "format_version", "step", "world_size", "n_params", "padded", "shard", "adam_t")
+__all__ = ["CheckpointError", "CorruptCheckpoint", "FORMAT", "HEADER", "VERSION", "agree", "check_file",
+           "dataset_name", "load", "mpi_io_available", "open_verified", "read_dataset", "read_meta", "read_meta_file",
+           "root_attributes", "save", "verify_contents", "verify_snapshot"]
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or loaded; the message names the file and what to do."""
+def read_meta_file(path: str) -> dict:
+    """Serial (one process): the verified metadata of checkpoint `path` (whole-file digest first)."""
+    f, meta = open_verified(path)
+    f.close()
+    return meta
 
 
 def mpi_io_available() -> bool:
@@ -57,10 +68,6 @@ def agree(dist, error: str | None) -> None:
     errors = [e for e in dist.allgather_json(error) if e]
     if errors:
         raise CheckpointError("\n".join(dict.fromkeys(errors)))
-
-
-def dataset_name(rank: int) -> str:
-    return f"shards/rank{rank:05d}"
 
 
 def save(dist, directory: str, step: int, state: ShardState, layout, extra: dict,
@@ -111,7 +118,7 @@ def save(dist, directory: str, step: int, state: ShardState, layout, extra: dict
     dist.barrier()
     faults.point("before_rename", rank, step)
     if rank == 0:
-        files.publish(tmp, final)
+        integrity.publish(tmp, final)  # the digest file first, then the checkpoint under its name
     dist.barrier()
     faults.point("before_pointer", rank, step)
     removed = []
@@ -121,74 +128,6 @@ def save(dist, directory: str, step: int, state: ShardState, layout, extra: dict
     removed, size = dist.bcast_json([removed, os.path.getsize(final)] if rank == 0 else None)
     return {"path": final, "step": step, "world_size": world, "bytes": size,
             "meta_sha256": meta_sha, "datasets": meta["datasets"], "logical_sha256": roots, "removed": removed}
-
-
-def root_attributes(meta: dict) -> dict:
-    """Readable copies (h5ls/h5dump) of the header as root attributes; /meta_json, covered by
-    meta_sha256, is the authoritative copy and loading checks that the two agree."""
-    return {**{key: meta[key] for key in HEADER}, "rows": ",".join(meta["rows"])}
-
-
-def read_meta(f, path: str) -> dict:
-    """Check the format marker and the metadata digest; return the metadata (serial or collective)."""
-    if f.attrs.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is an HDF5 file but not a capstone checkpoint (no format={FORMAT!r} "
-                              f"attribute); pass a ckpt-*.h5 file written by capstone.")
-    if "meta_json" not in f:
-        raise CheckpointError(f"{path}: dataset /meta_json is missing: the file is incomplete or damaged; "
-                              f"resume from an earlier checkpoint.")
-    raw = f["meta_json"][...]
-    stored = f.attrs.get("meta_sha256")
-    if sha256_hex(raw) != stored:
-        raise CheckpointError(f"{path}: /meta_json sha256 mismatch (stored {stored}, computed {sha256_hex(raw)}): "
-                              f"the checkpoint metadata is corrupt; resume from an earlier checkpoint.")
-    meta = json.loads(raw.tobytes())
-    if meta.get("format_version") != VERSION or meta.get("rows") != list(ROWS):
-        raise CheckpointError(f"{path}: format_version {meta.get('format_version')} with rows {meta.get('rows')} "
-                              f"is not what this capstone reads (version {VERSION}, rows {list(ROWS)}); "
-                              f"resume it with the capstone version that wrote it.")
-    for key, value in root_attributes(meta).items():
-        stored = f.attrs.get(key)
-        stored = stored.item() if isinstance(stored, np.generic) else stored
-        if stored != value:
-            raise CheckpointError(f"{path}: root attribute {key}={stored!r} disagrees with the verified "
-                                  f"/meta_json ({value!r}); the file was modified: resume from an earlier checkpoint.")
-    return meta
-
-
-def read_meta_file(path: str) -> dict:
-    """Serial: open `path` with plain h5py and return its checked metadata (one process only)."""
-    try:
-        f = h5py.File(path, "r")
-    except OSError as exc:
-        raise CheckpointError(f"cannot open checkpoint {path}: {exc}. The file is truncated or not HDF5; "
-                              f"resume from an earlier checkpoint.") from None
-    with f:
-        try:
-            return read_meta(f, path)
-        except (OSError, KeyError, ValueError, TypeError) as exc:
-            raise CheckpointError(f"{path}: unreadable metadata ({type(exc).__name__}: {exc}); resume from "
-                                  f"an earlier checkpoint.") from None
-
-
-def read_dataset(f, path: str, meta: dict, name: str, reader: str) -> np.ndarray:
-    """Read one shard dataset whole and verify its shape and sha256 against the metadata."""
-    info = meta["datasets"].get(name)
-    if info is None or name not in f:
-        raise CheckpointError(f"{path}: dataset /{name} is missing (needed by {reader}): the file is "
-                              f"incomplete; resume from an earlier checkpoint.")
-    ds = f[name]
-    want = (len(ROWS), info["length"])
-    if not isinstance(ds, h5py.Dataset) or ds.shape != want or ds.dtype != np.dtype("<f4"):
-        got = f"{ds.shape} {ds.dtype}" if isinstance(ds, h5py.Dataset) else "not a dataset"
-        raise CheckpointError(f"{path}: /{name} is {got}, expected a float32 dataset of shape {want} "
-                              f"(read by {reader}): the file is damaged; resume from an earlier checkpoint.")
-    data = ds[...]
-    digest = sha256_hex(data)
-    if digest != info["sha256"] or ds.attrs.get("sha256") != info["sha256"]:
-        raise CheckpointError(f"{path}: dataset /{name} sha256 mismatch (stored {info['sha256']}, computed "
-                              f"{digest}) read by {reader}: the shard is corrupt; resume from an earlier checkpoint.")
-    return data
 
 
 def _check_compatible(meta: dict, path: str, layout, expect: dict) -> None:
@@ -222,17 +161,21 @@ def _gather_shard(f, path: str, meta: dict, lo: int, hi: int, n: int, rank: int)
 
 def load(dist, path: str, layout, expect: dict) -> tuple[dict, dict]:
     """Collective: call on all ranks. Load checkpoint `path` into this rank's shard of `layout`
-    (any world size), verifying every digest read and the logical digests after resharding.
-    `expect` maps metadata keys to required values (e.g. the model config). Returns (state, meta)."""
+    (any world size), verifying the whole-file digest, every digest read and the logical digests
+    after resharding. `expect` maps metadata keys to required values (e.g. the model config).
+    Returns (state, meta)."""
     rank, lo, hi = dist.rank, *layout.shard_range(dist.rank)
-    agree(dist, None if os.path.isfile(path) else f"checkpoint {path} does not exist (rank {rank}); "
-          f"check the path, or use --resume latest with the run's --out directory.")
+    found = integrity.problem(path) if rank == 0 else None  # one read of the file, before HDF5 parses it
+    agree(dist, integrity.message(path, *found) if found else None)
+    agree(dist, None if os.path.isfile(path) else f"checkpoint {path} is not visible on rank {rank}: put --out "
+                                                  f"on a file system that every node shares.")
+    reader.silence_hdf5()
     try:
-        f = _open(path, "r", dist)
-    except OSError as exc:
-        f, error = None, f"cannot open checkpoint {path}: {exc}. The file is truncated or not HDF5; resume from an earlier checkpoint."
-    else:
-        error = None
+        f, error = _open(path, "r", dist), None
+    except CheckpointError as exc:
+        f, error = None, str(exc)
+    except Exception as exc:
+        f, error = None, str(reader.parse_error(path, exc, f" on rank {rank}"))
     agree(dist, error)
     state, meta = None, None
     with f:
@@ -240,8 +183,10 @@ def load(dist, path: str, layout, expect: dict) -> tuple[dict, dict]:
             meta = read_meta(f, path)
             _check_compatible(meta, path, layout, expect)
             state = _gather_shard(f, path, meta, lo, hi, layout.n_params, rank)
-        except (CheckpointError, OSError, KeyError, ValueError) as exc:
-            error = str(exc) if isinstance(exc, CheckpointError) else f"{path}: unreadable ({type(exc).__name__}: {exc}), rank {rank}"
+        except CheckpointError as exc:
+            error = str(exc)
+        except Exception as exc:
+            error = str(reader.parse_error(path, exc, f" on rank {rank}"))
     agree(dist, error)
     roots = distributed_roots(dist, dict(zip(ROWS, state)), lo, layout.n_params, meta["logical_chunk"])
     bad = [r for r in ROWS if roots[r] != meta["logical_sha256"][r]]

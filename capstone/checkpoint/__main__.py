@@ -1,37 +1,45 @@
-"""`python -m capstone.checkpoint inspect|verify FILE`: serial checkpoint tools (no mpirun needed).
+"""`python -m capstone.checkpoint inspect|verify|seal TARGET`: serial checkpoint tools (no mpirun).
 
-Both recompute every sha256 (metadata, each dataset, the logical digests) and exit 0 only if all
-match; inspect prints the manifest and only the failed checks, verify prints every check.
-Exit codes: 0 verified; 1 a digest failed or the file is unreadable / not a checkpoint.
+TARGET is a ckpt-*.h5 file, a run directory (--out), its checkpoints directory or a `latest`
+pointer (the last three mean the checkpoint `latest` names). verify and inspect first check the
+file's size and sha256 against its digest file (ckpt-*.h5.sha256) before HDF5 parses anything,
+then recompute every sha256 inside (metadata, attributes, each dataset, the logical digests);
+inspect prints the manifest and only the failed checks, verify prints every check.
+`inspect --json` prints one JSON object on stdout (the metadata plus "file", "verified",
+"problems"; or "file", "verified": false, "error"); messages go to stderr.
+seal writes the digest file of a checkpoint that has none (written before digest files existed)
+after `verify --unsealed` passed in a child process.
+Exit codes: 0 verified (sealed); 1 a check failed or the file is not a valid checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 
-import h5py
 import numpy as np
 
-from . import CheckpointError, ROWS, read_meta, read_dataset
+from ..zero import ROWS
+from . import integrity
 from .digest import logical_root
+from .files import DIGEST_SUFFIX, CheckpointError
+from .reader import open_verified, parse_error, read_dataset
 
 
-def load_all(path: str):
-    """Read and check the metadata; return (meta, {dataset: (ok, message, array|None)})."""
-    try:
-        f = h5py.File(path, "r")
-    except OSError as exc:
-        raise CheckpointError(f"cannot open {path}: {exc}; the file is truncated or not HDF5") from None
+def load_all(path: str, require_digest: bool = True):
+    """Check the file and the metadata; return (meta, {dataset: (ok, message, array|None)})."""
+    f, meta = open_verified(path, require_digest)
     with f:
-        meta = read_meta(f, path)
         results = {}
         for name in sorted(meta["datasets"]):
             try:
                 results[name] = (True, "sha256 ok", read_dataset(f, path, meta, name, "verify"))
             except CheckpointError as exc:
                 results[name] = (False, str(exc), None)
+            except Exception as exc:
+                results[name] = (False, str(parse_error(path, exc)), None)
     return meta, results
 
 
@@ -44,47 +52,94 @@ def logical_check(meta: dict, results: dict) -> dict:
     return {row: logical_root(full[i], meta["logical_chunk"]) == meta["logical_sha256"][row] for i, row in enumerate(ROWS)}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m capstone.checkpoint", description=__doc__.splitlines()[0])
-    p.add_argument("command", choices=("inspect", "verify"), help="inspect: print the manifest; verify: check every digest")
-    p.add_argument("file", help="a ckpt-*.h5 file")
-    p.add_argument("--json", action="store_true", help="print the metadata as JSON (inspect)")
-    args = p.parse_args(argv)
+def checks(path: str, meta: dict, results: dict, sealed: bool) -> list[tuple[bool, str]]:
+    """(ok, line) for every check, in order."""
+    lines = [(True, f"ok  file: size and sha256 match {path}{DIGEST_SUFFIX}" if sealed else
+              "--  file: no digest file checked (--unsealed)"),
+             (True, "ok  /meta_json: sha256 ok (step, config, layout, cursor, Adam step, digests); "
+                    "every attribute agrees with it")]
+    lines += [(good, f"{'ok ' if good else 'BAD'} /{name}: {message}") for name, (good, message, _) in results.items()]
+    for row, good in logical_check(meta, results).items():
+        lines.append((bool(good), f"{'ok ' if good else 'BAD'} logical {row}: "
+                                  f"{'matches' if good else 'not checked' if good is None else 'MISMATCH'}"))
+    return lines
+
+
+def manifest(path: str, meta: dict) -> None:
+    print(f"{path}: capstone checkpoint v{meta['format_version']}, step {meta['step']}, "
+          f"{meta['world_size']} ranks, {meta['n_params']} parameters (padded {meta['padded']}), "
+          f"Adam step {meta['adam_t']}, data cursor {meta.get('run', {}).get('data_cursor')}")
+    print(f"  model {json.dumps(meta.get('model_config'), sort_keys=True)}")
+    for name, info in sorted(meta["datasets"].items()):
+        print(f"  /{name}  ({len(ROWS)}, {info['length']}) float32  offset {info['offset']}  sha256 {info['sha256']}")
+    for row, root in meta["logical_sha256"].items():
+        print(f"  logical {row:<11} {root}")
+
+
+def inspect_or_verify(args) -> int:
+    as_json = args.command == "inspect" and args.json
     try:
-        meta, results = load_all(args.file)
+        path = integrity.resolve(args.target)
+        meta, results = load_all(path, require_digest=not args.unsealed)
+    except CheckpointError as exc:
+        if as_json:
+            print(json.dumps({"file": args.target, "verified": False, "error": str(exc)}, indent=2))
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    lines = checks(path, meta, results, sealed=not args.unsealed)
+    ok = all(good for good, _ in lines)
+    if as_json:
+        problems = [line for good, line in lines if not good]
+        print(json.dumps({**meta, "file": path, "verified": ok, "problems": problems}, indent=2, sort_keys=True))
+    elif args.command == "inspect":
+        manifest(path, meta)
+    out = sys.stderr if as_json else sys.stdout
+    for good, line in lines:
+        if args.command == "verify" or not good:
+            print(line, file=out)
+    print(f"{path}: {'verified' if ok else 'FAILED verification'}", file=out)
+    return 0 if ok else 1
+
+
+def seal(target: str) -> int:
+    """Write the digest file of a checkpoint that has none, once `verify --unsealed` passed in a
+    child process (parsing unverified bytes may crash it; this process stays clean)."""
+    try:
+        path = integrity.resolve(target)
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if args.command == "inspect" and args.json:
-        print(json.dumps(meta, indent=2, sort_keys=True))
-    elif args.command == "inspect":
-        print(f"{args.file}: capstone checkpoint v{meta['format_version']}, step {meta['step']}, "
-              f"{meta['world_size']} ranks, {meta['n_params']} parameters (padded {meta['padded']}), "
-              f"Adam step {meta['adam_t']}, data cursor {meta.get('run', {}).get('data_cursor')}")
-        print(f"  model {json.dumps(meta.get('model_config'), sort_keys=True)}")
-        for name, info in sorted(meta["datasets"].items()):
-            print(f"  /{name}  ({len(ROWS)}, {info['length']}) float32  offset {info['offset']}  sha256 {info['sha256']}")
-        for row, root in meta["logical_sha256"].items():
-            print(f"  logical {row:<11} {root}")
-    return verify(args.file, meta, results, quiet=args.command == "inspect")
+    found = integrity.problem(path)
+    if found is None:
+        print(f"{path}: already sealed: its digest file {path}{DIGEST_SUFFIX} matches")
+        return 0
+    if found[0] != "unsealed":
+        print(f"error: not sealing: {integrity.message(path, *found)}", file=sys.stderr)
+        return 1
+    child = subprocess.run([sys.executable, "-m", "capstone.checkpoint", "verify", "--unsealed", path])
+    if child.returncode != 0:
+        how = f"killed by signal {-child.returncode}" if child.returncode < 0 else f"exit {child.returncode}"
+        print(f"error: not sealing {path}: verify --unsealed failed ({how}); the file is damaged or not a "
+              f"capstone checkpoint. Set it aside (mv {path} {path}.corrupt) and resume from another checkpoint: "
+              f"--resume auto then takes the newest one that verifies.", file=sys.stderr)
+        return 1
+    integrity.write_digest(path)
+    print(f"{path}: sealed: wrote {path}{DIGEST_SUFFIX}")
+    return 0
 
 
-def verify(path: str, meta: dict, results: dict, quiet: bool) -> int:
-    """Print the result of every digest check (only failures when quiet); 0 if all match, else 1."""
-    ok = True
-    lines = ["ok  /meta_json: sha256 ok (step, config, layout, cursor, Adam step, digests)"]
-    for name, (good, message, _) in results.items():
-        ok &= good
-        lines.append(f"{'ok ' if good else 'BAD'} /{name}: {message}")
-    for row, good in logical_check(meta, results).items():
-        ok &= bool(good)
-        lines.append(f"{'ok ' if good else 'BAD'} logical {row}: "
-                     f"{'matches' if good else 'not checked' if good is None else 'MISMATCH'}")
-    for line in lines:
-        if not quiet or not line.startswith("ok"):
-            print(line)
-    print(f"{path}: {'verified' if ok else 'FAILED verification'}")
-    return 0 if ok else 1
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m capstone.checkpoint", description=__doc__.splitlines()[0])
+    p.add_argument("command", choices=("inspect", "verify", "seal"),
+                   help="inspect: print the manifest; verify: check every digest; seal: add a missing digest file")
+    p.add_argument("target", metavar="TARGET",
+                   help="a ckpt-*.h5 file, a run directory (--out), its checkpoints directory or a latest pointer")
+    p.add_argument("--json", action="store_true", help="inspect: print one JSON object on stdout")
+    p.add_argument("--unsealed", action="store_true",
+                   help="check a file that has no digest file (HDF5 then parses unverified bytes: a damaged "
+                        "file can crash this process; seal runs it in a child process)")
+    args = p.parse_args(argv)
+    return seal(args.target) if args.command == "seal" else inspect_or_verify(args)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,37 @@
-"""Checkpoint files on disk: names, atomic publish, the `latest` pointer, retention, fault points.
+"""Checkpoint files on disk: names, atomic publish, the `latest` pointer, retention, quarantine.
 
-A checkpoint directory holds complete files `ckpt-<step>.h5`, in-progress files
-`ckpt-<step>.h5.partial-<token>` (never read), and `latest`, a one-line text file naming the
-newest complete checkpoint. A file becomes visible only by rename after every rank has written
-and closed it; `latest` is replaced by rename after that. So a process killed at any point
-leaves the previous `latest` and its file intact.
+A checkpoint directory holds complete files `ckpt-<step>.h5`, each with its digest file
+`ckpt-<step>.h5.sha256` (see `integrity`), in-progress files `ckpt-<step>.h5.partial-<token>`
+(and their `.sha256`; never read), checkpoints set aside as corrupt,
+`ckpt-<step>.h5.corrupt-<token>` (never deleted, never read), and `latest`, a one-line text
+file naming the newest complete checkpoint. A file becomes visible only by rename after every
+rank has written and closed it and its digest file is in place; `latest` is replaced by rename
+after that. So a process killed at any point leaves the previous `latest` and its file intact.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 
 POINTER = "latest"
 NAME_RE = re.compile(r"^ckpt-(\d{8})\.h5$")
+DIGEST_SUFFIX = ".sha256"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or loaded; the message names the file and what to do."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """The file's bytes are not what was written (digest mismatch, truncated, unparseable): it can
+    be set aside. Other refusals (no digest file, another format version, another model) cannot.
+    `reason` is what is wrong, without the file name and the advice."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 def final_name(step: int) -> str:
@@ -73,13 +91,16 @@ def complete_checkpoints(directory: str) -> list[tuple[int, str]]:
 
 
 def retain(directory: str, keep_last: int, protect=()) -> list[str]:
-    """Delete all but the newest `keep_last` complete checkpoints (0 keeps all). Never deletes the
-    file `latest` names nor any path in `protect`. Also removes leftover partial files."""
+    """Delete all but the newest `keep_last` complete checkpoints (0 keeps all) with their digest
+    files. Never deletes the file `latest` names, any path in `protect`, nor a quarantined file.
+    Also removes leftover partial files and digest files whose checkpoint is gone. Returns the
+    names of the checkpoints and partial files removed."""
     removed = []
-    for name in os.listdir(directory):
-        if ".h5.partial-" in name:
+    for name in sorted(os.listdir(directory)):
+        if ".h5.partial-" in name or _orphan_digest(directory, name):
             os.remove(os.path.join(directory, name))
-            removed.append(name)
+            if not name.endswith(DIGEST_SUFFIX):
+                removed.append(name)
     if keep_last <= 0:
         return removed
     keep = {os.path.abspath(p) for p in protect}
@@ -90,4 +111,26 @@ def retain(directory: str, keep_last: int, protect=()) -> list[str]:
         if os.path.abspath(path) not in keep:
             os.remove(path)
             removed.append(os.path.basename(path))
+            if os.path.exists(path + DIGEST_SUFFIX):
+                os.remove(path + DIGEST_SUFFIX)
     return removed
+
+
+def _orphan_digest(directory: str, name: str) -> bool:
+    """`name` is the digest file of a complete checkpoint that is not there (a save killed between
+    writing the digest file and renaming the checkpoint into place)."""
+    stem = name[:-len(DIGEST_SUFFIX)]
+    return name.endswith(DIGEST_SUFFIX) and bool(NAME_RE.match(stem)) and \
+        not os.path.exists(os.path.join(directory, stem))
+
+
+def quarantine(path: str) -> str:
+    """Set a corrupt checkpoint aside (never delete it): rename it, then its digest file, to
+    `<name>.corrupt-<token>[.sha256]`, durably (a crash in between leaves an orphan digest file,
+    which `retain` removes). Returns the new path of the checkpoint."""
+    moved = f"{path}.corrupt-{secrets.token_hex(4)}"
+    os.replace(path, moved)
+    if os.path.exists(path + DIGEST_SUFFIX):
+        os.replace(path + DIGEST_SUFFIX, moved + DIGEST_SUFFIX)
+    fsync_path(os.path.dirname(os.path.abspath(path)))
+    return moved

@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 from capstone import checkpoint
-from capstone.checkpoint import CheckpointError, files
+from capstone.checkpoint import CheckpointError, files, integrity
 from capstone.checkpoint.digest import logical_root
 from capstone.config import ModelConfig
 from capstone.dist import Dist
@@ -58,6 +58,9 @@ def test_round_trip_and_sha256_matches_plain_h5py(dist, shared_tmp):
                 ds = f[f"shards/rank{r:05d}"]
                 assert ds.attrs["sha256"] == hashlib.sha256(ds[...].tobytes()).hexdigest()
         assert files.read_pointer(shared_tmp) == man["path"]
+        with open(man["path"] + ".sha256") as f:  # sha256sum -c format, size in a comment line
+            assert f.read() == (f"# capstone checkpoint digest v1: {os.path.getsize(man['path'])} bytes\n"
+                                f"{integrity.file_sha256(man['path'])}  ckpt-00000010.h5\n")
     dist.barrier()
 
 
@@ -120,6 +123,15 @@ def flip_byte(path, dataset, index=5):
         fh.write(bytes([b[0] ^ 0x01]))
 
 
+def reseal(dist, path):
+    """Rank 0 rewrites the digest file after a test changed the checkpoint: as if the damage
+    happened before the file was hashed (in memory or on the way to disk), so only the digests
+    inside the file can catch it."""
+    if dist.rank == 0:
+        integrity.write_digest(path)
+    dist.barrier()
+
+
 @pytest.mark.parametrize("target", ["shards/rank00000", "second", "last", "meta_json"])
 def test_corrupted_byte_is_rejected_on_every_rank(dist, shared_tmp, target):
     man = save(dist, shared_tmp)
@@ -127,8 +139,12 @@ def test_corrupted_byte_is_rejected_on_every_rank(dist, shared_tmp, target):
     if dist.rank == 0:
         flip_byte(man["path"], name)
     dist.barrier()
+    layout = Layout.for_model(CFG, dist.world)
+    with pytest.raises(CheckpointError, match="not a valid checkpoint: .*: its sha256 is .* but was written as"):
+        checkpoint.load(dist, man["path"], layout, EXPECT)  # the whole-file digest, before HDF5 parses it
+    reseal(dist, man["path"])
     with pytest.raises(CheckpointError) as err:
-        checkpoint.load(dist, man["path"], Layout.for_model(CFG, dist.world), EXPECT)
+        checkpoint.load(dist, man["path"], layout, EXPECT)
     assert man["path"] in str(err.value) and f"/{name}" in str(err.value)
     assert "mismatch" in str(err.value)
 
@@ -149,6 +165,9 @@ def test_not_a_checkpoint_and_incompatible_config_are_refused(dist, shared_tmp):
             f["x"] = np.arange(3)
     dist.barrier()
     layout = Layout.for_model(CFG, dist.world)
+    with pytest.raises(CheckpointError, match="no digest file other.h5.sha256 .* capstone.checkpoint seal"):
+        checkpoint.load(dist, other, layout, EXPECT)
+    reseal(dist, other)
     with pytest.raises(CheckpointError, match="not a capstone checkpoint"):
         checkpoint.load(dist, other, layout, EXPECT)
     man = save(dist, shared_tmp)
@@ -183,12 +202,23 @@ def test_distributed_logical_digest_equals_serial_for_any_chunking(dist, chunk):
     assert distributed_roots(dist, {"x": other[lo:lo + shard]}, lo, n, chunk)["x"] != roots["x"]
 
 
-@pytest.mark.parametrize("attr, value", [("adam_t", 99), ("step", 11), ("shard", 1)])
-def test_edited_root_attribute_is_rejected(dist, shared_tmp, attr, value):
+@pytest.mark.parametrize("obj, attr, value, message", [
+    ("/", "adam_t", 99, "root attribute adam_t=99 disagrees"), ("/", "step", 11, "root attribute step=11 disagrees"),
+    ("/", "shard", 1, "root attribute shard=1 disagrees"), ("/", "extra", 1, "root attribute extra=1 disagrees"),
+    ("shards/rank00000", "offset", 1, "attribute offset=1 of /shards/rank00000 disagrees"),
+    ("shards/rank00000", "length", 1, "attribute length=1 of /shards/rank00000 disagrees"),
+    ("shards/rank00000", "rank", 1, "attribute rank=1 of /shards/rank00000 disagrees")])
+def test_edited_attribute_is_rejected(dist, shared_tmp, obj, attr, value, message):
+    """Each attribute is checked against the verified /meta_json, even in a file whose digest
+    file was rewritten after the edit."""
     man = save(dist, shared_tmp)
     if dist.rank == 0:
         with h5py.File(man["path"], "r+") as f:
-            f.attrs[attr] = value
+            f[obj].attrs[attr] = value
     dist.barrier()
-    with pytest.raises(CheckpointError, match=f"root attribute {attr}={value} disagrees"):
-        checkpoint.load(dist, man["path"], Layout.for_model(CFG, dist.world), EXPECT)
+    layout = Layout.for_model(CFG, dist.world)
+    with pytest.raises(CheckpointError, match="not a valid checkpoint"):
+        checkpoint.load(dist, man["path"], layout, EXPECT)
+    reseal(dist, man["path"])
+    with pytest.raises(CheckpointError, match=message):
+        checkpoint.load(dist, man["path"], layout, EXPECT)

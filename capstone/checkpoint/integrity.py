@@ -1,0 +1,155 @@
+"""Whole-file integrity of checkpoints: a digest file next to each one, checked before HDF5 parses it.
+
+`ckpt-<step>.h5.sha256` holds the size and sha256 of every byte of `ckpt-<step>.h5`:
+
+    # capstone checkpoint digest v1: 372539 bytes
+    e683d39e...151189a11  ckpt-00000002.h5
+
+(`sha256sum -c ckpt-00000002.h5.sha256` checks it too; it skips the comment). Rank 0 writes it,
+fsynced, before the checkpoint is renamed into place, so every published checkpoint has one.
+A reader hashes the file in chunks and compares before h5py opens it: a flipped byte anywhere
+(HDF5 metadata, attributes, data) is refused with "not a valid checkpoint: FILE: reason", where
+parsing it could raise arbitrary errors or crash the process. A checkpoint without a digest file
+(written by an older capstone, or copied without it) is refused: nothing would protect the parser
+from it; `python -m capstone.checkpoint seal FILE` adds one after checking every internal digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import time
+
+from . import files
+from .files import DIGEST_SUFFIX, CheckpointError, CorruptCheckpoint
+
+READ_CHUNK = 8 << 20
+DIGEST_RE = re.compile(r"# capstone checkpoint digest v1: (\d+) bytes\n([0-9a-f]{64})  (\S+)\n")
+NEXT = {
+    "missing": "Check the path: pass a ckpt-*.h5 file, a run directory (--out) or its checkpoints/latest.",
+    "unsealed": "Copy its .sha256 file along with it, or, if you trust the file, add one with "
+                "`python -m capstone.checkpoint seal {path}` (it checks every digest inside the file first).",
+    "corrupt": "Do not use it: resume from another checkpoint (--resume auto falls back to the newest one "
+               "that verifies and moves this one aside), or restore a good copy.",
+}
+_hashed: dict = {}  # (path, stat identity) -> sha256 hex, so one process hashes an unchanged file once
+
+
+def file_sha256(path: str) -> str:
+    """sha256 of the file's bytes, read in chunks. Cached in this process per unchanged file (same
+    inode, size, mtime and ctime), but only for a file last changed over 2 s before it was read,
+    since a change within the clock's granularity would leave its times the same."""
+    st, started = os.stat(path), time.time()
+    key = (os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key in _hashed:
+        return _hashed[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(READ_CHUNK):
+            h.update(block)
+    if started - max(st.st_mtime, st.st_ctime) > 2:
+        _hashed[key] = h.hexdigest()
+    return h.hexdigest()
+
+
+def write_digest(path: str, name: str | None = None) -> str:
+    """Hash `path` and write its digest file `path.sha256` (naming `name`, default the file's own
+    name) durably, by rename. Returns the sha256."""
+    digest = file_sha256(path)
+    size, name = os.path.getsize(path), name or os.path.basename(path)
+    text = f"# capstone checkpoint digest v1: {size} bytes\n{digest}  {name}\n"
+    tmp = f"{path}{DIGEST_SUFFIX}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    files.publish(tmp, path + DIGEST_SUFFIX)
+    return digest
+
+
+def publish(tmp: str, final: str) -> str:
+    """Rank 0, once every rank has closed `tmp`: write the digest file of `final`, then rename
+    `tmp` to `final`. A crash in between leaves a digest file without its checkpoint, which
+    `files.retain` removes. Returns the sha256."""
+    digest = write_digest(tmp, os.path.basename(final))
+    files.publish(tmp + DIGEST_SUFFIX, final + DIGEST_SUFFIX)
+    files.publish(tmp, final)
+    return digest
+
+
+def recorded(path: str) -> tuple[int, str] | None:
+    """(size, sha256) from `path`'s digest file; None if there is none; ValueError if malformed."""
+    try:
+        with open(path + DIGEST_SUFFIX, "rb") as f:
+            raw = f.read(4096)
+    except FileNotFoundError:
+        return None
+    m = DIGEST_RE.fullmatch(raw.decode("utf-8", "replace"))
+    if not m:
+        raise ValueError(f"its digest file {path}{DIGEST_SUFFIX} is malformed")
+    return int(m.group(1)), m.group(2)
+
+
+def problem(path: str) -> tuple[str, str] | None:
+    """None if `path` is a file whose bytes match its digest file, else (kind, reason) with kind
+    "missing" (no such file), "unsealed" (no digest file) or "corrupt". Never parses HDF5."""
+    if not os.path.exists(path):
+        return "missing", "it does not exist"
+    if not os.path.isfile(path):
+        return "missing", "it is not a regular file"
+    try:
+        want = recorded(path)
+        if want is None:
+            return "unsealed", (f"it has no digest file {os.path.basename(path)}{DIGEST_SUFFIX} (written by a "
+                                f"capstone older than digest files, or copied without it)")
+        size = os.path.getsize(path)
+        if size != want[0]:
+            return "corrupt", f"it is {size} bytes but was written as {want[0]} bytes (truncated or overwritten)"
+        digest = file_sha256(path)
+    except (OSError, ValueError) as exc:
+        return "corrupt", str(exc)
+    if digest != want[1]:
+        return "corrupt", (f"its sha256 is {digest} but was written as {want[1]} ({os.path.basename(path)}"
+                           f"{DIGEST_SUFFIX}): the file was modified or damaged on disk")
+    return None
+
+
+def message(path: str, kind: str, reason: str) -> str:
+    return f"not a valid checkpoint: {path}: {reason}. {NEXT[kind].format(path=path)}"
+
+
+def check_file(path: str) -> str:
+    """Raise CheckpointError ("not a valid checkpoint: FILE: reason. what to do") unless the bytes
+    of `path` match its digest file. Call before any HDF5 parsing. Returns `path`."""
+    found = problem(path)
+    if found and found[0] == "corrupt":
+        raise CorruptCheckpoint(message(path, *found), found[1])
+    if found:
+        raise CheckpointError(message(path, *found))
+    return path
+
+
+def resolve(target: str) -> str:
+    """The checkpoint file `target` names: a file as is; a `latest` pointer file: the checkpoint it
+    names; a run directory (--out) or its checkpoints directory: the checkpoint its `latest`
+    names, or the newest complete one if there is no pointer."""
+    if os.path.isdir(target):
+        sub = os.path.join(target, "checkpoints")
+        directory = sub if os.path.isdir(sub) else target
+        path = _pointed(directory) or next(reversed([p for _, p in files.complete_checkpoints(directory)]), None)
+        if path is None:
+            raise CheckpointError(f"{target} is a directory without checkpoints (no {files.POINTER} pointer, no "
+                                  f"ckpt-*.h5 in {directory}); pass a ckpt-*.h5 file, a run directory (--out) "
+                                  f"or its checkpoints/{files.POINTER}.")
+        return path
+    if os.path.basename(target) == files.POINTER and os.path.isfile(target):
+        return _pointed(os.path.dirname(target) or ".")
+    return target
+
+
+def _pointed(directory: str) -> str | None:
+    try:
+        return files.read_pointer(directory)
+    except (ValueError, OSError) as exc:
+        raise CheckpointError(str(exc)) from None

@@ -1,0 +1,182 @@
+"""Reading a checkpoint file: the format's constants and the checks every reader makes.
+
+These functions parse HDF5, so they run only on a file whose bytes `integrity.check_file` matched
+against its digest file; `open_verified` (for serial readers: verify, inspect, a sampler) does
+both. Inside the file, /meta_json is authoritative (its sha256 is the root attribute
+`meta_sha256`); every other attribute must equal what /meta_json says, so each one is covered by
+a digest: the root attributes, and each shard dataset's rank, offset, length and sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import h5py
+import numpy as np
+
+from ..zero import ROWS
+from . import integrity
+from .digest import sha256_hex
+from .files import CheckpointError, CorruptCheckpoint
+
+FORMAT = "capstone-checkpoint"
+VERSION = 2
+HEADER = ("format", "format_version", "step", "world_size", "n_params", "padded", "shard", "adam_t")
+DATASET_KEYS = ("rank", "offset", "length", "sha256")
+
+
+def dataset_name(rank: int) -> str:
+    return f"shards/rank{rank:05d}"
+
+
+def root_attributes(meta: dict) -> dict:
+    """Readable copies (h5ls/h5dump) of the header as root attributes; /meta_json, covered by
+    meta_sha256, is the authoritative copy and loading checks that the two agree."""
+    return {**{key: meta[key] for key in HEADER}, "rows": ",".join(meta["rows"])}
+
+
+def silence_hdf5() -> None:
+    """No HDF5 error stack on stderr: our message says what failed. h5py does this on import for
+    the importing thread; repeat it for the calling one."""
+    try:
+        from h5py._errors import silence_errors
+    except ImportError:  # pragma: no cover - a future h5py without it
+        return
+    silence_errors()
+
+
+def corrupt(path: str, reason: str) -> CorruptCheckpoint:
+    return CorruptCheckpoint(integrity.message(path, "corrupt", reason), reason)
+
+
+def parse_error(path: str, exc: BaseException, where: str = "") -> CorruptCheckpoint:
+    """Any exception from h5py/numpy/json while reading a checkpoint, as a clean error naming it
+    (`where`: e.g. " on rank 3")."""
+    text = (str(exc).splitlines() or [""])[0][:200]
+    return corrupt(path, f"it cannot be read{where} ({type(exc).__name__}: {text})")
+
+
+def _plain(value):
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def read_meta(f, path: str) -> dict:
+    """Check the format marker, the metadata digest and every attribute outside the shard
+    datasets against it; return the metadata (serial or collective)."""
+    if f.attrs.get("format") != FORMAT:
+        raise CheckpointError(f"not a valid checkpoint: {path} is an HDF5 file but not a capstone checkpoint (no "
+                              f"format={FORMAT!r} attribute); pass a ckpt-*.h5 file written by capstone.")
+    ds = f.get("meta_json")
+    if not isinstance(ds, h5py.Dataset) or ds.ndim != 1 or ds.dtype != np.uint8:
+        raise corrupt(path, "dataset /meta_json is missing or malformed: the file is incomplete or damaged")
+    raw = ds[...]
+    stored = f.attrs.get("meta_sha256")
+    if sha256_hex(raw) != stored:
+        raise corrupt(path, f"/meta_json sha256 mismatch (stored {stored}, computed {sha256_hex(raw)}): "
+                            f"the checkpoint metadata is corrupt")
+    meta = json.loads(raw.tobytes())
+    if meta.get("format_version") != VERSION or meta.get("rows") != list(ROWS):
+        raise CheckpointError(f"{path}: format_version {meta.get('format_version')} with rows {meta.get('rows')} "
+                              f"is not what this capstone reads (version {VERSION}, rows {list(ROWS)}); "
+                              f"resume it with the capstone version that wrote it.")
+    _check_root(f, path, meta)
+    _check_layout(path, meta)
+    return meta
+
+
+def _check_root(f, path: str, meta: dict) -> None:
+    """The root attributes are exactly the header copies and meta_sha256; nothing else has any."""
+    want = {**root_attributes(meta), "meta_sha256": f.attrs.get("meta_sha256")}
+    for key in sorted(set(want) | set(f.attrs)):
+        stored = _plain(f.attrs.get(key))
+        if stored != want.get(key):
+            raise corrupt(path, f"root attribute {key}={stored!r} disagrees with the verified /meta_json "
+                                f"({want.get(key)!r}); the file was modified")
+    for name in ("meta_json", "shards"):
+        if name in f and len(f[name].attrs):
+            raise corrupt(path, f"/{name} has attributes {sorted(f[name].attrs)}, which a checkpoint never has")
+
+
+def _check_layout(path: str, meta: dict) -> None:
+    """/meta_json's dataset table is the one `save` writes: rank r holds [r*shard, (r+1)*shard)."""
+    shard, world = meta["shard"], meta["world_size"]
+    if sorted(meta["datasets"]) != [dataset_name(r) for r in range(world)]:
+        raise corrupt(path, f"/meta_json lists datasets {sorted(meta['datasets'])} for {world} ranks")
+    for r in range(world):
+        info = meta["datasets"][dataset_name(r)]
+        if {k: info.get(k) for k in DATASET_KEYS[:3]} != {"rank": r, "offset": r * shard, "length": shard}:
+            raise corrupt(path, f"/meta_json describes /{dataset_name(r)} as {info}, not rank {r}'s shard")
+
+
+def checked_dataset(f, path: str, meta: dict, name: str, reader: str) -> h5py.Dataset:
+    """The shard dataset `name`, its shape, dtype and attributes checked against /meta_json."""
+    info = meta["datasets"].get(name)
+    if info is None or name not in f:
+        raise corrupt(path, f"dataset /{name} is missing (needed by {reader}): the file is incomplete")
+    ds = f[name]
+    want = (len(ROWS), info["length"])
+    if not isinstance(ds, h5py.Dataset) or ds.shape != want or ds.dtype != np.dtype("<f4"):
+        got = f"{ds.shape} {ds.dtype}" if isinstance(ds, h5py.Dataset) else "not a dataset"
+        raise corrupt(path, f"/{name} is {got}, expected a float32 dataset of shape {want} (read by {reader})")
+    for key in sorted(set(DATASET_KEYS) | set(ds.attrs)):
+        stored = _plain(ds.attrs.get(key))
+        if stored != info.get(key):
+            raise corrupt(path, f"attribute {key}={stored!r} of /{name} disagrees with the verified "
+                                f"/meta_json ({info.get(key)!r}); the file was modified")
+    return ds
+
+
+def read_dataset(f, path: str, meta: dict, name: str, reader: str) -> np.ndarray:
+    """Read one shard dataset whole and verify its shape, attributes and sha256 against the metadata."""
+    data = checked_dataset(f, path, meta, name, reader)[...]
+    digest, stored = sha256_hex(data), meta["datasets"][name]["sha256"]
+    if digest != stored:
+        raise corrupt(path, f"dataset /{name} sha256 mismatch (stored {stored}, computed {digest}) read by "
+                            f"{reader}: the shard is corrupt")
+    return data
+
+
+def open_verified(path: str, require_digest: bool = True):
+    """For serial readers (verify, inspect, a sampler): call first. `path` may be a ckpt-*.h5 file,
+    a run directory or a `latest` pointer. Checks the file's bytes against its digest file, then
+    opens it with h5py and checks the header. Returns (h5py.File, meta); the caller closes the
+    file. Raises CheckpointError ("not a valid checkpoint: FILE: reason. what to do")."""
+    path = integrity.resolve(path)
+    if require_digest:
+        integrity.check_file(path)
+    silence_hdf5()
+    try:
+        f = h5py.File(path, "r")
+    except Exception as exc:
+        raise parse_error(path, exc) from None
+    try:
+        return f, read_meta(f, path)
+    except CheckpointError:
+        f.close()
+        raise
+    except Exception as exc:
+        f.close()
+        raise parse_error(path, exc) from None
+
+
+def verify_contents(path: str) -> dict:
+    """Serial: `open_verified` plus every shard's sha256, streamed a slice at a time (memory
+    bounded). For a checkpoint whose bytes were damaged before its digest file was written."""
+    f, meta = open_verified(path)
+    with f:
+        try:
+            for name in sorted(meta["datasets"]):
+                ds = checked_dataset(f, path, meta, name, "verify")
+                h, step = hashlib.sha256(), 1 << 22
+                for row in range(ds.shape[0]):
+                    for a in range(0, ds.shape[1], step):
+                        h.update(np.ascontiguousarray(ds[row, a:a + step]).tobytes())
+                if h.hexdigest() != meta["datasets"][name]["sha256"]:
+                    raise corrupt(path, f"dataset /{name} sha256 mismatch (stored {meta['datasets'][name]['sha256']}, "
+                                        f"computed {h.hexdigest()}): the shard is corrupt")
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise parse_error(path, exc) from None
+    return meta
