@@ -11,9 +11,7 @@ Exit codes: 0 ok; 1 not a valid checkpoint; 2 bad arguments, missing data or voc
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
-import io
 import json
 import math
 import os
@@ -23,7 +21,7 @@ import time
 import numpy as np
 
 from .checkpoint import CheckpointError, files
-from .checkpoint.__main__ import load_all, verify
+from .checkpoint.__main__ import checks, load_all
 from .config import ConfigError, ModelConfig
 from .kernels import layer_norm, linear, linear_gelu
 from .model import logits as full_logits
@@ -61,16 +59,15 @@ def load_checkpoint(path: str) -> tuple[dict, ModelConfig, dict]:
     """(metadata, model config, named float32 parameters) of a checkpoint that passes every digest check."""
     try:
         meta, results = load_all(path)
-        report = io.StringIO()
-        with contextlib.redirect_stdout(report):    # the verify CLI's own decision and wording
-            status = verify(path, meta, results, quiet=True)
+        bad = [line for good, line in checks(path, meta, results, sealed=True) if not good]  # verify's own checks
     except CheckpointError as exc:
-        raise SampleError(1, f"not a valid checkpoint: {exc}") from None
+        text = str(exc)
+        raise SampleError(1, text if text.startswith("not a valid checkpoint") else f"not a valid checkpoint: {text}") from None
     except (OSError, KeyError, ValueError, TypeError) as exc:
         raise SampleError(1, f"not a valid checkpoint: {path} is unreadable ({type(exc).__name__}: {exc}); "
                              f"sample from an earlier checkpoint.") from None
-    if status != 0:
-        raise SampleError(1, f"not a valid checkpoint: {report.getvalue().strip()}\nSample from an earlier "
+    if bad:
+        raise SampleError(1, f"not a valid checkpoint: {path}: " + "; ".join(bad) + "\nSample from an earlier "
                              f"checkpoint; `python -m capstone.checkpoint verify {path}` lists every check.")
     names = sorted(meta["datasets"], key=lambda n: meta["datasets"][n]["offset"])
     flat = np.concatenate([results[n][2][0] for n in names])[:meta["n_params"]].astype(np.float32, copy=False)
