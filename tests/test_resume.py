@@ -64,7 +64,7 @@ def test_incompatible_config_is_refused(tmp_path):
     out = tmp_path / "run"
     assert mpirun(2, "--out", out, "--steps", "4", "--ckpt-every", "2").returncode == 0
     res = mpirun(2, "--out", out, "--steps", "8", "--resume", "latest", "--d-model", "64")
-    assert res.returncode != 0
+    assert res.returncode == 1 and "MPI_ABORT" not in res.stderr
     assert "incompatible" in res.stderr and "d_model is 32 in the checkpoint but 64 in this run" in res.stderr
 
 
@@ -100,7 +100,7 @@ def test_corrupt_latest_is_rejected_by_resume_and_verify(tmp_path):
         fh.seek(offset + 100)
         fh.write(bytes([byte[0] ^ 0x80]))
     res = mpirun(4, "--out", out, "--steps", "6", "--resume", "latest", timeout=60)
-    assert res.returncode != 0
+    assert res.returncode == 1 and "MPI_ABORT" not in res.stderr
     assert path in res.stderr and "/shards/rank00002" in res.stderr and "rank 2" in res.stderr
     verify = subprocess.run([sys.executable, "-m", "capstone.checkpoint", "verify", path],
                             capture_output=True, text=True, env=mpi_env())
@@ -113,7 +113,7 @@ def test_corrupt_latest_is_rejected_by_resume_and_verify(tmp_path):
 
 def test_resume_latest_without_checkpoint_says_what_to_do(tmp_path):
     res = mpirun(2, "--out", tmp_path / "run", "--resume", "latest", timeout=60)
-    assert res.returncode != 0 and "no complete checkpoint" in res.stderr and "--resume auto" in res.stderr
+    assert res.returncode == 2 and "no complete checkpoint" in res.stderr and "--resume auto" in res.stderr
 
 
 def test_sigusr1_checkpoints_at_step_boundary_and_resume_finishes(tmp_path, uninterrupted):
@@ -149,7 +149,7 @@ def test_resume_past_the_last_step_says_what_to_do(tmp_path):
     out = tmp_path / "run"
     assert mpirun(2, "--out", out, "--steps", "4", "--ckpt-every", "2").returncode == 0
     res = mpirun(2, "--out", out, "--steps", "4", "--resume", "latest", timeout=60)
-    assert res.returncode != 0 and "nothing left to do" in res.stderr and "--steps larger than 4" in res.stderr
+    assert res.returncode == 2 and "nothing left to do" in res.stderr and "--steps larger than 4" in res.stderr
     res = mpirun(2, "--out", out, "--steps", "6", "--resume", "latest", "--lr", "0.005")
     assert res.returncode == 0, res.stderr
     assert "resuming with changed settings:" in res.stdout and "lr 0.01 -> 0.005" in res.stdout
