@@ -168,9 +168,9 @@ def test_resharding_to_another_global_batch_neither_repeats_nor_skips_samples(tm
     assert res.returncode == 0, res.stderr
     res = mpirun(3, "--out", out, "--steps", "6", "--resume", "latest")
     assert res.returncode == 0, res.stderr
-    assert "sample cursor 48" in res.stdout
     ranges = [r["samples"] for r in metrics(out)]
     assert ranges == [[0, 16], [16, 32], [32, 48], [48, 60], [60, 72], [72, 84]], ranges
+    assert "sample cursor 48" in res.stdout
     assert summary(out)["status"] == "completed"
 
 
