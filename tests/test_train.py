@@ -58,7 +58,7 @@ def test_same_seed_same_world_same_bits(tmp_path):
 ])
 def test_bad_flags_fail_cleanly_on_every_rank(tmp_path, flags, words):
     res = mpirun(3, "--out", tmp_path / "run", *flags, timeout=60)
-    assert res.returncode != 0
+    assert res.returncode == 2 and "MPI_ABORT" not in res.stderr  # README: bad input exits 2, cleanly
     assert words in res.stderr
     assert res.stderr.count(words) == 1, "the error is printed once, by rank 0"
     assert not (tmp_path / "run").exists(), "a refused run writes nothing"
@@ -67,7 +67,7 @@ def test_bad_flags_fail_cleanly_on_every_rank(tmp_path, flags, words):
 def test_exception_on_one_rank_aborts_the_job(tmp_path):
     out = tmp_path / "run"
     res = mpirun(4, "--out", out, "--ckpt-every", "2", env_extra={"CAPSTONE_FAULT": "raise_in_step:2:3"}, timeout=60)
-    assert res.returncode != 0
+    assert res.returncode == 1 and "MPI_ABORT was invoked on rank 2" in res.stderr
     assert "[rank 2/4] error: InjectedFault" in res.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["ckpt-00000002.h5", "ckpt-00000002.h5.sha256",
                                                                       "latest"]
@@ -89,7 +89,7 @@ def test_fresh_run_refuses_to_overwrite_an_earlier_runs_checkpoints(tmp_path):
     assert mpirun(2, "--out", out, "--steps", "2", "--ckpt-every", "1").returncode == 0
     before = {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()}
     res = mpirun(2, "--out", out, "--steps", "2")
-    assert res.returncode != 0 and "--resume latest" in res.stderr
+    assert res.returncode == 2 and "--resume latest" in res.stderr and "MPI_ABORT" not in res.stderr
     assert {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()} == before
 
 

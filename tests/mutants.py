@@ -1,0 +1,199 @@
+"""The curated mutants of scripts/mutants: plausible bugs the tests must catch.
+
+Each mutant is one file, an exact snippet of it and the snippet's replacement, and the tests that
+must catch it, run in order with `pytest -x` until one fails. A test entry starting with "mpi:" runs
+under `mpirun -n 4` (the collective suite); the others are serial pytest node ids. A snippet that
+is no longer in its file (or is there more than once) makes the mutant STALE: update it after a
+refactor so the list keeps testing what it says.
+
+Not a test module (pytest collects test_*.py only); scripts/mutants reads MUTANTS.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str               # area/what-breaks
+    file: str               # path relative to the repository root
+    old: str                # exact snippet, present exactly once
+    new: str                # its replacement
+    tests: tuple[str, ...]  # "mpi: NODE..." or "NODE..." (pytest node ids, space separated)
+    bug: str                # what the mutant does, in words
+
+
+HOLES = "tests/test_holes.py::"
+MPI_HOLES = "mpi: tests/mpi/test_holes.py::"
+
+MUTANTS = [
+    # ---- zero: ZeroAdam -------------------------------------------------------------------------
+    Mutant("zero/clip-scale-dropped", "capstone/zero.py",
+           "        if grad_scale != 1.0:\n            g *= np.float32(grad_scale)\n", "",
+           (MPI_HOLES + "test_clipped_update_is_adam_on_the_scaled_gradient",),
+           "the issue's example: ZeroAdam.apply ignores grad_scale, so --clip is reported but not applied"),
+    Mutant("zero/adam-m-bias-correction-dropped", "capstone/zero.py",
+           "s.master -= np.float32(lr / (1 - b1 ** s.t)) * (s.m / denom)",
+           "s.master -= np.float32(lr) * (s.m / denom)",
+           ("mpi: tests/mpi/test_zero.py",), "Adam without 1 / (1 - beta1^t)"),
+    Mutant("zero/reduce-scatter-max", "capstone/zero.py",
+           "self.comm.Reduce_scatter(self.grads, self.g_shard, self.counts, op=MPI.SUM)",
+           "self.comm.Reduce_scatter(self.grads, self.g_shard, self.counts, op=MPI.MAX)",
+           ("mpi: tests/mpi/test_zero.py",), "gradients combined with MAX instead of summed"),
+    Mutant("zero/grad-norm-of-own-shard", "capstone/zero.py",
+           "return GradStats(float(np.sqrt(small[0])), small[1:])",
+           "return GradStats(float(np.sqrt(np.dot(g64, g64))), small[1:])",
+           ("mpi: tests/mpi/test_zero.py",), "the gradient norm (clipping, guard) of the rank's shard only"),
+    Mutant("zero/publish-without-allgather", "capstone/zero.py",
+           "        self.comm.Allgather(MPI.IN_PLACE, self.params)\n", "",
+           ("mpi: tests/mpi/test_zero.py",), "each rank sees only its own updated shard"),
+    Mutant("zero/weight-decay-on-every-parameter", "capstone/zero.py",
+           "s.master -= np.float32(lr * self.weight_decay) * self.decay_mask * s.master",
+           "s.master -= np.float32(lr * self.weight_decay) * s.master",
+           ("mpi: tests/mpi/test_zero.py",), "AdamW decay applied to biases and LayerNorm too"),
+
+    # ---- train: the step ------------------------------------------------------------------------
+    Mutant("train/clip-scale-not-passed", "capstone/train.py",
+           "opt.apply(lr, clip / r.grad_norm if clip else 1.0)", "opt.apply(lr)",
+           (HOLES + "test_clipped_training_steps_match_a_reference", HOLES + "test_clip_end_to_end"),
+           "the clipped norm is logged but the update uses the raw gradient"),
+    Mutant("train/clip-scale-inverted", "capstone/train.py",
+           "clip / r.grad_norm if clip else 1.0", "r.grad_norm / clip if clip else 1.0",
+           (HOLES + "test_clipped_training_steps_match_a_reference",), "norm / clip instead of clip / norm"),
+    Mutant("train/replica-check-without-gather", "capstone/train.py",
+           "run.replicas.record(s, dist.allgather_json([r.param_norm, r.fingerprint]))",
+           "run.replicas.record(s, [[r.param_norm, r.fingerprint]] * dist.world)",
+           (MPI_HOLES + "test_one_rank_with_other_parameters_fails_the_run",),
+           "invariant (b) compares each rank's fingerprint with itself"),
+    Mutant("train/diverged-update-kept", "capstone/train.py",
+           "    if r.rollback in UPDATE_REASONS:\n        run.opt.load_state(run.guard.good)\n", "",
+           ("tests/test_guard.py::test_overflowing_update_is_rolled_back_before_anything_keeps_it",),
+           "a rolled-back update is not undone"),
+    Mutant("train/checkpoint-error-aborts", "capstone/train.py",
+           "except (ConfigError, checkpoint.CheckpointError, DivergenceError) as exc:",
+           "except (ConfigError, DivergenceError) as exc:",
+           ("tests/test_resume.py::test_incompatible_config_is_refused",),
+           "a refused checkpoint ends in MPI_ABORT instead of a clean exit 1"),
+
+    # ---- checkpoint -----------------------------------------------------------------------------
+    Mutant("checkpoint/shard-sha256-not-checked", "capstone/checkpoint/__init__.py",
+           'if digest != info["sha256"] or ds.attrs.get("sha256") != info["sha256"]:', "if False:",
+           ("mpi: tests/mpi/test_checkpoint.py::test_corrupted_byte_is_rejected_on_every_rank",),
+           "a corrupt shard is read without checking its digest"),
+    Mutant("checkpoint/reshard-offset", "capstone/checkpoint/__init__.py",
+           "out[:, a - lo:b - lo] = data[:, a - r * old:b - r * old]",
+           "out[:, a - lo:b - lo] = data[:, a - lo:b - lo]",
+           ("mpi: tests/mpi/test_checkpoint.py::test_reshard_from_all_ranks_to_fewer",),
+           "resharding reads the saved shard at the new shard's offset"),
+    Mutant("checkpoint/retention-deletes-newest", "capstone/checkpoint/files.py",
+           "for _, path in complete_checkpoints(directory)[:-keep_last]:",
+           "for _, path in complete_checkpoints(directory)[keep_last:]:",
+           ("mpi: tests/mpi/test_checkpoint.py::test_retention_keeps_newest_and_pointer",),
+           "--keep-last deletes from the wrong end"),
+    Mutant("checkpoint/first-checkpoint-not-protected", "capstone/checkpointer.py",
+           'protect = [self.manifests[0]["path"]] if self.manifests else []', "protect = []",
+           (HOLES + "test_keep_last_keeps_the_newest_and_the_one_to_verify",),
+           "--keep-last deletes the checkpoint invariant (d) must reload"),
+    Mutant("checkpoint/wall-clock-minutes-as-seconds", "capstone/checkpointer.py",
+           "time.monotonic() - self.last_save >= 60 * self.minutes",
+           "time.monotonic() - self.last_save >= self.minutes",
+           (HOLES + "test_wall_clock_checkpoints_are_spaced_by_the_interval",),
+           "--ckpt-every-minutes read as seconds (a save almost every step)"),
+    Mutant("checkpoint/wall-clock-never-reset", "capstone/checkpointer.py",
+           "        self.last_save = time.monotonic()\n        return man\n", "        return man\n",
+           (HOLES + "test_wall_clock_checkpoints_are_spaced_by_the_interval",),
+           "after the first interval every step saves"),
+    Mutant("checkpoint/inspect-does-not-verify", "capstone/checkpoint/__main__.py",
+           'return verify(args.file, meta, results, quiet=args.command == "inspect")',
+           'return 0 if args.command == "inspect" else verify(args.file, meta, results, quiet=False)',
+           (HOLES + "test_checkpoint_inspect",), "inspect prints the manifest and exits 0 without checking"),
+
+    # ---- resume ---------------------------------------------------------------------------------
+    Mutant("resume/cursor-from-step-times-new-batch", "capstone/run.py",
+           "    run.state, run.resumed_from = state, path\n",
+           "    state.cursor = state.step * run.global_batch\n    run.state, run.resumed_from = state, path\n",
+           (HOLES + "test_resharding_to_another_global_batch_neither_repeats_nor_skips_samples",),
+           "the issue's example: after 4 -> 3 ranks samples 36..47 are seen twice"),
+    Mutant("resume/auto-ignores-unpointed-file", "capstone/resume.py",
+           "path = pointed or (complete[-1][1] if complete else None)", "path = pointed",
+           ("tests/test_resume.py::test_kill_during_the_first_save_then_resume_auto",),
+           "--resume auto starts fresh when the first save died before its pointer"),
+    Mutant("startup/serial-h5py-on-many-ranks", "capstone/run.py",
+           "    if dist.world == 1:\n        report.say(\"note: h5py has no MPI support",
+           "    if dist.world >= 1:\n        report.say(\"note: h5py has no MPI support",
+           (HOLES + "test_h5py_without_mpi_refuses_more_than_one_rank_at_startup",),
+           "no start-up refusal: the run trains and fails at its first save"),
+
+    # ---- guard and stop -------------------------------------------------------------------------
+    Mutant("guard/loss-spike-not-checked", "capstone/guard.py",
+           '        if last is not None and loss > self.spike_factor * last:\n            return "loss_spike"\n', "",
+           (MPI_HOLES + "test_bad_training_loss_on_one_rank_skips_the_batch_on_every_rank",),
+           "a spiking training loss is trained on"),
+    Mutant("guard/nonfinite-loss-not-checked", "capstone/guard.py",
+           '        if not math.isfinite(loss):\n            return "loss_nonfinite"\n', "",
+           (MPI_HOLES + "test_bad_training_loss_on_one_rank_skips_the_batch_on_every_rank",),
+           "a non-finite training loss is not recognised as such"),
+    Mutant("stop/only-rank-0-signal-counts", "capstone/train.py",
+           "extras=[local, stop.requested(), dist.rank == 0 and run.ckpt.clock_due()]",
+           "extras=[local, dist.rank == 0 and stop.requested(), dist.rank == 0 and run.ckpt.clock_due()]",
+           (HOLES + "test_a_signal_to_one_rank_stops_every_rank_at_a_step_boundary",),
+           "a signal that reaches another rank than 0 is ignored"),
+    Mutant("stop/sigterm-not-handled", "capstone/stop.py",
+           "for sig in (signal.SIGTERM, signal.SIGUSR1):", "for sig in (signal.SIGUSR1,):",
+           (HOLES + "test_a_signal_to_one_rank_stops_every_rank_at_a_step_boundary",),
+           "SIGTERM kills the rank instead of a checkpoint and a clean stop"),
+
+    # ---- data -----------------------------------------------------------------------------------
+    Mutant("data/micro-batch-index", "capstone/data.py",
+           "return self.samples(cursor + (micro * world + rank) * self.B, self.B)",
+           "return self.samples(cursor + (rank * world + micro) * self.B, self.B)",
+           (HOLES + "test_datastream_micro_batches_of_a_step_are_its_global_batch",),
+           "rank and micro-batch swapped: samples overlap and are skipped"),
+
+    # ---- invariants -----------------------------------------------------------------------------
+    Mutant("invariants/tolerance-of-the-absolute-loss", "capstone/invariants.py",
+           "allowed = tol + rel * (evals[0][1] - best)", "allowed = tol + rel * evals[0][1]",
+           ("tests/test_invariants.py",), "(a) allows a rise in proportion to the loss, not to the progress"),
+
+    # ---- schedule -------------------------------------------------------------------------------
+    Mutant("schedule/cosine-counted-from-step-0", "capstone/schedule.py",
+           "progress = min(1.0, (step - warmup) / span)", "progress = min(1.0, step / span)",
+           ("tests/test_guard.py::test_warmup_cosine_schedule", HOLES + "test_cosine_schedule_end_to_end"),
+           "the cosine starts as if warmup steps were decay steps"),
+    Mutant("schedule/update-ignores-schedule", "capstone/train.py",
+           "opt.apply(lr, clip / r.grad_norm if clip else 1.0)",
+           "opt.apply(run.tcfg.lr, clip / r.grad_norm if clip else 1.0)",
+           (HOLES + "test_cosine_schedule_end_to_end",), "the scheduled lr is logged, the peak lr is used"),
+
+    # ---- kernels --------------------------------------------------------------------------------
+    Mutant("kernels/gelu-derivative", "capstone/kernels.py",
+           "d *= 3.0 * GELU_A * GELU_K", "d *= GELU_A * GELU_K",
+           ("tests/test_model.py",), "d/du of the cubic term without its 3"),
+    Mutant("kernels/attention-backward-unscaled", "capstone/kernels.py",
+           "    gs *= 1.0 / math.sqrt(D)                                     # d loss / d (q k^T / sqrt(D))\n", "",
+           ("tests/test_model.py",), "attention backward forgets 1/sqrt(D)"),
+    Mutant("kernels/layernorm-backward-projection", "capstone/kernels.py",
+           "        gx -= xhat * mean_gx\n", "",
+           ("tests/test_model.py",), "LayerNorm backward without the xhat projection"),
+    Mutant("kernels/embedding-repeated-tokens", "capstone/kernels.py",
+           "out[0][sorted_ids[starts]] = np.add.reduceat(g[order], starts, axis=0)", "out[0][ids] = g",
+           ("tests/test_model.py",), "embedding gradient overwritten, not summed, for repeated tokens"),
+
+    # ---- exit codes, no pickle, setup -----------------------------------------------------------
+    Mutant("cli/bad-flags-exit-1", "capstone/cli.py",
+           '            print(f"error: {exc}", file=sys.stderr, flush=True)\n        sys.exit(2)',
+           '            print(f"error: {exc}", file=sys.stderr, flush=True)\n        sys.exit(1)',
+           ("tests/test_train.py::test_bad_flags_fail_cleanly_on_every_rank",),
+           "bad flags exit 1, the README promises 2"),
+    Mutant("nopickle/lowercase-allreduce", "capstone/dist.py",
+           "        self.comm.Allreduce(MPI.IN_PLACE, v, op=MPI.SUM)\n        return [float(x) for x in v]",
+           "        return [float(x) for x in self.comm.allreduce(v, op=MPI.SUM)]",
+           (MPI_HOLES + "test_training_checkpoints_resume_and_data_without_pickle",),
+           "a lowercase mpi4py collective: pickles every step (caught at run time)"),
+    Mutant("nopickle/lowercase-bcast", "capstone/dist.py",
+           "    def bcast_json(self, value, root: int = 0):\n",
+           "    def bcast_json(self, value, root: int = 0):\n        return self.comm.bcast(value, root=root)\n",
+           (HOLES + "test_no_pickle_in_capstone",), "bcast_json through pickle (caught in the source)"),
+    Mutant("setup/autograd-not-installed", "scripts/setup",
+           '"$PY" -m pip install -q numpy autograd mpi4py pytest', '"$PY" -m pip install -q numpy mpi4py pytest',
+           ("tests/test_packaging.py",), "setup no longer installs a declared dependency (a comment still names it)"),
+]
