@@ -3,7 +3,8 @@
 Save points (SIGKILL, like a node dying mid-checkpoint): before_data, after_data, before_rename,
 before_pointer, at the save of step <step> (any save if no step is given). Step point:
 raise_in_step (an ordinary exception on one rank at step <step>, default 1, to prove that one
-rank's error aborts the job instead of hanging the others). write_error: an OSError on one rank
+rank's error aborts the job instead of hanging the others). flip_param_bit: one bit of one rank's parameters flipped after the update of step <step>.
+write_error: an OSError on one rank
 while it writes its shard of the save of step <step> (like a full disk on one node).
 With no CAPSTONE_FAULT nothing happens. `Injections` are the training-side faults that the
 command line asks for (--inject-lr-spike, --inject-nan), to exercise the divergence guard.
@@ -16,7 +17,7 @@ import signal
 import sys
 
 KILL_POINTS = ("before_data", "after_data", "before_rename", "before_pointer")
-POINTS = KILL_POINTS + ("raise_in_step", "write_error")
+POINTS = KILL_POINTS + ("raise_in_step", "write_error", "flip_param_bit")
 
 
 class Injections:
@@ -32,6 +33,14 @@ class Injections:
         """Make rank 0's gradient NaN on the steps --inject-nan names."""
         if self.nan is not None and self.nan[0] <= step < self.nan[0] + self.nan[1] and rank == 0:
             grads[0] = float("nan")
+
+
+def flip_param_bit(rank: int, step: int, params) -> None:
+    """flip_param_bit:<rank>:<step>: flip the lowest bit of params[0] on that rank after that step's update
+    (a replica that silently differs, for invariant (b))."""
+    spec = _spec()
+    if spec is not None and spec[0] == "flip_param_bit" and spec[1] == rank and spec[2] in (None, step):
+        params.view("u4")[0] ^= 1
 
 
 class InjectedFault(RuntimeError):

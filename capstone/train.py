@@ -81,6 +81,7 @@ def train_step(run: Run, s: int) -> StepResult:
     else:
         roll_back(run, r)
     state.cursor += run.global_batch
+    faults.flip_param_bit(dist.rank, s, model.params)                                 # test fault: (b)
     t2 = time.perf_counter()
     r.param_norm, r.fingerprint = fingerprint(model.params)                           # invariant (b)
     run.replicas.record(s, dist.allgather_json([r.param_norm, r.fingerprint]))
