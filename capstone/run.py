@@ -82,8 +82,15 @@ def open_run(dist: Dist, settings: Settings) -> Run:
         vocab = _agreed(dist, lambda: load_meta(settings.train.data).vocab_size)
         settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, vocab_size=vocab))
     run = build(dist, settings, out)
+    start(run, path, saved["train_config"] if path is not None else None)
+    return run
+
+
+def start(run: Run, path: str | None = None, saved_train: dict | None = None) -> None:
+    """Collective: call on all ranks. Restore checkpoint `path` (None: measure the starting loss
+    of a fresh run), then open metrics.jsonl."""
     if path is not None:
-        _resume(run, path, saved["train_config"])
+        _resume(run, path, saved_train if saved_train is not None else dataclasses.asdict(run.tcfg))
     else:
         run.state.eval_start = run.state.best_eval = run.dist.allreduce_sum([run.heldout.loss_share(run.model)])[0]
         run.guard.state.last_eval = run.state.eval_start
@@ -91,7 +98,6 @@ def open_run(dist: Dist, settings: Settings) -> Run:
     run.metrics.write({"event": "start", "world": run.dist.world, "start_step": run.state.step,
                        "resumed_from": run.resumed_from, "time": time.time(),
                        "train_config": dataclasses.asdict(run.tcfg), "model_config": dataclasses.asdict(run.mcfg)})
-    return run
 
 
 def _agreed(dist: Dist, read):

@@ -14,7 +14,18 @@ from capstone import checkpoint
 from capstone.cli import RunOptions
 from capstone.config import ModelConfig, TrainConfig
 from capstone.params import Layout, init_params
-from capstone.run import build, start
+from capstone import resume as resume_plan
+from capstone.cli import Settings
+from capstone.run import build as build_run
+from capstone.run import start as start_run
+
+
+def build(dist, mcfg, tcfg, opts):
+    return build_run(dist, Settings(mcfg, tcfg, opts, {}), opts.out)
+
+
+def start(run):
+    start_run(run, resume_plan.resolve(run.dist, run.opts.resume, run.ckpt.directory))
 from capstone.train import train
 from capstone.zero import ZeroAdam
 
