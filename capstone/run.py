@@ -73,7 +73,7 @@ def open_run(dist: Dist, settings: Settings) -> Run:
     explicit flags), build every piece, restore the checkpoint or measure the starting loss."""
     opts = settings.opts
     out = dist.bcast_json(opts.out or time.strftime("runs/run-%Y%m%d-%H%M%S") + f"-{os.getpid()}")
-    _check_parallel_io(dist)
+    check_parallel_io(dist)
     path = resume.resolve(dist, opts.resume, os.path.join(out, "checkpoints"))
     if path is not None:
         saved = _agreed(dist, lambda: checkpoint.read_meta_file(path))
@@ -131,7 +131,7 @@ def build(dist: Dist, settings: Settings, out: str) -> Run:
                faults.Injections(opts.inject_lr_spike, opts.inject_nan), batch)
 
 
-def _check_parallel_io(dist: Dist) -> None:
+def check_parallel_io(dist: Dist) -> None:
     if checkpoint.mpi_io_available():
         return
     if dist.world == 1:

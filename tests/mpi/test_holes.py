@@ -17,6 +17,7 @@ from capstone.params import Layout, init_params
 from capstone import resume as resume_plan
 from capstone.cli import Settings
 from capstone.run import build as build_run
+from capstone.run import check_parallel_io
 from capstone.run import start as start_run
 
 
@@ -25,6 +26,8 @@ def build(dist, mcfg, tcfg, opts):
 
 
 def start(run):
+    """What open_run does after building: check the I/O stack, pick the checkpoint, start."""
+    check_parallel_io(run.dist)
     start_run(run, resume_plan.resolve(run.dist, run.opts.resume, run.ckpt.directory))
 from capstone.train import train
 from capstone.zero import ZeroAdam
