@@ -134,7 +134,7 @@ class Summary:
                 "model_config": dataclasses.asdict(run.mcfg), "train_config": dataclasses.asdict(run.tcfg),
                 "n_params": layout.n_params, "padded": layout.padded, "start_step": self.start_step,
                 "final_step": run.state.step, "resumed_from": run.resumed_from,
-                "losses": [list(x) for x in run.state.losses], "steps": self.rows,
+                "losses": [list(x) for x in run.state.losses], "last_step": self.rows[-1] if self.rows else None,
                 "invariants": self.invariants,
                 "memory": {"per_rank": self.memory, **aggregate(self.memory)}, "checkpoints": run.ckpt.manifests,
                 "rollbacks": run.state.rollbacks, "wall_seconds": self.wall,

@@ -94,6 +94,8 @@ def start(run: Run, path: str | None = None, saved_train: dict | None = None) ->
     else:
         run.state.eval_start = run.state.best_eval = run.dist.allreduce_sum([run.heldout.loss_share(run.model)])[0]
         run.guard.state.last_eval = run.state.eval_start
+    if run.dist.rank == 0:
+        os.makedirs(run.out, exist_ok=True)
     run.metrics = report.MetricsLog(os.path.join(run.out, "metrics.jsonl") if run.dist.rank == 0 else None)
     run.metrics.write({"event": "start", "world": run.dist.world, "start_step": run.state.step,
                        "resumed_from": run.resumed_from, "time": time.time(),

@@ -42,6 +42,17 @@ def by_step(out) -> dict:
     return rows
 
 
+def step_rows(out, key=None) -> list:
+    """The step rows of metrics.jsonl in step order (the latest row of a repeated step), or their `key`."""
+    rows = {}
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        for r in map(json.loads, f):
+            if "step" in r:
+                rows[r["step"]] = r
+    ordered = [rows[k] for k in sorted(rows)]
+    return ordered if key is None else [r[key] for r in ordered]
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """The reference experiment on 4 ranks, run once per session: (run dir, result, summary)."""
