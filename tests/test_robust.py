@@ -1,0 +1,88 @@
+"""Hardening for real runs (issue 9), each against the real failure: a really full disk (a small
+tmpfs), real permission denials (root without CAP_DAC_OVERRIDE), a second job on the same run
+directory and a kill -9, real signals to mpirun and to the ranks, scripts/run from elsewhere."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import pytest
+
+from conftest import ROOT, mpi_env, mpirun, summary
+
+from capstone.checkpoint import files
+
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mount, setpriv)")
+
+
+@contextmanager
+def tmpfs(path, size="600k"):
+    """A small filesystem of its own at `path`, unmounted whatever happens."""
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)]).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)])
+
+
+def launch(n, *args, env_extra=None):
+    """mpirun as scripts/run starts it (scripts/env.sh sourced), in the background."""
+    env = mpi_env()
+    env.update(CAPSTONE_VENV=sys.prefix, **(env_extra or {}))
+    cmd = ["bash", "-c", 'source "$0/scripts/env.sh" && exec "${MPIRUN[@]}" "$@"', ROOT, "-n", str(n),
+           "python", "-m", "capstone.train", *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+
+
+def wait_for_steps(out, n, timeout=60):
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline and (not metrics.exists() or metrics.read_text().count('"step"') < n):
+        time.sleep(0.05)
+    assert metrics.read_text().count('"step"') >= n
+
+
+def children(pid):
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
+
+
+def verify(path):
+    return subprocess.run([sys.executable, "-m", "capstone.checkpoint", "verify", str(path)],
+                          capture_output=True, text=True, env=mpi_env())
+
+
+def unprivileged_root(*args, **kw):
+    """Root without the capabilities that bypass file permissions: chmod is enforced for real."""
+    env = mpi_env()
+    cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "mpirun", "-n", "2", "--oversubscribe",
+           sys.executable, "-m", "capstone.train", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=ROOT, **kw)
+
+
+# --- 15: scripts/run keeps the caller's directory -----------------------------------------------------
+
+def test_scripts_run_writes_a_relative_out_under_the_callers_directory(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = mpi_env()
+    env.update(CAPSTONE_VENV=sys.prefix, NP="2")
+    res = subprocess.run([os.path.join(ROOT, "scripts", "run"), "--out", "rel-r9test", "--steps", "2", "--quiet"],
+                         capture_output=True, text=True, env=env, cwd=elsewhere, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert (elsewhere / "rel-r9test" / "summary.json").exists()
+    assert not os.path.exists(os.path.join(ROOT, "rel-r9test"))
