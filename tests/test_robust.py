@@ -74,6 +74,40 @@ def unprivileged_root(*args, **kw):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, cwd=ROOT, **kw)
 
 
+# --- 4: a full disk during a save ----------------------------------------------------------------
+
+@ROOT_ONLY
+def test_disk_full_during_a_save_fails_fast_and_keeps_the_previous_checkpoint(tmp_path):
+    """The 600 KB disk holds one checkpoint: the save at step 10 hits ENOSPC mid-write (the
+    free-space check is off, so HDF5 really writes). Every rank stops within seconds with one
+    message, the partial file is gone and gives its space back, `latest` still names step 5."""
+    with tmpfs(tmp_path / "disk") as disk:
+        out = disk / "run"
+        t0 = time.time()
+        res = mpirun(2, "--out", out, "--ckpt-every", "5", timeout=90, env_extra={"CAPSTONE_CHECK_SPACE": "0"})
+        elapsed = time.time() - t0
+        assert res.returncode == 1, res.stderr
+        assert res.stderr.count("of checkpoint step 10 to") == 1 and "MPI_ABORT" not in res.stderr
+        assert "could not write" in res.stderr and "The partial file was removed" in res.stderr
+        assert elapsed < 30, f"took {elapsed:.1f} s"
+        ckpts = out / "checkpoints"
+        assert sorted(os.listdir(ckpts)) == [files.final_name(5), "latest"]
+        assert files.read_pointer(str(ckpts)).endswith(files.final_name(5))
+        assert verify(ckpts / files.final_name(5)).returncode == 0
+        assert shutil.disk_usage(disk).free > 200_000, "the partial file's space was given back"
+
+
+@ROOT_ONLY
+def test_a_checkpoint_that_cannot_fit_is_refused_before_writing(tmp_path):
+    with tmpfs(tmp_path / "disk") as disk:
+        out = disk / "run"
+        res = mpirun(2, "--out", out, "--ckpt-every", "5", timeout=90)
+        assert res.returncode == 1, res.stderr
+        assert res.stderr.count("not enough space for checkpoint step 10") == 1, res.stderr
+        assert "Nothing was written" in res.stderr and "mca_fbtl" not in res.stderr
+        assert sorted(os.listdir(out / "checkpoints")) == [files.final_name(5), "latest"]
+
+
 # --- 15: scripts/run keeps the caller's directory -----------------------------------------------------
 
 def test_scripts_run_writes_a_relative_out_under_the_callers_directory(tmp_path):
