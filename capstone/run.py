@@ -12,7 +12,8 @@ import resource
 import time
 from dataclasses import dataclass
 
-from . import checkpoint, faults, report, resume
+from . import checkpoint, faults, preflight, report, resume
+from .checkpoint import files
 from .checkpointer import Checkpointer
 from .cli import RunOptions
 from .config import ConfigError, ModelConfig, TrainConfig
@@ -23,7 +24,7 @@ from .invariants import ReplicaCheck
 from .model import Model
 from .params import Layout, init_params
 from .runstate import RunIdentity, RunState
-from .zero import ZeroAdam
+from .zero import ROWS, ZeroAdam
 
 
 @dataclass
@@ -82,12 +83,22 @@ def build(dist: Dist, mcfg: ModelConfig, tcfg: TrainConfig, opts: RunOptions) ->
 
 
 def start(run: Run) -> None:
-    """Collective: call on all ranks. Check the I/O stack, create the run directory, resume if asked."""
+    """Collective: call on all ranks. Check the I/O stack and the memory a step needs, claim the
+    run directory (create, lock, probe, free space: `preflight`), resume if asked. A failed start
+    raises on every rank and leaves nothing behind that it created."""
     _check_parallel_io(run.dist)
-    path = resume.resolve(run.dist, run.opts.resume, run.ckpt.directory)
-    if path is not None:
-        _resume(run, path)
-    else:
+    preflight.check_memory(run.dist, run.mcfg, run.tcfg)
+    ckpt_bytes = files.estimated_size(run.model.layout.padded * len(ROWS) * 4, run.dist.world)
+    claim = preflight.claim(run.dist, run.out, run.ckpt.directory, ckpt_bytes)
+    try:
+        path = resume.resolve(run.dist, run.opts.resume, run.ckpt.directory)
+        if path is not None:
+            _resume(run, path)
+    except (ConfigError, checkpoint.CheckpointError):
+        if run.dist.rank == 0:
+            claim.undo()
+        raise
+    if path is None:
         run.state.eval_start = run.dist.allreduce_sum([run.eval_loss_share()])[0]
         run.guard.state.last_eval = run.state.eval_start
     run.metrics = report.MetricsLog(os.path.join(run.out, "metrics.jsonl") if run.dist.rank == 0 else None)

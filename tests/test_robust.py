@@ -108,6 +108,70 @@ def test_a_checkpoint_that_cannot_fit_is_refused_before_writing(tmp_path):
         assert sorted(os.listdir(out / "checkpoints")) == [files.final_name(5), "latest"]
 
 
+# --- 5 and 17: start-up checks; a failed start leaves nothing --------------------------------------
+
+@ROOT_ONLY
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+@pytest.mark.parametrize("case", ["checkpoints", "parent"])
+def test_unwritable_run_directory_is_refused_before_training(tmp_path, case):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    out = tmp_path / "run" if case == "checkpoints" else locked / "run"
+    if case == "checkpoints":
+        (out / "checkpoints").mkdir(parents=True)
+        locked = out / "checkpoints"
+    locked.chmod(0o555)
+    try:
+        res = unprivileged_root("--out", out, "--steps", "12")
+    finally:
+        locked.chmod(0o755)
+    assert res.returncode == 2, res.stderr
+    said = f"{out / 'checkpoints'} is not writable" if case == "checkpoints" else f"cannot create the run directory {out}"
+    assert res.stderr.count(said) == 1 and "Permission denied" in res.stderr, res.stderr
+    assert "MPI_ERR_ACCESS" not in res.stderr and "Traceback" not in res.stderr
+    assert "step" not in res.stdout, "nothing was trained"
+    assert (sorted(os.listdir(out)) == ["checkpoints"]) if case == "checkpoints" else not out.exists()
+
+
+def test_failed_resume_into_a_new_out_leaves_no_directories(tmp_path):
+    src, branch = tmp_path / "src", tmp_path / "a" / "b" / "branch"
+    assert mpirun(2, "--out", src, "--steps", "2", "--ckpt-every", "2").returncode == 0
+    res = mpirun(2, "--out", branch, "--resume", src / "checkpoints" / files.final_name(2), "--d-model", "64",
+                 timeout=60)
+    assert res.returncode == 1 and "incompatible" in res.stderr
+    assert not (tmp_path / "a").exists(), "the failed start removed the directories it created"
+
+
+def test_batch_too_large_for_memory_is_refused_with_the_estimate(tmp_path):
+    res = mpirun(2, "--out", tmp_path / "run", "--batch-size", "100000", timeout=60)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.count("--batch-size 100000 needs about") == 1 and "MiB is available" in res.stderr
+    assert not (tmp_path / "run").exists()
+
+
+# --- 6: one run per --out ---------------------------------------------------------------------------
+
+def test_second_run_on_the_same_out_is_refused_and_a_killed_run_leaves_no_stale_lock(tmp_path):
+    out = tmp_path / "run"
+    first = launch(2, "--out", out, "--steps", "60", "--ckpt-every", "5", "--sleep-per-step", "0.3")
+    try:
+        wait_for_steps(out, 6)
+        t0 = time.time()
+        second = mpirun(2, "--out", out, "--steps", "60", "--resume", "auto", timeout=60)
+        refused_in = time.time() - t0
+        assert second.returncode == 2, second.stderr
+        assert second.stderr.count("another run is using --out") == 1
+        assert f"launched by pid {first.pid}" in second.stderr and refused_in < 20
+    finally:
+        for pid in children(first.pid) + [first.pid]:   # kill -9 the ranks and mpirun: no cleanup at all
+            os.kill(pid, signal.SIGKILL)
+        first.communicate()
+    third = mpirun(2, "--out", out, "--steps", "60", "--resume", "auto")
+    assert third.returncode == 0, third.stderr
+    start = summary(out)["start_step"]
+    assert start >= 5 and start % 5 == 0 and summary(out)["resumed_from"].endswith(files.final_name(start))
+
+
 # --- 15: scripts/run keeps the caller's directory -----------------------------------------------------
 
 def test_scripts_run_writes_a_relative_out_under_the_callers_directory(tmp_path):
