@@ -172,6 +172,36 @@ def test_second_run_on_the_same_out_is_refused_and_a_killed_run_leaves_no_stale_
     assert start >= 5 and start % 5 == 0 and summary(out)["resumed_from"].endswith(files.final_name(start))
 
 
+# --- 7: Ctrl-C, kill -TERM, SIGINT to the ranks ------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["SIGINT to mpirun", "SIGTERM to mpirun", "SIGINT to the ranks"])
+def test_interrupt_saves_a_checkpoint_that_resume_continues(tmp_path, how):
+    """A 1.5 s step (--sleep-per-step) and no periodic checkpoint: the stop itself must save."""
+    out = tmp_path / "run"
+    proc = launch(2, "--out", out, "--steps", "100", "--ckpt-every", "0", "--sleep-per-step", "1.5")
+    wait_for_steps(out, 2)
+    sig = signal.SIGTERM if "TERM" in how else signal.SIGINT
+    t0 = time.time()
+    for pid in children(proc.pid) if "ranks" in how else [proc.pid]:
+        os.kill(pid, sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    elapsed = time.time() - t0
+    s = summary(out)
+    step = s["final_step"]
+    assert s["status"] == "preempted" and 2 <= step < 100, stderr
+    path = out / "checkpoints" / files.final_name(step)
+    assert f"stopped at step {step} on " in stdout and f"saved checkpoint {path}" in stdout
+    assert stderr.count("saving a checkpoint at the end of this step") == 1
+    assert files.read_pointer(str(out / "checkpoints")) == str(path) and verify(path).returncode == 0
+    assert proc.returncode == (0 if "ranks" in how else 1), stderr  # mpirun exits 1 once it is interrupted
+    assert elapsed < 15, f"{how}: {elapsed:.1f} s from the signal to the exit"
+    if how != "SIGTERM to mpirun":
+        return  # resuming is the same for all three; once is enough
+    res = mpirun(2, "--out", out, "--steps", str(step + 2), "--resume", "latest")
+    assert res.returncode == 0, res.stderr
+    assert summary(out)["start_step"] == step and summary(out)["final_step"] == step + 2
+
+
 # --- 15: scripts/run keeps the caller's directory -----------------------------------------------------
 
 def test_scripts_run_writes_a_relative_out_under_the_callers_directory(tmp_path):
