@@ -10,7 +10,7 @@ a checkpoint and a clean exit (summary status "preempted", exit status 0 on ever
   seconds later, SIGKILL as long again; and it exits 1 whatever the ranks did. The SIGCONT is the
   ranks' first notice, so under mpirun (OMPI_MCA_orte_hnp_uri set) a SIGCONT that does not end a
   job-control stop (no SIGTSTP before it) is a stop request too. scripts/env.sh sets that timeout
-  to 5 s, which gives a run about 10 s from the Ctrl-C to finish its step and save.
+  to 3 s, which gives a run about 6 s from the Ctrl-C to finish its step and save.
 The loop reads the flag in each step's gradient reduction: a request is honoured at the end of the
 step in progress, or of the next one if it came after that reduction. Bound: two steps plus one
 save. For a slower run raise OMPI_MCA_odls_base_sigkill_timeout, or stop it with SIGUSR1.
