@@ -8,8 +8,11 @@ a checkpoint and a clean exit (summary status "preempted", exit status 0 on ever
 - Ctrl-C or `kill -INT|-TERM <mpirun pid>` under Open MPI's mpirun: mpirun forwards neither. It
   runs its kill sequence on the ranks: SIGCONT at once, SIGTERM `odls_base_sigkill_timeout`
   seconds later, SIGKILL as long again; and it exits 1 whatever the ranks did. The SIGCONT is the
-  ranks' first notice, so under mpirun (OMPI_MCA_orte_hnp_uri set) a SIGCONT that does not end a
-  job-control stop (no SIGTSTP before it) is a stop request too. scripts/env.sh sets that timeout
+  ranks' first notice, so under mpirun (OMPI_MCA_orte_hnp_uri set) a SIGCONT is a stop request
+  too, unless it ends a stop: Ctrl-Z reaches the ranks as SIGSTOP (mpirun turns SIGTSTP into it)
+  and fg as SIGCONT, and a heartbeat thread tells that resume (the process stood still for over a
+  second) from the kill sequence (a Ctrl-Z shorter than a second looks like Ctrl-C: the run stops
+  cleanly). scripts/env.sh sets that timeout
   to 3 s, which gives a run about 6 s from the Ctrl-C to finish its step and save.
 The loop reads the flag in each step's gradient reduction: a request is honoured at the end of the
 step in progress, or of the next one if it came after that reduction. Bound: two steps plus one
@@ -20,9 +23,12 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 
 _requested: list[str] = []      # the first request's description; empty: none
-_tstp = [False]                 # a SIGTSTP (Ctrl-Z, forwarded by mpirun) came, its SIGCONT is a resume
+_GAP = 1.0                      # seconds without a heartbeat: the process was stopped (SIGSTOP)
+_beat = [time.monotonic(), -_GAP]   # the heartbeat thread's last tick, and when it last saw a gap
 _REASONS = {signal.SIGUSR1: "SIGUSR1", signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT",
             signal.SIGCONT: "mpirun is ending the job (Ctrl-C, a kill, or a failed rank)"}
 
@@ -32,8 +38,25 @@ def install() -> None:
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, _request)
     if os.environ.get("OMPI_MCA_orte_hnp_uri"):   # launched by Open MPI's mpirun (not srun)
-        signal.signal(signal.SIGTSTP, _suspend)
+        _beat[0] = time.monotonic()
+        threading.Thread(target=_heartbeat, name="stop-heartbeat", daemon=True).start()
         signal.signal(signal.SIGCONT, _request)
+
+
+def _heartbeat() -> None:
+    while True:
+        now = time.monotonic()
+        if now - _beat[0] > _GAP:
+            _beat[1] = now
+        _beat[0] = now
+        time.sleep(0.1)
+
+
+def _just_resumed() -> bool:
+    """Whether the process has just been continued after a stop (either the heartbeat has not
+    ticked since, or it has and saw the gap)."""
+    now = time.monotonic()
+    return now - _beat[0] > _GAP or now - _beat[1] < _GAP
 
 
 def _rank() -> int:
@@ -43,14 +66,8 @@ def _rank() -> int:
     return 0
 
 
-def _suspend(signum, frame) -> None:
-    _tstp[0] = True
-    os.kill(os.getpid(), signal.SIGSTOP)
-
-
 def _request(signum, frame) -> None:
-    if signum == signal.SIGCONT and _tstp[0]:
-        _tstp[0] = False             # fg after Ctrl-Z: carry on
+    if signum == signal.SIGCONT and _just_resumed():   # fg after Ctrl-Z: carry on
         return
     if _requested and signum == signal.SIGINT:
         raise KeyboardInterrupt("second SIGINT: aborting without a checkpoint")

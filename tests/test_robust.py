@@ -202,6 +202,22 @@ def test_interrupt_saves_a_checkpoint_that_resume_continues(tmp_path, how):
     assert summary(out)["start_step"] == step and summary(out)["final_step"] == step + 2
 
 
+def test_ctrl_z_then_fg_does_not_stop_the_run(tmp_path):
+    """Ctrl-Z reaches the ranks as SIGSTOP and fg as SIGCONT, the same SIGCONT that starts mpirun's
+    kill sequence: after a real stop the run must carry on."""
+    out = tmp_path / "run"
+    proc = launch(2, "--out", out, "--steps", "100", "--ckpt-every", "0", "--sleep-per-step", "0.1")
+    wait_for_steps(out, 3)
+    proc.send_signal(signal.SIGTSTP)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGCONT)
+    steps = (out / "metrics.jsonl").read_text().count('"step"')
+    wait_for_steps(out, steps + 5)
+    proc.send_signal(signal.SIGUSR1)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "on SIGUSR1" in stdout, stderr
+
+
 # --- 15: scripts/run keeps the caller's directory -----------------------------------------------------
 
 def test_scripts_run_writes_a_relative_out_under_the_callers_directory(tmp_path):

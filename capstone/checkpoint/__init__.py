@@ -157,9 +157,9 @@ def _agreed(dist, step: int, tmp: str, action):
                else f"ranks {ranks} could not write their shards")
         raise CheckpointError(
             f"{who} of checkpoint step {step} to {tmp}: {failed[0][1]}"
-            f"{'' if free is None else f' ({free / MIB:.1f} MiB free there now)'}. The partial file was removed; "
-            f"the previous checkpoint and 'latest' are untouched. Free space or fix {directory}, then continue "
-            f"with --resume latest.")
+            f"{'' if free is None else f' ({free / MIB:.1f} MiB free there when it failed)'}. The partial file "
+            f"was removed; the previous checkpoint and 'latest' are untouched. Free space or fix {directory}, "
+            f"then continue with --resume latest.")
     return result
 
 
