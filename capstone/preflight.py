@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 
 from . import lock
@@ -149,8 +150,9 @@ def _claim(done: Claim, out: str, ckpt_dir: str, ckpt_bytes: int) -> None:
                           f"(chmod u+w {out}) or pass another --out.") from None
     done.lock_path = None if existed else lock_path
     if warning:
-        print(warning, flush=True)
-    _probe(ckpt_dir)
+        print(warning, file=sys.stderr, flush=True)
+    for d in (out, ckpt_dir):   # metrics.jsonl and summary.json go to OUT, checkpoints below it
+        _probe(d)
     _check_space(ckpt_dir, ckpt_bytes)
 
 
@@ -169,14 +171,15 @@ def _make_dirs(done: Claim, ckpt_dir: str) -> None:
         done.created.append(d)
 
 
-def _probe(ckpt_dir: str) -> None:
-    probe = os.path.join(ckpt_dir, f".probe-{socket.gethostname()}-{os.getpid()}")
+def _probe(directory: str) -> None:
+    probe = os.path.join(directory, f".probe-{socket.gethostname()}-{os.getpid()}")
     try:
         os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         os.remove(probe)
     except OSError as exc:
-        raise ConfigError(f"{ckpt_dir} is not writable ({exc.strerror}): no checkpoint could be saved there. "
-                          f"Fix its permissions (chmod u+w {ckpt_dir}) or pass another --out.") from None
+        raise ConfigError(f"{directory} is not writable ({exc.strerror}): the run could not save its "
+                          f"checkpoints and summary there. Fix its permissions (chmod u+w {directory}) or pass "
+                          f"another --out.") from None
 
 
 def _check_space(ckpt_dir: str, need: int) -> None:
