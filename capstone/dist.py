@@ -56,6 +56,14 @@ class Dist:
         self.comm.Allreduce(MPI.IN_PLACE, v, op=MPI.SUM)
         return [float(x) for x in v]
 
+    def local_size(self) -> int:
+        """Collective: call on all ranks. How many ranks share this rank's node."""
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            return node.Get_size()
+        finally:
+            node.Free()
+
     def barrier(self) -> None:
         """Collective: call on all ranks."""
         self.comm.Barrier()

@@ -162,6 +162,14 @@ def final(summary: Summary, verified: dict | None, failed: list[str], rank: int)
             f"{os.path.join(run.out, 'summary.json')}", rank)
 
 
+def stopped(run, step: int, why: str | None) -> None:
+    """The line of a run stopped on request: what asked, what was saved, how to go on."""
+    path = run.ckpt.manifests[-1]["path"] if run.ckpt.manifests else None
+    why = why or ("--stop-after" if step == run.opts.stop_after else "a signal to another rank")
+    say(f"stopped at step {step} on {why}: saved checkpoint {path} (check it with "
+        f"python -m capstone.checkpoint verify {path}); continue with --out {run.out} --resume latest", run.dist.rank)
+
+
 def write_json(path: str, data: dict) -> None:
     """Write JSON atomically (temporary file + rename)."""
     tmp = f"{path}.tmp-{os.getpid()}"

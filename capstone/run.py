@@ -13,7 +13,8 @@ import resource
 import time
 from dataclasses import dataclass
 
-from . import checkpoint, faults, report, resume
+from . import checkpoint, faults, preflight, report, resume
+from .checkpoint import files
 from .checkpointer import Checkpointer
 from .cli import RunOptions, Settings
 from .config import ConfigError, ModelConfig, TrainConfig
@@ -26,7 +27,7 @@ from .model import Model
 from .params import Layout, init_params
 from .runstate import RunIdentity, RunState
 from .textdata import load_meta
-from .zero import ZeroAdam
+from .zero import ROWS, ZeroAdam
 
 
 @dataclass
@@ -73,16 +74,26 @@ def open_run(dist: Dist, settings: Settings) -> Run:
     explicit flags), build every piece, restore the checkpoint or measure the starting loss."""
     opts = settings.opts
     out = dist.bcast_json(opts.out or time.strftime("runs/run-%Y%m%d-%H%M%S") + f"-{os.getpid()}")
+    ckpt_dir = os.path.join(out, "checkpoints")
     check_parallel_io(dist)
-    path = resume.resolve(dist, opts.resume, os.path.join(out, "checkpoints"))
-    if path is not None:
-        saved = _agreed(dist, lambda: checkpoint.read_meta_file(path))
-        settings = settings.on_top_of(saved["model_config"], saved["train_config"])
-    elif settings.train.data and "vocab_size" not in settings.explicit:
-        vocab = _agreed(dist, lambda: load_meta(settings.train.data).vocab_size)
-        settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, vocab_size=vocab))
-    run = build(dist, settings, out)
-    start(run, path, saved["train_config"] if path is not None else None)
+    padded = Layout.for_model(settings.model, dist.world).padded
+    claim = preflight.claim(dist, out, ckpt_dir, files.estimated_size(padded * len(ROWS) * 4, dist.world))
+    try:  # a failed start leaves nothing behind that it created
+        path = resume.resolve(dist, opts.resume, ckpt_dir)
+        if path is not None:
+            saved = _agreed(dist, lambda: checkpoint.read_meta_file(path))
+            settings = settings.on_top_of(saved["model_config"], saved["train_config"])
+        elif settings.train.data and "vocab_size" not in settings.explicit:
+            vocab = _agreed(dist, lambda: load_meta(settings.train.data).vocab_size)
+            settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, vocab_size=vocab))
+        tcfg = settings.train
+        preflight.check_memory(dist, settings.model, dataclasses.replace(tcfg, batch_size=tcfg.batch_for(dist.world)))
+        run = build(dist, settings, out)
+        start(run, path, saved["train_config"] if path is not None else None)
+    except (ConfigError, checkpoint.CheckpointError):
+        if dist.rank == 0:
+            claim.undo()
+        raise
     return run
 
 

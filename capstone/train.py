@@ -129,8 +129,7 @@ def train(run: Run) -> int:
             time.sleep(run.opts.sleep_per_step)
         if stopping and r.step < run.tcfg.steps:
             status = "preempted"
-            report.say(f"stopping at step {r.step} (signal or --stop-after): checkpoint saved; "
-                       f"rerun with --out {run.out} --resume latest to continue", run.dist.rank)
+            report.stopped(run, r.step, stop.reason())
             break
     return finish(run, status, rows, start_step, time.perf_counter() - t_start)
 

@@ -38,6 +38,7 @@ from .reader import (FORMAT, HEADER, VERSION, dataset_name, open_verified, read_
 __all__ = ["CheckpointError", "CorruptCheckpoint", "FORMAT", "HEADER", "VERSION", "agree", "check_file",
            "dataset_name", "load", "mpi_io_available", "open_verified", "read_dataset", "read_meta", "read_meta_file",
            "root_attributes", "save", "verify_contents", "verify_snapshot"]
+MIB = 1 << 20
 
 
 def read_meta_file(path: str) -> dict:
@@ -90,31 +91,12 @@ def save(dist, directory: str, step: int, state: ShardState, layout, extra: dict
     meta_sha = sha256_hex(np.frombuffer(meta_bytes, dtype=np.uint8))
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
-    dist.barrier()
+    need = files.estimated_size(data.nbytes * world, world, len(meta_bytes))
+    agree(dist, files.space_error(directory, step, need) if rank == 0 else None)   # before any byte is written
     faults.point("before_data", rank, step)
     tmp = os.path.join(directory, files.partial_name(step, token))
     final = os.path.join(directory, files.final_name(step))
-    with _open(tmp, "w", dist) as f:
-        for key, value in root_attributes(meta).items():
-            f.attrs[key] = value
-        f.attrs["meta_sha256"] = meta_sha
-        meta_ds = f.create_dataset("meta_json", shape=(len(meta_bytes),), dtype="u1")
-        shards = [f.create_dataset(dataset_name(r), shape=(len(ROWS), shard), dtype="<f4") for r in range(world)]
-        for r, ds in enumerate(shards):
-            for key, value in meta["datasets"][dataset_name(r)].items():
-                ds.attrs[key] = value
-        error = None
-        try:  # the only per-rank I/O: a failure here (disk full, quota) must not strand the others
-            if rank == 0:
-                meta_ds[...] = np.frombuffer(meta_bytes, dtype=np.uint8)
-            faults.point("write_error", rank, step)
-            shards[rank][...] = data
-        except OSError as exc:
-            error = (f"rank {rank} could not write its shard of checkpoint step {step} to {tmp}: {exc}. The "
-                     f"previous checkpoint and 'latest' are untouched; free space or fix {directory}, then resume.")
-        faults.point("after_data", rank, step)
-        agree(dist, error)  # every rank raises together, so the file's collective close below is reached
-        f.flush()  # MPI_File_sync on every rank: each node's writes are durable before the rename
+    _write_file(dist, tmp, meta, meta_bytes, meta_sha, data, step)
     dist.barrier()
     faults.point("before_rename", rank, step)
     if rank == 0:
@@ -128,6 +110,81 @@ def save(dist, directory: str, step: int, state: ShardState, layout, extra: dict
     removed, size = dist.bcast_json([removed, os.path.getsize(final)] if rank == 0 else None)
     return {"path": final, "step": step, "world_size": world, "bytes": size,
             "meta_sha256": meta_sha, "datasets": meta["datasets"], "logical_sha256": roots, "removed": removed}
+
+
+def _write_file(dist, tmp: str, meta: dict, meta_bytes: bytes, meta_sha: str, data: np.ndarray, step: int) -> None:
+    """Collective. Write the checkpoint file `tmp` durably. Any failure (disk full, quota,
+    permissions) is agreed across ranks, so no rank is left alone in a collective, and the
+    partial file is discarded before CheckpointError is raised on every rank."""
+    f = None
+    try:
+        f = _agreed(dist, step, tmp, lambda: _open(tmp, "w", dist))
+        meta_ds, shards = _create_datasets(f, meta, meta_sha, len(meta_bytes), dist.world)
+
+        def write():
+            if dist.rank == 0:
+                meta_ds[...] = np.frombuffer(meta_bytes, dtype=np.uint8)
+            faults.point("write_error", dist.rank, step)
+            shards[dist.rank][...] = data
+        _agreed(dist, step, tmp, write)   # the only per-rank I/O
+        faults.point("after_data", dist.rank, step)
+        _agreed(dist, step, tmp, f.flush)  # MPI_File_sync on every rank: durable before the rename
+        f.close()
+    except CheckpointError:
+        _discard(dist, f, tmp)
+        raise
+
+
+def _create_datasets(f, meta: dict, meta_sha: str, meta_len: int, world: int):
+    """Collective metadata: the root attributes, /meta_json and every rank's shard dataset."""
+    for key, value in root_attributes(meta).items():
+        f.attrs[key] = value
+    f.attrs["meta_sha256"] = meta_sha
+    meta_ds = f.create_dataset("meta_json", shape=(meta_len,), dtype="u1")
+    shards = [f.create_dataset(dataset_name(r), shape=(len(ROWS), meta["shard"]), dtype="<f4") for r in range(world)]
+    for r, ds in enumerate(shards):
+        for key, value in meta["datasets"][dataset_name(r)].items():
+            ds.attrs[key] = value
+    return meta_ds, shards
+
+
+def _agreed(dist, step: int, tmp: str, action):
+    """Collective. Run `action` on every rank; if it failed on any, raise one CheckpointError
+    on every rank that names the ranks, the error and the free space."""
+    try:
+        result, error = action(), None
+    except (OSError, RuntimeError) as exc:   # h5py: OSError for I/O, RuntimeError for a failed flush
+        result, error = None, str(exc)
+    failed = [(r, e) for r, e in enumerate(dist.allgather_json(error)) if e]
+    if failed:
+        directory = os.path.dirname(tmp)
+        free = files.free_bytes(directory)
+        ranks = ", ".join(str(r) for r, _ in failed)
+        who = (f"rank {ranks} could not write its shard" if len(failed) == 1
+               else f"ranks {ranks} could not write their shards")
+        raise CheckpointError(
+            f"{who} of checkpoint step {step} to {tmp}: {failed[0][1]}"
+            f"{'' if free is None else f' ({free / MIB:.1f} MiB free there when it failed)'}. The partial file "
+            f"was removed; the previous checkpoint and 'latest' are untouched. Free space or fix {directory}, "
+            f"then continue with --resume latest.")
+    return result
+
+
+def _discard(dist, f, tmp: str) -> None:
+    """Collective. Drop a failed partial file. Its blocks are freed first (truncate on rank 0):
+    HDF5 flushes its metadata on close, and on a full disk that flush fails and h5py's close
+    retries forever at 100% CPU; with the space back it succeeds, then the file is removed."""
+    if dist.rank == 0 and os.path.exists(tmp):
+        os.truncate(tmp, 0)
+    dist.barrier()
+    if f is not None:
+        try:
+            f.close()
+        except (OSError, RuntimeError):
+            pass
+    dist.barrier()
+    if dist.rank == 0 and os.path.exists(tmp):
+        os.remove(tmp)
 
 
 def _check_compatible(meta: dict, path: str, layout, expect: dict) -> None:
