@@ -127,8 +127,9 @@ def _run_flags(p) -> None:
     g = p.add_argument_group("run")
     g.add_argument("--out", default=None, help="run directory; checkpoints go to OUT/checkpoints (default: runs/run-<time>)")
     g.add_argument("--resume", default=None,
-                   help="checkpoint to continue from: a ckpt-*.h5 path, 'latest' (newest complete one in OUT), or "
-                        "'auto' (latest if there is one, else start fresh); its settings are used unless given as flags")
+                   help="checkpoint to continue from: a ckpt-*.h5 path or a run directory; 'latest' (the newest in OUT); "
+                        "or 'auto' (the newest that verifies, setting corrupt ones aside as *.corrupt-*; a fresh start "
+                        "if there is none). Its settings are used unless given as flags")
     g.add_argument("--quiet", action="store_true", help="print only the final report")
     g = p.add_argument_group("test hooks (fault injection, not for training)")
     g.add_argument("--stop-after", type=int, default=0, help="checkpoint and stop after this step, as if preempted (0: off)")
