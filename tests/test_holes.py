@@ -244,7 +244,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_a_step_boundary(tmp_path, sig,
     assert s["status"] == "preempted" and 2 <= s["final_step"] < 40, s["final_step"]
     assert [c["step"] for c in s["checkpoints"]] == [s["final_step"]]
     assert files.read_pointer(str(out / "checkpoints")).endswith(files.final_name(s["final_step"]))
-    assert f"stopping at step {s['final_step']}" in stdout
+    assert f"stopped at step {s['final_step']}" in stdout
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,7 @@ def test_disk_full_during_a_save_fails_fast_and_keeps_the_previous_checkpoint(tm
         assert "could not write" in res.stderr and "The partial file was removed" in res.stderr
         assert elapsed < 30, f"took {elapsed:.1f} s"
         ckpts = out / "checkpoints"
-        assert sorted(os.listdir(ckpts)) == [files.final_name(5), "latest"]
+        assert sorted(os.listdir(ckpts)) == [files.final_name(5), files.final_name(5) + ".sha256", "latest"]
         assert files.read_pointer(str(ckpts)).endswith(files.final_name(5))
         assert verify(ckpts / files.final_name(5)).returncode == 0
         assert shutil.disk_usage(disk).free > 200_000, "the partial file's space was given back"
@@ -105,7 +105,7 @@ def test_a_checkpoint_that_cannot_fit_is_refused_before_writing(tmp_path):
         assert res.returncode == 1, res.stderr
         assert res.stderr.count("not enough space for checkpoint step 10") == 1, res.stderr
         assert "Nothing was written" in res.stderr and "mca_fbtl" not in res.stderr
-        assert sorted(os.listdir(out / "checkpoints")) == [files.final_name(5), "latest"]
+        assert sorted(os.listdir(out / "checkpoints")) == [files.final_name(5), files.final_name(5) + ".sha256", "latest"]
 
 
 # --- 5 and 17: start-up checks; a failed start leaves nothing --------------------------------------

@@ -67,7 +67,8 @@ def test_bad_flags_fail_cleanly_on_every_rank(tmp_path, flags, words):
 def test_exception_on_one_rank_aborts_the_job(tmp_path):
     out = tmp_path / "run"
     res = mpirun(4, "--out", out, "--ckpt-every", "2", env_extra={"CAPSTONE_FAULT": "raise_in_step:2:3"}, timeout=60)
-    assert res.returncode == 1 and "MPI_ABORT was invoked on rank 2" in res.stderr
+    # the rank's own line, then comm.Abort (Open MPI's help text for it is sometimes garbled under load)
+    assert res.returncode == 1 and "[rank 2] aborting all ranks" in res.stderr
     assert "[rank 2/4] error: InjectedFault" in res.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["ckpt-00000002.h5", "ckpt-00000002.h5.sha256",
                                                                       "latest"]
