@@ -65,8 +65,9 @@ def local() -> dict:
         versions["h5py_mpi"] = bool(h5py.get_config().mpi)
     except Exception:  # noqa: BLE001
         versions["hdf5"] = versions["h5py_mpi"] = None
-    return {"argv": list(sys.argv), "executable": sys.executable, "cwd": os.getcwd(), "git": git_info(),
-            "versions": versions, "platform": platform.platform()}
+    return {"argv": list(sys.argv), "orig_argv": list(getattr(sys, "orig_argv", sys.argv)),
+            "executable": sys.executable, "cwd": os.getcwd(), "git": git_info(), "versions": versions,
+            "platform": platform.platform()}
 
 
 def collect(dist) -> dict:
