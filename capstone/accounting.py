@@ -142,11 +142,11 @@ def step_comm(ms: dict, padded: int, world: int) -> dict:
     return out
 
 
-def comm_summary(rows: list[dict], padded: int, world: int) -> dict:
-    """Per collective over step rows: the median time (steps after the first of the list, which pays
-    warm-up, when there are more), its bandwidths and the steps it ran in."""
+def comm_summary(rows: list[dict], padded: int, world: int, skip_first: bool = True) -> dict:
+    """Per collective over step rows: the median time (over the steps after the first of the list,
+    which pays warm-up, when there are more and `skip_first`), its bandwidths and the steps it ran in."""
     rows = [r for r in rows if isinstance(r.get("comm"), dict)]
-    timed = rows[1:] if len(rows) > 1 else rows
+    timed = rows[1:] if skip_first and len(rows) > 1 else rows
     out = {}
     for name, (op, count, itemsize) in step_buffers(padded).items():
         times = [r["comm"][name]["ms"] for r in timed if name in r["comm"]]
@@ -161,8 +161,8 @@ def format_comm_summary(comm: dict) -> str:
     lines = [f"{'collective':<16} {'op':<14} {'bytes':>10} {'median ms':>9} {'algbw GB/s':>10} {'busbw GB/s':>10} "
              f"{'steps':>6}"]
     for name, e in comm.items():
-        lines.append(f"{name:<16} {e['op']:<14} {e['bytes']:>10} {e['median_ms']:>9.3f} {e['algbw_GBps']:>10.4f} "
-                     f"{e['busbw_GBps']:>10.4f} {e['steps']:>6}")
+        lines.append(f"{name:<16} {e['op']:<14} {e['bytes']:>10} {e['median_ms']:>9.3f} {e['algbw_GBps']:>10.4g} "
+                     f"{e['busbw_GBps']:>10.4g} {e['steps']:>6}")
     return "\n".join(lines)
 
 

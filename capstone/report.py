@@ -74,9 +74,9 @@ class Console:
     def header(self) -> str:
         if self.every == 1:
             return step_header()
-        return (f"a line every {self.every} steps and at every event; loss_ema: exponential moving average "
-                f"(beta {EMA_BETA}, bias-corrected) of the accepted steps' training loss; eval_loss: held-out, "
-                f"when measured; tok/s since the previous line\n"
+        return (f"a line every {self.every} steps and at each event; loss_ema: EMA (beta {EMA_BETA}, bias-corrected) "
+                f"of the accepted steps' train loss;\neval_loss: held-out, when measured; tok/s: since the previous "
+                f"line; eta: at this launch's mean step time\n"
                 f"{'step':>7} {'loss_ema':>9} {'eval_loss':>9} {'tok/s':>10} {'elapsed':>8} {'eta':>8}  event")
 
     def line(self, m: dict) -> str | None:
