@@ -95,7 +95,7 @@ def train_step(run: Run, s: int) -> StepResult:
     r.ms = {"step_ms": 1e3 * (t2 - t0), "fwd_bwd_ms": 1e3 * (t1 - t0),
             "comm_ms": 1e3 * (tm["reduce_scatter"] + applied * tm["allgather"]),
             "reduce_scatter_ms": 1e3 * tm["reduce_scatter"], "allgather_ms": 1e3 * applied * tm["allgather"],
-            "optimizer_ms": 1e3 * applied * tm["adam"], "eval_ms": 1e3 * t_eval,
+            "optimizer_ms": 1e3 * applied * tm["adam"], "eval_ms": 1e3 * t_eval * evaluate,
             "allreduce_stats_ms": 1e3 * (t_reduce - tm["reduce_scatter"]), "allreduce_eval_ms": 1e3 * t_allreduce}
     return r
 
