@@ -183,7 +183,7 @@ FP32 = Precision("fp32", 4, 4, 12)
 # gradients (2 + 2 bytes) and K = 12 bytes of fp32 master parameters, momentum and variance.
 MIXED = Precision("mixed", 2, 2, 12)
 PRECISIONS = {p.name: p for p in (FP32, MIXED)}
-STAGES = {0: "nothing (DDP)", 1: "optimizer state", 2: "optimizer state, grads", 3: "opt. state, grads, params"}
+STAGES = {0: "nothing (DDP)", 1: "optimizer state", 2: "optimizer state, grads", 3: "optimizer, grads, params"}
 
 
 @dataclass(frozen=True)
