@@ -213,3 +213,43 @@ def test_provenance_without_git(tmp_path, monkeypatch):
     assert provenance.git_info(str(tmp_path)) == {"commit": None, "dirty": None}  # not a repository
     monkeypatch.setenv("PATH", str(tmp_path))  # no git at all
     assert provenance.git_info() == {"commit": None, "dirty": None}
+
+
+# ---- --tensorboard (optional) ---------------------------------------------------------------------
+def has_writer() -> bool:
+    from capstone import tensorboard
+    return tensorboard.writer_class() is not None
+
+
+@pytest.mark.skipif(has_writer(), reason="tensorboardX or torch is installed")
+def test_tensorboard_without_the_package_says_how_to_install(tmp_path):
+    res = mpirun(2, "--out", tmp_path / "tb", "--steps", 2, "--tensorboard", tmp_path / "tb" / "board")
+    assert res.returncode == 2 and "pip install tensorboardX" in res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "tb" / "board").exists()
+
+
+def read_scalars(directory) -> dict:
+    """tag -> [(step, value)] of the event files in `directory` (TFRecord framing, tensorboardX's protos)."""
+    import struct
+    from tensorboardX.proto import event_pb2
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        data, pos = (directory / name).read_bytes(), 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            for v in event.summary.value:
+                out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
+
+
+@pytest.mark.skipif(not importlib.util.find_spec("tensorboardX"), reason="tensorboardX is not installed")
+def test_tensorboard_scalars_are_the_metrics(tmp_path):
+    out = tmp_path / "tb"
+    res = mpirun(2, "--out", out, "--steps", 3, "--quiet", "--tensorboard", out / "board")
+    assert res.returncode == 0, res.stdout + res.stderr
+    scalars, rows = read_scalars(out / "board"), step_rows(out)
+    assert scalars["train/loss"] == [(r["step"], pytest.approx(r["loss"])) for r in rows]
+    assert [s for s, _ in scalars["comm/reduce_scatter_busbw_GBps"]] == [1, 2, 3]
+    assert {"eval/loss", "perf/tokens_per_s", "time/fwd_bwd_ms", "comm/allgather_algbw_GBps"} <= set(scalars)
