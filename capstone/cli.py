@@ -28,6 +28,7 @@ class RunOptions:
     inject_nan: tuple[int, int] | None = None
     quiet: bool = False
     log_every: int = 0                   # console row every K steps (0: 1 up to 100 steps, else about steps/50)
+    tensorboard: str | None = None       # also write TensorBoard scalars to this directory
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,8 @@ def _run_flags(p) -> None:
                    help="console: 1 prints the full per-step table; K > 1 prints a short line (smoothed loss, "
                         "tokens/s, elapsed, ETA) every K steps and every step with an event (0: 1 when --steps "
                         "<= 100, else about steps/50)")
+    g.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write the step rows as TensorBoard scalars to DIR (needs: pip install tensorboardX)")
     g = p.add_argument_group("test hooks (fault injection, not for training)")
     g.add_argument("--stop-after", type=int, default=0, help="checkpoint and stop after this step, as if preempted (0: off)")
     g.add_argument("--sleep-per-step", type=float, default=0.0, help="sleep this many seconds per step")

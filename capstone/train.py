@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import accounting, checkpoint, cli, faults, invariants, report, stop
+from . import accounting, checkpoint, cli, faults, invariants, report, stop, tensorboard
 from .config import ConfigError
 from .dist import Dist, fail_fast
 from .guard import DivergenceError
@@ -119,6 +119,7 @@ def train(run: Run) -> int:
     t_start, status, rows = time.perf_counter(), "completed", []
     start_step = run.state.step
     console = report.Console(report.log_every(run.opts.log_every, run.tcfg.steps), run.tcfg.steps, start_step)
+    board = tensorboard.open_board(run.dist, run.opts.tensorboard) if run.opts.tensorboard else None
     report.banner(run, console.header())
     while run.state.step < run.tcfg.steps:
         run.state.step += 1
@@ -132,6 +133,8 @@ def train(run: Run) -> int:
                                  repeat=r.step <= run.metrics.last_step)
         run.metrics.write(row)
         rows.append(row)
+        if board is not None:
+            board.write(row)
         line = console.line(row)
         if line is not None and not run.opts.quiet:
             report.say(line, run.dist.rank)
@@ -142,6 +145,8 @@ def train(run: Run) -> int:
             report.say(f"stopping at step {r.step} (signal or --stop-after): checkpoint saved; "
                        f"rerun with --out {run.out} --resume latest to continue", run.dist.rank)
             break
+    if board is not None:
+        board.close()
     return finish(run, status, rows, start_step, time.perf_counter() - t_start)
 
 
