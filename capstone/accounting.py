@@ -110,6 +110,62 @@ def format_collectives(records: list[Collective]) -> str:
     return "\n".join(lines)
 
 
+# ---- the collectives of one training step (metrics.jsonl "comm", summary.json "comm") ----------
+# metrics name -> (op, element count, itemsize) for a flat buffer of `padded` float32 on `world` ranks.
+# The two small float64 allreduces mirror capstone/train.py's train_step: the one inside
+# ZeroAdam.reduce_gradients carries [shard sum of squares, loss, stop flag, clock flag], the one after
+# the update [held-out loss share, non-finite flag].
+SMALL_ALLREDUCES = {"allreduce_stats": 4, "allreduce_eval": 2}
+
+
+def step_buffers(padded: int) -> dict[str, tuple[str, int, int]]:
+    """Every collective on the training path of one step: name -> (op, count, itemsize)."""
+    return {"reduce_scatter": ("reduce_scatter", padded, 4), "allgather": ("allgather", padded, 4),
+            **{name: ("allreduce", n, 8) for name, n in SMALL_ALLREDUCES.items()}}
+
+
+def comm_entry(c: Collective) -> dict:
+    """A collective as a metrics/summary record: S bytes, bytes a ring sends per rank, ms, GB/s (1e9)."""
+    return {"op": c.name, "bytes": c.size_bytes, "sent_bytes_per_rank": c.ring_bytes_sent_per_rank,
+            "ms": 1e3 * c.seconds, "algbw_GBps": c.algbw / 1e9, "busbw_GBps": c.busbw / 1e9}
+
+
+def step_comm(ms: dict, padded: int, world: int) -> dict:
+    """The "comm" dict of a step row from its "<name>_ms" timings (rank 0's clock): one entry per
+    collective that ran in the step (a time > 0; the allgather and the second allreduce do not run
+    when the guard skips the batch)."""
+    out = {}
+    for name, (op, count, itemsize) in step_buffers(padded).items():
+        t = ms.get(f"{name}_ms")
+        if t is not None and t > 0:
+            out[name] = comm_entry(Collective(op, count, itemsize, world, t / 1e3))
+    return out
+
+
+def comm_summary(rows: list[dict], padded: int, world: int, skip_first: bool = True) -> dict:
+    """Per collective over step rows: the median time (over the steps after the first of the list,
+    which pays warm-up, when there are more and `skip_first`), its bandwidths and the steps it ran in."""
+    rows = [r for r in rows if isinstance(r.get("comm"), dict)]
+    timed = rows[1:] if skip_first and len(rows) > 1 else rows
+    out = {}
+    for name, (op, count, itemsize) in step_buffers(padded).items():
+        times = [r["comm"][name]["ms"] for r in timed if name in r["comm"]]
+        if times:
+            entry = comm_entry(Collective(op, count, itemsize, world, statistics.median(times) / 1e3))
+            entry["median_ms"] = entry.pop("ms")
+            out[name] = {**entry, "steps": sum(name in r["comm"] for r in rows), "timed_steps": len(times)}
+    return out
+
+
+def format_comm_summary(comm: dict) -> str:
+    lines = [f"{'collective':<16} {'op':<14} {'bytes':>10} {'median ms':>9} {'algbw GB/s':>10} {'busbw GB/s':>10} "
+             f"{'steps':>6}"]
+    for name, e in comm.items():
+        lines.append(f"{name:<16} {e['op']:<14} {e['bytes']:>10} {e['median_ms']:>9.3f} {e['algbw_GBps']:>10.4g} "
+                     f"{e['busbw_GBps']:>10.4g} {e['steps']:>6}")
+    return "\n".join(lines)
+
+
 # ---- ZeRO what-if ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Precision:
@@ -127,7 +183,7 @@ FP32 = Precision("fp32", 4, 4, 12)
 # gradients (2 + 2 bytes) and K = 12 bytes of fp32 master parameters, momentum and variance.
 MIXED = Precision("mixed", 2, 2, 12)
 PRECISIONS = {p.name: p for p in (FP32, MIXED)}
-STAGES = {0: "nothing (DDP)", 1: "optimizer state", 2: "optimizer state, grads", 3: "opt. state, grads, params"}
+STAGES = {0: "nothing (DDP)", 1: "optimizer state", 2: "optimizer state, grads", 3: "optimizer, grads, params"}
 
 
 @dataclass(frozen=True)
@@ -169,6 +225,32 @@ def format_zero_table(rows: list[ZeroRow], n_params: int, world: int, precision:
         lines.append(f"{r.stage:<5} {STAGES[r.stage]:<26} {r.params_bytes:>12} {r.grads_bytes:>12} "
                      f"{r.optimizer_bytes:>12} {r.total_bytes:>12}")
     return "\n".join(lines)
+
+
+def what_if(n_params: int, padded: int, world: int, memory: list[dict], precision: Precision = FP32) -> dict:
+    """summary.json's "zero_what_if": the table for P = `padded` (the live flat buffer) on `world`
+    ranks beside what the run measured per rank (max over ranks; its grads_bytes adds the 4P/N shard
+    that the reduce-scatter receives into)."""
+    p = precision
+    measured = {k: max(m[k] for m in memory) for k in ("params_bytes", "grads_bytes", "optimizer_bytes")} if memory else {}
+    return {"precision": p.name, "bytes_per_param": {"params": p.param, "grads": p.grad, "optimizer": p.optimizer},
+            "n_params": n_params, "P": padded, "world": world,
+            "stages": [{"stage": r.stage, "sharded": STAGES[r.stage], "params_bytes": r.params_bytes,
+                        "grads_bytes": r.grads_bytes, "optimizer_bytes": r.optimizer_bytes,
+                        "total_bytes": r.total_bytes} for r in zero_table(padded, world, precision)],
+            "measured": {"stage": 1, **measured, "grads_receive_shard_bytes": p.grad * -(-padded // world)}}
+
+
+def format_what_if(w: dict) -> str:
+    """The what-if table and the measured stage-1 row under it."""
+    text = format_zero_table(zero_table(w["P"], w["world"], PRECISIONS[w["precision"]]), w["P"], w["world"],
+                             PRECISIONS[w["precision"]])
+    m = w["measured"]
+    if "params_bytes" in m:
+        total = m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"]
+        text += (f"\n{'1':<5} {'measured (max over ranks)':<26} {m['params_bytes']:>12} {m['grads_bytes']:>12} "
+                 f"{m['optimizer_bytes']:>12} {total:>12}  (grads + {m['grads_receive_shard_bytes']} receive shard)")
+    return text
 
 
 # ---- command line ------------------------------------------------------------------------------

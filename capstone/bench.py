@@ -21,19 +21,26 @@ SPLIT = ("fwd_bwd_ms", "reduce_scatter_ms", "optimizer_ms", "allgather_ms", "ste
 
 def step_split(run_dirs: list[str]) -> None:
     """Median and mean of each phase over steps 2.. of every run (step 1 pays one-off warm-up)."""
-    rows, walls = [], []
+    rows, walls, sizes = [], [], set()
     for d in run_dirs:
         with open(os.path.join(d, "metrics.jsonl")) as f:  # after a resume a step may repeat: last wins
             by_step = {r["step"]: r for r in map(json.loads, f) if "step" in r}
         rows += [r for step, r in sorted(by_step.items()) if step >= 2 and r["accepted"]]
         with open(os.path.join(d, "summary.json")) as f:
-            walls.append(json.load(f)["wall_seconds"])
+            summary = json.load(f)
+        walls.append(summary["wall_seconds"])
+        sizes.add((summary["padded"], summary["world_size"]))
     print(f"per-step time over {len(rows)} steps of {len(run_dirs)} runs (rank 0, ms):")
     print(f"  {'phase':<18} {'median':>8} {'mean':>8}")
     for key in SPLIT:
         vals = [r[key] for r in rows]
         print(f"  {key[:-3]:<18} {statistics.median(vals):>8.3f} {statistics.mean(vals):>8.3f}")
     print(f"training loop wall time (20 steps, checkpoints, checks): median {statistics.median(walls):.3f} s")
+    if len(sizes) == 1 and any("comm" in r for r in rows):  # runs of one model on one world size
+        from .accounting import comm_summary, format_comm_summary
+        padded, world = sizes.pop()
+        print("collectives per step over the same steps (rank 0's clock, median; nccl-tests bytes S, algbw, busbw):")
+        print("  " + format_comm_summary(comm_summary(rows, padded, world, skip_first=False)).replace("\n", "\n  "))
 
 
 def model(repeats: int) -> None:

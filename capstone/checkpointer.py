@@ -26,6 +26,7 @@ class Checkpointer:
         self.every, self.minutes, self.keep_last = tcfg.ckpt_every, tcfg.ckpt_every_minutes, tcfg.keep_last
         self.manifests: list[dict] = []
         self.snapshot: np.ndarray | None = None   # (rows, shard) of the first save, for invariant (d)
+        self.provenance: dict | None = None       # capstone.provenance.collect, set by run.start
         self.last_save = time.monotonic()
 
     def clock_due(self) -> bool:
@@ -37,7 +38,7 @@ class Checkpointer:
 
     def save(self, state: RunState, shard: ShardState) -> dict:
         """Collective. Write checkpoint `state.step`; returns its manifest."""
-        extra = {**self.identity.to_json(), "run": state.to_json()}
+        extra = {**self.identity.to_json(), "run": state.to_json(), "provenance": self.provenance}
         protect = [self.manifests[0]["path"]] if self.manifests else []
         man = checkpoint.save(self.dist, self.directory, state.step, shard, self.layout, extra,
                               self.keep_last, protect)

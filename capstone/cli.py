@@ -27,6 +27,8 @@ class RunOptions:
     inject_lr_spike: tuple[int, float] | None = None
     inject_nan: tuple[int, int] | None = None
     quiet: bool = False
+    log_every: int = 0                   # console row every K steps (0: 1 up to 100 steps, else about steps/50)
+    tensorboard: str | None = None       # also write TensorBoard scalars to this directory
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,12 @@ def _run_flags(p) -> None:
                         "or 'auto' (the newest that verifies, setting corrupt ones aside as *.corrupt-*; a fresh start "
                         "if there is none). Its settings are used unless given as flags")
     g.add_argument("--quiet", action="store_true", help="print only the final report")
+    g.add_argument("--log-every", type=int, default=0, metavar="K",
+                   help="console: 1 prints the full per-step table; K > 1 prints a short line (smoothed loss, "
+                        "tokens/s, elapsed, ETA) every K steps and every step with an event (0: 1 when --steps "
+                        "<= 100, else about steps/50)")
+    g.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write the step rows as TensorBoard scalars to DIR (needs: pip install tensorboardX)")
     g = p.add_argument_group("test hooks (fault injection, not for training)")
     g.add_argument("--stop-after", type=int, default=0, help="checkpoint and stop after this step, as if preempted (0: off)")
     g.add_argument("--sleep-per-step", type=float, default=0.0, help="sleep this many seconds per step")
@@ -146,8 +154,8 @@ def parse(argv=None) -> Settings:
     preset = PRESETS[values.pop("preset")]
     opts = RunOptions(**_pick(RunOptions, values))
     explicit = {k: v for k, v in values.items() if k not in {f.name for f in dataclasses.fields(RunOptions)}}
-    if opts.stop_after < 0 or opts.sleep_per_step < 0:
-        raise ConfigError("--stop-after and --sleep-per-step must be >= 0.")
+    if opts.stop_after < 0 or opts.sleep_per_step < 0 or opts.log_every < 0:
+        raise ConfigError("--stop-after, --sleep-per-step and --log-every must be >= 0.")
     base = {**preset, **explicit}
     return Settings(ModelConfig(**_pick(ModelConfig, base)), TrainConfig(**_pick(TrainConfig, base)), opts,
                     {**preset, **explicit} if opts.resume is None else explicit)

@@ -7,8 +7,15 @@ import json
 import math
 import os
 import sys
+import time
+
+from . import accounting
+from .runlog import number, parse_lines, step_rows
 
 MIB = 1024 * 1024
+EMA_BETA = 0.9     # the console's smoothed loss on long runs
+AUTO_ROWS = 50     # about this many console lines for a run of more than AUTO_TABLE_STEPS steps
+AUTO_TABLE_STEPS = 100
 
 
 def say(text: str = "", rank: int = 0) -> None:
@@ -20,20 +27,77 @@ def step_header() -> str:
     return f"{'step':>5} {'loss':>9} {'eval_loss':>9} {'grad_norm':>10} {'lr':>9} {'ms':>7}  {'param_norm':>11} {'fingerprint':<16}  event"
 
 
-def banner(run) -> None:
+def banner(run, header: str | None = None) -> None:
     layout = run.model.layout
     say(f"capstone: {run.dist.world} ranks, {layout.n_params} parameters (padded {layout.padded}, shard "
         f"{layout.shard}), global batch {run.global_batch} x {run.mcfg.seq_len} tokens, run dir {run.out}", run.dist.rank)
-    say(step_header(), run.dist.rank)
+    say(step_header() if header is None else header, run.dist.rank)
 
 
-def metrics_row(r, tokens: int) -> dict:
-    """The metrics.jsonl row of a StepResult (`tokens` per step)."""
+def metrics_row(r, tokens: int, tokens_total: int, comm: dict, repeat: bool = False) -> dict:
+    """The metrics.jsonl row of a StepResult (`tokens` per step, `tokens_total` seen by the run so far
+    including this step, `comm` from accounting.step_comm, `repeat`: the step was logged before a resume)."""
     return {"step": r.step, "loss": r.loss, "eval_loss": r.eval_loss, "accepted": r.rollback is None,
             "grad_norm": r.grad_norm, "grad_norm_clipped": r.grad_norm if r.grad_norm_clipped is None else r.grad_norm_clipped,
-            "lr": r.lr, "tokens": tokens, "samples": list(r.samples), **r.ms,
+            "lr": r.lr, "tokens": tokens, "tokens_total": tokens_total, "time": time.time(), "repeat": repeat,
+            "samples": list(r.samples), **r.ms, "comm": comm,
             "tokens_per_s": tokens / max(r.ms["step_ms"] / 1e3, 1e-9), "param_norm": r.param_norm,
             "fingerprint": r.fingerprint, "events": r.events}
+
+
+def log_every(k: int, steps: int) -> int:
+    """--log-every K, where 0 means: every step up to AUTO_TABLE_STEPS steps, else about AUTO_ROWS lines."""
+    return k if k > 0 else (1 if steps <= AUTO_TABLE_STEPS else max(2, round(steps / AUTO_ROWS)))
+
+
+def duration(seconds: float) -> str:
+    """12.3s, 4m05s, 2h07m."""
+    if not math.isfinite(seconds):
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}m{s:02d}s" if m < 60 else f"{m // 60}h{m % 60:02d}m"
+
+
+class Console:
+    """The per-step console of one launch. Every K = 1 steps: the full table (step_row). K > 1: a
+    short line on the first step, every K-th step, the last step and every step with an event
+    (checkpoint, rollback, ...): step, EMA of the accepted steps' training loss, the held-out loss
+    when measured, tokens/s since the previous line, elapsed time and ETA of this launch."""
+
+    def __init__(self, every: int, steps: int, start_step: int):
+        self.every, self.steps, self.start_step = every, steps, start_step
+        self.t0 = self.last_t = time.perf_counter()
+        self.ema, self.n_ema, self.tokens = 0.0, 0, 0
+
+    def header(self) -> str:
+        if self.every == 1:
+            return step_header()
+        return (f"a line every {self.every} steps and at each event; loss_ema: EMA (beta {EMA_BETA}, bias-corrected) "
+                f"of the accepted steps' train loss;\neval_loss: held-out, when measured; tok/s: since the previous "
+                f"line; eta: at this launch's mean step time\n"
+                f"{'step':>7} {'loss_ema':>9} {'eval_loss':>9} {'tok/s':>10} {'elapsed':>8} {'eta':>8}  event")
+
+    def line(self, m: dict) -> str | None:
+        """The console line of metrics row `m`, or None when this step is not printed."""
+        loss = number(m["loss"])
+        if m["accepted"] and loss is not None:
+            self.ema, self.n_ema = EMA_BETA * self.ema + (1 - EMA_BETA) * loss, self.n_ema + 1
+        self.tokens += m["tokens"]
+        if self.every == 1:
+            return step_row(m)
+        step = m["step"]
+        if not (step % self.every == 0 or m["events"] or step == self.steps or step == self.start_step + 1):
+            return None
+        now = time.perf_counter()
+        rate, self.tokens, self.last_t = self.tokens / max(now - self.last_t, 1e-9), 0, now
+        elapsed = now - self.t0
+        eta = (self.steps - step) * elapsed / max(step - self.start_step, 1)
+        ema = f"{self.ema / (1 - EMA_BETA ** self.n_ema):.5f}" if self.n_ema else "-"
+        held = "-" if m["eval_loss"] is None else f"{m['eval_loss']:.5f}"
+        return (f"{step:>7} {ema:>9} {held:>9} {rate:>10.0f} {duration(elapsed):>8} {duration(eta):>8}  "
+                f"{' '.join(e['event'] for e in m['events'])}")
 
 
 def rolled_back(r, guard_state, adam_t: int, rank: int) -> None:
@@ -103,6 +167,7 @@ class MetricsLog:
     """Append-only metrics.jsonl (rank 0 writes; one JSON object per line, flushed per step)."""
 
     def __init__(self, path: str | None):
+        self.last_step = last_logged_step(path) if path else 0  # a resumed launch repeats steps up to this
         self.f = open(path, "a") if path else None
 
     def write(self, record: dict) -> None:
@@ -113,6 +178,16 @@ class MetricsLog:
     def close(self) -> None:
         if self.f:
             self.f.close()
+
+
+def last_logged_step(path: str) -> int:
+    """The highest step with a row in metrics.jsonl `path` (0: none, or no file)."""
+    try:
+        with open(path) as f:
+            records, _ = parse_lines(f.read())
+    except FileNotFoundError:
+        return 0
+    return max((r["step"] for r in step_rows(records)), default=0)
 
 
 @dataclasses.dataclass
@@ -138,7 +213,16 @@ class Summary:
                 "invariants": self.invariants,
                 "memory": {"per_rank": self.memory, **aggregate(self.memory)}, "checkpoints": run.ckpt.manifests,
                 "rollbacks": run.state.rollbacks, "wall_seconds": self.wall,
-                "final_param_fingerprint": self.final_fingerprint}
+                "final_param_fingerprint": self.final_fingerprint, "comm": self.comm(),
+                "zero_what_if": self.what_if(), "provenance": getattr(run.ckpt, "provenance", None)}
+
+    def comm(self) -> dict:
+        """Median time and bandwidths of each collective of this launch's steps (accounting.comm_summary)."""
+        return accounting.comm_summary(self.rows, self.run.model.layout.padded, self.run.dist.world)
+
+    def what_if(self) -> dict:
+        layout = self.run.model.layout
+        return accounting.what_if(layout.n_params, layout.padded, self.run.dist.world, self.memory)
 
 
 def final(summary: Summary, verified: dict | None, failed: list[str], rank: int) -> None:
@@ -146,6 +230,11 @@ def final(summary: Summary, verified: dict | None, failed: list[str], rank: int)
     from .invariants import describe
     run = summary.run
     say("\nmemory per rank (bytes):\n" + memory_table(summary.memory), rank)
+    say("\n" + accounting.format_what_if(summary.what_if()), rank)
+    comm = summary.comm()
+    if comm:
+        say(f"\ncollectives per step, rank 0's clock, median over {'steps after the first' if len(summary.rows) > 1 else 'the step'} "
+            f"of this launch (bytes: nccl-tests S; GB/s = 1e9 B/s):\n" + accounting.format_comm_summary(comm), rank)
     kept = [m for m in run.ckpt.manifests if os.path.exists(m["path"])]
     for man in kept[:1] + kept[-1:] if len(kept) > 1 else kept:  # the verified one and the newest
         say(manifest_text(man), rank)

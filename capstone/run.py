@@ -13,7 +13,7 @@ import resource
 import time
 from dataclasses import dataclass
 
-from . import checkpoint, faults, preflight, report, resume
+from . import checkpoint, faults, preflight, provenance, report, resume
 from .checkpoint import files
 from .checkpointer import Checkpointer
 from .cli import RunOptions, Settings
@@ -107,9 +107,10 @@ def start(run: Run, path: str | None = None, saved_train: dict | None = None) ->
         run.guard.state.last_eval = run.state.eval_start
     if run.dist.rank == 0:
         os.makedirs(run.out, exist_ok=True)
+    run.ckpt.provenance = provenance.collect(run.dist)   # into summary.json and every checkpoint's metadata
     run.metrics = report.MetricsLog(os.path.join(run.out, "metrics.jsonl") if run.dist.rank == 0 else None)
     run.metrics.write({"event": "start", "world": run.dist.world, "start_step": run.state.step,
-                       "resumed_from": run.resumed_from, "time": time.time(),
+                       "resumed_from": run.resumed_from, "time": time.time(), "provenance": run.ckpt.provenance,
                        "train_config": dataclasses.asdict(run.tcfg), "model_config": dataclasses.asdict(run.mcfg)})
 
 

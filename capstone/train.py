@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import checkpoint, cli, faults, invariants, report, stop
+from . import accounting, checkpoint, cli, faults, invariants, report, stop, tensorboard
 from .config import ConfigError
 from .dist import Dist, fail_fast
 from .guard import DivergenceError
@@ -57,6 +57,7 @@ def train_step(run: Run, s: int) -> StepResult:
     run.faults.poison(s, dist.rank, model.grads)
     t1 = time.perf_counter()
     stats = opt.reduce_gradients(extras=[local, stop.requested(), dist.rank == 0 and run.ckpt.clock_due()])
+    t_reduce, t_eval, t_allreduce = time.perf_counter() - t1, 0.0, 0.0                # observability timings
     lr = run.faults.lr_mult(s) * learning_rate(s, run.tcfg.lr, run.tcfg.steps, run.tcfg.lr_schedule,
                                                run.tcfg.warmup_steps, run.tcfg.min_lr)
     r = StepResult(s, float(stats.extras[0]), stats.norm, lr, (state.cursor, state.cursor + run.global_batch),
@@ -71,8 +72,12 @@ def train_step(run: Run, s: int) -> StepResult:
         r.grad_norm_clipped = clip or r.grad_norm
         with np.errstate(over="ignore", invalid="ignore"):                            # judged just below
             opt.apply(lr, clip / r.grad_norm if clip else 1.0)                         # ZeRO-1 update
+            t_eval = time.perf_counter()
             eval_local = run.heldout.loss_share(model) if evaluate else 0.0
+            t_eval = time.perf_counter() - t_eval
+        t_allreduce = time.perf_counter()
         eval_loss, nonfinite = dist.allreduce_sum([eval_local, float(not opt.state.finite())])
+        t_allreduce = time.perf_counter() - t_allreduce
         r.eval_loss, r.updated = eval_loss if evaluate else None, True
         r.rollback = guard.update_verdict(r.eval_loss, nonfinite == 0)                 # guard: the update
     if r.rollback is None:
@@ -90,7 +95,8 @@ def train_step(run: Run, s: int) -> StepResult:
     r.ms = {"step_ms": 1e3 * (t2 - t0), "fwd_bwd_ms": 1e3 * (t1 - t0),
             "comm_ms": 1e3 * (tm["reduce_scatter"] + applied * tm["allgather"]),
             "reduce_scatter_ms": 1e3 * tm["reduce_scatter"], "allgather_ms": 1e3 * applied * tm["allgather"],
-            "optimizer_ms": 1e3 * applied * tm["adam"]}
+            "optimizer_ms": 1e3 * applied * tm["adam"], "eval_ms": 1e3 * t_eval * evaluate,
+            "allreduce_stats_ms": 1e3 * (t_reduce - tm["reduce_scatter"]), "allreduce_eval_ms": 1e3 * t_allreduce}
     return r
 
 
@@ -112,7 +118,9 @@ def train(run: Run) -> int:
     """Collective: call on all ranks. Train to the last step or a stop request; returns the exit code."""
     t_start, status, rows = time.perf_counter(), "completed", []
     start_step = run.state.step
-    report.banner(run)
+    console = report.Console(report.log_every(run.opts.log_every, run.tcfg.steps), run.tcfg.steps, start_step)
+    board = tensorboard.open_board(run.dist, run.opts.tensorboard) if run.opts.tensorboard else None
+    report.banner(run, console.header())
     while run.state.step < run.tcfg.steps:
         run.state.step += 1
         r = train_step(run, run.state.step)
@@ -120,17 +128,24 @@ def train(run: Run) -> int:
         if run.ckpt.due(r.step, r.clock_due, stopping, r.step == run.tcfg.steps):
             man = run.ckpt.save(run.state, run.opt.state)
             r.events.append({"event": "checkpoint", "path": man["path"]})
-        row = report.metrics_row(r, run.global_batch * run.mcfg.seq_len)
+        row = report.metrics_row(r, run.global_batch * run.mcfg.seq_len, run.state.cursor * run.mcfg.seq_len,
+                                 accounting.step_comm(r.ms, run.model.layout.padded, run.dist.world),
+                                 repeat=r.step <= run.metrics.last_step)
         run.metrics.write(row)
         rows.append(row)
-        if not run.opts.quiet:
-            report.say(report.step_row(row), run.dist.rank)
+        if board is not None:
+            board.write(row)
+        line = console.line(row)
+        if line is not None and not run.opts.quiet:
+            report.say(line, run.dist.rank)
         if run.opts.sleep_per_step:
             time.sleep(run.opts.sleep_per_step)
         if stopping and r.step < run.tcfg.steps:
             status = "preempted"
             report.stopped(run, r.step, stop.reason())
             break
+    if board is not None:
+        board.close()
     return finish(run, status, rows, start_step, time.perf_counter() - t_start)
 
 

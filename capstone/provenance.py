@@ -1,0 +1,79 @@
+"""Where a run came from: command line, code version, library versions, hosts.
+
+`collect(dist)` is collective: rank 0 asks git (once, with a timeout) and reads the versions, every
+rank contributes its host name, and every rank gets rank 0's record (so a checkpoint's metadata,
+which all ranks hash, is the same everywhere). It goes into the start row of metrics.jsonl,
+summary.json and every checkpoint's metadata. Anything that cannot be found is null.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+import sys
+
+GIT_TIMEOUT = 5.0  # seconds per git call
+CODE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout holding capstone/
+
+
+def _git(*args: str, cwd: str = CODE_DIR) -> str | None:
+    """stdout of `git ARGS` in the code's directory, or None (no git, not a repository, timeout)."""
+    try:
+        res = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=GIT_TIMEOUT)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return res.stdout if res.returncode == 0 else None
+
+
+def git_info(cwd: str = CODE_DIR) -> dict:
+    """{"commit": sha or None, "dirty": bool or None}: dirty means tracked files differ from the
+    commit (staged or not); untracked files do not count (like `git describe --dirty`)."""
+    commit = _git("rev-parse", "HEAD", cwd=cwd)
+    status = _git("status", "--porcelain", "--untracked-files=no", cwd=cwd) if commit else None
+    return {"commit": commit.strip() if commit else None, "dirty": None if status is None else bool(status.strip())}
+
+
+def _version(module: str) -> str | None:
+    """The installed distribution's version (autograd has no __version__), else the module's."""
+    from importlib import metadata
+    try:
+        return metadata.version(module)
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        mod = __import__(module)
+    except Exception:  # noqa: BLE001 - an absent or broken package is recorded as null
+        return None
+    return getattr(mod, "__version__", None)
+
+
+def local() -> dict:
+    """This process's record (without the other ranks' hosts)."""
+    versions = {name: _version(name) for name in ("numpy", "mpi4py", "h5py", "autograd")}
+    versions["python"] = platform.python_version()
+    try:
+        from mpi4py import MPI
+        versions["mpi_library"] = MPI.Get_library_version().replace("\0", "").strip().splitlines()[0]
+        versions["mpi_standard"] = "%d.%d" % MPI.Get_version()
+    except Exception:  # noqa: BLE001
+        versions["mpi_library"] = versions["mpi_standard"] = None
+    try:
+        import h5py
+        versions["hdf5"] = h5py.version.hdf5_version
+        versions["h5py_mpi"] = bool(h5py.get_config().mpi)
+    except Exception:  # noqa: BLE001
+        versions["hdf5"] = versions["h5py_mpi"] = None
+    return {"argv": list(sys.argv), "orig_argv": list(getattr(sys, "orig_argv", sys.argv)),
+            "executable": sys.executable, "cwd": os.getcwd(), "git": git_info(), "versions": versions,
+            "platform": platform.platform()}
+
+
+def collect(dist) -> dict:
+    """Collective: call on all ranks. Rank 0's record plus every rank's host name, on every rank."""
+    hosts = dist.allgather_json(socket.gethostname())
+    record = local() if dist.rank == 0 else None
+    record = dist.bcast_json(record)
+    record["hosts"] = hosts
+    return record

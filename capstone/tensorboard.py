@@ -1,0 +1,63 @@
+"""`--tensorboard DIR`: the step rows as TensorBoard scalars, written by rank 0.
+
+Optional: training needs no TensorBoard. The writer comes from tensorboardX, else from
+torch.utils.tensorboard; with neither, the run stops before its first step with exit status 2 and
+the install command. metrics.jsonl stays the record; this is a view of the same numbers.
+"""
+
+from __future__ import annotations
+
+from .config import ConfigError
+from .runlog import number, timing_parts
+
+INSTALL = ("pip install tensorboardX   (the writer; or torch, for torch.utils.tensorboard); "
+           "to look: pip install tensorboard && tensorboard --logdir DIR")
+SCALARS = {"loss": "train/loss", "eval_loss": "eval/loss", "grad_norm": "train/grad_norm", "lr": "train/lr",
+           "param_norm": "train/param_norm", "tokens_per_s": "perf/tokens_per_s", "step_ms": "perf/step_ms",
+           "tokens_total": "perf/tokens_total"}
+
+
+def writer_class():
+    """SummaryWriter of tensorboardX or torch.utils.tensorboard, or None."""
+    try:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    except ImportError:
+        pass
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+        return SummaryWriter
+    except ImportError:
+        return None
+
+
+class Board:
+    """Scalars of each step row: SCALARS, each phase's ms (time/<phase>_ms) and each collective's
+    bandwidth (comm/<name>_busbw_GBps, comm/<name>_algbw_GBps), at the row's wall-clock time."""
+
+    def __init__(self, logdir: str):
+        self.writer = writer_class()(logdir)
+
+    def write(self, row: dict) -> None:
+        step, walltime = row["step"], row.get("time")
+        scalars = {tag: number(row.get(key)) for key, tag in SCALARS.items()}
+        scalars.update({f"time/{phase}_ms": ms for phase, ms in timing_parts(row).items()})
+        for name, e in (row.get("comm") or {}).items():
+            for key in ("algbw_GBps", "busbw_GBps"):
+                scalars[f"comm/{name}_{key}"] = number(e.get(key))
+        for tag, value in scalars.items():
+            if value is not None:
+                self.writer.add_scalar(tag, value, step, walltime=walltime)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def open_board(dist, logdir: str) -> Board | None:
+    """Collective: call on all ranks. Rank 0's Board (None on the others); ConfigError on every rank
+    when rank 0 has no writer."""
+    ok = dist.bcast_json(writer_class() is not None if dist.rank == 0 else None)
+    if not ok:
+        raise ConfigError(f"--tensorboard needs tensorboardX (or torch) installed: {INSTALL}. "
+                          "Or leave out --tensorboard: metrics.jsonl has the same numbers (python -m capstone.plot).")
+    return Board(logdir) if dist.rank == 0 else None
