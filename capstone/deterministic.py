@@ -10,7 +10,8 @@ and across a resume on another world size. docs/deterministic.md has the scheme 
   computed alone into a zeroed flat buffer: the same inputs, shapes and code on one thread give
   the same bits whichever rank computes it.
 - `Reducer.step`: every rank sends each of its blocks' shard slices to the shard owners (one
-  Alltoall per local block; the receive rows come out in block order k = j*world + q), and each
+  Alltoall per block, right after its backward, so one gradient buffer serves every block; the
+  received rows come out in block order k = j*world + q), and each
   owner sums the K = G/B rows of its shard in `tree_rows`' fixed tree over block indices. The sum
   is elementwise, so each element's result depends only on the K block values of that element:
   not on where the shard boundaries fall (which moves with the world size).
@@ -139,39 +140,37 @@ class Reducer:
     def __init__(self, comm, model, opt, grad_accum: int):
         layout = model.layout
         self.comm, self.model, self.opt = comm, model, opt
-        self.world, self.accum, self.shard = comm.Get_size(), grad_accum, layout.shard
-        # block buffers: the model's own gradient buffer for the first, fresh ones for the others
-        self.blocks = [model.grads] + [layout.zeros() for _ in range(grad_accum - 1)]
-        self.views = [model.g] + [layout.views(b) for b in self.blocks[1:]]
-        self.rows = np.empty((grad_accum * self.world, layout.shard), dtype=np.float32)  # row k: block k
+        self.world, self.accum = comm.Get_size(), grad_accum
+        # row k = j*world + q: rank q's block j, this rank's shard of it (block k of the step)
+        self.rows = np.empty((grad_accum * self.world, layout.shard), dtype=np.float32)
         self.norm = ShardNorm(comm, layout.n_params, layout.shard)
 
     def nbytes(self) -> int:
-        """Bytes this mode adds to a rank: the extra block buffers and the received rows."""
-        return sum(b.nbytes for b in self.blocks[1:]) + self.rows.nbytes
+        """Bytes this mode adds to a rank: the received rows (grad_accum x the flat buffer)."""
+        return self.rows.nbytes
 
     def step(self, batches, scale: float, extras=(), poison=None) -> GradStats:
         """Collective: call on all ranks with this rank's micro-batches (j = 0..grad_accum-1, block
         j*world + rank). Leaves the tree-summed gradient shard in `opt.g_shard`; returns its norm and
         extras = [tree-summed loss, *caller's extras summed over ranks] like `reduce_gradients`."""
-        m = self.model
-        losses = []
-        for (x, y), buf, views in zip(batches, self.blocks, self.views):
-            buf.fill(0.0)
-            losses.append(value_and_grad_into(loss_sum, m.p, views, x, y, m.cfg, scale))
-        if poison is not None:
-            poison(self.blocks[0])
+        m, w = self.model, self.world
+        losses, comm_s = [], 0.0
+        for j, (x, y) in enumerate(batches):   # each block alone into the (zeroed) gradient buffer
+            m.grads.fill(0.0)
+            losses.append(value_and_grad_into(loss_sum, m.p, m.g, x, y, m.cfg, scale))
+            if poison is not None and j == 0:
+                poison(m.grads)
+            t0 = time.perf_counter()
+            self.comm.Alltoall(m.grads, self.rows[j * w:(j + 1) * w])   # slice q of the buffer to rank q
+            comm_s += time.perf_counter() - t0
         t0 = time.perf_counter()
-        w = self.world
-        for j, buf in enumerate(self.blocks):   # rows[j*w + q] <- rank q's block j, my shard's slice
-            self.comm.Alltoall(buf, self.rows[j * w:(j + 1) * w])
         tree_rows(self.rows, self.opt.g_shard)
         small = np.array([*losses, *extras], dtype=np.float64)
         every = np.empty((w, len(small)), dtype=np.float64)
         self.comm.Allgather(small, every)
         loss = tree_sum(every[:, :self.accum].T.reshape(-1))   # index j*w + q = block k
         norm = self.norm(self.opt.g_shard)
-        self.opt.timings["reduce_scatter"] = time.perf_counter() - t0
+        self.opt.timings["reduce_scatter"] = comm_s + time.perf_counter() - t0
         return GradStats(norm, np.array([loss, *every[:, self.accum:].sum(axis=0)]))
 
 
@@ -206,6 +205,8 @@ class HeldOutBlocks:
 
 def bench(args) -> int:
     """Collective: run under mpirun. Step time of default vs --deterministic runs, reference and medium."""
+    import contextlib
+    import io
     import json
     import os
     import shutil
@@ -217,34 +218,35 @@ def bench(args) -> int:
     from . import cli, train
 
     dist = Dist()
+    train._tune_malloc()
     tmp = dist.bcast_json(tempfile.mkdtemp(prefix="capstone-det-bench-") if dist.rank == 0 else None)
     sizes = [("reference", ["--steps", str(args.reference_steps)]),
              ("medium", ["--preset", "medium", "--steps", str(args.medium_steps), "--eval-every", "1000"])]
     common = ["--quiet", "--ckpt-every", "0", "--ckpt-every-minutes", "0"]
-    results = {}
+    modes = ("default", "deterministic")
+    rows = {(name, mode): [] for name, _ in sizes for mode in modes}
     for name, flags in sizes:
-        for mode in ("default", "deterministic"):
-            times = []
-            for rep in range(args.repeats):
+        for rep in range(args.repeats):      # the modes interleaved, so drift in the machine's load hits both
+            for mode in modes if rep % 2 == 0 else modes[::-1]:
                 out = os.path.join(tmp, f"{name}-{mode}-{rep}")
                 argv = flags + common + ["--out", out] + (["--deterministic"] if mode == "deterministic" else [])
                 run = open_run(dist, cli.parse(argv))
-                import contextlib
-                import io
                 with contextlib.redirect_stdout(io.StringIO()):
                     train.train(run)
                 if dist.rank == 0:
                     with open(os.path.join(out, "metrics.jsonl")) as f:
-                        rows = [r for r in map(json.loads, f) if "step" in r]
-                    times += [r["step_ms"] for r in rows if r["step"] >= 2]
-            results[(name, mode)] = statistics.median(times) if dist.rank == 0 else None
+                        rows[(name, mode)] += [r for r in map(json.loads, f) if r.get("step", 0) >= 2]
     if dist.rank == 0:
-        print(f"step time on {dist.world} ranks (median ms over steps 2.. of {args.repeats} runs; "
-              f"reference {args.reference_steps} steps, medium {args.medium_steps} steps):")
-        print(f"  {'size':<10} {'default':>9} {'deterministic':>14} {'ratio':>6}")
+        print(f"step time on {dist.world} ranks, default vs --deterministic (rank 0, median ms over steps 2.. of "
+              f"{args.repeats} runs each; reference {args.reference_steps} steps, medium {args.medium_steps} steps):")
+        print(f"  {'size':<10} {'mode':<14} {'step':>9} {'fwd_bwd':>9} {'reduce':>9} {'ratio':>6}")
         for name, _ in sizes:
-            d, x = results[(name, "default")], results[(name, "deterministic")]
-            print(f"  {name:<10} {d:>9.2f} {x:>14.2f} {x / d:>6.2f}")
+            base = statistics.median(r["step_ms"] for r in rows[(name, "default")])
+            for mode in modes:
+                med = {k: statistics.median(r[k] for r in rows[(name, mode)])
+                       for k in ("step_ms", "fwd_bwd_ms", "reduce_scatter_ms")}
+                print(f"  {name:<10} {mode:<14} {med['step_ms']:>9.2f} {med['fwd_bwd_ms']:>9.2f} "
+                      f"{med['reduce_scatter_ms']:>9.2f} {med['step_ms'] / base:>6.2f}")
         shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
@@ -255,7 +257,7 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="step time, default vs --deterministic (run under mpirun)")
     b.add_argument("--reference-steps", type=int, default=10)
     b.add_argument("--medium-steps", type=int, default=4)
-    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--repeats", type=int, default=2)
     args = p.parse_args(argv)
     return bench(args)
 
