@@ -116,7 +116,7 @@ class ShardNorm:
         lo, chunk, n = self.lo, self.chunk, self.n
         send = [np.array([sumsq(shard[c * chunk - lo:min((c + 1) * chunk, n) - lo]) for c in complete])]
         send += [shard[a - lo:b - lo].astype(np.float64) for a, b in fragments]
-        send = np.concatenate(send) if send else np.empty(0)
+        send = np.concatenate(send)
         self.comm.Allgatherv(send, [self.recv, self.counts, self.displs, MPI.DOUBLE])
         sums, pieces = {}, {}
         for (complete, fragments), at in zip(self.plans, self.displs):
