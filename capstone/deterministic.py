@@ -24,7 +24,8 @@ and across a resume on another world size. docs/deterministic.md has the scheme 
 - Adam, clipping and the allgather of the parameters are elementwise or a copy: exact once their
   inputs are.
 
-  mpirun -n 4 python -m capstone.deterministic bench [--medium-steps 4]   step time: default vs deterministic
+  mpirun -n 4 python -m capstone.deterministic bench [--repeats 3] [--reduction-only]
+      the gradient reduction alone, then the step time of training runs, default vs deterministic
 """
 
 from __future__ import annotations
@@ -164,13 +165,19 @@ class Reducer:
             self.comm.Alltoall(m.grads, self.rows[j * w:(j + 1) * w])   # slice q of the buffer to rank q
             comm_s += time.perf_counter() - t0
         t0 = time.perf_counter()
+        stats = self.reduce(losses, extras)
+        self.opt.timings["reduce_scatter"] = comm_s + time.perf_counter() - t0
+        return stats
+
+    def reduce(self, losses, extras=()) -> GradStats:
+        """Collective: the owner's tree over the received rows, the loss tree and the norm."""
+        w = self.world
         tree_rows(self.rows, self.opt.g_shard)
         small = np.array([*losses, *extras], dtype=np.float64)
         every = np.empty((w, len(small)), dtype=np.float64)
         self.comm.Allgather(small, every)
         loss = tree_sum(every[:, :self.accum].T.reshape(-1))   # index j*w + q = block k
         norm = self.norm(self.opt.g_shard)
-        self.opt.timings["reduce_scatter"] = comm_s + time.perf_counter() - t0
         return GradStats(norm, np.array([loss, *every[:, self.accum:].sum(axis=0)]))
 
 
@@ -219,6 +226,9 @@ def bench(args) -> int:
 
     dist = Dist()
     train._tune_malloc()
+    reduction(dist, 20)
+    if args.reduction_only:
+        return 0
     tmp = dist.bcast_json(tempfile.mkdtemp(prefix="capstone-det-bench-") if dist.rank == 0 else None)
     sizes = [("reference", ["--steps", str(args.reference_steps)]),
              ("medium", ["--preset", "medium", "--steps", str(args.medium_steps), "--eval-every", "1000"])]
@@ -251,6 +261,42 @@ def bench(args) -> int:
     return 0
 
 
+def reduction(dist, repeats: int) -> None:
+    """Collective. The phase the mode replaces, alone (no forward/backward, so less noise): the
+    gradient reduction and norm, default vs deterministic, at the reference and medium sizes."""
+    from .config import ModelConfig
+    from .model import Model
+    from .params import Layout, init_params
+    from .presets import PRESETS
+    from .zero import ZeroAdam
+    medium = {k: v for k, v in PRESETS["medium"].items() if k in ModelConfig.__dataclass_fields__}
+    if dist.rank == 0:
+        print(f"gradient reduction + norm alone on {dist.world} ranks, grad_accum 1 (best of {repeats}, ms):")
+    for name, cfg in (("reference", ModelConfig()), ("medium", ModelConfig(**medium))):
+        layout = Layout.for_model(cfg, dist.world)
+        model = Model(cfg, layout, init_params(layout, cfg, 0))
+        opt = ZeroAdam(dist.comm, layout, model.params, model.grads)
+        det = Reducer(dist.comm, model, opt, 1)
+        model.grads[:layout.n_params] = np.random.default_rng(dist.rank).standard_normal(layout.n_params) * 1e-3
+
+        def deterministic():
+            dist.comm.Alltoall(model.grads, det.rows)
+            det.reduce([0.5], [0.0, 0.0])
+
+        best = {}
+        for label, fn in (("default", lambda: opt.reduce_gradients([0.5, 0.0, 0.0])), ("deterministic", deterministic)):
+            times = []
+            for _ in range(repeats):
+                dist.barrier()
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            best[label] = 1e3 * min(times)
+        if dist.rank == 0:
+            print(f"  {name:<10} {layout.n_params:>9} params: default {best['default']:8.2f}, "
+                  f"deterministic {best['deterministic']:8.2f}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m capstone.deterministic", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -258,6 +304,7 @@ def main(argv=None) -> int:
     b.add_argument("--reference-steps", type=int, default=10)
     b.add_argument("--medium-steps", type=int, default=4)
     b.add_argument("--repeats", type=int, default=2)
+    b.add_argument("--reduction-only", action="store_true", help="only the reduction phase, without training runs")
     args = p.parse_args(argv)
     return bench(args)
 
