@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
             ("loss_tol_rel", "... plus this fraction of the decrease achieved so far")):
         _flag(g, name, text)
     _flag(g, "lr_schedule", "decay after warmup", choices=("constant", "cosine"))
+    g.add_argument("--deterministic", action="store_true", default=argparse.SUPPRESS,
+                   help="sum gradients, losses and norms in a fixed order by sample index, so that every layout of ranks "
+                        "x grad-accum with the same global batch and batch size gives bit-identical results "
+                        "(docs/deterministic.md; default: off)")
     g = p.add_argument_group("checkpoints and guard")
     for name, text in (("ckpt_every", "checkpoint every K steps (0: off)"),
                        ("ckpt_every_minutes", "also checkpoint after this many minutes of wall clock (0: off)"),

@@ -73,6 +73,7 @@ class TrainConfig:
     max_rollbacks: int = 3
     loss_tol: float = 1e-4
     loss_tol_rel: float = 0.05
+    deterministic: bool = False    # fixed-order reductions: bit-identical for any ranks x grad_accum (capstone/deterministic.py)
 
     def batch_for(self, world: int) -> int:
         """Sequences per rank per micro-batch on `world` ranks (from global_batch when it is set)."""

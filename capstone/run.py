@@ -13,7 +13,7 @@ import resource
 import time
 from dataclasses import dataclass
 
-from . import checkpoint, faults, preflight, provenance, report, resume
+from . import checkpoint, deterministic, faults, preflight, provenance, report, resume
 from .checkpoint import files
 from .checkpointer import Checkpointer
 from .cli import RunOptions, Settings
@@ -52,6 +52,7 @@ class Run:
     metrics: report.MetricsLog | None = None
     segment_start: tuple = (None, None)    # (held-out loss, best held-out loss) where this segment began
     resumed_from: str | None = None
+    det: deterministic.Reducer | None = None   # --deterministic: replaces forward_backward + reduce_gradients
 
     @property
     def global_batch(self) -> int:
@@ -137,12 +138,15 @@ def build(dist: Dist, settings: Settings, out: str) -> Run:
     opt = ZeroAdam(dist.comm, layout, model.params, model.grads, (tcfg.beta1, tcfg.beta2), tcfg.eps, tcfg.weight_decay)
     data, data_identity = open_data(mcfg, tcfg, batch)
     heldout = HeldOut(data, tcfg.eval_batches, tcfg.eval_batch_size, mcfg.seq_len, dist.rank, dist.world)
+    if tcfg.deterministic:  # --deterministic: fixed eval blocks and the fixed-order gradient reduction
+        heldout = deterministic.HeldOutBlocks(data, tcfg.eval_batches, tcfg.eval_batch_size, mcfg.seq_len, dist.comm)
     identity = RunIdentity(mcfg, tcfg, data_identity, batch * tcfg.grad_accum * dist.world)
     ckpt = Checkpointer(dist, os.path.join(out, "checkpoints"), layout, identity)
     state = RunState()
     guard = Guard(tcfg.spike_factor, tcfg.max_rollbacks, state.guard)
     return Run(dist, mcfg, tcfg, opts, out, model, opt, data, heldout, guard, ckpt, state, ReplicaCheck(),
-               faults.Injections(opts.inject_lr_spike, opts.inject_nan), batch)
+               faults.Injections(opts.inject_lr_spike, opts.inject_nan), batch,
+               det=deterministic.Reducer(dist.comm, model, opt, tcfg.grad_accum) if tcfg.deterministic else None)
 
 
 def check_parallel_io(dist: Dist) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import accounting, checkpoint, cli, faults, invariants, report, stop, tensorboard
+from . import accounting, checkpoint, cli, deterministic, faults, invariants, report, stop, tensorboard
 from .config import ConfigError
 from .dist import Dist, fail_fast
 from .guard import DivergenceError
@@ -52,12 +52,21 @@ def train_step(run: Run, s: int) -> StepResult:
     faults.point("raise_in_step", dist.rank, s)
     batches = [run.data.micro_batch(state.cursor, j, dist.rank, dist.world)          # data
                for j in range(run.tcfg.grad_accum)]
-    with np.errstate(over="ignore", invalid="ignore"):                                # a diverging step is the guard's
-        local = model.forward_backward(batches, 1.0 / (run.global_batch * run.mcfg.seq_len))
-    run.faults.poison(s, dist.rank, model.grads)
-    t1 = time.perf_counter()
-    stats = opt.reduce_gradients(extras=[local, stop.requested(), dist.rank == 0 and run.ckpt.clock_due()])
-    t_reduce, t_eval, t_allreduce = time.perf_counter() - t1, 0.0, 0.0                # observability timings
+    if run.det is not None:  # --deterministic: per-block gradients, fixed-order reductions (deterministic.py)
+        with np.errstate(over="ignore", invalid="ignore"):
+            stats = run.det.step(batches, 1.0 / (run.global_batch * run.mcfg.seq_len),
+                                 [stop.requested(), dist.rank == 0 and run.ckpt.clock_due()],
+                                 lambda g: run.faults.poison(s, dist.rank, g))
+        t1 = time.perf_counter() - opt.timings["reduce_scatter"]                      # fwd_bwd_ms: the compute
+        t_reduce = opt.timings["reduce_scatter"]
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):                            # a diverging step is the guard's
+            local = model.forward_backward(batches, 1.0 / (run.global_batch * run.mcfg.seq_len))
+        run.faults.poison(s, dist.rank, model.grads)
+        t1 = time.perf_counter()
+        stats = opt.reduce_gradients(extras=[local, stop.requested(), dist.rank == 0 and run.ckpt.clock_due()])
+        t_reduce = time.perf_counter() - t1
+    t_eval, t_allreduce = 0.0, 0.0                                                    # observability timings
     lr = run.faults.lr_mult(s) * learning_rate(s, run.tcfg.lr, run.tcfg.steps, run.tcfg.lr_schedule,
                                                run.tcfg.warmup_steps, run.tcfg.min_lr)
     r = StepResult(s, float(stats.extras[0]), stats.norm, lr, (state.cursor, state.cursor + run.global_batch),
@@ -88,7 +97,8 @@ def train_step(run: Run, s: int) -> StepResult:
     state.cursor += run.global_batch
     faults.flip_param_bit(dist.rank, s, model.params)                                 # test fault: (b)
     t2 = time.perf_counter()
-    r.param_norm, r.fingerprint = fingerprint(model.params)                           # invariant (b)
+    r.param_norm, r.fingerprint = (fingerprint(model.params) if run.det is None       # invariant (b)
+                                   else deterministic.fingerprint(model.params, model.layout.n_params))
     run.replicas.record(s, dist.allgather_json([r.param_norm, r.fingerprint]))
     applied = float(r.updated)  # an update ran (kept or undone)
     tm = opt.timings
