@@ -165,12 +165,15 @@ class TPModel(Model):
     def __init__(self, cfg: ModelConfig, layout: Layout, params: np.ndarray, grid):
         super().__init__(cfg, layout, params)
         self.grid = grid
+        self.tp_allreduce_s = 0.0
 
     def forward_backward(self, batches, scale: float) -> float:
         self.grads.fill(0.0)
         TIMINGS["tp_allreduce"] = 0.0
         args = (self.cfg, scale, self.grid.tp_comm, self.grid.tp)
-        return sum(value_and_grad_into(tp_loss_sum, self.p, self.g, x, y, *args) for x, y in batches)
+        loss = sum(value_and_grad_into(tp_loss_sum, self.p, self.g, x, y, *args) for x, y in batches)
+        self.tp_allreduce_s = TIMINGS["tp_allreduce"]   # the f/g allreduces of this forward+backward
+        return loss
 
     def loss(self, x: np.ndarray, y: np.ndarray, scale: float) -> float:
         return float(tp_loss_sum(self.p, x, y, self.cfg, scale, self.grid.tp_comm, self.grid.tp))

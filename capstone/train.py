@@ -109,8 +109,7 @@ def train_step(run: Run, s: int) -> StepResult:
             "optimizer_ms": 1e3 * applied * tm["adam"], "eval_ms": 1e3 * t_eval * evaluate,
             "allreduce_stats_ms": 1e3 * (t_reduce - tm["reduce_scatter"]), "allreduce_eval_ms": 1e3 * t_allreduce}
     if run.grid is not None and run.grid.tp > 1:  # --tp: the f/g allreduces inside fwd_bwd_ms
-        from .tp import TIMINGS
-        r.ms["tp_allreduce_ms"] = 1e3 * TIMINGS["tp_allreduce"]
+        r.ms["tp_allreduce_ms"] = 1e3 * model.tp_allreduce_s
     return r
 
 
