@@ -29,6 +29,7 @@ class RunOptions:
     quiet: bool = False
     log_every: int = 0                   # console row every K steps (0: 1 up to 100 steps, else about steps/50)
     tensorboard: str | None = None       # also write TensorBoard scalars to this directory
+    tp: int = 1                          # tensor-parallel ranks per replica (capstone/grid.py, capstone/tp.py)
 
 
 @dataclass(frozen=True)
@@ -141,6 +142,9 @@ def _run_flags(p) -> None:
                    help="console: 1 prints the full per-step table; K > 1 prints a short line (smoothed loss, "
                         "tokens/s, elapsed, ETA) every K steps and every step with an event (0: 1 when --steps "
                         "<= 100, else about steps/50)")
+    g.add_argument("--tp", type=int, default=1, metavar="K",
+                   help="tensor parallelism: K consecutive ranks split each block (Megatron-style) and the "
+                        "ranks / K replicas run ZeRO-1 data parallelism (docs/tensor-parallel.md; default: 1)")
     g.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also write the step rows as TensorBoard scalars to DIR (needs: pip install tensorboardX)")
     g = p.add_argument_group("test hooks (fault injection, not for training)")

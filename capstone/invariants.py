@@ -60,9 +60,10 @@ def params_identical(mismatches: list[dict], steps_checked: int) -> dict:
             "mismatches": mismatches[:5], "n_mismatches": len(mismatches)}
 
 
-def optimizer_memory(per_rank_bytes: list[int], n_params: int, padded: int) -> dict:
-    """(c) measured optimizer bytes of every rank against 12 * padded / N (12 * P / N unpadded)."""
-    world = len(per_rank_bytes)
+def optimizer_memory(per_rank_bytes: list[int], n_params: int, padded: int, world: int | None = None) -> dict:
+    """(c) measured optimizer bytes of every rank against 12 * padded / N (12 * P / N unpadded).
+    With --tp, P and padded are a TP slice's and N is the DP group's size (`world`)."""
+    world = len(per_rank_bytes) if world is None else world
     expected = 12 * padded // world
     formula = 12 * n_params / world
     worst = max(abs(b - expected) for b in per_rank_bytes)

@@ -218,11 +218,11 @@ class Summary:
 
     def comm(self) -> dict:
         """Median time and bandwidths of each collective of this launch's steps (accounting.comm_summary)."""
-        return accounting.comm_summary(self.rows, self.run.model.layout.padded, self.run.dist.world)
+        return accounting.comm_summary(self.rows, self.run.model.layout.padded, self.run.dp_world)
 
     def what_if(self) -> dict:
         layout = self.run.model.layout
-        return accounting.what_if(layout.n_params, layout.padded, self.run.dist.world, self.memory)
+        return accounting.what_if(layout.n_params, layout.padded, self.run.dp_world, self.memory)
 
 
 def final(summary: Summary, verified: dict | None, failed: list[str], rank: int) -> None:

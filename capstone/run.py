@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from . import checkpoint, deterministic, faults, preflight, provenance, report, resume
+from . import tp as tensor_parallel
 from .checkpoint import files
 from .checkpointer import Checkpointer
 from .cli import RunOptions, Settings
@@ -21,6 +22,7 @@ from .config import ConfigError, ModelConfig, TrainConfig
 from .data import DataStream, open_data
 from .dist import Dist
 from .evaluate import HeldOut
+from .grid import Grid
 from .guard import Guard
 from .invariants import ReplicaCheck
 from .model import Model
@@ -53,11 +55,22 @@ class Run:
     segment_start: tuple = (None, None)    # (held-out loss, best held-out loss) where this segment began
     resumed_from: str | None = None
     det: deterministic.Reducer | None = None   # --deterministic: replaces forward_backward + reduce_gradients
+    grid: Grid | None = None                   # the (dp x tp) process grid; None: plain data parallelism
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's replica index: the data stream is indexed by it (TP ranks of a replica see the same samples)."""
+        return self.dist.rank if self.grid is None else self.grid.dp_rank
+
+    @property
+    def dp_world(self) -> int:
+        """Data-parallel replicas (the world size without tensor parallelism)."""
+        return self.dist.world if self.grid is None else self.grid.dp
 
     @property
     def global_batch(self) -> int:
         """Sequences per optimizer step, over all ranks and micro-batches."""
-        return self.batch_size * self.tcfg.grad_accum * self.dist.world
+        return self.batch_size * self.tcfg.grad_accum * self.dp_world
 
     def eval_due(self, step: int, checkpoint_due: bool) -> bool:
         """Evaluation steps: every eval_every steps, every checkpoint, the last step."""
@@ -77,6 +90,7 @@ def open_run(dist: Dist, settings: Settings) -> Run:
     out = dist.bcast_json(opts.out or time.strftime("runs/run-%Y%m%d-%H%M%S") + f"-{os.getpid()}")
     ckpt_dir = os.path.join(out, "checkpoints")
     check_parallel_io(dist)
+    grid = Grid.build(dist.comm, opts.tp, settings.model, settings.train)   # bad --tp: ConfigError, nothing written
     padded = Layout.for_model(settings.model, dist.world).padded
     claim = preflight.claim(dist, out, ckpt_dir, files.estimated_size(padded * len(ROWS) * 4, dist.world))
     try:  # a failed start leaves nothing behind that it created
@@ -88,8 +102,8 @@ def open_run(dist: Dist, settings: Settings) -> Run:
             vocab = _agreed(dist, lambda: load_meta(settings.train.data).vocab_size)
             settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, vocab_size=vocab))
         tcfg = settings.train
-        preflight.check_memory(dist, settings.model, dataclasses.replace(tcfg, batch_size=tcfg.batch_for(dist.world)))
-        run = build(dist, settings, out)
+        preflight.check_memory(dist, settings.model, dataclasses.replace(tcfg, batch_size=tcfg.batch_for(grid.dp)))
+        run = build(dist, settings, out, grid)
         start(run, path, saved["train_config"] if path is not None else None)
     except (ConfigError, checkpoint.CheckpointError):
         if dist.rank == 0:
@@ -128,9 +142,11 @@ def _agreed(dist: Dist, read):
     return got["value"]
 
 
-def build(dist: Dist, settings: Settings, out: str) -> Run:
+def build(dist: Dist, settings: Settings, out: str, grid: Grid | None = None) -> Run:
     """Collective: call on all ranks. Fresh objects; rank 0's initial parameters are broadcast."""
     mcfg, tcfg, opts = settings.model, settings.train, settings.opts
+    if grid is not None and grid.tp > 1:  # --tp K: the TP-slice pieces (capstone/tp.py)
+        return _build_tp(dist, settings, out, grid)
     batch = tcfg.batch_for(dist.world)
     layout = Layout.for_model(mcfg, dist.world)
     params = init_params(layout, mcfg, tcfg.seed) if dist.rank == 0 else layout.zeros()
@@ -146,7 +162,24 @@ def build(dist: Dist, settings: Settings, out: str) -> Run:
     guard = Guard(tcfg.spike_factor, tcfg.max_rollbacks, state.guard)
     return Run(dist, mcfg, tcfg, opts, out, model, opt, data, heldout, guard, ckpt, state, ReplicaCheck(),
                faults.Injections(opts.inject_lr_spike, opts.inject_nan), batch,
-               det=deterministic.Reducer(dist.comm, model, opt, tcfg.grad_accum) if tcfg.deterministic else None)
+               det=deterministic.Reducer(dist.comm, model, opt, tcfg.grad_accum) if tcfg.deterministic else None,
+               grid=grid)
+
+
+def _build_tp(dist: Dist, settings: Settings, out: str, grid: Grid) -> Run:
+    """build() for --tp K > 1: model, optimizer, held-out set and checkpointer of this rank's TP slice."""
+    mcfg, tcfg, opts = settings.model, settings.train, settings.opts
+    from .grid import check
+    check(grid.tp, dist.world, mcfg, tcfg)   # again: a resume may have brought the checkpoint's model config
+    batch = tcfg.batch_for(grid.dp)
+    data, data_identity = open_data(mcfg, tcfg, batch)
+    identity = RunIdentity(mcfg, tcfg, data_identity, batch * tcfg.grad_accum * grid.dp)
+    _, model, opt, heldout, ckpt = tensor_parallel.build_parts(dist, grid, mcfg, tcfg, data, identity,
+                                                               os.path.join(out, "checkpoints"))
+    state = RunState()
+    guard = Guard(tcfg.spike_factor, tcfg.max_rollbacks, state.guard)
+    return Run(dist, mcfg, tcfg, opts, out, model, opt, data, heldout, guard, ckpt, state, ReplicaCheck(),
+               faults.Injections(opts.inject_lr_spike, opts.inject_nan), batch, grid=grid)
 
 
 def check_parallel_io(dist: Dist) -> None:

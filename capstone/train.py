@@ -50,7 +50,7 @@ def train_step(run: Run, s: int) -> StepResult:
     dist, model, opt, guard, state = run.dist, run.model, run.opt, run.guard, run.state
     t0 = time.perf_counter()
     faults.point("raise_in_step", dist.rank, s)
-    batches = [run.data.micro_batch(state.cursor, j, dist.rank, dist.world)          # data
+    batches = [run.data.micro_batch(state.cursor, j, run.dp_rank, run.dp_world)      # data (by replica)
                for j in range(run.tcfg.grad_accum)]
     if run.det is not None:  # --deterministic: per-block gradients, fixed-order reductions (deterministic.py)
         with np.errstate(over="ignore", invalid="ignore"):
@@ -99,7 +99,8 @@ def train_step(run: Run, s: int) -> StepResult:
     t2 = time.perf_counter()
     r.param_norm, r.fingerprint = (fingerprint(model.params) if run.det is None       # invariant (b)
                                    else deterministic.fingerprint(model.params, model.layout.n_params))
-    run.replicas.record(s, dist.allgather_json([r.param_norm, r.fingerprint]))
+    every = dist.allgather_json([r.param_norm, r.fingerprint])
+    run.replicas.record(s, every if run.grid is None else run.grid.by_slice(every))  # --tp: per TP slice
     applied = float(r.updated)  # an update ran (kept or undone)
     tm = opt.timings
     r.ms = {"step_ms": 1e3 * (t2 - t0), "fwd_bwd_ms": 1e3 * (t1 - t0),
@@ -107,6 +108,8 @@ def train_step(run: Run, s: int) -> StepResult:
             "reduce_scatter_ms": 1e3 * tm["reduce_scatter"], "allgather_ms": 1e3 * applied * tm["allgather"],
             "optimizer_ms": 1e3 * applied * tm["adam"], "eval_ms": 1e3 * t_eval * evaluate,
             "allreduce_stats_ms": 1e3 * (t_reduce - tm["reduce_scatter"]), "allreduce_eval_ms": 1e3 * t_allreduce}
+    if run.grid is not None and run.grid.tp > 1:  # --tp: the f/g allreduces inside fwd_bwd_ms
+        r.ms["tp_allreduce_ms"] = 1e3 * model.tp_allreduce_s
     return r
 
 
@@ -139,7 +142,7 @@ def train(run: Run) -> int:
             man = run.ckpt.save(run.state, run.opt.state)
             r.events.append({"event": "checkpoint", "path": man["path"]})
         row = report.metrics_row(r, run.global_batch * run.mcfg.seq_len, run.state.cursor * run.mcfg.seq_len,
-                                 accounting.step_comm(r.ms, run.model.layout.padded, run.dist.world),
+                                 accounting.step_comm(r.ms, run.model.layout.padded, run.dp_world),
                                  repeat=r.step <= run.metrics.last_step)
         run.metrics.write(row)
         rows.append(row)
@@ -168,7 +171,7 @@ def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> i
         "a_loss_monotone": loss_invariant(run, start_step),
         "b_params_identical": invariants.params_identical(run.replicas.mismatches, run.replicas.checked),
         "c_optimizer_memory": invariants.optimizer_memory([m["optimizer_bytes"] for m in mem],
-                                                          layout.n_params, layout.padded),
+                                                          layout.n_params, layout.padded, run.dp_world),
         "d_resume_bytes": invariants.resume_bytes(verified)}
     failed = invariants.failures(results)
     summary = report.Summary(status if not failed else "failed", run, rows, start_step, results, mem, wall,
