@@ -1,5 +1,10 @@
 """Benchmarks that print figures (not timed tests).
 
+  python -m capstone.bench speed [--vs-torch PYTHON]     single-thread training step at three sizes,
+                                                         BLAS share at medium; optionally against
+                                                         PyTorch eager (capstone/bench_torch.py)
+  python -m capstone.bench memory                        peak and per-step RSS at medium vs the budget
+  python -m capstone.bench checks                        cost of train.py's per-step checks at medium
   python -m capstone.bench steps RUN_DIR [RUN_DIR ...]   per-step time split from metrics.jsonl
   python -m capstone.bench model                         serial forward+backward time, two sizes
   mpirun -n 4 python -m capstone.bench comm [--sizes ...] reduce-scatter variants vs allreduce
@@ -11,7 +16,9 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -63,6 +70,280 @@ def model(repeats: int) -> None:
               f"{layout.n_params:>8} params: {1e3 * min(times):8.2f}")
 
 
+# ---- the single-thread training step: capstone (and PyTorch eager) at three sizes -----------------
+
+# (name, model config, sequences per step): the sizes of issue 11's table (medium as the `medium`
+# preset but with V 256, large the next size up).
+SIZES = {
+    "reference": (dict(), 4),
+    "medium": (dict(vocab_size=256, seq_len=128, d_model=256, n_heads=8, n_layers=4), 8),
+    "large": (dict(vocab_size=512, seq_len=256, d_model=512, n_heads=8, n_layers=6), 8),
+}
+# Optimiser of the `medium` preset (AdamW, decay on matrices and embeddings, clip at 1), at a fixed lr.
+OPT = {"lr": 1e-3, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1, "clip": 1.0}
+
+
+def _load() -> str:
+    return "load average %.2f %.2f %.2f" % os.getloadavg()
+
+
+def _rss() -> int:
+    """Resident set size of this process now, bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss() -> int:
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Stepper:
+    """One rank's training step as train.py runs it (world 1, one thread): forward+backward into the
+    flat gradient buffer, ZeRO-1 reduce (norm), clip, AdamW, publish."""
+
+    def __init__(self, size: str, seed: int = 0):
+        from mpi4py import MPI
+
+        from .config import ModelConfig
+        from .data import DataStream, make_corpus
+        from .model import Model
+        from .params import Layout, init_params
+        from .zero import ZeroAdam
+        kw, self.B = SIZES[size]
+        self.cfg = ModelConfig(**kw)
+        self.layout = Layout.for_model(self.cfg, 1)
+        self.model = Model(self.cfg, self.layout, init_params(self.layout, self.cfg, seed))
+        self.opt = ZeroAdam(MPI.COMM_SELF, self.layout, self.model.params, self.model.grads,
+                            betas=OPT["betas"], eps=OPT["eps"], weight_decay=OPT["weight_decay"])
+        self.stream = DataStream(make_corpus(0, 1 << 16, self.cfg.vocab_size), self.cfg.seq_len, self.B, 0)
+        self.x, self.y = self.stream.samples(0, self.B)
+
+    def step(self, x=None, y=None) -> tuple[float, float]:
+        """(milliseconds, loss) of one training step on (x, y) (default: the fixed batch)."""
+        x, y = (self.x, self.y) if x is None else (x, y)
+        t = time.perf_counter()
+        loss = self.model.forward_backward([(x, y)], 1.0 / x.size)
+        norm = self.opt.reduce_gradients().norm
+        clip = OPT["clip"] if 0 < OPT["clip"] < norm else 0.0
+        self.opt.apply(OPT["lr"], clip / norm if clip else 1.0)
+        return 1e3 * (time.perf_counter() - t), loss
+
+
+class TorchWorker:
+    """PyTorch eager twin of a Stepper in another venv's Python (capstone/bench_torch.py), same init and batch."""
+
+    def __init__(self, python: str, st: Stepper):
+        import numpy as np
+        self.dir = tempfile.mkdtemp(prefix="capstone-bench-torch-")
+        np.save(os.path.join(self.dir, "params.npy"), st.model.params)
+        np.save(os.path.join(self.dir, "x.npy"), st.x)
+        np.save(os.path.join(self.dir, "y.npy"), st.y)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+        env.pop("PYTHONPATH", None)
+        env.pop("VIRTUAL_ENV", None)
+        self.proc = subprocess.Popen([python, os.path.join(os.path.dirname(__file__), "bench_torch.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.info = self.ask(cmd="init", cfg=st.cfg.__dict__, B=st.B, entries=st.layout.entries, dir=self.dir,
+                             opt=OPT, threads=1)
+
+    def ask(self, **msg) -> dict:
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the torch worker exited ({self.proc.wait()})")
+        return json.loads(line)
+
+    def grads(self):
+        import numpy as np
+        loss = self.ask(cmd="grads")["loss"]
+        return loss, np.load(os.path.join(self.dir, "grads.npy"))
+
+    def close(self) -> None:
+        import shutil
+        self.proc.stdin.close()
+        self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _agreement(st: Stepper, tw: TorchWorker) -> str:
+    """Loss and every gradient array of one forward+backward (before any update), capstone vs torch."""
+    import numpy as np
+    loss = st.model.forward_backward([(st.x, st.y)], 1.0 / st.x.size)
+    tloss, tflat = tw.grads()
+    worst, worst_name = 0.0, ""
+    for name, a in st.layout.views(st.model.grads).items():
+        b = st.layout.views(tflat)[name]
+        err = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+        if err > worst:
+            worst, worst_name = err, name
+    ok = abs(loss - tloss) <= 1e-5 * abs(tloss) and worst <= 1e-3
+    return (f"loss {loss:.6f} vs {tloss:.6f} (rel {abs(loss - tloss) / abs(tloss):.1e}); every gradient array: "
+            f"max|capstone - torch| / max|torch| <= {worst:.1e} (worst {worst_name}) -> "
+            f"{'agree' if ok else 'DISAGREE'} (tolerance: loss 1e-5 rel, gradients 1e-3)")
+
+
+def speed(sizes: list[str], repeats: dict, torch_python: str | None, blas_steps: int) -> int:
+    """Median single-thread step (forward+backward+reduce+clip+AdamW) at each size; capstone and
+    torch steps alternate (ABBA) within one process pair, so both see the same machine load."""
+    import numpy as np
+
+    from . import kernels
+    bad = 0
+    print(f"single-thread training step (forward+backward, ZeRO-1 reduce, clip, AdamW), float32, median (ms); "
+          f"{_load()}")
+    for size in sizes:
+        st = Stepper(size)
+        tw = TorchWorker(torch_python, st) if torch_python else None
+        n = repeats[size]
+        cfg = st.cfg
+        head = (f"  {size:<9} C{cfg.d_model} H{cfg.n_heads} L{cfg.n_layers} T{cfg.seq_len} B{st.B} V{cfg.vocab_size} "
+                f"({st.layout.n_params} params)")
+        if tw:
+            agree = _agreement(st, tw)
+            bad += "DISAGREE" in agree
+        for _ in range(2):  # warm-up: heap, caches, BLAS buffers
+            st.step()
+            tw and tw.ask(cmd="step")
+        mine, theirs, lc, lt = [], [], 0.0, 0.0
+        for r in range(n):
+            order = (0, 1) if r % 2 == 0 else (1, 0)
+            for who in order:
+                if who == 0:
+                    ms, lc = st.step()
+                    mine.append(ms)
+                elif tw:
+                    rep = tw.ask(cmd="step")
+                    theirs.append(rep["ms"])
+                    lt = rep["loss"]
+        line = f"{head}: capstone {statistics.median(mine):9.2f}"
+        if tw:
+            ratio = statistics.median(mine) / statistics.median(theirs)
+            line += (f"   torch {tw.info['torch']} eager {statistics.median(theirs):9.2f}   "
+                     f"ratio {ratio:.2f}x   ({n} interleaved steps each)")
+        else:
+            line += f"   ({n} steps)"
+        print(line, flush=True)
+        if tw:
+            print(f"    {agree}")
+            print(f"    loss after {n + 2} steps: capstone {lc:.6f}, torch {lt:.6f}")
+            tw.close()
+        if size == "medium" and blas_steps:
+            kernels.matmul_seconds[0] = 0.0
+            kernels.time_matmuls(True)
+            try:
+                total = sum(st.step()[0] for _ in range(blas_steps)) / 1e3
+            finally:
+                kernels.time_matmuls(False)
+            print(f"    BLAS share at medium: {kernels.matmul_seconds[0] / total:.1%} of the step in the kernels' "
+                  f"matmul calls (timed wrapper, {blas_steps} steps, {1e3 * total / blas_steps:.1f} ms/step)",
+                  flush=True)
+        del st
+    print(f"  ({_load()})")
+    return 1 if bad else 0
+
+
+# ---- memory ------------------------------------------------------------------------------------
+
+def activation_bytes(st: Stepper) -> tuple[int, int]:
+    """(bytes the autograd graph holds at the end of the forward pass, peak bytes allocated during
+    forward+backward) of one micro-batch, by tracemalloc (NumPy reports its buffers to it)."""
+    import tracemalloc
+
+    from autograd import make_vjp
+    from autograd.extend import vspace
+
+    from .backward import _tap
+    from .model import loss_sum
+    p, g = st.model.p, st.model.g
+    args = (st.x, st.y, st.cfg, 1.0 / st.x.size)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        vjp, value = make_vjp(lambda a: loss_sum({k: _tap(a, v, g[k]) for k, v in p.items()}, *args))(0.0)
+        held = tracemalloc.get_traced_memory()[0] - base
+        vjp(vspace(value).ones())
+        del vjp
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    return held, peak
+
+
+def memory(steps: int) -> None:
+    """RSS of one rank training at medium: at steps 10 and `steps` (growth), and the peak against
+    params + grads + optimizer shard + activations."""
+    try:
+        from .train import _tune_malloc  # the heap settings training runs with
+        _tune_malloc()
+    except ImportError:
+        pass
+    rss0 = _rss()
+    st = Stepper("medium")
+    held, peak_alloc = activation_bytes(st)
+    m, opt = st.model, st.opt
+    parts = {"params": m.params.nbytes, "grads": m.grads.nbytes + opt.g_shard.nbytes,
+             "optimizer shard": opt.optimizer_nbytes(), "activations": held}
+    budget = sum(parts.values())
+    print(f"memory of one rank at medium (C256 H8 L4 T128 B8 V256), {steps} training steps; {_load()}")
+    print("  " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in parts.items()) + f" MiB: sum {budget / 2**20:.1f} MiB")
+    print(f"  forward+backward allocates at most {peak_alloc / 2**20:.1f} MiB at once (activations + backward "
+          f"temporaries, tracemalloc)")
+    rss = {}
+    for s in range(1, steps + 1):
+        x, y = st.stream.samples(s * st.B, st.B)
+        st.step(x, y)
+        if s in (10, steps):
+            rss[s] = _rss()
+    peak = _peak_rss()
+    print(f"  RSS: before the model {rss0 / 2**20:.1f} MiB (interpreter, NumPy, MPI), step 10 {rss[10] / 2**20:.1f} MiB, "
+          f"step {steps} {rss[steps] / 2**20:.1f} MiB (growth {(rss[steps] - rss[10]) / 2**20:+.1f} MiB)")
+    print(f"  peak RSS {peak / 2**20:.1f} MiB = {peak / budget:.2f}x the sum; "
+          f"peak less the pre-model RSS {(peak - rss0) / 2**20:.1f} MiB = {(peak - rss0) / budget:.2f}x the sum")
+
+
+# ---- train.py's per-step checks ----------------------------------------------------------------
+
+def checks(repeats: int) -> None:
+    """What train_step adds to a step at medium: the fingerprint (float64 norm + sha256 of the flat
+    parameters) every step, and the held-out evaluation (the `medium` preset's 4 x 16 sequences,
+    forward only) on evaluation steps."""
+    import hashlib
+
+    import numpy as np
+
+    from .evaluate import HeldOut
+    from .params import fingerprint
+    from .presets import PRESETS
+    st = Stepper("medium")
+    pre = PRESETS["medium"]
+    heldout = HeldOut(st.stream, pre["eval_batches"], pre["eval_batch_size"], st.cfg.seq_len, 0, 1)
+    flat = st.model.params
+
+    def med(fn, n=repeats):
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return 1e3 * statistics.median(ts)
+    st.step()
+    step = med(lambda: st.step(), max(3, repeats // 4))
+    fp = med(lambda: fingerprint(flat))
+    sha = med(lambda: hashlib.sha256(flat.tobytes()).hexdigest())
+    sha_view = med(lambda: hashlib.sha256(memoryview(flat).cast("B")).hexdigest())
+    norm = med(lambda: float(np.sqrt(np.dot(flat.astype(np.float64), flat.astype(np.float64)))))
+    ev = med(lambda: heldout.loss_share(st.model), max(3, repeats // 4))
+    every = pre["eval_every"]
+    print(f"train.py's checks at medium ({st.layout.n_params} params, {flat.nbytes / 2**20:.1f} MiB), median ms; {_load()}")
+    print(f"  training step {step:.1f}")
+    print(f"  fingerprint every step {fp:.2f} ({fp / step:.1%} of a step): float64 norm {norm:.2f}, "
+          f"sha256 of a tobytes() copy {sha:.2f} (of the buffer in place {sha_view:.2f})")
+    print(f"  held-out eval ({pre['eval_batches']} x {pre['eval_batch_size']} sequences, forward) {ev:.1f} "
+          f"= {ev / step:.2f} steps; every {every} steps: {ev / every / step:.1%} of a step on average")
+
+
 def comm(sizes: list[int], repeats: int) -> None:
     """Collective: call on all ranks. Time the ways to get a summed gradient shard."""
     from mpi4py import MPI
@@ -103,8 +384,24 @@ def main(argv=None) -> int:
     c.add_argument("--repeats", type=int, default=10, help="repetitions; the best is reported")
     m = sub.add_parser("model", help="serial forward+backward time at two model sizes")
     m.add_argument("--repeats", type=int, default=5, help="repetitions; the best is reported")
+    sp = sub.add_parser("speed", help="single-thread training step at three sizes (and vs PyTorch eager)")
+    sp.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    sp.add_argument("--repeats", type=int, default=0, help="steps per size (default: 200, 20, 5 by size)")
+    sp.add_argument("--vs-torch", metavar="PYTHON", help="a Python with torch (a separate venv) to run capstone/bench_torch.py")
+    sp.add_argument("--blas-steps", type=int, default=10, help="steps timed with the matmul wrapper at medium (0: skip)")
+    me = sub.add_parser("memory", help="RSS of one rank at medium against the computed budget")
+    me.add_argument("--steps", type=int, default=200)
+    ch = sub.add_parser("checks", help="cost of train.py's fingerprint and held-out eval at medium")
+    ch.add_argument("--repeats", type=int, default=20)
     args = p.parse_args(argv)
-    if args.cmd == "steps":
+    if args.cmd == "speed":
+        reps = {"reference": 200, "medium": 20, "large": 5}
+        return speed(args.sizes, {k: args.repeats or v for k, v in reps.items()}, args.vs_torch, args.blas_steps)
+    if args.cmd == "memory":
+        memory(args.steps)
+    elif args.cmd == "checks":
+        checks(args.repeats)
+    elif args.cmd == "steps":
         step_split(args.runs)
     elif args.cmd == "model":
         model(args.repeats)

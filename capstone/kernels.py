@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 
 import numpy as np
 from autograd.extend import defvjp_argnums, primitive
@@ -53,6 +54,27 @@ def _define(name, forward, backward):
 
     defvjp_argnums(op, vjpmaker)
     return op
+
+
+# ---- matmul, with switchable timing (python -m capstone.bench reports the share of a step in BLAS) -----
+
+matmul_seconds = [0.0]  # accumulated by the timed matmul while it is switched on
+
+
+def _timed_matmul(a, b, out=None):
+    t = time.perf_counter()
+    r = np.matmul(a, b, out=out)
+    matmul_seconds[0] += time.perf_counter() - t
+    return r
+
+
+_mm = np.matmul  # every matmul of the kernels goes through this name
+
+
+def time_matmuls(on: bool) -> None:
+    """Switch the timing of every kernel matmul on (accumulating into matmul_seconds[0]) or off."""
+    global _mm
+    _mm = _timed_matmul if on else np.matmul
 
 
 def causal_mask(T: int) -> np.ndarray:
@@ -139,7 +161,7 @@ layer_norm = _define("layer_norm", _ln_fwd, _ln_bwd)
 
 def _linear_fwd(x, w, b):
     """y = x @ w + b: x (N, Cin), w (Cin, Cout), b (Cout,) -> (N, Cout)."""
-    y = x @ w
+    y = _mm(x, w)
     y += b
     return y, None
 
@@ -148,9 +170,9 @@ def _linear_grads(g, argnums, x, w):
     """{0: dx, 1: dw, 2: db} of y = x @ w + b for output gradient g (N, Cout)."""
     out = {}
     if 0 in argnums:
-        out[0] = g @ w.T
+        out[0] = _mm(g, w.T)
     if 1 in argnums:
-        out[1] = x.T @ g
+        out[1] = _mm(x.T, g)
     if 2 in argnums:
         out[2] = g.sum(axis=0)
     return out
@@ -221,13 +243,13 @@ def _attention_fwd(qkv, T, H):
     """softmax(q k^T / sqrt(D) + causal) v per head: qkv (B*T, 3C) -> (B*T, C); saves the probabilities."""
     q, k, v = _split_heads(qkv, T, H)
     B, _, _, D = q.shape
-    p = q @ k.swapaxes(-1, -2)                                   # (B, H, T, T)
+    p = _mm(q, k.swapaxes(-1, -2))                                  # (B, H, T, T)
     p *= 1.0 / math.sqrt(D)
     p += _cached_mask(T)
     p -= p.max(axis=-1, keepdims=True)                           # shift-invariant: exact
     np.exp(p, out=p)
     p /= p.sum(axis=-1, keepdims=True)
-    y = (p @ v).transpose(0, 2, 1, 3).reshape(B * T, H * D)      # (B, H, T, D) -> (B*T, C)
+    y = _mm(p, v).transpose(0, 2, 1, 3).reshape(B * T, H * D)      # (B, H, T, D) -> (B*T, C)
     return y, p
 
 
@@ -235,15 +257,15 @@ def _attention_bwd(g, p, argnums, qkv, T, H):
     q, k, v = _split_heads(qkv, T, H)
     B, _, _, D = q.shape
     gy = g.reshape(B, T, H, D).transpose(0, 2, 1, 3)             # (B, H, T, D)
-    gs = gy @ v.swapaxes(-1, -2)                                 # d loss / d p: (B, H, T, T)
+    gs = _mm(gy, v.swapaxes(-1, -2))                                # d loss / d p: (B, H, T, T)
     gs -= _rowdot(gs, p)
     gs *= p                                                      # softmax VJP; masked entries stay 0
     gs *= 1.0 / math.sqrt(D)                                     # d loss / d (q k^T / sqrt(D))
     gqkv = np.empty((B, T, 3, H, D), dtype=np.result_type(qkv, g))
     gq, gk, gv = (gqkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # (B, H, T, D) views
-    np.matmul(gs, k, out=gq)
-    np.matmul(gs.swapaxes(-1, -2), q, out=gk)
-    np.matmul(p.swapaxes(-1, -2), gy, out=gv)
+    _mm(gs, k, out=gq)
+    _mm(gs.swapaxes(-1, -2), q, out=gk)
+    _mm(p.swapaxes(-1, -2), gy, out=gv)
     return {0: gqkv.reshape(qkv.shape)}
 
 

@@ -1,0 +1,118 @@
+"""The MiniGPT of capstone in PyTorch eager, as a worker process for `python -m capstone.bench speed --vs-torch`.
+
+Run by the Python of a separate venv that has torch (never capstone's venv); it imports nothing from
+capstone. The bench starts it, and they talk over stdin/stdout, one JSON object a line; arrays
+travel as .npy files in a directory the bench owns:
+
+  {"cmd": "init", "cfg": {...}, "B": 8, "entries": [[name, shape, offset], ...], "dir": DIR, "opt": {...}}
+      builds the model from DIR/params.npy (capstone's flat buffer: the same initial values) and the
+      batch from DIR/x.npy, DIR/y.npy; AdamW with capstone's hyperparameters and decay groups
+  {"cmd": "grads"}  forward+backward only; writes DIR/grads.npy in capstone's flat layout, replies the loss
+  {"cmd": "step"}   one timed training step (zero_grad, forward, backward, clip, AdamW); replies ms and loss
+  {"cmd": "params"} writes DIR/params_out.npy in capstone's flat layout
+
+The model is the idiomatic eager one (what nanoGPT does on a CPU): nn.Linear-layout weights
+(out, in) through F.linear, F.layer_norm, F.scaled_dot_product_attention(is_causal=True),
+F.gelu(approximate="tanh"), F.cross_entropy(reduction="sum") times the same scale as capstone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+class TorchGPT:
+    def __init__(self, cfg: dict, B: int, entries: list, flat: np.ndarray):
+        self.V, self.T, self.C = cfg["vocab_size"], cfg["seq_len"], cfg["d_model"]
+        self.H, self.L, self.B = cfg["n_heads"], cfg["n_layers"], B
+        self.entries = [(n, tuple(s), o) for n, s, o in entries]
+        self.n_flat = flat.size
+        self.p = {}
+        for name, shape, off in self.entries:
+            a = flat[off:off + math.prod(shape)].reshape(shape)
+            if self._transposed(name):
+                a = a.T  # capstone stores (in, out); nn.Linear stores (out, in)
+            self.p[name] = torch.nn.Parameter(torch.tensor(np.ascontiguousarray(a), dtype=torch.float32))
+
+    @staticmethod
+    def _transposed(name: str) -> bool:
+        return name.endswith(".w") and not (".ln_" in name or name.startswith("ln_"))
+
+    def loss(self, idx: torch.Tensor, tgt: torch.Tensor, scale: float) -> torch.Tensor:
+        p, B, T, C, H = self.p, self.B, self.T, self.C, self.H
+        x = p["wte"][idx] + p["wpe"][:T]                                        # (B, T, C)
+        for i in range(self.L):
+            h = f"h{i}."
+            a = F.layer_norm(x, (C,), p[h + "ln_1.w"], p[h + "ln_1.b"], 1e-5)
+            q, k, v = F.linear(a, p[h + "attn.c_attn.w"], p[h + "attn.c_attn.b"]).split(C, dim=2)
+            q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(B, T, C)
+            x = x + F.linear(y, p[h + "attn.c_proj.w"], p[h + "attn.c_proj.b"])
+            m = F.layer_norm(x, (C,), p[h + "ln_2.w"], p[h + "ln_2.b"], 1e-5)
+            m = F.gelu(F.linear(m, p[h + "mlp.c_fc.w"], p[h + "mlp.c_fc.b"]), approximate="tanh")
+            x = x + F.linear(m, p[h + "mlp.c_proj.w"], p[h + "mlp.c_proj.b"])
+        x = F.layer_norm(x, (C,), p["ln_f.w"], p["ln_f.b"], 1e-5)
+        z = F.linear(x, p["lm_head.w"], p["lm_head.b"])
+        return F.cross_entropy(z.view(-1, self.V), tgt.view(-1), reduction="sum") * scale
+
+    def flat(self, grads: bool) -> np.ndarray:
+        out = np.zeros(self.n_flat, dtype=np.float32)
+        for name, shape, off in self.entries:
+            t = self.p[name].grad if grads else self.p[name]
+            a = t.detach().numpy()
+            out[off:off + math.prod(shape)] = (a.T if self._transposed(name) else a).reshape(-1)
+        return out
+
+
+def main() -> None:
+    model = opt = None
+    for line in sys.stdin:
+        msg = json.loads(line)
+        cmd, reply = msg["cmd"], {}
+        if cmd == "init":
+            torch.set_num_threads(int(msg.get("threads", 1)))
+            d = msg["dir"]
+            model = TorchGPT(msg["cfg"], msg["B"], msg["entries"], np.load(os.path.join(d, "params.npy")))
+            idx = torch.from_numpy(np.load(os.path.join(d, "x.npy")).astype(np.int64))
+            tgt = torch.from_numpy(np.load(os.path.join(d, "y.npy")).astype(np.int64))
+            o = msg["opt"]
+            decay = [t for t in model.p.values() if t.dim() >= 2]
+            no_decay = [t for t in model.p.values() if t.dim() < 2]
+            opt = torch.optim.AdamW([{"params": decay, "weight_decay": o["weight_decay"]},
+                                     {"params": no_decay, "weight_decay": 0.0}],
+                                    lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"])
+            scale, clip = 1.0 / idx.numel(), o["clip"]
+            reply = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+        elif cmd == "grads":
+            opt.zero_grad(set_to_none=True)
+            loss = model.loss(idx, tgt, scale)
+            loss.backward()
+            np.save(os.path.join(d, "grads.npy"), model.flat(grads=True))
+            reply = {"loss": float(loss.detach())}
+        elif cmd == "step":
+            t = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = model.loss(idx, tgt, scale)
+            loss.backward()
+            if clip > 0:
+                torch.nn.utils.clip_grad_norm_(list(model.p.values()), clip)
+            opt.step()
+            reply = {"ms": 1e3 * (time.perf_counter() - t), "loss": float(loss.detach())}
+        elif cmd == "params":
+            np.save(os.path.join(d, "params_out.npy"), model.flat(grads=False))
+        elif cmd == "quit":
+            break
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
