@@ -116,18 +116,19 @@ class Stepper:
         self.model = Model(self.cfg, self.layout, init_params(self.layout, self.cfg, seed))
         self.opt = ZeroAdam(MPI.COMM_SELF, self.layout, self.model.params, self.model.grads,
                             betas=OPT["betas"], eps=OPT["eps"], weight_decay=OPT["weight_decay"])
-        self.stream = DataStream(make_corpus(0, 1 << 16, self.cfg.vocab_size), self.cfg.seq_len, self.B, 0)
+        self.stream = DataStream(make_corpus(0, 1 << 16, self.cfg.vocab_size), self.cfg.seq_len, self.B, 0,
+                                 eval_sequences=64)  # room for the `medium` preset's held-out set
         self.x, self.y = self.stream.samples(0, self.B)
 
-    def step(self, x=None, y=None) -> tuple[float, float]:
-        """(milliseconds, loss) of one training step on (x, y) (default: the fixed batch)."""
+    def step(self, x=None, y=None) -> tuple[float, float, float]:
+        """(wall ms, CPU ms, loss) of one training step on (x, y) (default: the fixed batch)."""
         x, y = (self.x, self.y) if x is None else (x, y)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         loss = self.model.forward_backward([(x, y)], 1.0 / x.size)
         norm = self.opt.reduce_gradients().norm
         clip = OPT["clip"] if 0 < OPT["clip"] < norm else 0.0
         self.opt.apply(OPT["lr"], clip / norm if clip else 1.0)
-        return 1e3 * (time.perf_counter() - t), loss
+        return 1e3 * (time.perf_counter() - t), 1e3 * (time.process_time() - c), loss
 
 
 class TorchWorker:
@@ -186,13 +187,15 @@ def _agreement(st: Stepper, tw: TorchWorker) -> str:
 
 def speed(sizes: list[str], repeats: dict, torch_python: str | None, blas_steps: int) -> int:
     """Median single-thread step (forward+backward+reduce+clip+AdamW) at each size; capstone and
-    torch steps alternate (ABBA) within one process pair, so both see the same machine load."""
+    torch steps alternate (ABBA) within one process pair, so both see the same machine load.
+    Each step is timed twice: wall clock, and CPU time of the process (time.process_time), which
+    leaves out the time the process waits for a core on a shared machine; the ratio is of CPU times."""
     import numpy as np
 
     from . import kernels
     bad = 0
-    print(f"single-thread training step (forward+backward, ZeRO-1 reduce, clip, AdamW), float32, median (ms); "
-          f"{_load()}")
+    print(f"single-thread training step (forward+backward, ZeRO-1 reduce, clip, AdamW), float32, median ms of "
+          f"CPU time [wall time]; {_load()}")
     for size in sizes:
         st = Stepper(size)
         tw = TorchWorker(torch_python, st) if torch_python else None
@@ -211,17 +214,19 @@ def speed(sizes: list[str], repeats: dict, torch_python: str | None, blas_steps:
             order = (0, 1) if r % 2 == 0 else (1, 0)
             for who in order:
                 if who == 0:
-                    ms, lc = st.step()
-                    mine.append(ms)
+                    wall, cpu, lc = st.step()
+                    mine.append((cpu, wall))
                 elif tw:
                     rep = tw.ask(cmd="step")
-                    theirs.append(rep["ms"])
+                    theirs.append((rep["cpu_ms"], rep["ms"]))
                     lt = rep["loss"]
-        line = f"{head}: capstone {statistics.median(mine):9.2f}"
+        med = lambda rows, i: statistics.median(r[i] for r in rows)  # noqa: E731
+        print(head, flush=True)
+        line = f"    capstone {med(mine, 0):9.2f} [{med(mine, 1):9.2f}]"
         if tw:
-            ratio = statistics.median(mine) / statistics.median(theirs)
-            line += (f"   torch {tw.info['torch']} eager {statistics.median(theirs):9.2f}   "
-                     f"ratio {ratio:.2f}x   ({n} interleaved steps each)")
+            line += (f"   torch {tw.info['torch']} eager {med(theirs, 0):9.2f} [{med(theirs, 1):9.2f}]   "
+                     f"ratio {med(mine, 0) / med(theirs, 0):.2f}x [{med(mine, 1) / med(theirs, 1):.2f}x]   "
+                     f"({n} interleaved steps each)")
         else:
             line += f"   ({n} steps)"
         print(line, flush=True)
@@ -233,7 +238,7 @@ def speed(sizes: list[str], repeats: dict, torch_python: str | None, blas_steps:
             kernels.matmul_seconds[0] = 0.0
             kernels.time_matmuls(True)
             try:
-                total = sum(st.step()[0] for _ in range(blas_steps)) / 1e3
+                total = sum(st.step()[1] for _ in range(blas_steps)) / 1e3
             finally:
                 kernels.time_matmuls(False)
             print(f"    BLAS share at medium: {kernels.matmul_seconds[0] / total:.1%} of the step in the kernels' "
@@ -274,11 +279,6 @@ def activation_bytes(st: Stepper) -> tuple[int, int]:
 def memory(steps: int) -> None:
     """RSS of one rank training at medium: at steps 10 and `steps` (growth), and the peak against
     params + grads + optimizer shard + activations."""
-    try:
-        from .train import _tune_malloc  # the heap settings training runs with
-        _tune_malloc()
-    except ImportError:
-        pass
     rss0 = _rss()
     st = Stepper("medium")
     held, peak_alloc = activation_bytes(st)
@@ -324,19 +324,19 @@ def checks(repeats: int) -> None:
     def med(fn, n=repeats):
         ts = []
         for _ in range(n):
-            t = time.perf_counter()
+            t = time.process_time()
             fn()
-            ts.append(time.perf_counter() - t)
+            ts.append(time.process_time() - t)
         return 1e3 * statistics.median(ts)
     st.step()
-    step = med(lambda: st.step(), max(3, repeats // 4))
+    step = statistics.median(st.step()[1] for _ in range(max(3, repeats // 4)))
     fp = med(lambda: fingerprint(flat))
     sha = med(lambda: hashlib.sha256(flat.tobytes()).hexdigest())
     sha_view = med(lambda: hashlib.sha256(memoryview(flat).cast("B")).hexdigest())
     norm = med(lambda: float(np.sqrt(np.dot(flat.astype(np.float64), flat.astype(np.float64)))))
     ev = med(lambda: heldout.loss_share(st.model), max(3, repeats // 4))
     every = pre["eval_every"]
-    print(f"train.py's checks at medium ({st.layout.n_params} params, {flat.nbytes / 2**20:.1f} MiB), median ms; {_load()}")
+    print(f"train.py's checks at medium ({st.layout.n_params} params, {flat.nbytes / 2**20:.1f} MiB), median ms of CPU time; {_load()}")
     print(f"  training step {step:.1f}")
     print(f"  fingerprint every step {fp:.2f} ({fp / step:.1%} of a step): float64 norm {norm:.2f}, "
           f"sha256 of a tobytes() copy {sha:.2f} (of the buffer in place {sha_view:.2f})")
@@ -394,6 +394,8 @@ def main(argv=None) -> int:
     ch = sub.add_parser("checks", help="cost of train.py's fingerprint and held-out eval at medium")
     ch.add_argument("--repeats", type=int, default=20)
     args = p.parse_args(argv)
+    from .train import _tune_malloc  # the heap settings every training rank runs with
+    _tune_malloc()
     if args.cmd == "speed":
         reps = {"reference": 200, "medium": 20, "large": 5}
         return speed(args.sizes, {k: args.repeats or v for k, v in reps.items()}, args.vs_torch, args.blas_steps)

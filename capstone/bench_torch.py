@@ -98,14 +98,14 @@ def main() -> None:
             np.save(os.path.join(d, "grads.npy"), model.flat(grads=True))
             reply = {"loss": float(loss.detach())}
         elif cmd == "step":
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             opt.zero_grad(set_to_none=True)
             loss = model.loss(idx, tgt, scale)
             loss.backward()
             if clip > 0:
                 torch.nn.utils.clip_grad_norm_(list(model.p.values()), clip)
             opt.step()
-            reply = {"ms": 1e3 * (time.perf_counter() - t), "loss": float(loss.detach())}
+            reply = {"ms": 1e3 * (time.perf_counter() - t), "cpu_ms": 1e3 * (time.process_time() - c), "loss": float(loss.detach())}
         elif cmd == "params":
             np.save(os.path.join(d, "params_out.npy"), model.flat(grads=False))
         elif cmd == "quit":

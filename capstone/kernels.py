@@ -58,13 +58,13 @@ def _define(name, forward, backward):
 
 # ---- matmul, with switchable timing (python -m capstone.bench reports the share of a step in BLAS) -----
 
-matmul_seconds = [0.0]  # accumulated by the timed matmul while it is switched on
+matmul_seconds = [0.0]  # CPU seconds, accumulated by the timed matmul while it is switched on
 
 
 def _timed_matmul(a, b, out=None):
-    t = time.perf_counter()
+    t = time.process_time()
     r = np.matmul(a, b, out=out)
-    matmul_seconds[0] += time.perf_counter() - t
+    matmul_seconds[0] += time.process_time() - t
     return r
 
 
@@ -231,6 +231,15 @@ linear_gelu = _define("linear_gelu", _linear_gelu_fwd, _linear_gelu_bwd)
 
 
 # ---- causal multi-head attention on the fused qkv buffer ---------------------------------------
+#
+# Key-major scores: S[b, h, j, i] = k_j . q_i / sqrt(D) for key j and query i, so the softmax's
+# reductions (over keys) run along axis -2, where NumPy reduces whole rows of T queries at a time
+# with SIMD instead of one short row per (b, h, i). The forward keeps the unnormalised
+# E = exp(S - max) and 1/sum: y = (E^T v) / sum scales the (T, D) output rather than the (T, T)
+# matrix. The backward needs no reduction over (T, T) either: for P = softmax over keys,
+# sum_j P_ij dP_ij = gy_i . y_i (the output gradient dotted with the output, as in FlashAttention).
+# (B, H, T, T) passes: forward matmul, mask, max, subtract, exp, sum; backward matmul, subtract,
+# multiply; the rest is BLAS on (B, H, T, D) operands.
 
 def _split_heads(qkv, T, H):
     """qkv (B*T, 3C) -> q, k, v views of shape (B, H, T, D)."""
@@ -239,33 +248,56 @@ def _split_heads(qkv, T, H):
     return qkv5[0], qkv5[1], qkv5[2]
 
 
+@functools.lru_cache(maxsize=8)
+def _key_major_mask(T: int) -> np.ndarray:
+    """(T, T) additive mask indexed [key, query]: -inf where the key comes after the query."""
+    mask = np.ascontiguousarray(causal_mask(T).T)
+    mask.flags.writeable = False
+    return mask
+
+
+def _heads(a, B, T, H):
+    """(B*T, C) -> (B, H, T, D) view."""
+    return a.reshape(B, T, H, -1).transpose(0, 2, 1, 3)
+
+
 def _attention_fwd(qkv, T, H):
-    """softmax(q k^T / sqrt(D) + causal) v per head: qkv (B*T, 3C) -> (B*T, C); saves the probabilities."""
+    """softmax(q k^T / sqrt(D) + causal) v per head: qkv (B*T, 3C) -> (B*T, C).
+    Saves E = exp(S - max) (B, H, T, T), 1/sum (B, H, T, 1) and the output."""
     q, k, v = _split_heads(qkv, T, H)
     B, _, _, D = q.shape
-    p = _mm(q, k.swapaxes(-1, -2))                                  # (B, H, T, T)
-    p *= 1.0 / math.sqrt(D)
-    p += _cached_mask(T)
-    p -= p.max(axis=-1, keepdims=True)                           # shift-invariant: exact
-    np.exp(p, out=p)
-    p /= p.sum(axis=-1, keepdims=True)
-    y = _mm(p, v).transpose(0, 2, 1, 3).reshape(B * T, H * D)      # (B, H, T, D) -> (B*T, C)
-    return y, p
+    qs = q * (1.0 / math.sqrt(D))                                # (B, H, T, D), contiguous
+    e = _mm(qs, k.swapaxes(-1, -2))                              # S: (B, H, Tq, Tk)
+    e += _cached_mask(T)
+    e -= e.max(axis=-1, keepdims=True)                           # shift-invariant: exact
+    np.exp(e, out=e)
+    r = e.sum(axis=-1, keepdims=True)                            # (B, H, Tq, 1)
+    np.reciprocal(r, out=r)
+    y = np.empty((B, T, H, D), dtype=e.dtype)
+    yh = y.transpose(0, 2, 1, 3)                                 # (B, H, T, D) view of the output
+    _mm(e, v, out=yh)
+    yh *= r
+    y = y.reshape(B * T, H * D)
+    return y, (e, r, y)
 
 
-def _attention_bwd(g, p, argnums, qkv, T, H):
+def _attention_bwd(g, saved, argnums, qkv, T, H):
+    e, r, y = saved
     q, k, v = _split_heads(qkv, T, H)
     B, _, _, D = q.shape
-    gy = g.reshape(B, T, H, D).transpose(0, 2, 1, 3)             # (B, H, T, D)
-    gs = _mm(gy, v.swapaxes(-1, -2))                                # d loss / d p: (B, H, T, T)
-    gs -= _rowdot(gs, p)
-    gs *= p                                                      # softmax VJP; masked entries stay 0
-    gs *= 1.0 / math.sqrt(D)                                     # d loss / d (q k^T / sqrt(D))
+    gy = _heads(g, B, T, H)                                      # (B, H, T, D)
+    gyr = gy * r                                                 # gy_i / sum_i, contiguous
+    dot = _rowdot(gy, _heads(y, B, T, H))                        # gy_i . y_i: (B, H, T, 1)
+    dot *= r
+    ds = _mm(gyr, v.swapaxes(-1, -2))                            # dP / sum: (B, H, Tq, Tk)
+    ds -= dot
+    ds *= e                                                      # dS; masked entries stay 0
     gqkv = np.empty((B, T, 3, H, D), dtype=np.result_type(qkv, g))
     gq, gk, gv = (gqkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # (B, H, T, D) views
-    _mm(gs, k, out=gq)
-    _mm(gs.swapaxes(-1, -2), q, out=gk)
-    _mm(p.swapaxes(-1, -2), gy, out=gv)
+    _mm(ds, k, out=gq)
+    _mm(ds.swapaxes(-1, -2), q, out=gk)
+    _mm(e.swapaxes(-1, -2), gyr, out=gv)                         # P^T gy
+    gqkv[:, :, :2] *= 1.0 / math.sqrt(D)                         # d S / d (q k^T)
     return {0: gqkv.reshape(qkv.shape)}
 
 
