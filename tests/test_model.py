@@ -246,6 +246,31 @@ def test_kernel_vjp_is_float32_and_pure(name):
         np.testing.assert_array_equal(g, g0)
 
 
+@pytest.mark.parametrize("block", [1, 2])
+def test_blocked_causal_attention_vjp_matches_finite_differences_float64(monkeypatch, block):
+    """The attention case (T 4) cut into query blocks of 1 and 2 rows, each against its keys only."""
+    monkeypatch.setattr(kernels, "ATTN_BLOCK", block)
+    assert len(kernels._query_blocks(4)) == 4 // block
+    test_kernel_vjp_matches_finite_differences_float64("attention")
+    test_kernel_vjp_is_float32_and_pure("attention")
+
+
+def test_blocked_attention_equals_unblocked_float32(monkeypatch):
+    rng = np.random.default_rng(4)
+    T, H = 130, 2                                          # 64 + 64 + 2: a ragged last block
+    qkv = rng.standard_normal((2 * T, 3 * 8), dtype=np.float32)
+    g = rng.standard_normal((2 * T, 8), dtype=np.float32)
+    results = []
+    for block in (64, 10**6):
+        monkeypatch.setattr(kernels, "ATTN_BLOCK", block)
+        vjp, y = autograd.make_vjp(lambda a: causal_attention(a, T, H))(qkv)
+        results.append((y, vjp(g), len(kernels._query_blocks(T))))
+    (y1, g1, n1), (y2, g2, n2) = results
+    assert (n1, n2) == (3, 1) and y1.dtype == g1.dtype == np.float32
+    np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g1, g2, rtol=1e-4, atol=1e-5)
+
+
 def test_vjp_recomputes_the_forward_when_the_stash_misses():
     fn, args, g = kernel_case("linear_gelu", np.float64)
     ans = linear_gelu(*args)
