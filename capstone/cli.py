@@ -27,6 +27,9 @@ class RunOptions:
     inject_lr_spike: tuple[int, float] | None = None
     inject_nan: tuple[int, int] | None = None
     quiet: bool = False
+    collective_timeout: float = 0.0   # seconds; 0: automatic (capstone.deadline)
+    overlap: bool = True              # reduce-scatter in buckets during the backward pass
+    bucket_mb: float = 1.0            # bucket size of the overlapped reduce-scatter
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,15 @@ def _run_flags(p) -> None:
                    help="checkpoint to continue from: a ckpt-*.h5 path, 'latest' (newest complete one in OUT), or "
                         "'auto' (latest if there is one, else start fresh); its settings are used unless given as flags")
     g.add_argument("--quiet", action="store_true", help="print only the final report")
+    g.add_argument("--collective-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="abort the job with a clear message when a collective (gradient reduce, allgather, "
+                        "agreement, checkpoint barrier) has waited this long: a peer is dead or unreachable "
+                        "(0: automatic, max(300 s, 20 x the longest step so far); docs/multinode.md)")
+    g.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="reduce-scatter the gradient in one collective after the backward pass, instead of in "
+                        "buckets started during it")
+    g.add_argument("--bucket-mb", type=float, default=1.0, metavar="MB",
+                   help="bucket size of the overlapped gradient reduce-scatter (default: 1.0)")
     g = p.add_argument_group("test hooks (fault injection, not for training)")
     g.add_argument("--stop-after", type=int, default=0, help="checkpoint and stop after this step, as if preempted (0: off)")
     g.add_argument("--sleep-per-step", type=float, default=0.0, help="sleep this many seconds per step")
@@ -147,6 +159,8 @@ def parse(argv=None) -> Settings:
     explicit = {k: v for k, v in values.items() if k not in {f.name for f in dataclasses.fields(RunOptions)}}
     if opts.stop_after < 0 or opts.sleep_per_step < 0:
         raise ConfigError("--stop-after and --sleep-per-step must be >= 0.")
+    if opts.collective_timeout < 0 or not opts.bucket_mb > 0:
+        raise ConfigError("--collective-timeout must be >= 0 (0: automatic) and --bucket-mb > 0.")
     base = {**preset, **explicit}
     return Settings(ModelConfig(**_pick(ModelConfig, base)), TrainConfig(**_pick(TrainConfig, base)), opts,
                     {**preset, **explicit} if opts.resume is None else explicit)

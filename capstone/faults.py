@@ -4,6 +4,8 @@ Save points (SIGKILL, like a node dying mid-checkpoint): before_data, after_data
 before_pointer, at the save of step <step> (any save if no step is given). Step point:
 raise_in_step (an ordinary exception on one rank at step <step>, default 1, to prove that one
 rank's error aborts the job instead of hanging the others). flip_param_bit: one bit of one rank's parameters flipped after the update of step <step>.
+stall: one rank sleeps STALL_S at the start of step <step> (default 1), silent, like a hung or
+unreachable node: the others must end the job at --collective-timeout (capstone.deadline).
 write_error: an OSError on one rank
 while it writes its shard of the save of step <step> (like a full disk on one node).
 With no CAPSTONE_FAULT nothing happens. `Injections` are the training-side faults that the
@@ -15,9 +17,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 KILL_POINTS = ("before_data", "after_data", "before_rename", "before_pointer")
-POINTS = KILL_POINTS + ("raise_in_step", "write_error", "flip_param_bit")
+POINTS = KILL_POINTS + ("raise_in_step", "write_error", "flip_param_bit", "stall")
+STALL_S = 60.0
 
 
 class Injections:
@@ -63,7 +67,12 @@ def point(name: str, rank: int, step: int | None = None) -> None:
     spec = _spec()
     if spec is None or spec[0] != name or spec[1] != rank:
         return
-    if spec[2] is not None and spec[2] != step or name == "raise_in_step" and step != (spec[2] or 1):
+    if spec[2] is not None and spec[2] != step or name in ("raise_in_step", "stall") and step != (spec[2] or 1):
+        return
+    if name == "stall":
+        print(f"[rank {rank}] CAPSTONE_FAULT: stalling this rank for {STALL_S:.0f} s at step {step}",
+              file=sys.stderr, flush=True)
+        time.sleep(STALL_S)
         return
     if name == "raise_in_step":
         raise InjectedFault(f"injected failure on rank {rank} at step {step} (CAPSTONE_FAULT)")
