@@ -89,3 +89,25 @@ def test_stall_during_a_save_never_publishes_it(tmp_path):
                        capture_output=True, text=True, timeout=120, env=mpi_env(), cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "resumed from" in p.stdout and "ckpt-00000002.h5" in p.stdout
+
+
+# ---- the overlapped reduce-scatter, end to end (it shares the step's collectives with the timeout) ----
+def test_overlap_and_no_overlap_train_alike(tmp_path, run_train):
+    """Buckets started during backward (small buckets, --grad-accum 2: only the last micro-batch
+    may start them) give the --no-overlap run's losses and parameters: bit for bit, and within
+    rtol 1e-6 as the acceptance bound; both pass every invariant."""
+    import numpy as np
+    from conftest import by_step, summary
+    runs = {}
+    for name, flags in (("overlap", ["--bucket-mb", "0.01"]), ("no-overlap", ["--no-overlap"])):
+        out = tmp_path / name
+        p = run_train(4, "--out", out, "--grad-accum", 2, "--steps", 10, "--quiet", *flags)
+        assert p.returncode == 0, p.stdout + p.stderr
+        s = summary(out)
+        assert s["status"] == "completed" and all(v["ok"] for v in s["invariants"].values()), s["invariants"]
+        runs[name] = by_step(out)
+    a, b = runs["overlap"], runs["no-overlap"]
+    assert sorted(a) == sorted(b) == list(range(1, 11))
+    np.testing.assert_allclose([a[s][0] for s in a], [b[s][0] for s in a], rtol=1e-6)
+    np.testing.assert_allclose([a[s][1] for s in a], [b[s][1] for s in a], rtol=1e-6)
+    assert [a[s][2] for s in a] == [b[s][2] for s in a], "parameter fingerprints differ"
