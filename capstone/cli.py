@@ -30,6 +30,9 @@ class RunOptions:
     log_every: int = 0                   # console row every K steps (0: 1 up to 100 steps, else about steps/50)
     tensorboard: str | None = None       # also write TensorBoard scalars to this directory
     tp: int = 1                          # tensor-parallel ranks per replica (capstone/grid.py, capstone/tp.py)
+    collective_timeout: float = 0.0   # seconds; 0: automatic (capstone.deadline)
+    overlap: bool = True              # reduce-scatter in buckets during the backward pass
+    bucket_mb: float = 1.0            # bucket size of the overlapped reduce-scatter
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,15 @@ def _run_flags(p) -> None:
                         "ranks / K replicas run ZeRO-1 data parallelism (docs/tensor-parallel.md; default: 1)")
     g.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also write the step rows as TensorBoard scalars to DIR (needs: pip install tensorboardX)")
+    g.add_argument("--collective-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="abort the job with a clear message when a collective (gradient reduce, allgather, "
+                        "agreement, checkpoint barrier) has waited this long: a peer is dead or unreachable "
+                        "(0: automatic, max(300 s, 20 x the longest step so far); docs/multinode.md)")
+    g.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="reduce-scatter the gradient in one collective after the backward pass, instead of in "
+                        "buckets started during it")
+    g.add_argument("--bucket-mb", type=float, default=1.0, metavar="MB",
+                   help="bucket size of the overlapped gradient reduce-scatter (default: 1.0)")
     g = p.add_argument_group("test hooks (fault injection, not for training)")
     g.add_argument("--stop-after", type=int, default=0, help="checkpoint and stop after this step, as if preempted (0: off)")
     g.add_argument("--sleep-per-step", type=float, default=0.0, help="sleep this many seconds per step")
@@ -164,6 +176,8 @@ def parse(argv=None) -> Settings:
     explicit = {k: v for k, v in values.items() if k not in {f.name for f in dataclasses.fields(RunOptions)}}
     if opts.stop_after < 0 or opts.sleep_per_step < 0 or opts.log_every < 0:
         raise ConfigError("--stop-after, --sleep-per-step and --log-every must be >= 0.")
+    if opts.collective_timeout < 0 or not opts.bucket_mb > 0:
+        raise ConfigError("--collective-timeout must be >= 0 (0: automatic) and --bucket-mb > 0.")
     base = {**preset, **explicit}
     return Settings(ModelConfig(**_pick(ModelConfig, base)), TrainConfig(**_pick(TrainConfig, base)), opts,
                     {**preset, **explicit} if opts.resume is None else explicit)

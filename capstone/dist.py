@@ -1,5 +1,8 @@
 """The process group: MPI start-up, fail-fast error handling and the few small collectives the
-training loop needs (agreement checks, gathering report rows). The loop sees only this interface."""
+training loop needs (agreement checks, gathering report rows). The loop sees only this interface.
+
+Every collective here is non-blocking and waited on with `self.deadline` (capstone.deadline): a
+dead or unreachable peer ends the job with one clear line instead of a hang."""
 
 from __future__ import annotations
 
@@ -12,20 +15,27 @@ from contextlib import contextmanager
 import numpy as np
 from mpi4py import MPI
 
+from .deadline import Deadline
+
 
 class Dist:
     """Rank, world size and small collectives over an MPI communicator (COMM_SELF is serial)."""
 
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, timeout: float = 0.0):
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
+        self.deadline = Deadline(self.comm, timeout)   # shared with ZeroAdam (run.build)
+
+    def _wait(self, request, what: str) -> None:
+        self.deadline.wait(request, what)
 
     def allgather_json(self, value):
         """Collective: call on all ranks. List of every rank's JSON-able value (no pickle)."""
         data = json.dumps(value).encode()
         sizes = self._allgather_int(len(data))
         buf = np.empty(sum(sizes), dtype=np.uint8)
-        self.comm.Allgatherv(np.frombuffer(data, dtype=np.uint8), [buf, sizes])
+        mine = np.frombuffer(data, dtype=np.uint8)
+        self._wait(self.comm.Iallgatherv(mine, [buf, sizes]), "allgather (JSON)")
         return _split_json(buf, sizes)
 
     def gather_json(self, value, root: int = 0):
@@ -33,27 +43,29 @@ class Dist:
         data = json.dumps(value).encode()
         sizes = self._allgather_int(len(data))
         buf = np.empty(sum(sizes), dtype=np.uint8) if self.rank == root else None
-        self.comm.Gatherv(np.frombuffer(data, dtype=np.uint8), [buf, sizes] if self.rank == root else None, root=root)
+        mine = np.frombuffer(data, dtype=np.uint8)
+        self._wait(self.comm.Igatherv(mine, [buf, sizes] if self.rank == root else None, root=root), "gather (JSON)")
         return _split_json(buf, sizes) if self.rank == root else None
 
     def _allgather_int(self, n: int) -> list[int]:
         out = np.empty(self.world, dtype=np.int64)
-        self.comm.Allgather(np.array([n], dtype=np.int64), out)
+        mine = np.array([n], dtype=np.int64)   # (kept alive until the request completes)
+        self._wait(self.comm.Iallgather(mine, out), "allgather (JSON sizes)")
         return [int(x) for x in out]
 
     def bcast_json(self, value, root: int = 0):
         """Collective: call on all ranks. Root's JSON-able value on every rank (no pickle)."""
         data = json.dumps(value).encode() if self.rank == root else b""
         n = np.array([len(data)], dtype=np.int64)
-        self.comm.Bcast(n, root=root)
+        self._wait(self.comm.Ibcast(n, root=root), "broadcast (JSON size)")
         buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root else np.empty(int(n[0]), dtype=np.uint8)
-        self.comm.Bcast(buf, root=root)
+        self._wait(self.comm.Ibcast(buf, root=root), "broadcast (JSON)")
         return json.loads(buf.tobytes())
 
     def allreduce_sum(self, values) -> list[float]:
         """Collective: call on all ranks. Element-wise sums (float64) of a few numbers."""
         v = np.array(values, dtype=np.float64)
-        self.comm.Allreduce(MPI.IN_PLACE, v, op=MPI.SUM)
+        self._wait(self.comm.Iallreduce(MPI.IN_PLACE, v, op=MPI.SUM), "allreduce (sums)")
         return [float(x) for x in v]
 
     def local_size(self) -> int:
@@ -66,7 +78,7 @@ class Dist:
 
     def barrier(self) -> None:
         """Collective: call on all ranks."""
-        self.comm.Barrier()
+        self._wait(self.comm.Ibarrier(), "barrier")
 
     def abort(self, code: int = 1) -> None:
         """End the whole job now (every rank), e.g. after an exception on one rank."""

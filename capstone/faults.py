@@ -4,6 +4,9 @@ Save points (SIGKILL, like a node dying mid-checkpoint): before_data, after_data
 before_pointer, at the save of step <step> (any save if no step is given). Step point:
 raise_in_step (an ordinary exception on one rank at step <step>, default 1, to prove that one
 rank's error aborts the job instead of hanging the others). flip_param_bit: one bit of one rank's parameters flipped after the update of step <step>.
+stall:<rank>:<step>[:<where>]: that rank sleeps STALL_S, silent, like a hung or unreachable node,
+at the start of step <step> (default 1), or at save point <where> of the save of step <step>;
+the others must end the job at --collective-timeout (capstone.deadline).
 write_error: an OSError on one rank
 while it writes its shard of the save of step <step> (like a full disk on one node).
 With no CAPSTONE_FAULT nothing happens. `Injections` are the training-side faults that the
@@ -15,9 +18,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 KILL_POINTS = ("before_data", "after_data", "before_rename", "before_pointer")
-POINTS = KILL_POINTS + ("raise_in_step", "write_error", "flip_param_bit")
+POINTS = KILL_POINTS + ("raise_in_step", "write_error", "flip_param_bit", "stall")
+STALL_S = 60.0
 
 
 class Injections:
@@ -53,15 +58,22 @@ def _spec():
         return None
     point, _, rest = spec.partition(":")
     rank, _, step = rest.partition(":")
-    if point not in POINTS:
-        raise ValueError(f"CAPSTONE_FAULT={spec!r}: the point must be one of {', '.join(POINTS)}")
-    return point, int(rank or 0), int(step) if step else None
+    step, _, where = step.partition(":")
+    if point not in POINTS or where and (point != "stall" or where not in KILL_POINTS):
+        raise ValueError(f"CAPSTONE_FAULT={spec!r}: the point must be one of {', '.join(POINTS)} "
+                         f"(stall:<rank>:<step>:<where> takes one of {', '.join(KILL_POINTS)})")
+    return point, int(rank or 0), int(step) if step else None, where or "stall"
 
 
 def point(name: str, rank: int, step: int | None = None) -> None:
     """Act if CAPSTONE_FAULT names this point and rank (and step, for raise_in_step)."""
     spec = _spec()
-    if spec is None or spec[0] != name or spec[1] != rank:
+    if spec is not None and spec[0] == "stall" and spec[3] == name and spec[1] == rank and step == (spec[2] or 1):
+        print(f"[rank {rank}] CAPSTONE_FAULT: stalling this rank for {STALL_S:.0f} s at step {step} ({name})",
+              file=sys.stderr, flush=True)
+        time.sleep(STALL_S)
+        return
+    if spec is None or spec[0] != name or spec[1] != rank or name == "stall":
         return
     if spec[2] is not None and spec[2] != step or name == "raise_in_step" and step != (spec[2] or 1):
         return

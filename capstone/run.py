@@ -151,7 +151,9 @@ def build(dist: Dist, settings: Settings, out: str, grid: Grid | None = None) ->
     layout = Layout.for_model(mcfg, dist.world)
     params = init_params(layout, mcfg, tcfg.seed) if dist.rank == 0 else layout.zeros()
     model = Model(mcfg, layout, params)
-    opt = ZeroAdam(dist.comm, layout, model.params, model.grads, (tcfg.beta1, tcfg.beta2), tcfg.eps, tcfg.weight_decay)
+    dist.deadline.set_timeout(opts.collective_timeout)
+    opt = ZeroAdam(dist.comm, layout, model.params, model.grads, (tcfg.beta1, tcfg.beta2), tcfg.eps, tcfg.weight_decay,
+                   deadline=dist.deadline, bucket_floats=int(opts.bucket_mb * 2**20) // 4 if opts.overlap else 0)
     data, data_identity = open_data(mcfg, tcfg, batch)
     heldout = HeldOut(data, tcfg.eval_batches, tcfg.eval_batch_size, mcfg.seq_len, dist.rank, dist.world)
     if tcfg.deterministic:  # --deterministic: fixed eval blocks and the fixed-order gradient reduction

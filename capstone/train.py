@@ -50,6 +50,8 @@ def train_step(run: Run, s: int) -> StepResult:
     dist, model, opt, guard, state = run.dist, run.model, run.opt, run.guard, run.state
     t0 = time.perf_counter()
     faults.point("raise_in_step", dist.rank, s)
+    faults.point("stall", dist.rank, s)                                               # test fault: a silent rank
+    opt.begin_step(s, run.tcfg.grad_accum)                                            # collective timeout; overlap
     batches = [run.data.micro_batch(state.cursor, j, run.dp_rank, run.dp_world)      # data (by replica)
                for j in range(run.tcfg.grad_accum)]
     if run.det is not None:  # --deterministic: per-block gradients, fixed-order reductions (deterministic.py)

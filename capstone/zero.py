@@ -4,6 +4,11 @@ The flat gradient buffer is reduce-scattered so each rank receives the summed gr
 shard; Adam updates the rank's shard of (master, m, v); the updated shard is allgathered into
 the flat parameter buffer in place. Per-rank optimizer memory is 12 * padded / world bytes.
 This module (with checkpoint.py and dist.py) is the only one that calls MPI collectives.
+
+Every collective is non-blocking and waited on with a deadline (capstone.deadline), so a dead peer
+ends the job instead of hanging it. With `bucket_floats` the reduce-scatter runs in buckets that
+start during the backward pass (capstone.buckets); without, it is one reduce-scatter of the whole
+buffer after the backward pass (--no-overlap).
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from .buckets import BucketedReduceScatter
+from .deadline import Deadline
 from .params import DTYPE, Layout
 
 ROWS = ("master", "m", "v")  # the arrays of a shard's optimizer state, in checkpoint row order
@@ -62,8 +69,11 @@ class ZeroAdam:
     """Adam(W) with ZeRO-1 sharding over `comm`; `params` and `grads` are flat buffers of `layout`."""
 
     def __init__(self, comm, layout: Layout, params: np.ndarray, grads: np.ndarray,
-                 betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0):
-        """Collective: call on all ranks. Broadcasts rank 0's parameters (DDP-style, once)."""
+                 betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, deadline: Deadline | None = None,
+                 bucket_floats: int = 0):
+        """Collective: call on all ranks. Broadcasts rank 0's parameters (DDP-style, once).
+        `deadline`: the timeout of the collectives (default: automatic); `bucket_floats` > 0:
+        reduce-scatter in buckets of about that many floats, overlapped with backward."""
         if layout.world != comm.Get_size():
             raise ValueError(f"layout is padded for {layout.world} ranks but the communicator has {comm.Get_size()}")
         for name, buf in (("params", params), ("grads", grads)):
@@ -73,11 +83,14 @@ class ZeroAdam:
         self.rank, self.world = comm.Get_rank(), comm.Get_size()
         self.lo, self.hi = layout.shard_range(self.rank)
         self.beta1, self.beta2, self.eps, self.weight_decay = float(betas[0]), float(betas[1]), float(eps), float(weight_decay)
-        comm.Bcast(params, root=0)
+        self.deadline = deadline if deadline is not None else Deadline(comm)
+        self.deadline.wait(comm.Ibcast(params, root=0), "broadcast of the initial parameters")
         master = params[self.lo:self.hi].copy()
         self.state = ShardState(master, np.zeros_like(master), np.zeros_like(master))
         self.g_shard = np.empty_like(master)
-        self.counts = [layout.shard] * self.world
+        self.overlap = bucket_floats > 0
+        self.reducer = BucketedReduceScatter(comm, layout, grads, self.g_shard, self.deadline,
+                                             bucket_floats if self.overlap else layout.padded)
         self.decay_mask = self._decay_mask() if weight_decay > 0 else None
         self.timings = {"reduce_scatter": 0.0, "adam": 0.0, "allgather": 0.0}  # seconds, last step
 
@@ -93,18 +106,26 @@ class ZeroAdam:
         """Bytes of optimizer state held by this rank: fp32 master + Adam m + Adam v."""
         return self.state.nbytes
 
+    def begin_step(self, step: int, micro_batches: int) -> None:
+        """Before step `step`'s forward+backward (of `micro_batches` micro-batches): name the step
+        in timeout messages, measure step times for the automatic timeout, and (with buckets) let
+        the backward pass start the reduce-scatter of each bucket as soon as it is ready."""
+        self.deadline.begin_step(step)
+        if self.overlap:
+            self.reducer.arm(micro_batches)
+
     def reduce_gradients(self, extras=()) -> GradStats:
         """Collective: call on all ranks. Reduce-scatter (sum) the flat gradient into this rank's
         shard, then one small Allreduce of [shard sum of squares, *extras] for the global norm,
-        the non-finite check and the caller's scalars (e.g. the loss sum)."""
+        the non-finite check and the caller's scalars (e.g. the loss sum). With buckets, the
+        buckets the backward pass started are waited for and the rest started first."""
         t0 = time.perf_counter()
-        # Plain Reduce_scatter with equal counts: Open MPI 4.1's Reduce_scatter_block algorithm is
-        # 2.5-4x slower at 1M+ floats here (scripts/bench prints both).
-        self.comm.Reduce_scatter(self.grads, self.g_shard, self.counts, op=MPI.SUM)
+        self.reducer.finish()   # one bucket without overlap: a single reduce-scatter (capstone.buckets)
         self.timings["reduce_scatter"] = time.perf_counter() - t0
         g64 = self.g_shard.astype(np.float64)
         small = np.array([np.dot(g64, g64), *extras], dtype=np.float64)
-        self.comm.Allreduce(MPI.IN_PLACE, small, op=MPI.SUM)
+        self.deadline.wait(self.comm.Iallreduce(MPI.IN_PLACE, small, op=MPI.SUM),
+                           "allreduce of the gradient norm and loss")
         return GradStats(float(np.sqrt(small[0])), small[1:])
 
     def apply(self, lr: float, grad_scale: float = 1.0) -> None:
@@ -134,7 +155,7 @@ class ZeroAdam:
         """Collective: call on all ranks. Copy the master shard into params and allgather it."""
         t0 = time.perf_counter()
         self.params[self.lo:self.hi] = self.state.master
-        self.comm.Allgather(MPI.IN_PLACE, self.params)
+        self.deadline.wait(self.comm.Iallgather(MPI.IN_PLACE, self.params), "allgather of the updated parameters")
         self.timings["allgather"] = time.perf_counter() - t0
 
     def load_state(self, state: ShardState) -> None:

@@ -1,0 +1,172 @@
+"""The gradient reduce-scatter in buckets, overlapped with the backward pass (like PyTorch DDP).
+
+Buckets are contiguous ranges [a, b) of the flat gradient buffer made of whole parameters, filled
+in REVERSE layout order (lm_head first), because backward produces the last layers' gradients
+first. Bucket k is reduced with ONE non-blocking reduce-scatter with variable counts:
+
+    recvcounts[r] = |[a, b) & [r*shard, (r+1)*shard)|     (0 for ranks owning none of it)
+
+received into the matching slice of rank r's `g_shard`. Over all buckets every element of every
+shard is summed exactly once, so each rank ends with its ZeRO-1 shard of the summed gradient, as
+after the single reduce-scatter, and moves the same bytes (an allreduce per bucket would move 2x).
+
+When: `arm(micro_batches)` before the forward+backward of a step installs a hook in
+capstone.backward's tap VJP. Each call marks one parameter's gradient final for that micro-batch;
+a bucket is ready when all its parameters are final on the LAST micro-batch (with gradient
+accumulation the earlier ones are partial sums). Ready buckets are started strictly in order
+(highest first), so every rank issues the same collectives in the same order whatever the order
+the gradients came in. Each hook call also Tests the oldest outstanding request: Open MPI's
+non-blocking collectives (libnbc) advance only inside MPI calls, so the backward loop drives them.
+Bucket 0 (it holds flat index 0: the embeddings, whose gradients come last, so there is nothing
+left to overlap) is started by `finish`, after the caller may have touched the buffer (the
+--inject-nan fault writes grads[0]); so is any bucket a backward pass did not reach (an unused
+parameter). `finish` then waits for every bucket with the deadline.
+
+Results: Open MPI 4.1's Ireduce_scatter (libnbc) is a binomial-tree reduce to position 0 followed
+by a scatter, for every message size and count vector, so each element is summed in the same order
+whether it travels in one big reduce-scatter or in a bucket: the bucketed result is bit-identical
+to the single non-blocking reduce-scatter (--no-overlap) at every world size. For a power-of-2
+world the reduce-scatter runs on a communicator whose ranks are in bit-reversed order
+(`tree_order`, pieces staged in that order), so the tree sums in recursive-halving order, the order
+of the blocking Reduce_scatter's small-message algorithm and, more importantly, the order of a run
+on W/2^k ranks with --grad-accum 2^k: resuming on half the ranks stays bit-identical at any model
+size. Against the BLOCKING Reduce_scatter (coll/tuned picks recursive halving or a ring by size)
+the result agrees to float32 rounding; bit-identical at 2 ranks (one addition per element) and at
+power-of-2 worlds while tuned uses recursive halving (<= 256 KiB). tests/mpi/test_overlap.py checks each.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+from mpi4py import MPI
+
+from . import backward
+from .params import Layout
+
+
+def tree_order(world: int) -> list[int]:
+    """order[j] = the rank at position j of the reduce-scatter's communicator: bit-reversed for a
+    power-of-2 world (an involution), else the identity. libnbc's binomial tree pairs positions
+    (0,1), (2,3), ... first; over bit-reversed ranks it pairs ranks 0 and W/2 first: the order of
+    recursive halving, which is also the order in which a run on W/2^k ranks with --grad-accum 2^k
+    accumulates the same samples (rank r's micro-batch j is global block j*world + r)."""
+    bits = world.bit_length() - 1
+    if world < 4 or world != 1 << bits:
+        return list(range(world))
+    return [int(format(j, f"0{bits}b")[::-1], 2) for j in range(world)]
+
+
+class Bucket:
+    """One contiguous range [a, b) of the flat buffer, its counts in the reduce-scatter's rank
+    order, and where this rank's piece lands in g_shard."""
+
+    def __init__(self, a: int, b: int, params: list[int], layout: Layout, rank: int, order: list[int]):
+        self.a, self.b, self.params = a, b, params
+        pieces = [(max(a, lo), min(b, hi)) for lo, hi in map(layout.shard_range, range(layout.world))]
+        self.counts = [max(0, pieces[o][1] - pieces[o][0]) for o in order]   # by position in the tree order
+        lo = layout.shard_range(rank)[0]
+        n = max(0, pieces[rank][1] - pieces[rank][0])
+        self.recv = slice(max(a, lo) - lo, max(a, lo) - lo + n)               # within g_shard
+        # with a non-identity order the pieces are staged in that order: (staging slice, grads slice)
+        self.copies, pos = [], a
+        for o, n_o in zip(order, self.counts):
+            if n_o:
+                self.copies.append((slice(pos, pos + n_o), slice(pieces[o][0], pieces[o][0] + n_o)))
+                pos += n_o
+
+
+def plan(layout: Layout, bucket_floats: int, rank: int = 0, order: list[int] | None = None) -> list[Bucket]:
+    """Buckets in flat order (bucket 0 starts at 0), filled from the end: whole parameters, each
+    bucket at least `bucket_floats` long except bucket 0 (the remainder). The padding goes with
+    the last parameter."""
+    order = order or list(range(layout.world))
+    entries = sorted(layout.entries, key=lambda e: e[2])
+    bounds, end, params = [], layout.padded, []
+    for i in range(len(entries) - 1, -1, -1):
+        params.append(i)
+        start = entries[i][2]
+        if end - start >= bucket_floats or i == 0:
+            bounds.append((0 if i == 0 else start, end, sorted(params)))
+            end, params = start, []
+    return [Bucket(a, b, p, layout, rank, order) for a, b, p in reversed(bounds)]
+
+
+class BucketedReduceScatter:
+    """Sum `grads` over the ranks into each rank's `g_shard`, bucket by bucket (see the module).
+    `bucket_floats` >= the buffer: one bucket, started after the backward pass (--no-overlap)."""
+
+    def __init__(self, comm, layout: Layout, grads: np.ndarray, g_shard: np.ndarray, deadline,
+                 bucket_floats: int):
+        self.grads, self.g_shard, self.deadline = grads, g_shard, deadline
+        rank = comm.Get_rank()
+        self.order = tree_order(comm.Get_size())
+        if self.order == sorted(self.order):
+            self.comm, self.staging = comm, None
+        else:  # (MPI has no non-blocking split; this runs once, at start-up)
+            self.comm, self.staging = comm.Split(0, key=self.order[rank]), np.empty_like(grads)
+        self.buckets = plan(layout, max(1, int(bucket_floats)), rank, self.order)
+        entries = sorted(layout.entries, key=lambda e: e[2])
+        itemsize = grads.itemsize
+        self.base = grads.__array_interface__["data"][0]
+        self.param_at = {off * itemsize: i for i, (_, _, off) in enumerate(entries)}  # byte offset -> param
+        self.bucket_of = [0] * len(entries)
+        for k, bucket in enumerate(self.buckets):
+            for i in bucket.params:
+                self.bucket_of[i] = k
+        self.micro_batches = 1
+        self._reset()
+        self.overlapped = 0   # buckets started from inside the backward pass, last step
+
+    def _reset(self) -> None:
+        self.seen = [0] * len(self.bucket_of)
+        self.missing = [len(b.params) for b in self.buckets]
+        self.next = len(self.buckets) - 1        # the next bucket to start (they start highest first)
+        self.pending: collections.deque = collections.deque()
+        self.requests: list = []
+
+    def arm(self, micro_batches: int) -> None:
+        """Before a step's forward+backward of `micro_batches` micro-batches: start buckets from the
+        backward pass as they become ready."""
+        self._reset()
+        self.micro_batches, self.overlapped = int(micro_batches), 0
+        backward.set_grad_hook(self._on_grad)
+
+    def _on_grad(self, sink: np.ndarray) -> None:
+        """The hook: `sink`'s gradient is final for this micro-batch."""
+        i = self.param_at.get(sink.__array_interface__["data"][0] - self.base)
+        if i is not None:
+            self.seen[i] += 1
+            if self.seen[i] == self.micro_batches:
+                self.missing[self.bucket_of[i]] -= 1
+                while self.next > 0 and self.missing[self.next] == 0:
+                    self._start(self.next)
+                    self.overlapped += 1
+        while self.pending and self.pending[0].Test():   # drive the outstanding collectives
+            self.pending.popleft()
+
+    def _start(self, k: int) -> None:
+        b = self.buckets[k]
+        if self.staging is None:
+            send = self.grads[b.a:b.b]
+        else:
+            for dst, src in b.copies:
+                self.staging[dst] = self.grads[src]
+            send = self.staging[b.a:b.b]
+        req = self.comm.Ireduce_scatter(send, self.g_shard[b.recv], b.counts, op=MPI.SUM)
+        self.requests.append(req)
+        self.pending.append(req)
+        self.next = k - 1
+
+    def finish(self) -> None:
+        """Start what is left (bucket 0, and any bucket the backward pass did not complete) and
+        wait for every bucket, with the deadline."""
+        if backward._grad_hook == self._on_grad:
+            backward.set_grad_hook(None)
+        while self.next >= 0:
+            self._start(self.next)
+        what = "reduce-scatter of the gradient" + (f" ({len(self.buckets)} buckets, {self.overlapped} started "
+                                                   f"during backward)" if len(self.buckets) > 1 else "")
+        self.deadline.wait(self.requests, what)
+        self._reset()

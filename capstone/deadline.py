@@ -1,0 +1,95 @@
+"""No collective waits forever: non-blocking MPI requests waited on with a deadline.
+
+Every collective of the training path is issued non-blocking (Ireduce_scatter, Iallreduce,
+Iallgather(v), Ibcast, Ibarrier, ...) and handed to `Deadline.wait`, which polls
+`MPI.Request.Testall` (spinning, with sched_yield, for the first SPIN_S, then sleeping with a
+backoff capped at MAX_SLEEP_S). If the requests are not complete after `seconds`, this rank
+prints ONE line (which collective, which step, how long it waited, what to do) and calls
+`comm.Abort(1)`: the whole job ends with a non-zero exit instead of hanging on a dead or
+unreachable peer. The checkpoint on disk stays the last complete one: a save publishes only after
+barriers every rank passed (capstone.checkpoint.save), so an abort in the middle never publishes.
+
+The timeout: `--collective-timeout SECONDS` if given (> 0); otherwise automatic,
+max(FLOOR_S, STEP_MULT x the longest step this rank has measured so far) -- generous on purpose:
+a slow shared filesystem during a checkpoint or a loaded node must not kill a healthy job.
+Only mpi4py-using modules (dist, zero, checkpoint) import this; the training loop does not.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from mpi4py import MPI
+
+FLOOR_S = 300.0      # the automatic timeout is never below this
+STEP_MULT = 20.0     # ... nor below this many times the longest step measured so far
+SPIN_S = 0.002       # poll without sleeping for this long (collectives of a healthy step end here)
+MAX_SLEEP_S = 0.001  # then sleep between polls, doubling from 20 us up to this
+
+
+class Deadline:
+    """The timeout of this rank's collectives, and the step they belong to (for the message)."""
+
+    def __init__(self, comm, seconds: float = 0.0):
+        self.comm = comm
+        self.rank, self.world = comm.Get_rank(), comm.Get_size()
+        self.explicit = float(seconds)   # > 0: --collective-timeout; 0: automatic
+        self.step: int | None = None     # the step being run (None: start-up or the end of the run)
+        self.longest_step = 0.0          # seconds, between consecutive begin_step calls
+        self._step_start: float | None = None
+
+    def set_timeout(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError(f"the collective timeout must be >= 0 (0: automatic), got {seconds}")
+        self.explicit = float(seconds)
+
+    @property
+    def seconds(self) -> float:
+        """The explicit timeout from the first step on; before it (start-up: rank 0 may be reading
+        and verifying a large checkpoint while the others wait) at least FLOOR_S."""
+        auto = max(FLOOR_S, STEP_MULT * self.longest_step)
+        if self.explicit > 0:
+            return self.explicit if self.step is not None else max(self.explicit, FLOOR_S)
+        return auto
+
+    def begin_step(self, step: int) -> None:
+        """The training loop starts step `step`; the time since the previous one is a step's time."""
+        now = time.monotonic()
+        if self._step_start is not None:
+            self.longest_step = max(self.longest_step, now - self._step_start)
+        self._step_start, self.step = now, step
+
+    def wait(self, requests, what: str) -> None:
+        """Wait until every request in `requests` is complete, or abort the job at the deadline."""
+        if not isinstance(requests, (list, tuple)):
+            requests = [requests]
+        if MPI.Request.Testall(requests):
+            return
+        t0 = time.monotonic()
+        limit = self.seconds
+        spin_until, sleep = t0 + SPIN_S, 2e-5
+        while True:
+            now = time.monotonic()
+            if now < spin_until:
+                os.sched_yield()   # a pure spin on a dedicated core; lets a peer run on a shared one
+            else:
+                if now - t0 >= limit:
+                    self.expire(what, now - t0)
+                time.sleep(sleep)
+                sleep = min(2 * sleep, MAX_SLEEP_S)
+            if MPI.Request.Testall(requests):
+                return
+
+    def expire(self, what: str, waited: float) -> None:
+        """Print the one line and end the whole job (every rank) with exit code 1."""
+        at = f"step {self.step}" if self.step is not None else "start-up/shutdown (no step running)"
+        how = f"--collective-timeout {self.explicit:g}" if self.explicit > 0 else \
+            f"automatic timeout {self.seconds:.0f} s = max({FLOOR_S:.0f} s, {STEP_MULT:g} x longest step)"
+        print(f"[rank {self.rank}/{self.world}] capstone: collective timeout: {what} at {at} did not complete "
+              f"after {waited:.1f} s ({how}); a peer rank is probably dead or unreachable: check its host and "
+              f"the network, then rerun with --resume auto (the last complete checkpoint is intact). "
+              f"Aborting the job.", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        self.comm.Abort(1)

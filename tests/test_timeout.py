@@ -1,0 +1,113 @@
+"""No collective hangs forever: a silent rank ends the job at --collective-timeout (capstone.deadline).
+
+Run serially (the tests start their own 4-rank jobs): python -m pytest -q tests/test_timeout.py
+The fault `CAPSTONE_FAULT=stall:<rank>:<step>[:<save point>]` makes one rank sleep 60 s, silent,
+like a hung or unreachable node. The other ranks must print the one-line message and abort: the
+job exits non-zero within the timeout plus a few seconds, and the newest checkpoint on disk is the
+last complete one. (The same across hosts with a cut link: tests/test_multihost.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+from conftest import ROOT, mpi_env
+
+TIMEOUT_S = 3          # --collective-timeout of these runs
+SLACK_S = 6            # from the stall to the job's end: timeout + this (measured ~1 s of Abort)
+
+
+def stalled_run(out, fault: str, *flags) -> tuple[int, str, float]:
+    """Start 4 ranks with CAPSTONE_FAULT=fault; returns (exit code, output, seconds from the stall to the end)."""
+    log = f"{out}.log"
+    env = {**mpi_env(), "CAPSTONE_FAULT": fault}
+    cmd = ["mpirun", "-n", "4", "--oversubscribe", sys.executable, "-m", "capstone.train", "--out", str(out),
+           "--collective-timeout", str(TIMEOUT_S), "--ckpt-every", "2", "--quiet", *map(str, flags)]
+    with open(log, "w") as f:
+        job = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        stalled = None
+        deadline = time.monotonic() + 120
+        while job.poll() is None and time.monotonic() < deadline:
+            if stalled is None and "CAPSTONE_FAULT: stalling" in open(log).read():
+                stalled = time.monotonic()
+            time.sleep(0.05)
+        if job.poll() is None:
+            raise AssertionError(f"the job did not end within 120 s:\n{open(log).read()[-3000:]}")
+        text = open(log).read()
+        assert stalled is not None, f"the stall never happened:\n{text[-3000:]}"
+        return job.returncode, text, time.monotonic() - stalled
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+            job.wait()
+
+
+def assert_timed_out(rc: int, text: str, ended: float, step: int, what: str = "reduce-scatter") -> None:
+    print(f"stall -> job ended after {ended:.1f} s (exit {rc}); the message:\n"
+          + "\n".join(ln for ln in text.splitlines() if "collective timeout" in ln))
+    assert rc != 0
+    lines = [ln for ln in text.splitlines() if "capstone: collective timeout" in ln]
+    assert lines, f"no timeout message:\n{text[-3000:]}"
+    assert all(f"at step {step}" in ln and f"--collective-timeout {TIMEOUT_S}" in ln and "--resume auto" in ln
+               and "dead or unreachable" in ln for ln in lines), lines
+    assert any(what in ln for ln in lines), lines
+    assert "rank 1/" not in "".join(lines), "the stalled rank itself never reaches a collective"
+    assert ended <= TIMEOUT_S + SLACK_S, f"the job took {ended:.1f} s after the stall (timeout {TIMEOUT_S} s)"
+
+
+def inspect_ok(path) -> None:
+    p = subprocess.run([sys.executable, "-m", "capstone.checkpoint", "inspect", str(path)], capture_output=True,
+                       text=True, timeout=60, env=mpi_env(), cwd=ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_stalled_rank_times_out_in_the_reduce(tmp_path):
+    out = tmp_path / "stall"
+    rc, text, ended = stalled_run(out, "stall:1:3")
+    assert_timed_out(rc, text, ended, 3, "reduce-scatter of the gradient")
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "ckpt-00000002.h5"
+    inspect_ok(ckpts / "ckpt-00000002.h5")
+
+
+def test_stall_during_a_save_never_publishes_it(tmp_path):
+    """Rank 1 goes silent after writing its shard of checkpoint 4 (before the ranks agree that every
+    write succeeded): the others time out in that agreement; checkpoint 4 is never published."""
+    out = tmp_path / "stall-save"
+    rc, text, ended = stalled_run(out, "stall:1:4:after_data")
+    assert_timed_out(rc, text, ended, 4, "allgather")
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "ckpt-00000002.h5"
+    assert not (ckpts / "ckpt-00000004.h5").exists()
+    inspect_ok(ckpts / "ckpt-00000002.h5")
+    p = subprocess.run(["mpirun", "-n", "2", "--oversubscribe", sys.executable, "-m", "capstone.train", "--out",
+                        str(out), "--resume", "auto", "--steps", "6", "--quiet"],
+                       capture_output=True, text=True, timeout=120, env=mpi_env(), cwd=ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "resumed from" in p.stdout and "ckpt-00000002.h5" in p.stdout
+
+
+# ---- the overlapped reduce-scatter, end to end (it shares the step's collectives with the timeout) ----
+def test_overlap_and_no_overlap_train_alike(tmp_path, run_train):
+    """Buckets started during backward (small buckets, --grad-accum 2: only the last micro-batch
+    may start them) give the --no-overlap run's losses and parameters: bit for bit, and within
+    rtol 1e-6 as the acceptance bound; both pass every invariant."""
+    import numpy as np
+    from conftest import by_step, summary
+    runs = {}
+    for name, flags in (("overlap", ["--bucket-mb", "0.01"]), ("no-overlap", ["--no-overlap"])):
+        out = tmp_path / name
+        p = run_train(4, "--out", out, "--grad-accum", 2, "--steps", 10, "--quiet", *flags)
+        assert p.returncode == 0, p.stdout + p.stderr
+        s = summary(out)
+        assert s["status"] == "completed" and all(v["ok"] for v in s["invariants"].values()), s["invariants"]
+        runs[name] = by_step(out)
+    a, b = runs["overlap"], runs["no-overlap"]
+    assert sorted(a) == sorted(b) == list(range(1, 11))
+    np.testing.assert_allclose([a[s][0] for s in a], [b[s][0] for s in a], rtol=1e-6)
+    np.testing.assert_allclose([a[s][1] for s in a], [b[s][1] for s in a], rtol=1e-6)
+    assert [a[s][2] for s in a] == [b[s][2] for s in a], "parameter fingerprints differ"
