@@ -126,8 +126,8 @@ def _write_file(dist, tmp: str, meta: dict, meta_bytes: bytes, meta_sha: str, da
                 meta_ds[...] = np.frombuffer(meta_bytes, dtype=np.uint8)
             faults.point("write_error", dist.rank, step)
             shards[dist.rank][...] = data
+            faults.point("after_data", dist.rank, step)   # before the ranks agree the writes succeeded
         _agreed(dist, step, tmp, write)   # the only per-rank I/O
-        faults.point("after_data", dist.rank, step)
         _agreed(dist, step, tmp, f.flush)  # MPI_File_sync on every rank: durable before the rename
         f.close()
     except CheckpointError:

@@ -29,7 +29,10 @@ BIG = ModelConfig(vocab_size=64, seq_len=16, d_model=128, n_heads=4, n_layers=2)
 
 
 def sub(comm, size: int):
-    """A communicator of the first `size` ranks (None on the others: they skip the check)."""
+    """A communicator of the first `size` ranks (None on the others: they skip the check; None
+    everywhere when the job has fewer ranks, a decision every rank makes alike)."""
+    if size > comm.Get_size():
+        return None
     part = comm.Split(0 if comm.Get_rank() < size else MPI.UNDEFINED, comm.Get_rank())
     return None if part == MPI.COMM_NULL else part
 
