@@ -137,9 +137,9 @@ class TorchWorker:
     def __init__(self, python: str, st: Stepper):
         import numpy as np
         self.dir = tempfile.mkdtemp(prefix="capstone-bench-torch-")
-        np.save(os.path.join(self.dir, "params.npy"), st.model.params)
-        np.save(os.path.join(self.dir, "x.npy"), st.x)
-        np.save(os.path.join(self.dir, "y.npy"), st.y)
+        st.model.params.tofile(os.path.join(self.dir, "params.f32"))     # raw arrays: no .npy (pickle-free)
+        np.ascontiguousarray(st.x, dtype=np.int64).tofile(os.path.join(self.dir, "x.i64"))
+        np.ascontiguousarray(st.y, dtype=np.int64).tofile(os.path.join(self.dir, "y.i64"))
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
         env.pop("PYTHONPATH", None)
         env.pop("VIRTUAL_ENV", None)
@@ -159,7 +159,7 @@ class TorchWorker:
     def grads(self):
         import numpy as np
         loss = self.ask(cmd="grads")["loss"]
-        return loss, np.load(os.path.join(self.dir, "grads.npy"))
+        return loss, np.fromfile(os.path.join(self.dir, "grads.f32"), dtype=np.float32)
 
     def close(self) -> None:
         import shutil

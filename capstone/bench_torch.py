@@ -2,14 +2,15 @@
 
 Run by the Python of a separate venv that has torch (never capstone's venv); it imports nothing from
 capstone. The bench starts it, and they talk over stdin/stdout, one JSON object a line; arrays
-travel as .npy files in a directory the bench owns:
+travel as raw files (ndarray.tofile / np.fromfile: no .npy, nothing that can unpickle) in a
+directory the bench owns:
 
   {"cmd": "init", "cfg": {...}, "B": 8, "entries": [[name, shape, offset], ...], "dir": DIR, "opt": {...}}
-      builds the model from DIR/params.npy (capstone's flat buffer: the same initial values) and the
-      batch from DIR/x.npy, DIR/y.npy; AdamW with capstone's hyperparameters and decay groups
-  {"cmd": "grads"}  forward+backward only; writes DIR/grads.npy in capstone's flat layout, replies the loss
+      builds the model from DIR/params.f32 (capstone's flat buffer: the same initial values) and the
+      batch from DIR/x.i64, DIR/y.i64 (B, T); AdamW with capstone's hyperparameters and decay groups
+  {"cmd": "grads"}  forward+backward only; writes DIR/grads.f32 in capstone's flat layout, replies the loss
   {"cmd": "step"}   one timed training step (zero_grad, forward, backward, clip, AdamW); replies ms and loss
-  {"cmd": "params"} writes DIR/params_out.npy in capstone's flat layout
+  {"cmd": "params"} writes DIR/params_out.f32 in capstone's flat layout
 
 The model is the idiomatic eager one (what nanoGPT does on a CPU): nn.Linear-layout weights
 (out, in) through F.linear, F.layer_norm, F.scaled_dot_product_attention(is_causal=True),
@@ -80,9 +81,10 @@ def main() -> None:
         if cmd == "init":
             torch.set_num_threads(int(msg.get("threads", 1)))
             d = msg["dir"]
-            model = TorchGPT(msg["cfg"], msg["B"], msg["entries"], np.load(os.path.join(d, "params.npy")))
-            idx = torch.from_numpy(np.load(os.path.join(d, "x.npy")).astype(np.int64))
-            tgt = torch.from_numpy(np.load(os.path.join(d, "y.npy")).astype(np.int64))
+            B, T = msg["B"], msg["cfg"]["seq_len"]
+            model = TorchGPT(msg["cfg"], B, msg["entries"], np.fromfile(os.path.join(d, "params.f32"), dtype=np.float32))
+            idx = torch.from_numpy(np.fromfile(os.path.join(d, "x.i64"), dtype=np.int64).reshape(B, T))
+            tgt = torch.from_numpy(np.fromfile(os.path.join(d, "y.i64"), dtype=np.int64).reshape(B, T))
             o = msg["opt"]
             decay = [t for t in model.p.values() if t.dim() >= 2]
             no_decay = [t for t in model.p.values() if t.dim() < 2]
@@ -95,7 +97,7 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             loss = model.loss(idx, tgt, scale)
             loss.backward()
-            np.save(os.path.join(d, "grads.npy"), model.flat(grads=True))
+            model.flat(grads=True).tofile(os.path.join(d, "grads.f32"))
             reply = {"loss": float(loss.detach())}
         elif cmd == "step":
             t, c = time.perf_counter(), time.process_time()
@@ -107,7 +109,7 @@ def main() -> None:
             opt.step()
             reply = {"ms": 1e3 * (time.perf_counter() - t), "cpu_ms": 1e3 * (time.process_time() - c), "loss": float(loss.detach())}
         elif cmd == "params":
-            np.save(os.path.join(d, "params_out.npy"), model.flat(grads=False))
+            model.flat(grads=False).tofile(os.path.join(d, "params_out.f32"))
         elif cmd == "quit":
             break
         sys.stdout.write(json.dumps(reply) + "\n")
