@@ -19,6 +19,6 @@ PRESETS: dict[str, dict] = {
         "n_layers": 4, "n_heads": 8, "d_model": 256, "seq_len": 128, "batch_size": 8, "steps": 400,
         "lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "clip": 1.0,
         "lr_schedule": "cosine", "warmup_steps": 40, "min_lr": 1e-4,
-        "eval_every": 50, "eval_batches": 4, "eval_batch_size": 16, "ckpt_every": 100,
+        "eval_every": 100, "eval_batches": 4, "eval_batch_size": 16, "ckpt_every": 100,
     },
 }
