@@ -38,20 +38,33 @@ class Checkpointer:
 
     def save(self, state: RunState, shard: ShardState) -> dict:
         """Collective. Write checkpoint `state.step`; returns its manifest."""
-        extra = {**self.identity.to_json(), "run": state.to_json(), "provenance": self.provenance}
+        extra = {**self.identity.to_json(), "run": state.to_json(), "provenance": self.provenance,
+                 **self.extra()}
+        stored = self.to_stored(shard)
         protect = [self.manifests[0]["path"]] if self.manifests else []
-        man = checkpoint.save(self.dist, self.directory, state.step, shard, self.layout, extra,
+        man = checkpoint.save(self.dist, self.directory, state.step, stored, self.layout, extra,
                               self.keep_last, protect)
         if self.snapshot is None:
-            self.snapshot = np.stack(shard.rows())
+            self.snapshot = np.stack(stored.rows())
         self.manifests.append(man)
         self.last_save = time.monotonic()
         return man
 
     def load(self, path: str) -> tuple[ShardState, RunState, dict]:
         """Collective. Load `path` (any world size), refusing another model or data stream."""
-        shard, meta = checkpoint.load(self.dist, path, self.layout, self.identity.must_match())
-        return shard, RunState.from_json(meta["run"]), meta
+        stored, meta = checkpoint.load(self.dist, path, self.layout, self.identity.must_match())
+        return self.from_stored(stored), RunState.from_json(meta["run"]), meta
+
+    # What the file holds, when it is not this rank's shard as the optimizer has it (tensor
+    # parallelism stores the canonical 1-rank vectors and re-slices them: `tp.TPCheckpointer`).
+    def to_stored(self, shard: ShardState) -> ShardState:
+        return shard
+
+    def from_stored(self, stored: ShardState) -> ShardState:
+        return stored
+
+    def extra(self) -> dict:
+        return {}
 
     def verify_first(self) -> dict | None:
         """Collective. Reload the run's first checkpoint and compare it with its snapshot (d)."""

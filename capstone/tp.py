@@ -226,7 +226,7 @@ class TPCheckpointer(Checkpointer):
         self.grid, self.slice_layout = grid, layout
         self.maps = [positions(cfg, grid.tp, t) for t in range(grid.tp)]
 
-    def to_canonical(self, shard: ShardState) -> ShardState:
+    def to_stored(self, shard: ShardState) -> ShardState:
         """Collective. This rank's world shard of the full master/m/v from the (slice, DP shard) states."""
         g, sl = self.grid, self.slice_layout
         rows = np.ascontiguousarray(np.stack(shard.rows()))                    # (3, dp shard)
@@ -241,7 +241,7 @@ class TPCheckpointer(Checkpointer):
         lo, hi = self.layout.shard_range(g.rank)
         return ShardState(*(full[i, lo:hi].copy() for i in range(3)), t=shard.t)
 
-    def from_canonical(self, shard: ShardState) -> ShardState:
+    def from_stored(self, shard: ShardState) -> ShardState:
         """Collective. This rank's (slice, DP shard) state from its world shard of the full vectors."""
         g, sl = self.grid, self.slice_layout
         rows = np.ascontiguousarray(np.stack(shard.rows()))
@@ -253,23 +253,9 @@ class TPCheckpointer(Checkpointer):
         lo, hi = sl.shard_range(g.dp_rank)
         return ShardState(*(mine[i, lo:hi].copy() for i in range(3)), t=shard.t)
 
-    def save(self, state, shard: ShardState) -> dict:
-        extra = {**self.identity.to_json(), "run": state.to_json(), "provenance": self.provenance,
-                 "tensor_parallel": {**self.grid.describe(), "stored": "canonical 1-rank layout, sharded over the "
-                                     "world ranks; re-sliced on load"}}
-        full = self.to_canonical(shard)
-        protect = [self.manifests[0]["path"]] if self.manifests else []
-        man = checkpoint.save(self.dist, self.directory, state.step, full, self.layout, extra,
-                              self.keep_last, protect)
-        if self.snapshot is None:
-            self.snapshot = np.stack(full.rows())
-        self.manifests.append(man)
-        self.last_save = time.monotonic()
-        return man
-
-    def load(self, path: str):
-        full, run_state, meta = super().load(path)
-        return self.from_canonical(full), run_state, meta
+    def extra(self) -> dict:
+        return {"tensor_parallel": {**self.grid.describe(), "stored": "canonical 1-rank layout, sharded over "
+                                    "the world ranks; re-sliced on load"}}
 
 
 # ---- wiring (called by run.build when --tp > 1) --------------------------------------------------

@@ -31,6 +31,19 @@ def summary(out) -> dict:
         return json.load(f)
 
 
+def flip_shard_byte(path, rank: int, index: int, mask: int) -> None:
+    """XOR byte `index` of rank `rank`'s shard data in checkpoint `path` with `mask`: a real corruption
+    on disk, below HDF5 (the file's own metadata stays valid)."""
+    import h5py
+    with h5py.File(path, "r") as f:
+        offset = f[f"shards/rank{rank:05d}"].id.get_offset() + index
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)[0]
+        fh.seek(offset)
+        fh.write(bytes([byte ^ mask]))
+
+
 def by_step(out) -> dict:
     """metrics.jsonl of a run as {step: (loss, eval_loss, fingerprint)}, the latest row of a step
     winning (a resumed run repeats the steps after its checkpoint)."""

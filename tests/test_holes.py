@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import ROOT, mpi_env, mpirun, summary
+from conftest import ROOT, flip_shard_byte, mpi_env, mpirun, summary
 
 from capstone import faults
 from capstone.checkpoint import files, integrity
@@ -288,13 +288,7 @@ def test_checkpoint_inspect(kept, tmp_path):
     assert meta["step"] == 6 and meta["run"]["data_cursor"] == 48 and meta["world_size"] == 2
     damaged = tmp_path / "damaged.h5"
     shutil.copy(path, damaged)
-    with h5py.File(damaged, "r") as f:
-        offset = f["shards/rank00001"].id.get_offset()
-    with open(damaged, "r+b") as fh:
-        fh.seek(offset + 40)
-        byte = fh.read(1)
-        fh.seek(offset + 40)
-        fh.write(bytes([byte[0] ^ 0x10]))
+    flip_shard_byte(damaged, 1, 40, 0x10)
     res = checkpoint_tool("inspect", damaged)  # no digest file beside the copy: refused before parsing
     assert res.returncode == 1 and "not a valid checkpoint" in res.stderr and "BAD" not in res.stdout
     integrity.write_digest(str(damaged))  # as if damaged before it was hashed: the shard's digest catches it

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, by_step, mpi_env, mpirun, summary
+from conftest import ROOT, flip_shard_byte, by_step, mpi_env, mpirun, summary
 
 from capstone.checkpoint import files, integrity
 
@@ -93,14 +93,7 @@ def test_corrupt_latest_is_rejected_by_resume_and_verify(tmp_path):
     out = tmp_path / "run"
     assert mpirun(4, "--out", out, "--steps", "4", "--ckpt-every", "2").returncode == 0
     path = files.read_pointer(str(out / "checkpoints"))
-    import h5py
-    with h5py.File(path, "r") as f:
-        offset = f["shards/rank00002"].id.get_offset()
-    with open(path, "r+b") as fh:
-        fh.seek(offset + 100)
-        byte = fh.read(1)
-        fh.seek(offset + 100)
-        fh.write(bytes([byte[0] ^ 0x80]))
+    flip_shard_byte(path, 2, 100, 0x80)
     res = mpirun(4, "--out", out, "--steps", "6", "--resume", "latest", timeout=60)
     assert res.returncode == 1  # the whole-file digest, before HDF5 parses the file
     assert res.stderr.count(f"not a valid checkpoint: {path}: its sha256 is") == 1 and "--resume auto" in res.stderr

@@ -6,11 +6,10 @@ import shutil
 import subprocess
 import sys
 
-import h5py
 import numpy as np
 import pytest
 
-from conftest import ROOT, mpi_env, mpirun, summary
+from conftest import ROOT, flip_shard_byte, mpi_env, mpirun, summary
 
 from capstone import sample
 from capstone.config import ModelConfig
@@ -120,13 +119,7 @@ def test_corrupted_checkpoint_is_refused_like_verify(synthetic_run, tmp_path):
     bad = tmp_path / "ckpt-00000004.h5"
     shutil.copy(os.path.join(synthetic_run, "checkpoints", "ckpt-00000004.h5"), bad)
     shutil.copy(os.path.join(synthetic_run, "checkpoints", "ckpt-00000004.h5.sha256"), str(bad) + ".sha256")
-    with h5py.File(bad, "r") as f:
-        offset = f["shards/rank00001"].id.get_offset() + 4 * 123
-    with open(bad, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ 0x40]))
+    flip_shard_byte(bad, 1, 4 * 123, 0x40)
     res = cli(bad, "--prompt-ids", "1", "--tokens", 5)
     verify = subprocess.run([sys.executable, "-m", "capstone.checkpoint", "verify", str(bad)], capture_output=True,
                             text=True, env=mpi_env(), cwd=ROOT, timeout=120)
