@@ -130,15 +130,20 @@ def comm_entry(c: Collective) -> dict:
             "ms": 1e3 * c.seconds, "algbw_GBps": c.algbw / 1e9, "busbw_GBps": c.busbw / 1e9}
 
 
-def step_comm(ms: dict, padded: int, world: int) -> dict:
+def step_comm(ms: dict, padded: int, world: int, tp: tuple | None = None) -> dict:
     """The "comm" dict of a step row from its "<name>_ms" timings (rank 0's clock): one entry per
     collective that ran in the step (a time > 0; the allgather and the second allreduce do not run
-    when the guard skips the batch)."""
+    when the guard skips the batch). `tp`: (K, tp.TPComm) of a --tp run, whose f/g allreduces over
+    the K ranks of a slice make one entry, "tp_allreduce", of their summed bytes and time."""
     out = {}
     for name, (op, count, itemsize) in step_buffers(padded).items():
         t = ms.get(f"{name}_ms")
         if t is not None and t > 0:
             out[name] = comm_entry(Collective(op, count, itemsize, world, t / 1e3))
+    if tp is not None and tp[1].seconds > 0:
+        k, c = tp
+        out["tp_allreduce"] = {**comm_entry(Collective("allreduce", c.bytes // 4, 4, k, c.seconds)),
+                               "calls": c.calls, "ranks": k}
     return out
 
 
@@ -154,6 +159,12 @@ def comm_summary(rows: list[dict], padded: int, world: int, skip_first: bool = T
             entry = comm_entry(Collective(op, count, itemsize, world, statistics.median(times) / 1e3))
             entry["median_ms"] = entry.pop("ms")
             out[name] = {**entry, "steps": sum(name in r["comm"] for r in rows), "timed_steps": len(times)}
+    tp = [r["comm"]["tp_allreduce"] for r in timed if "tp_allreduce" in r["comm"]]
+    if tp:  # --tp: the f/g allreduces (per step: their summed bytes, over the K ranks of a slice)
+        entry = comm_entry(Collective("allreduce", tp[-1]["bytes"] // 4, 4, tp[-1]["ranks"],
+                                      statistics.median(e["ms"] for e in tp) / 1e3))
+        entry["median_ms"] = entry.pop("ms")
+        out["tp_allreduce"] = {**entry, "calls": tp[-1]["calls"], "steps": len(tp), "timed_steps": len(tp)}
     return out
 
 
@@ -161,7 +172,8 @@ def format_comm_summary(comm: dict) -> str:
     lines = [f"{'collective':<16} {'op':<14} {'bytes':>10} {'median ms':>9} {'algbw GB/s':>10} {'busbw GB/s':>10} "
              f"{'steps':>6}"]
     for name, e in comm.items():
-        lines.append(f"{name:<16} {e['op']:<14} {e['bytes']:>10} {e['median_ms']:>9.3f} {e['algbw_GBps']:>10.4g} "
+        op = e["op"] + (f" x{e['calls']}" if "calls" in e else "")   # --tp: the f/g allreduces, summed
+        lines.append(f"{name:<16} {op:<14} {e['bytes']:>10} {e['median_ms']:>9.3f} {e['algbw_GBps']:>10.4g} "
                      f"{e['busbw_GBps']:>10.4g} {e['steps']:>6}")
     return "\n".join(lines)
 

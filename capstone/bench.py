@@ -16,12 +16,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
+
+from .torch_worker import TorchWorker
 
 SPLIT = ("fwd_bwd_ms", "reduce_scatter_ms", "optimizer_ms", "allgather_ms", "step_ms")
 
@@ -131,43 +131,6 @@ class Stepper:
         return 1e3 * (time.perf_counter() - t), 1e3 * (time.process_time() - c), loss
 
 
-class TorchWorker:
-    """PyTorch eager twin of a Stepper in another venv's Python (capstone/bench_torch.py), same init and batch."""
-
-    def __init__(self, python: str, st: Stepper):
-        import numpy as np
-        self.dir = tempfile.mkdtemp(prefix="capstone-bench-torch-")
-        st.model.params.tofile(os.path.join(self.dir, "params.f32"))     # raw arrays: no .npy (pickle-free)
-        np.ascontiguousarray(st.x, dtype=np.int64).tofile(os.path.join(self.dir, "x.i64"))
-        np.ascontiguousarray(st.y, dtype=np.int64).tofile(os.path.join(self.dir, "y.i64"))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-        env.pop("PYTHONPATH", None)
-        env.pop("VIRTUAL_ENV", None)
-        self.proc = subprocess.Popen([python, os.path.join(os.path.dirname(__file__), "bench_torch.py")],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.info = self.ask(cmd="init", cfg=st.cfg.__dict__, B=st.B, entries=st.layout.entries, dir=self.dir,
-                             opt=OPT, threads=1)
-
-    def ask(self, **msg) -> dict:
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the torch worker exited ({self.proc.wait()})")
-        return json.loads(line)
-
-    def grads(self):
-        import numpy as np
-        loss = self.ask(cmd="grads")["loss"]
-        return loss, np.fromfile(os.path.join(self.dir, "grads.f32"), dtype=np.float32)
-
-    def close(self) -> None:
-        import shutil
-        self.proc.stdin.close()
-        self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
 def _agreement(st: Stepper, tw: TorchWorker) -> str:
     """Loss and every gradient array of one forward+backward (before any update), capstone vs torch."""
     import numpy as np
@@ -198,7 +161,7 @@ def speed(sizes: list[str], repeats: dict, torch_python: str | None, blas_steps:
           f"CPU time [wall time]; {_load()}")
     for size in sizes:
         st = Stepper(size)
-        tw = TorchWorker(torch_python, st) if torch_python else None
+        tw = TorchWorker(torch_python, st.cfg, st.layout, st.model.params, (st.x, st.y), OPT) if torch_python else None
         n = repeats[size]
         cfg = st.cfg
         head = (f"  {size:<9} C{cfg.d_model} H{cfg.n_heads} L{cfg.n_layers} T{cfg.seq_len} B{st.B} V{cfg.vocab_size} "

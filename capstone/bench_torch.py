@@ -11,6 +11,10 @@ directory the bench owns:
   {"cmd": "grads"}  forward+backward only; writes DIR/grads.f32 in capstone's flat layout, replies the loss
   {"cmd": "step"}   one timed training step (zero_grad, forward, backward, clip, AdamW); replies ms and loss
   {"cmd": "params"} writes DIR/params_out.f32 in capstone's flat layout
+  {"cmd": "train", "B": B, "lr": lr}  one training step on DIR/train_x.i64, DIR/train_y.i64 (B, T) at
+                    learning rate lr, loss scaled by 1/(B*T); replies the loss
+  {"cmd": "eval", "n": N, "S": S}     mean loss per token over N*S rows of DIR/val_x.i64, DIR/val_y.i64,
+                    forward only in batches of S rows; replies it
 
 The model is the idiomatic eager one (what nanoGPT does on a CPU): nn.Linear-layout weights
 (out, in) through F.linear, F.layer_norm, F.scaled_dot_product_attention(is_causal=True),
@@ -48,7 +52,8 @@ class TorchGPT:
         return name.endswith(".w") and not (".ln_" in name or name.startswith("ln_"))
 
     def loss(self, idx: torch.Tensor, tgt: torch.Tensor, scale: float) -> torch.Tensor:
-        p, B, T, C, H = self.p, self.B, self.T, self.C, self.H
+        p, C, H = self.p, self.C, self.H
+        B, T = idx.shape                                                        # any batch, T <= seq_len
         x = p["wte"][idx] + p["wpe"][:T]                                        # (B, T, C)
         for i in range(self.L):
             h = f"h{i}."
@@ -71,6 +76,32 @@ class TorchGPT:
             a = t.detach().numpy()
             out[off:off + math.prod(shape)] = (a.T if self._transposed(name) else a).reshape(-1)
         return out
+
+
+def _tokens(d: str, name: str, rows: int, T: int) -> torch.Tensor:
+    return torch.from_numpy(np.fromfile(os.path.join(d, name), dtype=np.int64).reshape(rows, T))
+
+
+def train(model: TorchGPT, opt, clip: float, d: str, B: int, lr: float) -> float:
+    """One AdamW step on the batch in d at learning rate lr (capstone's schedule, computed by the caller)."""
+    idx, tgt = _tokens(d, "train_x.i64", B, model.T), _tokens(d, "train_y.i64", B, model.T)
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss = model.loss(idx, tgt, 1.0 / idx.numel())
+    loss.backward()
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(list(model.p.values()), clip)
+    opt.step()
+    return float(loss.detach())
+
+
+def evaluate(model: TorchGPT, d: str, n: int, S: int) -> float:
+    """Mean loss per token over n batches of S rows (capstone's HeldOut on one rank)."""
+    idx, tgt = _tokens(d, "val_x.i64", n * S, model.T), _tokens(d, "val_y.i64", n * S, model.T)
+    with torch.no_grad():
+        total = sum(float(model.loss(idx[k * S:(k + 1) * S], tgt[k * S:(k + 1) * S], 1.0)) for k in range(n))
+    return total / idx.numel()
 
 
 def main() -> None:
@@ -108,6 +139,10 @@ def main() -> None:
                 torch.nn.utils.clip_grad_norm_(list(model.p.values()), clip)
             opt.step()
             reply = {"ms": 1e3 * (time.perf_counter() - t), "cpu_ms": 1e3 * (time.process_time() - c), "loss": float(loss.detach())}
+        elif cmd == "train":
+            reply = {"loss": train(model, opt, clip, d, msg["B"], msg["lr"])}
+        elif cmd == "eval":
+            reply = {"loss": evaluate(model, d, msg["n"], msg["S"])}
         elif cmd == "params":
             model.flat(grads=False).tofile(os.path.join(d, "params_out.f32"))
         elif cmd == "quit":

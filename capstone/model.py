@@ -72,3 +72,7 @@ class Model:
     def loss(self, x: np.ndarray, y: np.ndarray, scale: float) -> float:
         """scale * summed loss of one batch, forward only (no graph is built)."""
         return float(loss_sum(self.p, x, y, self.cfg, scale))
+
+    def whole(self) -> np.ndarray:
+        """Every parameter of the model (collective in a --tp model: the slices assembled)."""
+        return self.params

@@ -26,8 +26,10 @@ the canonical 1-rank layout sharded over the N world ranks (the usual file forma
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 from autograd.extend import defvjp, primitive
@@ -43,7 +45,16 @@ from .model import Model
 from .params import DTYPE, Layout, init_params, param_shapes
 from .zero import GradStats, ShardState, ZeroAdam
 
-TIMINGS = {"tp_allreduce": 0.0}   # seconds spent in f/g allreduces since the last reset
+@dataclass
+class TPComm:
+    """The f/g allreduces of one forward+backward: wall seconds, bytes summed (S of each), calls."""
+
+    seconds: float = 0.0
+    bytes: int = 0
+    calls: int = 0
+
+
+TP_COMM = TPComm()   # since the last reset, in TPModel.forward_backward
 
 
 # ---- the conjugate communication ops -----------------------------------------------------------
@@ -54,7 +65,9 @@ def _allreduce(x, comm):
     if comm.Get_size() > 1:
         t0 = time.perf_counter()
         comm.Allreduce(MPI.IN_PLACE, out, op=MPI.SUM)
-        TIMINGS["tp_allreduce"] += time.perf_counter() - t0
+        TP_COMM.seconds += time.perf_counter() - t0
+        TP_COMM.bytes += out.nbytes
+        TP_COMM.calls += 1
     return out
 
 
@@ -165,18 +178,22 @@ class TPModel(Model):
     def __init__(self, cfg: ModelConfig, layout: Layout, params: np.ndarray, grid):
         super().__init__(cfg, layout, params)
         self.grid = grid
-        self.tp_allreduce_s = 0.0
+        self.tp_comm = TPComm()   # the f/g allreduces of the last forward+backward
 
     def forward_backward(self, batches, scale: float) -> float:
         self.grads.fill(0.0)
-        TIMINGS["tp_allreduce"] = 0.0
+        TP_COMM.seconds, TP_COMM.bytes, TP_COMM.calls = 0.0, 0, 0
         args = (self.cfg, scale, self.grid.tp_comm, self.grid.tp)
         loss = sum(value_and_grad_into(tp_loss_sum, self.p, self.g, x, y, *args) for x, y in batches)
-        self.tp_allreduce_s = TIMINGS["tp_allreduce"]   # the f/g allreduces of this forward+backward
+        self.tp_comm = dataclasses.replace(TP_COMM)
         return loss
 
     def loss(self, x: np.ndarray, y: np.ndarray, scale: float) -> float:
         return float(tp_loss_sum(self.p, x, y, self.cfg, scale, self.grid.tp_comm, self.grid.tp))
+
+    def whole(self) -> np.ndarray:
+        """Collective over the TP group: the full parameters in the 1-rank layout (unpadded)."""
+        return full_params(self.grid, self.layout, self.cfg, self.params)
 
 
 class TPHeldOut(HeldOut):

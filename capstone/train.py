@@ -43,6 +43,7 @@ class StepResult:
     events: list = field(default_factory=list)
     stop: bool = False                        # a stop was requested on some rank
     clock_due: bool = False                   # rank 0's wall-clock checkpoint interval has passed
+    tp_comm: object = None                    # --tp: the f/g allreduces of the step (tp.TPComm)
 
 
 def train_step(run: Run, s: int) -> StepResult:
@@ -98,11 +99,11 @@ def train_step(run: Run, s: int) -> StepResult:
         roll_back(run, r)
     state.cursor += run.global_batch
     faults.flip_param_bit(dist.rank, s, model.params)                                 # test fault: (b)
-    t2 = time.perf_counter()
     r.param_norm, r.fingerprint = (fingerprint(model.params) if run.det is None       # invariant (b)
                                    else deterministic.fingerprint(model.params, model.layout.n_params))
     every = dist.allgather_json([r.param_norm, r.fingerprint])
     run.replicas.record(s, every if run.grid is None else run.grid.by_slice(every))  # --tp: per TP slice
+    t2 = time.perf_counter()
     applied = float(r.updated)  # an update ran (kept or undone)
     tm = opt.timings
     r.ms = {"step_ms": 1e3 * (t2 - t0), "fwd_bwd_ms": 1e3 * (t1 - t0),
@@ -111,7 +112,8 @@ def train_step(run: Run, s: int) -> StepResult:
             "optimizer_ms": 1e3 * applied * tm["adam"], "eval_ms": 1e3 * t_eval * evaluate,
             "allreduce_stats_ms": 1e3 * (t_reduce - tm["reduce_scatter"]), "allreduce_eval_ms": 1e3 * t_allreduce}
     if run.grid is not None and run.grid.tp > 1:  # --tp: the f/g allreduces inside fwd_bwd_ms
-        r.ms["tp_allreduce_ms"] = 1e3 * model.tp_allreduce_s
+        r.ms["tp_allreduce_ms"] = 1e3 * model.tp_comm.seconds
+        r.tp_comm = model.tp_comm
     return r
 
 
@@ -144,7 +146,8 @@ def train(run: Run) -> int:
             man = run.ckpt.save(run.state, run.opt.state)
             r.events.append({"event": "checkpoint", "path": man["path"]})
         row = report.metrics_row(r, run.global_batch * run.mcfg.seq_len, run.state.cursor * run.mcfg.seq_len,
-                                 accounting.step_comm(r.ms, run.model.layout.padded, run.dp_world),
+                                 accounting.step_comm(r.ms, run.model.layout.padded, run.dp_world,
+                                                      None if r.tp_comm is None else (run.grid.tp, r.tp_comm)),
                                  repeat=r.step <= run.metrics.last_step)
         run.metrics.write(row)
         rows.append(row)
@@ -177,7 +180,7 @@ def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> i
         "d_resume_bytes": invariants.resume_bytes(verified)}
     failed = invariants.failures(results)
     summary = report.Summary(status if not failed else "failed", run, rows, start_step, results, mem, wall,
-                             fingerprint(run.model.params))
+                             fingerprint(run.model.whole()))
     report.final(summary, verified, failed, run.dist.rank)
     if run.dist.rank == 0:
         report.write_json(os.path.join(run.out, "summary.json"), summary.to_json())
