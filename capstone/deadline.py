@@ -17,7 +17,9 @@ Only mpi4py-using modules (dist, zero, checkpoint) import this; the training loo
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import sys
 import time
 
@@ -39,11 +41,17 @@ class Deadline:
         self.step: int | None = None     # the step being run (None: start-up or the end of the run)
         self.longest_step = 0.0          # seconds, between consecutive begin_step calls
         self._step_start: float | None = None
+        self.record: str | None = None   # where expire() writes what timed out (JSON), if set
 
     def set_timeout(self, seconds: float) -> None:
         if seconds < 0:
             raise ValueError(f"the collective timeout must be >= 0 (0: automatic), got {seconds}")
         self.explicit = float(seconds)
+
+    def record_to(self, path: str) -> None:
+        """On expiry, also write what timed out to `path` (the run directory's
+        collective-timeout.json): scripts/slurm/step.sh reads it to stop a lingering mpirun and requeue."""
+        self.record = path
 
     @property
     def seconds(self) -> float:
@@ -92,4 +100,18 @@ class Deadline:
               f"the network, then rerun with --resume auto (the last complete checkpoint is intact). "
               f"Aborting the job.", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        self._write_record(what, at, waited)
         self.comm.Abort(1)
+
+    def _write_record(self, what: str, at: str, waited: float) -> None:
+        """Best effort (the run directory may be unwritable or gone): the abort must happen anyway."""
+        if self.record is None:
+            return
+        tmp = f"{self.record}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump({"rank": self.rank, "world": self.world, "host": socket.gethostname(), "pid": os.getpid(),
+                           "collective": what, "at": at, "waited_s": round(waited, 1), "time": time.time()}, f)
+            os.replace(tmp, self.record)
+        except OSError:
+            pass

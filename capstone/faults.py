@@ -9,7 +9,8 @@ at the start of step <step> (default 1), or at save point <where> of the save of
 the others must end the job at --collective-timeout (capstone.deadline).
 write_error: an OSError on one rank
 while it writes its shard of the save of step <step> (like a full disk on one node).
-With no CAPSTONE_FAULT nothing happens. `Injections` are the training-side faults that the
+With no CAPSTONE_FAULT nothing happens. CAPSTONE_FAULT_RESTART=N limits the fault to the launch
+of a Slurm job whose SLURM_RESTART_COUNT is N (0: before any requeue), so a requeued job runs clean. `Injections` are the training-side faults that the
 command line asks for (--inject-lr-spike, --inject-nan), to exercise the divergence guard.
 """
 
@@ -54,7 +55,8 @@ class InjectedFault(RuntimeError):
 
 def _spec():
     spec = os.environ.get("CAPSTONE_FAULT", "")
-    if not spec:
+    only = os.environ.get("CAPSTONE_FAULT_RESTART")   # a Slurm job's launch: the fault fires in that one only
+    if not spec or only is not None and only != os.environ.get("SLURM_RESTART_COUNT", "0"):
         return None
     point, _, rest = spec.partition(":")
     rank, _, step = rest.partition(":")

@@ -31,6 +31,8 @@ from .runstate import RunIdentity, RunState
 from .textdata import load_meta
 from .zero import ROWS, ZeroAdam
 
+TIMEOUT_RECORD = "collective-timeout.json"   # in the run directory, written by a rank whose collective timed out
+
 
 @dataclass
 class Run:
@@ -145,13 +147,14 @@ def _agreed(dist: Dist, read):
 def build(dist: Dist, settings: Settings, out: str, grid: Grid | None = None) -> Run:
     """Collective: call on all ranks. Fresh objects; rank 0's initial parameters are broadcast."""
     mcfg, tcfg, opts = settings.model, settings.train, settings.opts
+    dist.deadline.set_timeout(opts.collective_timeout)
+    dist.deadline.record_to(os.path.join(out, TIMEOUT_RECORD))   # for the batch script's watchdog
     if grid is not None and grid.tp > 1:  # --tp K: the TP-slice pieces (capstone/tp.py)
         return _build_tp(dist, settings, out, grid)
     batch = tcfg.batch_for(dist.world)
     layout = Layout.for_model(mcfg, dist.world)
     params = init_params(layout, mcfg, tcfg.seed) if dist.rank == 0 else layout.zeros()
     model = Model(mcfg, layout, params)
-    dist.deadline.set_timeout(opts.collective_timeout)
     opt = ZeroAdam(dist.comm, layout, model.params, model.grads, (tcfg.beta1, tcfg.beta2), tcfg.eps, tcfg.weight_decay,
                    deadline=dist.deadline, bucket_floats=int(opts.bucket_mb * 2**20) // 4 if opts.overlap else 0)
     data, data_identity = open_data(mcfg, tcfg, batch)

@@ -325,6 +325,30 @@ def test_preempt_signal_requeues_and_resumes(slurm_conf, tmp_path, jobs):
     check_resumed(second, k, run_dir, "requeued run")
 
 
+def test_collective_timeout_requeues_and_resumes(slurm_conf, tmp_path, jobs, reference):
+    """A rank goes silent at step 12 (CAPSTONE_FAULT=stall, first launch only): the others give up
+    at --collective-timeout 3 and write collective-timeout.json; the step fails, and step.sh
+    requeues the job, which resumes from step 10 and ends bit-identical to the uninterrupted run."""
+    (tmp_path / "runs").mkdir()
+    env = job_env(slurm_conf, CAPSTONE_FAULT="stall:1:12", CAPSTONE_FAULT_RESTART="0")
+    jid = submit(tmp_path, env, SBATCH_SCRIPT, "--collective-timeout", "3")
+    jobs.append(jid)
+    run_dir, out = tmp_path / "runs" / f"slurm-{jid}", tmp_path / "runs" / f"slurm-{jid}.out"
+    info = wait_finished(jid, env, 180, out, restarts=1)
+    log = out.read_text()
+    assert info["JobState"] == "COMPLETED" and info.get("ExitCode") == "0:0", f"{info}\n{tail(out)}"
+    assert int(info["Restarts"]) == 1, info
+    assert "capstone: collective timeout" in log and "ended after a collective timeout" in log, tail(out)
+    assert "requeueing job" in log, tail(out)
+    record = read_json(run_dir / "collective-timeout.json")
+    assert record["at"] == "step 12" and record["rank"] != 1, record
+    second = read_json(run_dir / "summary.json")
+    show("requeued after a collective timeout", jid, info, second)
+    assert second["status"] == "completed" and second["start_step"] == 10, second["status"]
+    assert_invariants_ok(second, "requeued run")
+    assert second["final_param_fingerprint"] == reference[2]["final_param_fingerprint"]
+
+
 def test_preempt_then_resubmit_same_run_dir_mpirun(slurm_conf, tmp_path, jobs):
     """Requeue off: the preempted job exits 0; a resubmission with the same CAPSTONE_RUN_DIR
     resumes from latest. Uses the mpirun launcher (its signal forwarding) inside the allocation."""

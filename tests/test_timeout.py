@@ -9,6 +9,7 @@ last complete one. (The same across hosts with a cut link: tests/test_multihost.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -69,6 +70,8 @@ def test_stalled_rank_times_out_in_the_reduce(tmp_path):
     out = tmp_path / "stall"
     rc, text, ended = stalled_run(out, "stall:1:3")
     assert_timed_out(rc, text, ended, 3, "reduce-scatter of the gradient")
+    record = json.loads((out / "collective-timeout.json").read_text())   # for the batch scripts' watchdog
+    assert record["at"] == "step 3" and record["rank"] != 1 and record["collective"] == "reduce-scatter of the gradient"
     ckpts = out / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "ckpt-00000002.h5"
     inspect_ok(ckpts / "ckpt-00000002.h5")

@@ -3,8 +3,12 @@
 #   run_step RUN_DIR PYTHON COMMAND...   -> exits the batch script with the step's status
 # bash runs a trap only between commands, and `wait` is interruptible while a foreground srun is
 # not: so the step runs in the background and this shell waits for it in a loop.
-# Environment: CAPSTONE_REQUEUE (1: requeue after a preemption checkpoint; 0: just exit 0),
-# CAPSTONE_MAX_REQUEUES (default 20).
+# A collective timeout (a rank writes RUN_DIR/collective-timeout.json, capstone/deadline.py, then
+# aborts): if the step is still running CAPSTONE_ABORT_GRACE seconds later (mpirun waiting for an
+# unreachable node's daemon, docs/multinode.md), this script kills it; then, with a checkpoint to
+# resume from, it requeues the job like a preemption (the node is probably bad: see the note printed).
+# Environment: CAPSTONE_REQUEUE (1: requeue after a preemption checkpoint or a collective timeout;
+# 0: just exit), CAPSTONE_MAX_REQUEUES (default 20), CAPSTONE_ABORT_GRACE (default 10).
 
 step_log() { echo "[capstone.sbatch $(date +%H:%M:%S)] $*"; }
 
@@ -18,14 +22,23 @@ run_step() {
     if [[ -n "$step_pid" ]]; then kill -USR1 "$step_pid" 2>/dev/null || true; fi
   }
   trap on_usr1 USR1
+  local started timed_out=""
+  started="$(date +%s)"
   "$@" &
   step_pid=$!
   while kill -0 "$step_pid" 2>/dev/null; do
-    wait "$step_pid" || true       # returns early (status > 128) when a trap ran
+    sleep 1 &
+    wait $! || true                # returns early (status > 128) when a trap ran
+    timed_out="$(timeout_record "$run_dir" "$started")"
+    [[ -n "$timed_out" ]] && stop_lingering_step "$step_pid" "$timed_out"
   done
   wait "$step_pid" || rc=$?        # bash keeps the exit status of the finished step
   trap - USR1
   step_log "job step exited with status $rc"
+  timed_out="$(timeout_record "$run_dir" "$started")"
+  if [[ $rc -ne 0 && -n "$timed_out" ]]; then
+    requeue_after_timeout "$run_dir" "$timed_out"
+  fi
   status="$("$python" -c 'import json,sys; print(json.load(open(sys.argv[1])).get("status",""))' \
     "$run_dir/summary.json" 2>/dev/null || true)"
   step_log "summary status: ${status:-<no summary.json>}"
@@ -45,4 +58,44 @@ run_step() {
     step_log "warning: signalled, exit status 0, but summary status is '${status:-none}'"
   fi
   exit "$rc"
+}
+
+# RUN_DIR/collective-timeout.json if a rank wrote it during this step (since STARTED), else nothing.
+timeout_record() {
+  local record="$1/collective-timeout.json"
+  [[ -f "$record" && $(stat -c %Y "$record") -ge $2 ]] && echo "$record"
+  return 0
+}
+
+# The ranks gave up on a collective and aborted; if the step outlives them by the grace period,
+# end it (SIGTERM, then SIGKILL): mpirun would wait for the lost node's daemon for many minutes.
+stop_lingering_step() {
+  local pid="$1" record="$2" age
+  age=$(( $(date +%s) - $(stat -c %Y "$record") ))
+  (( age >= ${CAPSTONE_ABORT_GRACE:-10} )) || return 0
+  step_log "a rank's collective timed out ${age} s ago and the job step is still running (waiting for an" \
+           "unreachable node): ending it. $(cat "$record" 2>/dev/null)"
+  kill -TERM "$pid" 2>/dev/null || true
+  sleep 5
+  kill -KILL "$pid" 2>/dev/null || true
+}
+
+# After a collective timeout: requeue to resume from the last checkpoint (Slurm may pick the same
+# node again; exclude it, or have the node drained, if it is faulty).
+requeue_after_timeout() {
+  local run_dir="$1" record="$2" restarts="${SLURM_RESTART_COUNT:-0}"
+  step_log "the job step ended after a collective timeout: $(cat "$record" 2>/dev/null)"
+  if [[ ! -e "$run_dir/checkpoints/latest" ]]; then
+    step_log "no checkpoint to resume from; not requeueing"
+    return 0
+  fi
+  if [[ -n "${SLURM_JOB_ID:-}" && "${CAPSTONE_REQUEUE:-1}" == 1 && $restarts -lt ${CAPSTONE_MAX_REQUEUES:-20} ]]; then
+    step_log "requeueing job $SLURM_JOB_ID (restart $((restarts + 1))) to resume from $run_dir/checkpoints/latest;" \
+             "if a node is faulty, drain it (scontrol update nodename=NODE state=drain reason=...)"
+    if scontrol requeue "$SLURM_JOB_ID"; then
+      exit 0
+    fi
+    step_log "scontrol requeue failed"
+  fi
+  step_log "to resume: CAPSTONE_RUN_DIR=$run_dir sbatch <this script> [same flags]"
 }
