@@ -24,6 +24,7 @@ from .deadline import Deadline
 from .params import DTYPE, Layout
 
 ROWS = ("master", "m", "v")  # the arrays of a shard's optimizer state, in checkpoint row order
+ADAM_CHUNK = 1 << 14         # elements per pass of the update: its scratch stays in L1/L2 (64 KiB)
 
 
 @dataclass
@@ -92,6 +93,7 @@ class ZeroAdam:
         self.reducer = BucketedReduceScatter(comm, layout, grads, self.g_shard, self.deadline,
                                              bucket_floats if self.overlap else layout.padded)
         self.decay_mask = self._decay_mask() if weight_decay > 0 else None
+        self._scratch = np.empty((2, ADAM_CHUNK), dtype=np.float32)
         self.timings = {"reduce_scatter": 0.0, "adam": 0.0, "allgather": 0.0}  # seconds, last step
 
     def _decay_mask(self) -> np.ndarray:
@@ -132,24 +134,41 @@ class ZeroAdam:
         """Collective: call on all ranks after `reduce_gradients`. Adam on the local shard with the
         gradient multiplied by `grad_scale` (clipping), then Allgather the shard into `params`."""
         t0 = time.perf_counter()
-        g = self.g_shard
-        if grad_scale != 1.0:
-            g *= np.float32(grad_scale)
         s = self.state
         s.t += 1
         b1, b2 = self.beta1, self.beta2
-        s.m *= np.float32(b1)
-        s.m += np.float32(1 - b1) * g
-        s.v *= np.float32(b2)
-        s.v += np.float32(1 - b2) * (g * g)
-        denom = np.sqrt(s.v)
-        denom *= np.float32(1.0 / np.sqrt(1 - b2 ** s.t))
-        denom += np.float32(self.eps)
-        if self.decay_mask is not None:
-            s.master -= np.float32(lr * self.weight_decay) * self.decay_mask * s.master
-        s.master -= np.float32(lr / (1 - b1 ** s.t)) * (s.m / denom)
+        k = (np.float32(grad_scale), np.float32(b1), np.float32(1 - b1), np.float32(b2), np.float32(1 - b2),
+             np.float32(1.0 / np.sqrt(1 - b2 ** s.t)), np.float32(self.eps), np.float32(lr * self.weight_decay),
+             np.float32(lr / (1 - b1 ** s.t)))
+        for lo in range(0, s.master.size, ADAM_CHUNK):
+            self._adam_chunk(slice(lo, lo + ADAM_CHUNK), *k)
         self.timings["adam"] = time.perf_counter() - t0
         self._publish()
+
+    def _adam_chunk(self, c: slice, scale, b1, one_b1, b2, one_b2, bias2, eps, decay, step) -> None:
+        """AdamW on elements c of the shard, in place, through cache-sized scratch buffers. The
+        operations per element are those of the whole-array expressions (the same bits)."""
+        g, m, v, master = self.g_shard[c], self.state.m[c], self.state.v[c], self.state.master[c]
+        t1, t2 = self._scratch[0][:g.size], self._scratch[1][:g.size]
+        if scale != 1.0:
+            g *= scale
+        m *= b1                                        # m = b1 m + (1 - b1) g
+        np.multiply(g, one_b1, out=t1)
+        m += t1
+        v *= b2                                        # v = b2 v + (1 - b2) g^2
+        np.multiply(g, g, out=t1)
+        t1 *= one_b2
+        v += t1
+        np.sqrt(v, out=t1)                             # denom = sqrt(v) / sqrt(1 - b2^t) + eps
+        t1 *= bias2
+        t1 += eps
+        if self.decay_mask is not None:                # decoupled weight decay (masked)
+            np.multiply(self.decay_mask[c], decay, out=t2)
+            t2 *= master
+            master -= t2
+        np.divide(m, t1, out=t2)                       # master -= lr / (1 - b1^t) * m / denom
+        t2 *= step
+        master -= t2
 
     def _publish(self) -> None:
         """Collective: call on all ranks. Copy the master shard into params and allgather it."""
