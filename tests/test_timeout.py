@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import ROOT, mpi_env
 
 TIMEOUT_S = 3          # --collective-timeout of these runs
@@ -114,3 +116,21 @@ def test_overlap_and_no_overlap_train_alike(tmp_path, run_train):
     np.testing.assert_allclose([a[s][0] for s in a], [b[s][0] for s in a], rtol=1e-6)
     np.testing.assert_allclose([a[s][1] for s in a], [b[s][1] for s in a], rtol=1e-6)
     assert [a[s][2] for s in a] == [b[s][2] for s in a], "parameter fingerprints differ"
+
+
+@pytest.mark.parametrize("env, dedicated", [({"OMPI_MCA_mpi_oversubscribe": "0"}, True),
+                                            ({"OMPI_MCA_mpi_oversubscribe": "1"}, False),
+                                            ({"OMPI_MCA_mpi_oversubscribe": "0", "OMPI_MCA_mpi_yield_when_idle": "1"}, False),
+                                            ({}, True)])
+def test_spin_long_only_when_every_rank_has_a_core(monkeypatch, env, dedicated):
+    """Waiting ranks spin 50 ms before sleeping when each has a core (sleeping only adds latency
+    there), 2 ms when ranks share cores (a spinner would take a peer's CPU)."""
+    from mpi4py import MPI
+    from capstone import deadline
+    for k in ("OMPI_MCA_mpi_oversubscribe", "OMPI_MCA_mpi_yield_when_idle"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert deadline.dedicated_cores(MPI.COMM_SELF) is dedicated
+    want = deadline.SPIN_DEDICATED_S if dedicated else deadline.SPIN_S
+    assert deadline.Deadline(MPI.COMM_SELF).spin_s == want
