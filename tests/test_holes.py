@@ -365,6 +365,7 @@ memory per rank (bytes):
    max     120576     150720      90432      90432          69.6
   mean     120576     150720      90432      90432          69.3
   meta_sha256 c2f7b7f22e507aab1431b2a60b0e0aaef39b28ba3adcb6cb13f2e31c52a2f7a5
+  /shards/rank00000  offset 0  length 7536  sha256 3a8592c3f789ab830614659cc810f7ea02645692b28d09373ef2259369b8d1af
 completed step 20 in 0.17 s; summary runs/readme/summary.json
 ```
 <!-- /figure:run -->
@@ -372,6 +373,7 @@ text
 <!-- figure:h5ls -->
 ```
 /meta_json               Dataset {3244}
+/shards/rank00000        Dataset {3, 7536}
 ```
 <!-- /figure:h5ls -->
 <!-- figure:bench -->
@@ -389,8 +391,10 @@ text
     ("5.123", "9.999", False),                                   # the bench figure is all timings
     ("4.05105", "4.05106", True),                                # a loss
     ("e13e6d44a80090f0", "e13e6d44a80090f1", True),              # a fingerprint
-    ("c2f7b7f22e", "d2f7b7f22e", True),                          # a digest
-    ("{3244}", "{3265}", True),                                  # h5ls
+    ("3a8592c3f7", "4a8592c3f7", True),                          # a shard's digest
+    ("c2f7b7f22e", "d2f7b7f22e", False),                         # the metadata's: it holds the provenance
+    ("{3, 7536}", "{3, 7537}", True),                            # h5ls
+    ("{3244}", "{3265}", False),                                 # ... but the metadata's length varies
     ("<!-- figure:h5ls -->", "<!-- figure:h5 -->", True),        # a figure block lost
 ])
 def test_readme_figures_compare(tmp_path, old, new, drift):
