@@ -130,20 +130,19 @@ def comm_entry(c: Collective) -> dict:
             "ms": 1e3 * c.seconds, "algbw_GBps": c.algbw / 1e9, "busbw_GBps": c.busbw / 1e9}
 
 
-def step_comm(ms: dict, padded: int, world: int, tp: tuple | None = None) -> dict:
+def step_comm(ms: dict, padded: int, world: int, tp=None) -> dict:
     """The "comm" dict of a step row from its "<name>_ms" timings (rank 0's clock): one entry per
     collective that ran in the step (a time > 0; the allgather and the second allreduce do not run
-    when the guard skips the batch). `tp`: (K, tp.TPComm) of a --tp run, whose f/g allreduces over
-    the K ranks of a slice make one entry, "tp_allreduce", of their summed bytes and time."""
+    when the guard skips the batch). `tp`: the tp.TPComm of a --tp run, whose f/g allreduces over
+    the ranks of a slice make one entry, "tp_allreduce", of their summed bytes and time."""
     out = {}
     for name, (op, count, itemsize) in step_buffers(padded).items():
         t = ms.get(f"{name}_ms")
         if t is not None and t > 0:
             out[name] = comm_entry(Collective(op, count, itemsize, world, t / 1e3))
-    if tp is not None and tp[1].seconds > 0:
-        k, c = tp
-        out["tp_allreduce"] = {**comm_entry(Collective("allreduce", c.bytes // 4, 4, k, c.seconds)),
-                               "calls": c.calls, "ranks": k}
+    if tp is not None and tp.seconds > 0:
+        out["tp_allreduce"] = {**comm_entry(Collective("allreduce", tp.bytes // 4, 4, tp.ranks, tp.seconds)),
+                               "calls": tp.calls, "ranks": tp.ranks}
     return out
 
 
@@ -152,19 +151,18 @@ def comm_summary(rows: list[dict], padded: int, world: int, skip_first: bool = T
     which pays warm-up, when there are more and `skip_first`), its bandwidths and the steps it ran in."""
     rows = [r for r in rows if isinstance(r.get("comm"), dict)]
     timed = rows[1:] if skip_first and len(rows) > 1 else rows
+    shapes = {name: (op, count, itemsize, world) for name, (op, count, itemsize) in step_buffers(padded).items()}
+    tp = [r["comm"]["tp_allreduce"] for r in rows if "tp_allreduce" in r["comm"]]
+    if tp:  # --tp: the f/g allreduces (per step: their summed bytes, over the ranks of a slice)
+        shapes["tp_allreduce"] = ("allreduce", tp[-1]["bytes"] // 4, 4, tp[-1]["ranks"])
     out = {}
-    for name, (op, count, itemsize) in step_buffers(padded).items():
+    for name, (op, count, itemsize, n) in shapes.items():
         times = [r["comm"][name]["ms"] for r in timed if name in r["comm"]]
         if times:
-            entry = comm_entry(Collective(op, count, itemsize, world, statistics.median(times) / 1e3))
+            entry = comm_entry(Collective(op, count, itemsize, n, statistics.median(times) / 1e3))
             entry["median_ms"] = entry.pop("ms")
-            out[name] = {**entry, "steps": sum(name in r["comm"] for r in rows), "timed_steps": len(times)}
-    tp = [r["comm"]["tp_allreduce"] for r in timed if "tp_allreduce" in r["comm"]]
-    if tp:  # --tp: the f/g allreduces (per step: their summed bytes, over the K ranks of a slice)
-        entry = comm_entry(Collective("allreduce", tp[-1]["bytes"] // 4, 4, tp[-1]["ranks"],
-                                      statistics.median(e["ms"] for e in tp) / 1e3))
-        entry["median_ms"] = entry.pop("ms")
-        out["tp_allreduce"] = {**entry, "calls": tp[-1]["calls"], "steps": len(tp), "timed_steps": len(tp)}
+            out[name] = {**entry, "steps": sum(name in r["comm"] for r in rows), "timed_steps": len(times),
+                         **({"calls": tp[-1]["calls"]} if name == "tp_allreduce" else {})}
     return out
 
 

@@ -82,11 +82,8 @@ def _tokens(d: str, name: str, rows: int, T: int) -> torch.Tensor:
     return torch.from_numpy(np.fromfile(os.path.join(d, name), dtype=np.int64).reshape(rows, T))
 
 
-def train(model: TorchGPT, opt, clip: float, d: str, B: int, lr: float) -> float:
-    """One AdamW step on the batch in d at learning rate lr (capstone's schedule, computed by the caller)."""
-    idx, tgt = _tokens(d, "train_x.i64", B, model.T), _tokens(d, "train_y.i64", B, model.T)
-    for group in opt.param_groups:
-        group["lr"] = lr
+def update(model: TorchGPT, opt, clip: float, idx: torch.Tensor, tgt: torch.Tensor) -> float:
+    """One training step: zero_grad, forward, backward, clip, AdamW; returns the loss."""
     opt.zero_grad(set_to_none=True)
     loss = model.loss(idx, tgt, 1.0 / idx.numel())
     loss.backward()
@@ -94,6 +91,13 @@ def train(model: TorchGPT, opt, clip: float, d: str, B: int, lr: float) -> float
         torch.nn.utils.clip_grad_norm_(list(model.p.values()), clip)
     opt.step()
     return float(loss.detach())
+
+
+def train(model: TorchGPT, opt, clip: float, d: str, B: int, lr: float) -> float:
+    """One AdamW step on the batch in d at learning rate lr (capstone's schedule, computed by the caller)."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    return update(model, opt, clip, _tokens(d, "train_x.i64", B, model.T), _tokens(d, "train_y.i64", B, model.T))
 
 
 def evaluate(model: TorchGPT, d: str, n: int, S: int) -> float:
@@ -122,23 +126,18 @@ def main() -> None:
             opt = torch.optim.AdamW([{"params": decay, "weight_decay": o["weight_decay"]},
                                      {"params": no_decay, "weight_decay": 0.0}],
                                     lr=o["lr"], betas=tuple(o["betas"]), eps=o["eps"])
-            scale, clip = 1.0 / idx.numel(), o["clip"]
+            clip = o["clip"]
             reply = {"torch": torch.__version__, "threads": torch.get_num_threads()}
         elif cmd == "grads":
             opt.zero_grad(set_to_none=True)
-            loss = model.loss(idx, tgt, scale)
+            loss = model.loss(idx, tgt, 1.0 / idx.numel())
             loss.backward()
             model.flat(grads=True).tofile(os.path.join(d, "grads.f32"))
             reply = {"loss": float(loss.detach())}
         elif cmd == "step":
             t, c = time.perf_counter(), time.process_time()
-            opt.zero_grad(set_to_none=True)
-            loss = model.loss(idx, tgt, scale)
-            loss.backward()
-            if clip > 0:
-                torch.nn.utils.clip_grad_norm_(list(model.p.values()), clip)
-            opt.step()
-            reply = {"ms": 1e3 * (time.perf_counter() - t), "cpu_ms": 1e3 * (time.process_time() - c), "loss": float(loss.detach())}
+            loss = update(model, opt, clip, idx, tgt)
+            reply = {"ms": 1e3 * (time.perf_counter() - t), "cpu_ms": 1e3 * (time.process_time() - c), "loss": loss}
         elif cmd == "train":
             reply = {"loss": train(model, opt, clip, d, msg["B"], msg["lr"])}
         elif cmd == "eval":

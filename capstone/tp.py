@@ -47,8 +47,10 @@ from .zero import GradStats, ShardState, ZeroAdam
 
 @dataclass
 class TPComm:
-    """The f/g allreduces of one forward+backward: wall seconds, bytes summed (S of each), calls."""
+    """The f/g allreduces of one forward+backward over a TP group of `ranks`: wall seconds, bytes
+    summed (S of each), calls."""
 
+    ranks: int = 1
     seconds: float = 0.0
     bytes: int = 0
     calls: int = 0
@@ -178,11 +180,11 @@ class TPModel(Model):
     def __init__(self, cfg: ModelConfig, layout: Layout, params: np.ndarray, grid):
         super().__init__(cfg, layout, params)
         self.grid = grid
-        self.tp_comm = TPComm()   # the f/g allreduces of the last forward+backward
+        self.tp_comm = TPComm(grid.tp)   # the f/g allreduces of the last forward+backward
 
     def forward_backward(self, batches, scale: float) -> float:
         self.grads.fill(0.0)
-        TP_COMM.seconds, TP_COMM.bytes, TP_COMM.calls = 0.0, 0, 0
+        TP_COMM.ranks, TP_COMM.seconds, TP_COMM.bytes, TP_COMM.calls = self.grid.tp, 0.0, 0, 0
         args = (self.cfg, scale, self.grid.tp_comm, self.grid.tp)
         loss = sum(value_and_grad_into(tp_loss_sum, self.p, self.g, x, y, *args) for x, y in batches)
         self.tp_comm = dataclasses.replace(TP_COMM)

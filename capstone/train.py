@@ -146,8 +146,7 @@ def train(run: Run) -> int:
             man = run.ckpt.save(run.state, run.opt.state)
             r.events.append({"event": "checkpoint", "path": man["path"]})
         row = report.metrics_row(r, run.global_batch * run.mcfg.seq_len, run.state.cursor * run.mcfg.seq_len,
-                                 accounting.step_comm(r.ms, run.model.layout.padded, run.dp_world,
-                                                      None if r.tp_comm is None else (run.grid.tp, r.tp_comm)),
+                                 accounting.step_comm(r.ms, run.model.layout.padded, run.dp_world, r.tp_comm),
                                  repeat=r.step <= run.metrics.last_step)
         run.metrics.write(row)
         rows.append(row)
