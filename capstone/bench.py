@@ -26,7 +26,7 @@ from .torch_worker import TorchWorker
 SPLIT = ("fwd_bwd_ms", "reduce_scatter_ms", "optimizer_ms", "allgather_ms", "step_ms")
 
 
-def step_split(run_dirs: list[str]) -> None:
+def step_split(run_dirs: list[str], eval_every: int = 0) -> None:
     """Median and mean of each phase over steps 2.. of every run (step 1 pays one-off warm-up)."""
     rows, walls, sizes = [], [], set()
     for d in run_dirs:
@@ -42,12 +42,31 @@ def step_split(run_dirs: list[str]) -> None:
     for key in SPLIT:
         vals = [r[key] for r in rows]
         print(f"  {key[:-3]:<18} {statistics.median(vals):>8.3f} {statistics.mean(vals):>8.3f}")
-    print(f"training loop wall time (20 steps, checkpoints, checks): median {statistics.median(walls):.3f} s")
+    print(f"training loop wall time ({len(rows) // len(run_dirs) + 1} steps, checkpoints, checks): "
+          f"median {statistics.median(walls):.3f} s")
+    print(overhead(rows, eval_every or summary["train_config"]["eval_every"]))
     if len(sizes) == 1 and any("comm" in r for r in rows):  # runs of one model on one world size
         from .accounting import comm_summary, format_comm_summary
         padded, world = sizes.pop()
         print("collectives per step over the same steps (rank 0's clock, median; nccl-tests bytes S, algbw, busbw):")
         print("  " + format_comm_summary(comm_summary(rows, padded, world, skip_first=False)).replace("\n", "\n  "))
+
+
+def overhead(rows: list[dict], eval_every: int) -> str:
+    """The whole step (checks, evaluation, logging) over its core: forward+backward, communication
+    and Adam, summed over the rows; and, from the non-evaluation steps and the cost of one
+    evaluation, the ratio of a run that evaluates every `eval_every` steps."""
+    core = lambda r: r["fwd_bwd_ms"] + r["comm_ms"] + r["optimizer_ms"]  # noqa: E731
+    extra = lambda rs: statistics.mean(r["step_ms"] - core(r) for r in rs)  # noqa: E731
+    plain, evals = [r for r in rows if r["eval_loss"] is None], [r for r in rows if r["eval_loss"] is not None]
+    line = (f"whole step / (fwd_bwd + comm + optimizer): {sum(r['step_ms'] for r in rows) / sum(map(core, rows)):.3f} "
+            f"over these {len(rows)} steps ({len(evals)} evaluating)")
+    if plain and evals:
+        per_eval = extra(evals) - extra(plain)
+        base = statistics.mean(map(core, plain))
+        line += (f"; {1 + extra(plain) / base:.3f} without evaluation; one evaluation adds {per_eval:.1f} ms, so "
+                 f"a run evaluating every {eval_every} steps: {1 + (extra(plain) + per_eval / eval_every) / base:.3f}")
+    return line
 
 
 def model(repeats: int) -> None:
@@ -59,12 +78,12 @@ def model(repeats: int) -> None:
     print(f"forward+backward of one micro-batch, serial, best of {repeats} (ms):")
     for cfg, B in ((ModelConfig(), 4), (ModelConfig(vocab_size=256, seq_len=128, d_model=256, n_heads=4, n_layers=4), 8)):
         layout = Layout.for_model(cfg, 1)
-        p = layout.views(init_params(layout, cfg, 0))
+        flat = init_params(layout, cfg, 0)
         x, y = DataStream(make_corpus(0, 1 << 16, cfg.vocab_size), cfg.seq_len, B, 0).samples(0, B)
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
-            loss_and_grad(p, x, y, cfg, 1.0 / x.size)
+            loss_and_grad(layout, flat, x, y, cfg, 1.0 / x.size)
             times.append(time.perf_counter() - t)
         print(f"  d_model {cfg.d_model:>4}, {cfg.n_layers} layers, T {cfg.seq_len:>3}, B {B}, "
               f"{layout.n_params:>8} params: {1e3 * min(times):8.2f}")
@@ -224,7 +243,7 @@ def activation_bytes(st: Stepper) -> tuple[int, int]:
 
     from .backward import _tap
     from .model import loss_sum
-    p, g = st.model.p, st.model.g
+    p, g = st.model.groups, st.model.grad_groups
     args = (st.x, st.y, st.cfg, 1.0 / st.x.size)
     tracemalloc.start()
     try:
@@ -342,6 +361,8 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("steps", help="per-step time split of finished runs")
     s.add_argument("runs", nargs="+", help="run directories (with metrics.jsonl and summary.json)")
+    s.add_argument("--eval-every", type=int, default=0,
+                   help="the evaluation interval of the whole-step ratio (default: the runs' own)")
     c = sub.add_parser("comm", help="collective timings (run under mpirun)")
     c.add_argument("--sizes", type=int, nargs="+", default=[30_144, 1_000_000, 4_000_000], help="floats per rank")
     c.add_argument("--repeats", type=int, default=10, help="repetitions; the best is reported")
@@ -367,7 +388,7 @@ def main(argv=None) -> int:
     elif args.cmd == "checks":
         checks(args.repeats)
     elif args.cmd == "steps":
-        step_split(args.runs)
+        step_split(args.runs, args.eval_every)
     elif args.cmd == "model":
         model(args.repeats)
     else:

@@ -11,7 +11,8 @@ shard is summed exactly once, so each rank ends with its ZeRO-1 shard of the sum
 after the single reduce-scatter, and moves the same bytes (an allreduce per bucket would move 2x).
 
 When: `arm(micro_batches)` before the forward+backward of a step installs a hook in
-capstone.backward's tap VJP. Each call marks one parameter's gradient final for that micro-batch;
+capstone.backward's tap VJP. Each call marks the gradients of the parameters in its sink (one array
+or a group of them) final for that micro-batch;
 a bucket is ready when all its parameters are final on the LAST micro-batch (with gradient
 accumulation the earlier ones are partial sums). Ready buckets are started strictly in order
 (highest first), so every rank issues the same collectives in the same order whatever the order
@@ -37,6 +38,7 @@ power-of-2 worlds while tuned uses recursive halving (<= 256 KiB). tests/mpi/tes
 
 from __future__ import annotations
 
+import bisect
 import collections
 
 import numpy as np
@@ -110,7 +112,7 @@ class BucketedReduceScatter:
         entries = sorted(layout.entries, key=lambda e: e[2])
         itemsize = grads.itemsize
         self.base = grads.__array_interface__["data"][0]
-        self.param_at = {off * itemsize: i for i, (_, _, off) in enumerate(entries)}  # byte offset -> param
+        self.itemsize, self.offsets = itemsize, [off for _, _, off in entries]  # a sink covers whole params
         self.bucket_of = [0] * len(entries)
         for k, bucket in enumerate(self.buckets):
             for i in bucket.params:
@@ -134,15 +136,16 @@ class BucketedReduceScatter:
         backward.set_grad_hook(self._on_grad)
 
     def _on_grad(self, sink: np.ndarray) -> None:
-        """The hook: `sink`'s gradient is final for this micro-batch."""
-        i = self.param_at.get(sink.__array_interface__["data"][0] - self.base)
-        if i is not None:
+        """The hook: the gradients of the parameters in `sink` (one or a group) are final for this
+        micro-batch."""
+        start = (sink.__array_interface__["data"][0] - self.base) // self.itemsize
+        for i in range(bisect.bisect_left(self.offsets, start), bisect.bisect_left(self.offsets, start + sink.size)):
             self.seen[i] += 1
             if self.seen[i] == self.micro_batches:
                 self.missing[self.bucket_of[i]] -= 1
-                while self.next > 0 and self.missing[self.next] == 0:
-                    self._start(self.next)
-                    self.overlapped += 1
+        while self.next > 0 and self.missing[self.next] == 0:
+            self._start(self.next)
+            self.overlapped += 1
         while self.pending and self.pending[0].Test():   # drive the outstanding collectives
             self.pending.popleft()
 

@@ -6,8 +6,8 @@ is needed to agree):
   `spike_factor` x the last accepted one, skips the batch; if the previous update was not judged
   on the held-out set (`pending`), it is undone too, since this batch is the first to see it;
 - the update, right after it: if any rank's master/m/v is non-finite, or (on evaluation steps)
-  the held-out loss rose above `spike_factor` x the last accepted one, the update is undone by
-  restoring `good`, the copy of this rank's shard state taken just before it.
+  the held-out loss rose above `spike_factor` x the last accepted one, the update is undone: the
+  optimizer restores the shard state from before it (`ZeroAdam.revert`).
 Evaluation steps include every checkpoint and the last step, so a diverged state never reaches a
 checkpoint or the end of the run, and survives at most into the next step's forward pass. Triggers count as consecutive until an update is accepted again; more
 than `max_consecutive` raise DivergenceError instead of looping.
@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from .zero import ShardState
 
 UPDATE_REASONS = ("update_nonfinite", "eval_spike")
 
@@ -50,7 +49,6 @@ class Guard:
     def __init__(self, spike_factor: float = 2.0, max_consecutive: int = 3, state: GuardState | None = None):
         self.spike_factor, self.max_consecutive = spike_factor, max_consecutive
         self.state = GuardState() if state is None else state  # updated in place (a RunState holds it)
-        self.good: ShardState | None = None  # the shard state before the update being judged
 
     def batch_verdict(self, loss: float, grad_norm: float) -> str | None:
         """None if the batch may be used for an update, else why it is skipped."""
@@ -73,13 +71,6 @@ class Guard:
             return "eval_spike"
         return None
 
-    def keep(self, state: ShardState) -> None:
-        """Copy `state` (live arrays, about to be updated): what an undone update restores."""
-        if self.good is None:
-            self.good = state.copy()
-        else:
-            self.good.copy_from(state)
-
     def accept(self, loss: float, eval_loss: float | None) -> None:
         """The update was kept: training made progress."""
         self.state.last_loss, self.state.consecutive, self.state.pending = loss, 0, eval_loss is None
@@ -87,7 +78,7 @@ class Guard:
             self.state.last_eval = eval_loss
 
     def undoes(self, reason: str) -> bool:
-        """Whether a trigger for `reason` must restore `good` (an update was applied and not kept)."""
+        """Whether a trigger for `reason` must revert the last update (it was applied and is not kept)."""
         return reason in UPDATE_REASONS or self.state.pending
 
     def triggered(self, step: int, reason: str) -> None:
@@ -99,6 +90,3 @@ class Guard:
                 f"divergence guard fired {self.state.consecutive} times without progress (last at step {step}: "
                 f"{reason}); stopping instead of looping. Lower --lr, set --clip, or resume from an "
                 f"earlier checkpoint.")
-
-    def nbytes(self) -> int:
-        return 0 if self.good is None else self.good.nbytes

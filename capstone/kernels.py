@@ -31,7 +31,7 @@ GELU_A = 0.044715
 _slot: list = [None]  # (output, saved) of the most recent forward
 
 
-def _define(name, forward, backward):
+def define(name, forward, backward):
     """Primitive `name` from forward(*args, **kw) -> (out, saved) and
     backward(g, saved, argnums, *args, **kw) -> {argnum: gradient} for (at least) the argnums asked."""
     def raw(*args, **kwargs):
@@ -68,7 +68,7 @@ def _timed_matmul(a, b, out=None):
     return r
 
 
-_mm = np.matmul  # every matmul of the kernels goes through this name
+_mm = np.matmul  # every matmul of the kernels (and capstone.blocks) goes through this name
 
 
 def time_matmuls(on: bool) -> None:
@@ -114,7 +114,7 @@ def _embed_bwd(g, _, argnums, wte, wpe, idx):
     return out
 
 
-embed = _define("embed", _embed_fwd, _embed_bwd)
+embed = define("embed", _embed_fwd, _embed_bwd)
 
 
 # ---- LayerNorm ---------------------------------------------------------------------------------
@@ -154,7 +154,7 @@ def _ln_bwd(g, saved, argnums, x, w, b, eps=1e-5):
     return out
 
 
-layer_norm = _define("layer_norm", _ln_fwd, _ln_bwd)
+layer_norm = define("layer_norm", _ln_fwd, _ln_bwd)
 
 
 # ---- linear, GELU, linear + GELU ---------------------------------------------------------------
@@ -178,7 +178,7 @@ def _linear_grads(g, argnums, x, w):
     return out
 
 
-linear = _define("linear", _linear_fwd, lambda g, _, argnums, x, w, b: _linear_grads(g, argnums, x, w))
+linear = define("linear", _linear_fwd, lambda g, _, argnums, x, w, b: _linear_grads(g, argnums, x, w))
 
 
 def _gelu_fwd(u):
@@ -211,7 +211,7 @@ def _gelu_grad(g, u, tp):
     return d
 
 
-gelu = _define("gelu", _gelu_fwd, lambda g, tp, argnums, u: {0: _gelu_grad(g, u, tp)})
+gelu = define("gelu", _gelu_fwd, lambda g, tp, argnums, u: {0: _gelu_grad(g, u, tp)})
 
 
 def _linear_gelu_fwd(x, w, b):
@@ -226,7 +226,7 @@ def _linear_gelu_bwd(g, saved, argnums, x, w, b):
     return _linear_grads(_gelu_grad(g, u, t), argnums, x, w)
 
 
-linear_gelu = _define("linear_gelu", _linear_gelu_fwd, _linear_gelu_bwd)
+linear_gelu = define("linear_gelu", _linear_gelu_fwd, _linear_gelu_bwd)
 
 
 # ---- causal multi-head attention on the fused qkv buffer ---------------------------------------
@@ -318,7 +318,7 @@ def _attention_bwd(g, saved, argnums, qkv, T, H):
     return {0: gqkv.reshape(qkv.shape)}
 
 
-causal_attention = _define("causal_attention", _attention_fwd, _attention_bwd)
+causal_attention = define("causal_attention", _attention_fwd, _attention_bwd)
 
 
 # ---- softmax cross-entropy ---------------------------------------------------------------------
@@ -340,4 +340,4 @@ def _xent_bwd(g, probs, argnums, z, targets):
     return {0: gz * g}
 
 
-cross_entropy_sum = _define("cross_entropy_sum", _xent_fwd, _xent_bwd)
+cross_entropy_sum = define("cross_entropy_sum", _xent_fwd, _xent_bwd)

@@ -7,6 +7,7 @@ equal shards on any number of ranks. Gradients use a second buffer with the same
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -35,6 +36,21 @@ def param_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         ]
     shapes += [("ln_f.w", (C,)), ("ln_f.b", (C,)), ("lm_head.w", (C, V)), ("lm_head.b", (V,))]
     return shapes
+
+
+def group_of(name: str) -> str:
+    """The parameter group of a named array: "embed" (wte, wpe), "h<i>" (block i), "head" (ln_f, lm_head)."""
+    top = name.split(".")[0]
+    return "embed" if top in ("wte", "wpe") else "head" if top in ("ln_f", "lm_head") else top
+
+
+@functools.lru_cache(maxsize=16)
+def group_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """The shapes of each group's arrays in buffer order (what capstone.blocks unpacks)."""
+    out: dict[str, tuple] = {}
+    for name, shape in param_shapes(cfg):
+        out[group_of(name)] = out.get(group_of(name), ()) + (tuple(shape),)
+    return out
 
 
 @dataclass(frozen=True)
@@ -75,6 +91,20 @@ class Layout:
             raise ValueError(f"flat buffer has shape {flat.shape}, layout needs ({self.padded},)")
         return {name: flat[off:off + math.prod(shape)].reshape(shape) for name, shape, off in self.entries}
 
+    def group_ranges(self) -> dict[str, tuple[int, int]]:
+        """[start, end) of each parameter group in the flat buffer, in order (`group_of`)."""
+        ranges: dict[str, tuple[int, int]] = {}
+        for name, shape, off in self.entries:
+            start = ranges.get(group_of(name), (off, off))[0]
+            ranges[group_of(name)] = (start, off + math.prod(shape))
+        return ranges
+
+    def groups(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """The model's inputs: each group as a 1-D view into `flat` (capstone.blocks)."""
+        if flat.shape != (self.padded,):
+            raise ValueError(f"flat buffer has shape {flat.shape}, layout needs ({self.padded},)")
+        return {g: flat[a:b] for g, (a, b) in self.group_ranges().items()}
+
     def zeros(self) -> np.ndarray:
         return np.zeros(self.padded, dtype=DTYPE)
 
@@ -103,10 +133,29 @@ def init_params(layout: Layout, cfg: ModelConfig, seed: int) -> np.ndarray:
 NORM_CHUNK = 1 << 16   # float64 copies of this many values stay in cache (a whole-buffer copy is 15x slower)
 
 
-def fingerprint(flat: np.ndarray) -> tuple[float, str]:
-    """(L2 norm in float64, sha256 prefix) of a contiguous buffer: equal on all ranks iff parameters agree."""
-    sumsq = 0.0
+def sum_squares(flat: np.ndarray, weight: np.ndarray | None = None) -> float:
+    """Sum of (weight *) squares of a vector in float64, converted chunk by chunk."""
+    total = 0.0
     for c in range(0, flat.size, NORM_CHUNK):
         x = flat[c:c + NORM_CHUNK].astype(np.float64)
-        sumsq += float(np.dot(x, x))
-    return math.sqrt(sumsq), hashlib.sha256(memoryview(np.ascontiguousarray(flat)).cast("B")).hexdigest()[:16]
+        total += float(np.dot(x if weight is None else x * weight[c:c + NORM_CHUNK], x))
+    return total
+
+
+def word_sum(flat: np.ndarray) -> int:
+    """The buffer's bytes summed as 64-bit words modulo 2**64 (an odd last 32-bit word added on its
+    own): flipping any one bit changes it by a power of two, so it always changes."""
+    u = np.ascontiguousarray(flat).reshape(-1).view(np.uint32)
+    even = u.size - u.size % 2
+    total = int(np.add.reduce(u[:even].view(np.uint64))) if even else 0
+    return (total + (int(u[-1]) if u.size % 2 else 0)) % (1 << 64)
+
+
+def fingerprint(flat: np.ndarray, strong: bool = True) -> tuple[float, str]:
+    """(L2 norm in float64, 16 hex digits) of a contiguous buffer, compared across ranks: the sha256
+    prefix (strong), else the word sum, one pass and about 30x cheaper, which any one-bit
+    difference still changes (docs/invariants.md)."""
+    norm = math.sqrt(sum_squares(flat))
+    if not strong:
+        return norm, f"{word_sum(flat):016x}"
+    return norm, hashlib.sha256(memoryview(np.ascontiguousarray(flat)).cast("B")).hexdigest()[:16]

@@ -81,7 +81,7 @@ class Run:
     def memory_row(self) -> dict:
         return {"rank": self.dist.rank, "params_bytes": self.model.params.nbytes,
                 "grads_bytes": self.model.grads.nbytes + self.opt.g_shard.nbytes,
-                "optimizer_bytes": self.opt.optimizer_nbytes(), "guard_bytes": self.guard.nbytes(),
+                "optimizer_bytes": self.opt.optimizer_nbytes(), "guard_bytes": self.opt.before_nbytes(),
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 

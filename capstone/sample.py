@@ -55,7 +55,7 @@ def resolve(target: str) -> str:
                          f"ckpt-*.h5 file, or train with --ckpt-every K first.")
 
 
-def load_checkpoint(path: str) -> tuple[dict, ModelConfig, dict]:
+def load_checkpoint(path: str) -> tuple[dict, ModelConfig, np.ndarray]:
     """(metadata, model config, named float32 parameters) of a checkpoint that passes every digest check."""
     try:
         meta, results = load_all(path)
@@ -80,7 +80,7 @@ def load_checkpoint(path: str) -> tuple[dict, ModelConfig, dict]:
     if json.loads(layout.to_json()) != meta["layout"] or layout.padded != flat.size:
         raise SampleError(1, f"{path}: its parameter layout differs from the one capstone builds for "
                              f"{meta['model_config']}; sample with the capstone version that wrote it.")
-    return meta, cfg, layout.views(np.ascontiguousarray(flat))
+    return meta, cfg, np.ascontiguousarray(flat)
 
 
 def chars_sha256(vocab: Meta) -> str:
@@ -192,14 +192,16 @@ def pick(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Gene
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), z.size - 1))
 
 
-def generate(p: dict, cfg: ModelConfig, prompt: list[int], tokens: int, temperature: float, top_k: int,
-             seed: int, cache: bool = True) -> list[int]:
+def generate(params: np.ndarray, cfg: ModelConfig, prompt: list[int], tokens: int, temperature: float,
+             top_k: int, seed: int, cache: bool = True) -> list[int]:
     """`tokens` new ids after `prompt`, each from the last seq_len ids (with a KV cache until the window
-    is full; after that every position shifts, so each step recomputes the window, as nanoGPT does)."""
+    is full; after that every position shifts, so each step recomputes the window, as nanoGPT does).
+    `params`: the flat 1-rank parameter buffer."""
     rng, T, seq = np.random.default_rng(seed), cfg.seq_len, list(prompt)
-    kv = KVCache(p, cfg)
+    layout = Layout.for_model(cfg, 1)
+    kv = KVCache(layout.views(params), cfg)
     step = (lambda: kv.forward(seq[-T:], last=True)[-1]) if cache else \
-        (lambda: full_logits(p, np.array([seq[-T:]], dtype=np.int32), cfg)[-1])
+        (lambda: full_logits(layout.groups(params), np.array([seq[-T:]], dtype=np.int32), cfg)[-1])
     z = step()
     for i in range(tokens):
         seq.append(pick(z, temperature, top_k, rng))

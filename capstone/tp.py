@@ -42,7 +42,7 @@ from .config import ModelConfig
 from .evaluate import HeldOut
 from .kernels import causal_attention, cross_entropy_sum, embed, layer_norm, linear, linear_gelu
 from .model import Model
-from .params import DTYPE, Layout, init_params, param_shapes
+from .params import DTYPE, Layout, init_params, param_shapes, sum_squares
 from .zero import GradStats, ShardState, ZeroAdam
 
 @dataclass
@@ -228,8 +228,7 @@ class TPZeroAdam(ZeroAdam):
         of [owned sum of squares, *extras]: every parameter counted once in the norm; the extras
         (identical on the K TP ranks of a replica, e.g. the loss) divided by K."""
         super().reduce_gradients()
-        g64 = self.g_shard.astype(np.float64)
-        small = np.array([np.dot(g64 * self.norm_weight, g64), *extras], dtype=np.float64)
+        small = np.array([sum_squares(self.g_shard, self.norm_weight), *extras], dtype=np.float64)
         self.grid.world_comm.Allreduce(MPI.IN_PLACE, small, op=MPI.SUM)
         return GradStats(float(np.sqrt(small[0])), small[1:] / self.grid.tp)
 

@@ -79,7 +79,6 @@ def train_step(run: Run, s: int) -> StepResult:
     if r.rollback is None:
         if run.faults.lr_mult(s) != 1.0:
             r.events.append({"event": "lr_spike_injected", "mult": run.faults.lr_mult(s)})
-        guard.keep(opt.state)
         clip = run.tcfg.clip if 0 < run.tcfg.clip < r.grad_norm else 0.0
         r.grad_norm_clipped = clip or r.grad_norm
         with np.errstate(over="ignore", invalid="ignore"):                            # judged just below
@@ -99,7 +98,7 @@ def train_step(run: Run, s: int) -> StepResult:
         roll_back(run, r)
     state.cursor += run.global_batch
     faults.flip_param_bit(dist.rank, s, model.params)                                 # test fault: (b)
-    r.param_norm, r.fingerprint = (fingerprint(model.params) if run.det is None       # invariant (b)
+    r.param_norm, r.fingerprint = (fingerprint(model.params, evaluate) if run.det is None  # invariant (b)
                                    else deterministic.fingerprint(model.params, model.layout.n_params))
     every = dist.allgather_json([r.param_norm, r.fingerprint])
     run.replicas.record(s, every if run.grid is None else run.grid.by_slice(every))  # --tp: per TP slice
@@ -122,7 +121,7 @@ def roll_back(run: Run, r: StepResult) -> None:
     undo = run.guard.undoes(r.rollback)
     run.guard.triggered(r.step, r.rollback)
     if undo:
-        run.opt.load_state(run.guard.good)
+        run.opt.revert()
     event = {"event": "rollback", "reason": r.rollback, "step": r.step, "loss": report.jsonable(r.loss),
              "eval_loss": report.jsonable(r.eval_loss), "restored_adam_t": run.opt.state.t,
              "skipped_samples": list(r.samples)}

@@ -61,6 +61,23 @@ def test_injected_nan_rolls_back_once_and_optimizer_never_sees_it(tmp_path):
     assert all(v["ok"] for v in s["invariants"].values())
 
 
+def test_a_spike_between_evaluations_is_undone_by_the_next_batch(tmp_path):
+    """--eval-every 5, spike in update 7: step 7 is not judged on the held-out set, so the update
+    stays pending; step 8's training loss spikes, and that batch is skipped and update 7 reverted:
+    the parameters after step 8 are exactly those after step 6 (word-sum fingerprints, not
+    evaluation steps), and the run ends with every invariant ok."""
+    out = tmp_path / "run"
+    res = mpirun(2, "--out", out, "--eval-every", "5", "--inject-lr-spike", "7:1000")
+    assert res.returncode == 0, res.stderr
+    s = summary(out)
+    assert [(r["step"], r["reason"], r["restored_adam_t"]) for r in s["rollbacks"]] == [(8, "loss_spike", 6)]
+    rows = metrics(out)
+    assert rows[6]["eval_loss"] is None and rows[7]["eval_loss"] is None
+    assert (rows[7]["param_norm"], rows[7]["fingerprint"]) == (rows[5]["param_norm"], rows[5]["fingerprint"])
+    assert rows[6]["fingerprint"] != rows[5]["fingerprint"]
+    assert all(v["ok"] for v in s["invariants"].values())
+
+
 def test_consecutive_triggers_stop_with_an_error(tmp_path):
     res = mpirun(2, "--out", tmp_path / "run", "--inject-nan", "5:10", "--max-rollbacks", "3", timeout=60)
     assert res.returncode == 1
@@ -207,3 +224,17 @@ def test_a_violated_invariant_fails_the_run(tmp_path):
     s = summary(out)
     assert s["status"] == "failed" and not s["invariants"]["a_loss_monotone"]["ok"]
     assert all(s["invariants"][k]["ok"] for k in ("b_params_identical", "c_optimizer_memory", "d_resume_bytes"))
+
+
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_state_finiteness_sees_one_bad_value_anywhere(bad):
+    """ShardState.finite (the update's verdict) checks rows of 1024 values with one BLAS pass and
+    the tail apart: one bad value in any array, in a full row or in the tail, is seen."""
+    from capstone.zero import ShardState
+    n = 3 * 1024 + 5
+    for row in range(3):
+        for i in (0, 1023, 2048 + 17, n - 1):
+            arrays = [np.ones(n, dtype=np.float32) for _ in range(3)]
+            assert ShardState(*arrays).finite()
+            arrays[row][i] = bad
+            assert not ShardState(*arrays).finite(), (row, i)

@@ -106,13 +106,16 @@ def test_clip_end_to_end(tmp_path, plain):
 @pytest.mark.skipif("flip_param_bit" not in faults.POINTS,
                     reason="needs the CAPSTONE_FAULT point flip_param_bit in capstone/faults.py + train.py "
                            "(issue 17: the change is in the report of branch mutants17)")
-def test_a_bit_flipped_on_one_rank_fails_the_run(tmp_path):
+@pytest.mark.parametrize("eval_every", [1, 3])
+def test_a_bit_flipped_on_one_rank_fails_the_run(tmp_path, eval_every):
     """CAPSTONE_FAULT=flip_param_bit:2:2 flips one bit of rank 2's parameters after the update of
-    step 2: invariant (b) reports that step and the job exits 1 (catches: a replica check that
+    step 2: invariant (b) reports that step and the job exits 1, whether step 2 compares sha256
+    digests (an evaluation step) or word sums (--eval-every 3) (catches: a replica check that
     cannot see a real disagreement)."""
     out = tmp_path / "run"
-    res = mpirun(3, "--out", out, "--steps", "4", "--ckpt-every", "0",
+    res = mpirun(3, "--out", out, "--steps", "4", "--ckpt-every", "0", "--eval-every", str(eval_every),
                  env_extra={"CAPSTONE_FAULT": "flip_param_bit:2:2"}, timeout=90)
+    assert (metrics(out)[1]["eval_loss"] is None) == (eval_every == 3)
     assert res.returncode == 1, res.stdout + res.stderr
     assert "INVARIANT VIOLATED" in res.stdout and "(b) parameters differ across ranks at 1 of 4 steps" in res.stdout
     s = summary(out)

@@ -1,6 +1,29 @@
 """Each invariant check fails when its condition is violated (and passes when it holds)."""
 
+import numpy as np
+import pytest
+
 from capstone import invariants
+from capstone.params import fingerprint, word_sum
+
+
+@pytest.mark.parametrize("n", [7, 8, 1001])
+def test_every_single_bit_flip_changes_the_cheap_fingerprint(n):
+    """(b) between evaluation steps compares the word sum: flipping any one of the 32 bits of any
+    value (the odd last word included) changes it, and the strong digest too."""
+    flat = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    norm, cheap = fingerprint(flat, strong=False)
+    strong = fingerprint(flat)[1]
+    assert len(cheap) == len(strong) == 16 and cheap != strong
+    for i in sorted({0, 1, n // 2, n - 1}):
+        for bit in range(32):  # exponent bits make infinities and NaNs: the norm says so, the digests too
+            flipped = flat.copy()
+            flipped.view(np.uint32)[i] ^= np.uint32(1 << bit)
+            with np.errstate(invalid="ignore", over="ignore"):
+                assert fingerprint(flipped, strong=False)[1] != cheap, (i, bit)
+                assert fingerprint(flipped)[1] != strong
+    assert word_sum(flat) == sum(int(w) for w in np.pad(flat.view(np.uint32), (0, n % 2)).view(np.uint64)) % 2**64
+    assert fingerprint(flat.copy(), strong=False) == (norm, cheap)
 
 
 def test_loss_monotone():

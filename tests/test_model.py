@@ -17,8 +17,9 @@ from capstone.config import ConfigError, ModelConfig
 from capstone.data import DataStream, make_corpus
 from capstone.kernels import causal_attention, cross_entropy_sum, embed, gelu, layer_norm, linear, linear_gelu
 from capstone.kernels import causal_mask
+from capstone.blocks import block, embedding, head_loss
 from capstone.model import logits, loss_and_grad, loss_sum
-from capstone.params import Layout, init_params
+from capstone.params import Layout, group_shapes, init_params
 
 CFG = ModelConfig(vocab_size=11, seq_len=5, d_model=8, n_heads=2, n_layers=2)
 
@@ -90,7 +91,7 @@ def ref_loss_sum(p, idx, targets, cfg, scale=1.0):
 def test_gradient_matches_finite_differences_float64():
     layout, flat = params64(CFG)
     x, y = batch(CFG)
-    _, grads = loss_and_grad(layout.views(flat), x, y, CFG, 1.0 / x.size)
+    grads = layout.views(loss_and_grad(layout, flat, x, y, CFG, 1.0 / x.size)[1])
     rng = np.random.default_rng(7)
     checked = 0
     for name, shape, off in layout.entries:
@@ -100,8 +101,8 @@ def test_gradient_matches_finite_differences_float64():
             plus, minus = flat.copy(), flat.copy()
             plus[off + i] += h
             minus[off + i] -= h
-            fd = (loss_sum(layout.views(plus), x, y, CFG, 1.0 / x.size) -
-                  loss_sum(layout.views(minus), x, y, CFG, 1.0 / x.size)) / (2 * h)
+            fd = (loss_sum(layout.groups(plus), x, y, CFG, 1.0 / x.size) -
+                  loss_sum(layout.groups(minus), x, y, CFG, 1.0 / x.size)) / (2 * h)
             analytic = grads[name].reshape(-1)[i]
             assert abs(fd - analytic) <= 1e-7 + 1e-5 * abs(fd), (name, i, fd, analytic)
             checked += 1
@@ -112,12 +113,14 @@ def test_gradient_matches_finite_differences_float64():
 def test_fast_path_matches_composed_reference(dtype, rtol):
     cfg = ModelConfig()
     layout, flat = params64(cfg)
-    p = layout.views(flat.astype(dtype))
+    flat = flat.astype(dtype)
+    p = layout.views(flat)
     x, y = batch(cfg, B=4)
-    loss, grads = loss_and_grad(p, x, y, cfg, 1.0 / x.size)
+    loss, g = loss_and_grad(layout, flat, x, y, cfg, 1.0 / x.size)
+    grads = layout.views(g)
     ref_loss, ref_grads = autograd.value_and_grad(ref_loss_sum)(p, x, y, cfg, 1.0 / x.size)
     assert abs(loss - ref_loss) <= rtol * abs(ref_loss)
-    np.testing.assert_allclose(logits(p, x, cfg), ref_logits(p, x, cfg), rtol=rtol, atol=rtol)
+    np.testing.assert_allclose(logits(layout.groups(flat), x, cfg), ref_logits(p, x, cfg), rtol=rtol, atol=rtol)
     for name, g in grads.items():
         assert g.dtype == dtype and g.shape == p[name].shape, name
         np.testing.assert_allclose(g, ref_grads[name], rtol=rtol, atol=rtol * np.abs(ref_grads[name]).max(),
@@ -126,11 +129,12 @@ def test_fast_path_matches_composed_reference(dtype, rtol):
 
 def test_loss_and_grad_equals_autograd_through_the_params_dict():
     layout, flat = params64(ModelConfig())
-    p = layout.views(flat.astype(np.float32))
+    flat = flat.astype(np.float32)
     x, y = batch(ModelConfig(), B=2)
-    loss, grads = loss_and_grad(p, x, y, ModelConfig(), 0.25)
-    loss2, grads2 = autograd.value_and_grad(loss_sum)(p, x, y, ModelConfig(), 0.25)
-    assert loss == float(loss2) and grads.keys() == grads2.keys()
+    loss, g = loss_and_grad(layout, flat, x, y, ModelConfig(), 0.25)
+    grads = layout.groups(g)
+    loss2, grads2 = autograd.value_and_grad(loss_sum)(layout.groups(flat), x, y, ModelConfig(), 0.25)
+    assert loss == float(loss2) and grads.keys() == grads2.keys() == {"embed", "h0", "h1", "head"}
     for name in grads:
         np.testing.assert_array_equal(grads[name], grads2[name], err_msg=name)
 
@@ -172,16 +176,14 @@ def test_every_backward_gradient_is_float32(vjp_dtypes):
     cfg = ModelConfig()
     layout = Layout.for_model(cfg, 1)
     x, y = batch(cfg, B=2)
-    loss, grads = loss_and_grad(layout.views(init_params(layout, cfg, 0)), x, y, cfg, 1.0 / x.size)
-    # One gradient per (node, parent): embed 2; per block ln 3+3, linear 3*3, linear_gelu 3,
-    # attention 1, residual adds 2+2 (23); ln_f 3, lm_head 3, cross-entropy 1, * scale 1; and one
-    # tap per parameter array (where its gradient lands in the buffer).
-    assert len(vjp_dtypes) == 2 + 23 * cfg.n_layers + 8 + len(layout.entries)
-    assert {n for n, _ in vjp_dtypes} == {"embed", "layer_norm", "linear", "linear_gelu", "causal_attention",
-                                          "add", "cross_entropy_sum", "multiply", "_tap"}
+    loss, grads = loss_and_grad(layout, init_params(layout, cfg, 0), x, y, cfg, 1.0 / x.size)
+    # One gradient per (node, parent): embedding 1; per block 2 (x, its group); head_loss 2,
+    # * scale 1; and one tap per parameter group (where its gradient lands in the buffer).
+    assert len(vjp_dtypes) == 1 + 2 * cfg.n_layers + 3 + len(layout.group_ranges())
+    assert {n for n, _ in vjp_dtypes} == {"embedding", "block", "head_loss", "multiply", "_tap"}
     wrong = sorted({(n, str(d)) for n, d in vjp_dtypes if d != np.float32})
     assert not wrong, f"VJPs producing non-float32 gradients: {wrong}"
-    assert all(g.dtype == np.float32 for g in grads.values())
+    assert grads.dtype == np.float32
 
 
 def test_the_dtype_recorder_catches_a_float64_vjp(vjp_dtypes):
@@ -193,6 +195,9 @@ def test_the_dtype_recorder_catches_a_float64_vjp(vjp_dtypes):
 # ---- each kernel on its own ---------------------------------------------------------------------
 
 IDS = np.array([[1, 4, 1, 0], [6, 1, 4, 4]])  # (B, T) = (2, 4), repeated ids
+SHAPES = group_shapes(ModelConfig(vocab_size=5, seq_len=4, d_model=4, n_heads=2, n_layers=1))
+SHAPES = {**SHAPES, "embed": ((7, 4), (6, 4))}                    # 7 token ids, 6 positions
+GROUP = {g: sum(math.prod(s) for s in shapes) for g, shapes in SHAPES.items()}
 TGT = np.array([0, 3, 3, 1, 4, 2])
 KERNELS = {  # name: (function of the differentiable arrays only, their shapes)
     "embed": (lambda wte, wpe: embed(wte, wpe, IDS), [(7, 3), (6, 3)]),
@@ -203,6 +208,10 @@ KERNELS = {  # name: (function of the differentiable arrays only, their shapes)
     "linear_gelu": (linear_gelu, [(4, 3), (3, 5), (5,)]),
     "attention": (lambda qkv: causal_attention(qkv, 4, 3), [(2 * 4, 3 * 6)]),  # B 2, T 4, H 3, D 2
     "cross_entropy": (lambda z: cross_entropy_sum(z, TGT), [(6, 5)]),
+    # the fused parts of capstone.blocks, each over its flat parameter group (C 4, H 2, V 5)
+    "embedding": (lambda w: embedding(w, IDS, SHAPES["embed"]), [(7 * 4 + 6 * 4,)]),
+    "block": (lambda x, w: block(x, w, 4, 2, SHAPES["h0"]), [(2 * 4, 4), (GROUP["h0"],)]),
+    "head_loss": (lambda x, w: head_loss(x, w, TGT, SHAPES["head"]), [(6, 4), (GROUP["head"],)]),
 }
 
 
@@ -289,7 +298,7 @@ def test_initial_loss_is_near_uniform_and_learnable_corpus():
     layout = Layout.for_model(cfg, 1)
     stream = DataStream(make_corpus(0, 1 << 14, cfg.vocab_size), cfg.seq_len, 8, seed=1)
     x, y = stream.samples(0, 8)
-    loss = float(loss_sum(layout.views(init_params(layout, cfg, 0)), x, y, cfg, 1.0 / x.size))
+    loss = float(loss_sum(layout.groups(init_params(layout, cfg, 0)), x, y, cfg, 1.0 / x.size))
     assert abs(loss - np.log(cfg.vocab_size)) < 0.05
 
 
@@ -305,6 +314,12 @@ def test_layout_views_share_the_buffer_and_pad_to_world():
     assert flat[layout.n_params - cfg.vocab_size:layout.n_params].sum() == 2.0 * cfg.vocab_size
     assert flat[layout.n_params:].sum() == 0.0
     assert sum(v.size for v in views.values()) == layout.n_params
+    groups = layout.groups(flat)                 # the model's inputs: contiguous, in order, views too
+    assert list(groups) == ["embed"] + [f"h{i}" for i in range(cfg.n_layers)] + ["head"]
+    ranges = list(layout.group_ranges().values())
+    assert ranges[0][0] == 0 and ranges[-1][1] == layout.n_params and all(
+        a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert groups["head"][-1] == 2.0 and np.shares_memory(groups["h1"], flat)
 
 
 def test_bad_model_config_says_what_to_do():

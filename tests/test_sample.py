@@ -97,9 +97,8 @@ def test_mismatched_vocabulary_is_refused(text_run, data, capsys):
 def test_reassembles_the_three_rank_parameters(synthetic_run):
     meta, cfg, params = sample.load_checkpoint(os.path.join(synthetic_run, "checkpoints", "ckpt-00000004.h5"))
     assert meta["world_size"] == 3 and cfg == ModelConfig(**summary(synthetic_run)["model_config"])
-    flat = np.concatenate([a.reshape(-1) for a in params.values()])
     padded = np.zeros(Layout.for_model(cfg, 3).padded, np.float32)
-    padded[:flat.size] = flat                                    # ZeRO padding is zero
+    padded[:params.size] = params                                # ZeRO padding is zero
     assert list(fingerprint(padded)) == summary(synthetic_run)["final_param_fingerprint"]
 
 
@@ -133,14 +132,14 @@ def random_model(seed=0):
     layout = Layout.for_model(cfg, 1)
     flat = init_params(layout, cfg, seed)
     flat += np.random.default_rng(seed).normal(0, 0.1, flat.shape).astype(np.float32)  # non-trivial LN and biases
-    return cfg, layout.views(flat)
+    return cfg, layout, flat
 
 
 def test_kv_cache_equals_full_forward():
-    cfg, p = random_model()
+    cfg, layout, flat = random_model()
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, cfg.seq_len)
-    want = logits(p, ids[None].astype(np.int32), cfg)                                  # (T, V)
-    kv = sample.KVCache(p, cfg)
+    want = logits(layout.groups(flat), ids[None].astype(np.int32), cfg)               # (T, V)
+    kv = sample.KVCache(layout.views(flat), cfg)
     got = np.concatenate([kv.forward(ids[:5])] + [kv.forward(ids[t:t + 1]) for t in range(5, cfg.seq_len)])
     assert got.dtype == np.float32 and np.abs(got - want).max() < 1e-5
     with pytest.raises(ValueError, match="seq_len"):
@@ -148,7 +147,7 @@ def test_kv_cache_equals_full_forward():
     kv.reset()
     assert np.abs(kv.forward(ids, last=True) - want[-1:]).max() < 1e-5                 # the top block's last row
     # past seq_len the context is cropped, as nanoGPT does: both paths pick the same tokens
-    args = (p, cfg, [1, 2, 3], 3 * cfg.seq_len, 1.0, 0, 7)
+    args = (flat, cfg, [1, 2, 3], 3 * cfg.seq_len, 1.0, 0, 7)
     assert sample.generate(*args, cache=True) == sample.generate(*args, cache=False)
 
 

@@ -77,3 +77,25 @@ def test_load_state_rebuilds_identical_params(dist):
     opt.load_state(ShardState(shard, shard * 2, shard * 3, t=7))
     assert np.array_equal(params, np.arange(layout.padded, dtype=np.float32))
     assert opt.state.t == 7 and np.array_equal(opt.state.v, shard * 3)
+
+
+def test_revert_restores_the_state_before_the_last_update_bit_for_bit(dist):
+    """apply writes the new state into the spare arrays: revert brings back the exact state (and
+    parameters) of before it, once; a second revert keeps that state; the next apply goes on from it."""
+    layout = Layout.for_model(CFG, dist.world)
+    params, grads = init_params(layout, CFG, 1), layout.zeros()
+    opt = ZeroAdam(dist.comm, layout, params, grads, weight_decay=0.1)
+    grads[:layout.n_params] = np.linspace(-1, 1, layout.n_params, dtype=np.float32) * (dist.rank + 1)
+    opt.reduce_gradients()
+    opt.apply(1e-2)
+    before = [a.copy() for a in opt.state.rows()], params.copy(), opt.state.t
+    opt.reduce_gradients()
+    opt.apply(1e-2, grad_scale=0.5)
+    assert not np.array_equal(params, before[1])
+    for _ in range(2):
+        opt.revert()
+        assert all(np.array_equal(a, b) for a, b in zip(opt.state.rows(), before[0]))
+        assert np.array_equal(params, before[1]) and opt.state.t == before[2] == 1
+    opt.reduce_gradients()
+    opt.apply(1e-2, grad_scale=0.5)
+    assert opt.state.t == 2 and not np.array_equal(params, before[1])

@@ -1,0 +1,117 @@
+"""The model's three fused parts, each one autograd primitive over one flat parameter group.
+
+`embedding` (wte, wpe), `block` (one pre-LN transformer block: LayerNorm, qkv, attention, output
+projection, residual, LayerNorm, MLP, residual) and `head_loss` (final LayerNorm, LM head,
+cross-entropy) compose the forward and backward functions of `capstone.kernels` in one VJP each.
+A group is a contiguous slice of the flat parameter buffer (`Layout.groups`), so the graph of a
+whole step has L + 3 nodes and L + 2 parameter taps instead of one node per layer and one tap per
+array: at the reference size autograd's bookkeeping was a third of the step. Each VJP returns the
+group's gradient as one flat array (the weight gradients are matmuls written into it in place).
+Shapes: N = B*T rows of width C; `shapes` lists the group's parameter shapes in buffer order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import kernels as K
+
+
+def unpack(w: np.ndarray, shapes: tuple) -> list[np.ndarray]:
+    """Views of the group's flat array w, one per shape, in order."""
+    out, off = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(w[off:off + n].reshape(shape))
+        off += n
+    return out
+
+
+def _linear_back(g, x, w, gw, gb):
+    """y = x @ w + b: dw and db written into gw, gb; returns dx = g @ w^T."""
+    K._mm(x.T, g, out=gw)
+    gb[...] = g.sum(axis=0)
+    return K._mm(g, w.T)
+
+
+def _ln_back(g, saved, x, w, gw, gb):
+    """LayerNorm: dw and db written into gw, gb; returns dx."""
+    d = K._ln_bwd(g, saved, (0, 1, 2), x, w, None)
+    gw[...], gb[...] = d[1], d[2]
+    return d[0]
+
+
+# ---- token + position embedding ---------------------------------------------------------------
+
+def _embedding_fwd(w, idx, shapes):
+    """w = [wte (V, C), wpe (>=T, C)], idx (B, T) -> (B*T, C)."""
+    return K._embed_fwd(*unpack(w, shapes), idx)
+
+
+def _embedding_bwd(g, _, argnums, w, idx, shapes):
+    d = K._embed_bwd(g, None, (0, 1), *unpack(w, shapes), idx)
+    return {0: np.concatenate([d[0].reshape(-1), d[1].reshape(-1)])}
+
+
+embedding = K.define("embedding", _embedding_fwd, _embedding_bwd)
+
+
+# ---- one transformer block ----------------------------------------------------------------------
+
+def _block_fwd(x, w, T, H, shapes):
+    """x + attn(ln_1(x)) = x1; x1 + mlp(ln_2(x1)): (B*T, C) -> (B*T, C). w holds, in order, ln_1.w/b,
+    attn.c_attn.w/b, attn.c_proj.w/b, ln_2.w/b, mlp.c_fc.w/b, mlp.c_proj.w/b."""
+    ln1w, ln1b, aw, ab, pw, pb, ln2w, ln2b, fw, fb, mw, mb = unpack(w, shapes)
+    a, s_ln1 = K._ln_fwd(x, ln1w, ln1b)
+    qkv, _ = K._linear_fwd(a, aw, ab)                                           # (B*T, 3C)
+    y, s_att = K._attention_fwd(qkv, T, H)                                      # (B*T, C)
+    x1 = x + K._linear_fwd(y, pw, pb)[0]
+    m, s_ln2 = K._ln_fwd(x1, ln2w, ln2b)
+    h, s_fc = K._linear_gelu_fwd(m, fw, fb)                                     # (B*T, 4C)
+    return x1 + K._linear_fwd(h, mw, mb)[0], (a, s_ln1, qkv, s_att, y, x1, m, s_ln2, h, s_fc)
+
+
+def _block_bwd(g, saved, argnums, x, w, T, H, shapes):
+    a, s_ln1, qkv, s_att, y, x1, m, s_ln2, h, s_fc = saved
+    gw = np.empty_like(w, dtype=np.result_type(w, g))
+    ln1w, _, aw, _, pw, _, ln2w, _, fw, _, mw, _ = unpack(w, shapes)
+    d_ln1w, d_ln1b, d_aw, d_ab, d_pw, d_pb, d_ln2w, d_ln2b, d_fw, d_fb, d_mw, d_mb = unpack(gw, shapes)
+    gu = K._gelu_grad(_linear_back(g, h, mw, d_mw, d_mb), *s_fc)                # through the MLP
+    gx1 = g + _ln_back(_linear_back(gu, m, fw, d_fw, d_fb), s_ln2, x1, ln2w, d_ln2w, d_ln2b)
+    gqkv = K._attention_bwd(_linear_back(gx1, y, pw, d_pw, d_pb), s_att, (0,), qkv, T, H)[0]
+    gx = gx1 + _ln_back(_linear_back(gqkv, a, aw, d_aw, d_ab), s_ln1, x, ln1w, d_ln1w, d_ln1b)
+    return {0: gx, 1: gw}
+
+
+block = K.define("block", _block_fwd, _block_bwd)
+
+
+# ---- final LayerNorm, LM head, cross-entropy ---------------------------------------------------
+
+def head_logits(x, w, shapes):
+    """Logits (B*T, V) of the final hidden states x (B*T, C): w = [ln_f.w, ln_f.b, lm_head.w, lm_head.b]."""
+    lnw, lnb, hw, hb = unpack(w, shapes)
+    z_in, s_ln = K._ln_fwd(x, lnw, lnb)
+    return K._linear_fwd(z_in, hw, hb)[0], (z_in, s_ln)
+
+
+def _head_loss_fwd(x, w, targets, shapes):
+    """Sum over the rows of the cross-entropy of the logits against targets (B*T,) -> scalar."""
+    z, (z_in, s_ln) = head_logits(x, w, shapes)
+    loss, probs = K._xent_fwd(z, targets)
+    return loss, (z_in, s_ln, probs)
+
+
+def _head_loss_bwd(g, saved, argnums, x, w, targets, shapes):
+    z_in, s_ln, probs = saved
+    gw = np.empty_like(w, dtype=np.result_type(w, probs))
+    lnw, _, hw, _ = unpack(w, shapes)
+    d_lnw, d_lnb, d_hw, d_hb = unpack(gw, shapes)
+    gz = K._xent_bwd(g, probs, (0,), probs, targets)[0]
+    gx = _ln_back(_linear_back(gz, z_in, hw, d_hw, d_hb), s_ln, x, lnw, d_lnw, d_lnb)
+    return {0: gx, 1: gw}
+
+
+head_loss = K.define("head_loss", _head_loss_fwd, _head_loss_bwd)
