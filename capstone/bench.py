@@ -167,14 +167,34 @@ def _agreement(st: Stepper, tw: TorchWorker) -> str:
             f"{'agree' if ok else 'DISAGREE'} (tolerance: loss 1e-5 rel, gradients 1e-3)")
 
 
+def _matmul_share(st: Stepper, tw: TorchWorker | None, steps: int) -> str:
+    """The share of capstone's step in its kernels' matmul calls (a timed wrapper); with torch, the
+    share of torch's step in its linear layers' matmuls (torch.profiler) and what 0.85x would leave."""
+    from . import kernels
+    kernels.matmul_seconds[0] = 0.0
+    kernels.time_matmuls(True)
+    try:
+        total = sum(st.step()[1] for _ in range(steps)) / 1e3
+    finally:
+        kernels.time_matmuls(False)
+    mm = kernels.matmul_seconds[0]
+    line = (f"    capstone: {mm / total:.1%} of its step in the kernels' matmul calls, attention's included "
+            f"({1e3 * mm / steps:.1f} of {1e3 * total / steps:.1f} ms; timed wrapper, {steps} steps)")
+    if tw:
+        rep = tw.ask(cmd="profile", n=steps)
+        share = rep["mm_ms"] / rep["ms"]
+        line += (f"\n    torch:    {share:.1%} of its step in aten::mm/addmm, its linear layers alone ({rep['mm_ms']:.1f} "
+                 f"of {rep['ms']:.1f} ms under torch.profiler, {steps} steps): with linear layers as fast as "
+                 f"torch's, 0.85x leaves {0.85 - share:.0%} of torch's step for all the rest, where torch takes "
+                 f"{1 - share:.0%}")
+    return line
+
+
 def speed(sizes: list[str], repeats: dict, torch_python: str | None, blas_steps: int) -> int:
     """Median single-thread step (forward+backward+reduce+clip+AdamW) at each size; capstone and
     torch steps alternate (ABBA) within one process pair, so both see the same machine load.
     Each step is timed twice: wall clock, and CPU time of the process (time.process_time), which
     leaves out the time the process waits for a core on a shared machine; the ratio is of CPU times."""
-    import numpy as np
-
-    from . import kernels
     bad = 0
     print(f"single-thread training step (forward+backward, ZeRO-1 reduce, clip, AdamW), float32, median ms of "
           f"CPU time [wall time]; {_load()}")
@@ -215,17 +235,10 @@ def speed(sizes: list[str], repeats: dict, torch_python: str | None, blas_steps:
         if tw:
             print(f"    {agree}")
             print(f"    loss after {n + 2} steps: capstone {lc:.6f}, torch {lt:.6f}")
+        if size != "reference" and blas_steps:
+            print(_matmul_share(st, tw, blas_steps if size == "medium" else max(2, blas_steps // 4)), flush=True)
+        if tw:
             tw.close()
-        if size == "medium" and blas_steps:
-            kernels.matmul_seconds[0] = 0.0
-            kernels.time_matmuls(True)
-            try:
-                total = sum(st.step()[1] for _ in range(blas_steps)) / 1e3
-            finally:
-                kernels.time_matmuls(False)
-            print(f"    BLAS share at medium: {kernels.matmul_seconds[0] / total:.1%} of the step in the kernels' "
-                  f"matmul calls (timed wrapper, {blas_steps} steps, {1e3 * total / blas_steps:.1f} ms/step)",
-                  flush=True)
         del st
     print(f"  ({_load()})")
     return 1 if bad else 0
@@ -269,7 +282,9 @@ def memory(steps: int) -> None:
              "optimizer shard": opt.optimizer_nbytes(), "activations": held}
     budget = sum(parts.values())
     print(f"memory of one rank at medium (C256 H8 L4 T128 B8 V256), {steps} training steps; {_load()}")
-    print("  " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in parts.items()) + f" MiB: sum {budget / 2**20:.1f} MiB")
+    print("  " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in parts.items()) + f" MiB: sum {budget / 2**20:.1f} MiB "
+          f"(outside it: the shard state before the last update, kept for the guard's undo, "
+          f"{opt.before_nbytes() / 2**20:.1f} MiB)")
     print(f"  forward+backward allocates at most {peak_alloc / 2**20:.1f} MiB at once (activations + backward "
           f"temporaries, tracemalloc)")
     rss = {}
@@ -282,21 +297,19 @@ def memory(steps: int) -> None:
     print(f"  RSS: before the model {rss0 / 2**20:.1f} MiB (interpreter, NumPy, MPI), step 10 {rss[10] / 2**20:.1f} MiB, "
           f"step {steps} {rss[steps] / 2**20:.1f} MiB (growth {(rss[steps] - rss[10]) / 2**20:+.1f} MiB)")
     print(f"  peak RSS {peak / 2**20:.1f} MiB = {peak / budget:.2f}x the sum; "
-          f"peak less the pre-model RSS {(peak - rss0) / 2**20:.1f} MiB = {(peak - rss0) / budget:.2f}x the sum")
+          f"peak less the pre-model RSS {(peak - rss0) / 2**20:.1f} MiB = {(peak - rss0) / budget:.2f}x the sum; "
+          f"less that and the undo state {(peak - rss0 - opt.before_nbytes()) / 2**20:.1f} MiB = "
+          f"{(peak - rss0 - opt.before_nbytes()) / budget:.2f}x")
 
 
 # ---- train.py's per-step checks ----------------------------------------------------------------
 
 def checks(repeats: int) -> None:
-    """What train_step adds to a step at medium: the fingerprint (float64 norm + sha256 of the flat
-    parameters) every step, and the held-out evaluation (the `medium` preset's 4 x 16 sequences,
-    forward only) on evaluation steps."""
-    import hashlib
-
-    import numpy as np
-
+    """What train_step adds to a step at medium: the replica fingerprint (float64 norm + word sum,
+    or + sha256 on evaluation steps), the update's finiteness check, and the held-out evaluation
+    (the `medium` preset's sequences, forward only) on evaluation steps."""
     from .evaluate import HeldOut
-    from .params import fingerprint
+    from .params import fingerprint, sum_squares, word_sum
     from .presets import PRESETS
     st = Stepper("medium")
     pre = PRESETS["medium"]
@@ -312,16 +325,16 @@ def checks(repeats: int) -> None:
         return 1e3 * statistics.median(ts)
     st.step()
     step = statistics.median(st.step()[1] for _ in range(max(3, repeats // 4)))
-    fp = med(lambda: fingerprint(flat))
-    sha = med(lambda: hashlib.sha256(flat.tobytes()).hexdigest())
-    sha_view = med(lambda: hashlib.sha256(memoryview(flat).cast("B")).hexdigest())
-    norm = med(lambda: float(np.sqrt(np.dot(flat.astype(np.float64), flat.astype(np.float64)))))
+    cheap, strong = med(lambda: fingerprint(flat, strong=False)), med(lambda: fingerprint(flat))
+    norm, words = med(lambda: sum_squares(flat)), med(lambda: word_sum(flat))
+    finite = med(st.opt.state.finite)
     ev = med(lambda: heldout.loss_share(st.model), max(3, repeats // 4))
     every = pre["eval_every"]
     print(f"train.py's checks at medium ({st.layout.n_params} params, {flat.nbytes / 2**20:.1f} MiB), median ms of CPU time; {_load()}")
     print(f"  training step {step:.1f}")
-    print(f"  fingerprint every step {fp:.2f} ({fp / step:.1%} of a step): float64 norm {norm:.2f}, "
-          f"sha256 of a tobytes() copy {sha:.2f} (of the buffer in place {sha_view:.2f})")
+    print(f"  fingerprint between evaluations {cheap:.2f} ({cheap / step:.1%} of a step): float64 norm {norm:.2f}, "
+          f"word sum {words:.2f}; on evaluation steps (sha256) {strong:.2f}")
+    print(f"  finiteness of master, m, v after the update {finite:.2f} ({finite / step:.1%})")
     print(f"  held-out eval ({pre['eval_batches']} x {pre['eval_batch_size']} sequences, forward) {ev:.1f} "
           f"= {ev / step:.2f} steps; every {every} steps: {ev / every / step:.1%} of a step on average")
 

@@ -11,6 +11,8 @@ directory the bench owns:
   {"cmd": "grads"}  forward+backward only; writes DIR/grads.f32 in capstone's flat layout, replies the loss
   {"cmd": "step"}   one timed training step (zero_grad, forward, backward, clip, AdamW); replies ms and loss
   {"cmd": "params"} writes DIR/params_out.f32 in capstone's flat layout
+  {"cmd": "profile", "n": N}  N training steps under torch.profiler; replies ms per step (self CPU
+                    of every op) and mm_ms, the part in the linear layers' matmuls (aten::mm/addmm)
   {"cmd": "train", "B": B, "lr": lr}  one training step on DIR/train_x.i64, DIR/train_y.i64 (B, T) at
                     learning rate lr, loss scaled by 1/(B*T); replies the loss
   {"cmd": "eval", "n": N, "S": S}     mean loss per token over N*S rows of DIR/val_x.i64, DIR/val_y.i64,
@@ -108,6 +110,20 @@ def evaluate(model: TorchGPT, d: str, n: int, S: int) -> float:
     return total / idx.numel()
 
 
+def profile(model: TorchGPT, opt, clip: float, idx: torch.Tensor, tgt: torch.Tensor, n: int) -> dict:
+    """n training steps under torch.profiler: per step, the self CPU ms of all ops and of the linear
+    layers' matmuls (aten::mm, aten::addmm: forward and both backward products)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            update(model, opt, clip, idx, tgt)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) / 1e3 / n
+    mm = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::addmm")) / 1e3 / n
+    return {"ms": total, "mm_ms": mm}
+
+
 def main() -> None:
     model = opt = None
     for line in sys.stdin:
@@ -138,6 +154,8 @@ def main() -> None:
             t, c = time.perf_counter(), time.process_time()
             loss = update(model, opt, clip, idx, tgt)
             reply = {"ms": 1e3 * (time.perf_counter() - t), "cpu_ms": 1e3 * (time.process_time() - c), "loss": loss}
+        elif cmd == "profile":
+            reply = profile(model, opt, clip, idx, tgt, int(msg["n"]))
         elif cmd == "train":
             reply = {"loss": train(model, opt, clip, d, msg["B"], msg["lr"])}
         elif cmd == "eval":

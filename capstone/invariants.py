@@ -3,7 +3,7 @@
 (a) the loss decreases: the held-out loss at the evaluation points never rises by more than
     loss_monotone allows, and ends below where it began (the training loss is measured on a new
     batch every step, so its batch-to-batch noise is reported, not judged);
-(b) every rank holds the same parameters at every step (norm and sha256 fingerprint);
+(b) every rank holds the same parameters at every step (norm and digest: sha256 on evaluation steps);
 (c) optimizer bytes per rank equal 12 * P / N, up to the padding of the flat buffer;
 (d) the first checkpoint of the run reloads byte-equal to the in-memory snapshot taken when saving.
 """
