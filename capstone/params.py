@@ -85,10 +85,13 @@ class Layout:
         """[lo, hi) of the flat buffer owned by `rank`."""
         return rank * self.shard, (rank + 1) * self.shard
 
-    def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
-        """Named arrays that are views into `flat` (writes go straight into the buffer)."""
+    def _check(self, flat: np.ndarray) -> None:
         if flat.shape != (self.padded,):
             raise ValueError(f"flat buffer has shape {flat.shape}, layout needs ({self.padded},)")
+
+    def views(self, flat: np.ndarray) -> dict[str, np.ndarray]:
+        """Named arrays that are views into `flat` (writes go straight into the buffer)."""
+        self._check(flat)
         return {name: flat[off:off + math.prod(shape)].reshape(shape) for name, shape, off in self.entries}
 
     def group_ranges(self) -> dict[str, tuple[int, int]]:
@@ -101,8 +104,7 @@ class Layout:
 
     def groups(self, flat: np.ndarray) -> dict[str, np.ndarray]:
         """The model's inputs: each group as a 1-D view into `flat` (capstone.blocks)."""
-        if flat.shape != (self.padded,):
-            raise ValueError(f"flat buffer has shape {flat.shape}, layout needs ({self.padded},)")
+        self._check(flat)
         return {g: flat[a:b] for g, (a, b) in self.group_ranges().items()}
 
     def zeros(self) -> np.ndarray:

@@ -51,9 +51,6 @@ class ShardState:
     def rows(self) -> list[np.ndarray]:
         return [getattr(self, r) for r in ROWS]
 
-    def copy(self) -> "ShardState":
-        return ShardState(*(np.array(a) for a in self.rows()), t=self.t)
-
     def copy_from(self, other: "ShardState") -> None:
         for r in ROWS:
             src, dst = getattr(other, r), getattr(self, r)
