@@ -190,14 +190,25 @@ def _matmul_share(st: Stepper, tw: TorchWorker | None, steps: int) -> str:
     return line
 
 
+def _pin_to_one_cpu() -> str:
+    """Pin this process, and so the torch worker it starts, to its current CPU: capstone and torch
+    then share one core's clock, caches and neighbours (on a shared VM, two cores can differ by 30%)."""
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        return "one CPU"
+    cpu = os.sched_getcpu() if hasattr(os, "sched_getcpu") else min(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpu})
+    return f"capstone and torch both pinned to CPU {cpu}"
+
+
 def speed(sizes: list[str], repeats: dict, torch_python: str | None, blas_steps: int) -> int:
     """Median single-thread step (forward+backward+reduce+clip+AdamW) at each size; capstone and
     torch steps alternate (ABBA) within one process pair, so both see the same machine load.
     Each step is timed twice: wall clock, and CPU time of the process (time.process_time), which
     leaves out the time the process waits for a core on a shared machine; the ratio is of CPU times."""
     bad = 0
+    cpu = _pin_to_one_cpu()
     print(f"single-thread training step (forward+backward, ZeRO-1 reduce, clip, AdamW), float32, median ms of "
-          f"CPU time [wall time]; {_load()}")
+          f"CPU time [wall time]; {_load()}; {cpu}")
     for size in sizes:
         st = Stepper(size)
         tw = TorchWorker(torch_python, st.cfg, st.layout, st.model.params, (st.x, st.y), OPT) if torch_python else None

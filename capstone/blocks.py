@@ -12,6 +12,7 @@ Shapes: N = B*T rows of width C; `shapes` lists the group's parameter shapes in 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -19,20 +20,22 @@ import numpy as np
 from . import kernels as K
 
 
+@functools.lru_cache(maxsize=64)
+def _spans(shapes: tuple) -> tuple:
+    """((start, end, shape), ...) of each shape's slice of a group's flat array."""
+    ends = np.cumsum([math.prod(shape) for shape in shapes]).tolist()
+    return tuple(zip([0] + ends[:-1], ends, shapes))
+
+
 def unpack(w: np.ndarray, shapes: tuple) -> list[np.ndarray]:
     """Views of the group's flat array w, one per shape, in order."""
-    out, off = [], 0
-    for shape in shapes:
-        n = math.prod(shape)
-        out.append(w[off:off + n].reshape(shape))
-        off += n
-    return out
+    return [w[a:b].reshape(shape) for a, b, shape in _spans(shapes)]
 
 
 def _linear_back(g, x, w, gw, gb):
     """y = x @ w + b: dw and db written into gw, gb; returns dx = g @ w^T."""
     K._mm(x.T, g, out=gw)
-    gb[...] = g.sum(axis=0)
+    K._add(g, axis=0, out=gb)
     return K._mm(g, w.T)
 
 

@@ -28,6 +28,7 @@ from autograd.extend import defvjp_argnums, primitive
 GELU_K = math.sqrt(2.0 / math.pi)
 GELU_A = 0.044715
 
+_add, _max = np.add.reduce, np.maximum.reduce  # ndarray.sum / .max without their Python wrapper
 _slot: list = [None]  # (output, saved) of the most recent forward
 
 
@@ -105,12 +106,12 @@ def _embed_bwd(g, _, argnums, wte, wpe, idx):
         ids = idx.reshape(-1)
         order = np.argsort(ids, kind="stable")
         sorted_ids = ids[order]
-        starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+        starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
         out[0] = np.zeros_like(wte)
         out[0][sorted_ids[starts]] = np.add.reduceat(g[order], starts, axis=0)
     if 1 in argnums:
         out[1] = np.zeros_like(wpe)
-        out[1][:T] = g.reshape(B, T, -1).sum(axis=0)
+        np.add.reduce(g.reshape(B, T, -1), axis=0, out=out[1][:T])
     return out
 
 
@@ -127,7 +128,7 @@ def _rowdot(a, b):
 def _ln_fwd(x, w, b, eps=1e-5):
     """LayerNorm over the last axis: x (..., C), w/b (C,). Saves xhat (..., C) and 1/std (..., 1)."""
     inv_c = 1.0 / x.shape[-1]
-    xhat = x - x.sum(axis=-1, keepdims=True) * inv_c
+    xhat = x - _add(x, axis=-1, keepdims=True) * inv_c
     rstd = 1.0 / np.sqrt(_rowdot(xhat, xhat) * inv_c + eps)
     xhat *= rstd
     y = xhat * w
@@ -141,13 +142,13 @@ def _ln_bwd(g, saved, argnums, x, w, b, eps=1e-5):
     lead = tuple(range(x.ndim - 1))
     out = {}
     if 1 in argnums:
-        out[1] = (g * xhat).sum(axis=lead)
+        out[1] = _add(g * xhat, axis=lead)
     if 2 in argnums:
-        out[2] = g.sum(axis=lead)
+        out[2] = _add(g, axis=lead)
     if 0 in argnums:  # dx = rstd * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat)), gxhat = g * w
         gx = g * w
         mean_gx = _rowdot(gx, xhat) * inv_c
-        gx -= gx.sum(axis=-1, keepdims=True) * inv_c
+        gx -= _add(gx, axis=-1, keepdims=True) * inv_c
         gx -= xhat * mean_gx
         gx *= rstd
         out[0] = gx
@@ -174,7 +175,7 @@ def _linear_grads(g, argnums, x, w):
     if 1 in argnums:
         out[1] = _mm(x.T, g)
     if 2 in argnums:
-        out[2] = g.sum(axis=0)
+        out[2] = _add(g, axis=0)
     return out
 
 
@@ -282,9 +283,9 @@ def _attention_fwd(qkv, T, H):
     for s, e_ in _query_blocks(T):
         e = _mm(qs[:, :, s:e_], k[:, :, :e_].swapaxes(-1, -2))   # S: (B, H, e - s, e)
         e[..., s:] += _cached_mask(e_ - s)
-        e -= e.max(axis=-1, keepdims=True)                       # shift-invariant: exact
+        e -= _max(e, axis=-1, keepdims=True)                       # shift-invariant: exact
         np.exp(e, out=e)
-        r = e.sum(axis=-1, keepdims=True)
+        r = _add(e, axis=-1, keepdims=True)
         np.reciprocal(r, out=r)
         out = yh[:, :, s:e_]
         _mm(e, v[:, :, :e_], out=out)
@@ -326,9 +327,9 @@ causal_attention = define("causal_attention", _attention_fwd, _attention_bwd)
 def _xent_fwd(z, targets):
     """Sum over rows of -log softmax(z)[target]: z (N, V), targets (N,) ints -> scalar; saves softmax."""
     rows = np.arange(z.shape[0])
-    zs = z - z.max(axis=1, keepdims=True)
+    zs = z - _max(z, axis=1, keepdims=True)
     e = np.exp(zs)
-    s = e.sum(axis=1, keepdims=True)                             # (N, 1)
+    s = _add(e, axis=1, keepdims=True)                           # (N, 1)
     loss = (np.log(s[:, 0]) - zs[rows, targets]).sum()
     e /= s
     return loss, e

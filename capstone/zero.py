@@ -24,7 +24,7 @@ from .deadline import Deadline
 from .params import DTYPE, Layout, sum_squares
 
 ROWS = ("master", "m", "v")  # the arrays of a shard's optimizer state, in checkpoint row order
-ADAM_CHUNK = 1 << 14         # elements per pass of the update: its scratch stays in L1/L2 (64 KiB)
+ADAM_CHUNK = 1 << 16         # elements per pass of the update: the arrays of one pass stay in L2 (256 KiB each)
 
 
 _ZEROS = np.zeros(1024, dtype=DTYPE)

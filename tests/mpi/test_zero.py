@@ -28,8 +28,10 @@ def reference_adam(p, grads, lr, b1, b2, eps, wd, decay):
     return p
 
 
-@pytest.mark.parametrize("wd", [0.0, 0.1])
-def test_zero1_equals_plain_adam(dist, wd):
+@pytest.mark.parametrize("wd,chunk", [(0.0, None), (0.1, None), (0.1, 37)])
+def test_zero1_equals_plain_adam(dist, wd, chunk, monkeypatch):
+    if chunk:  # the update in passes of 37 elements: several per shard, and a shorter last one
+        monkeypatch.setattr("capstone.zero.ADAM_CHUNK", chunk)
     layout = Layout.for_model(CFG, dist.world)
     params = init_params(layout, CFG, 5) if dist.rank == 0 else layout.zeros()
     grads = layout.zeros()
