@@ -282,21 +282,30 @@ def activation_bytes(st: Stepper) -> tuple[int, int]:
     return held, peak
 
 
+def _status_kib(*keys: str) -> list[int]:
+    """Fields of /proc/self/status in KiB (VmHWM: peak RSS; RssFile: file-backed pages, the mapped
+    libraries, which every rank on a node shares through the page cache)."""
+    with open("/proc/self/status") as f:
+        d = dict(line.split(":", 1) for line in f)
+    return [int(d[k].split()[0]) for k in keys]
+
+
 def memory(steps: int) -> None:
-    """RSS of one rank training at medium: at steps 10 and `steps` (growth), and the peak against
-    params + grads + optimizer shard + activations."""
-    rss0 = _rss()
+    """RSS of one rank training at medium: at steps 10 and `steps` (growth), and the peak (all of
+    it, and its private part) against params + grads + optimizer state + activations."""
+    rss0, (file0,) = _rss(), _status_kib("RssFile")
     st = Stepper("medium")
     held, peak_alloc = activation_bytes(st)
     m, opt = st.model, st.opt
     parts = {"params": m.params.nbytes, "grads": m.grads.nbytes + opt.g_shard.nbytes,
-             "optimizer shard": opt.optimizer_nbytes(), "activations": held}
+             "optimizer state": opt.optimizer_nbytes() + opt.before_nbytes(), "activations": held}
     budget = sum(parts.values())
+    mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     print(f"memory of one rank at medium (C256 H8 L4 T128 B8 V256), {steps} training steps; {_load()}")
-    print("  " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in parts.items()) + f" MiB: sum {budget / 2**20:.1f} MiB "
-          f"(outside it: the shard state before the last update, kept for the guard's undo, "
-          f"{opt.before_nbytes() / 2**20:.1f} MiB)")
-    print(f"  forward+backward allocates at most {peak_alloc / 2**20:.1f} MiB at once (activations + backward "
+    print("  " + ", ".join(f"{k} {mib(v)}" for k, v in parts.items()) + f" MiB: sum {mib(budget)} MiB (the optimizer "
+          f"state is ZeroAdam's shard state, {mib(opt.optimizer_nbytes())}, and the spare it writes the update into, "
+          f"which keeps the state before the last update for the guard's undo)")
+    print(f"  forward+backward allocates at most {mib(peak_alloc)} MiB at once (activations + backward "
           f"temporaries, tracemalloc)")
     rss = {}
     for s in range(1, steps + 1):
@@ -304,13 +313,15 @@ def memory(steps: int) -> None:
         st.step(x, y)
         if s in (10, steps):
             rss[s] = _rss()
-    peak = _peak_rss()
-    print(f"  RSS: before the model {rss0 / 2**20:.1f} MiB (interpreter, NumPy, MPI), step 10 {rss[10] / 2**20:.1f} MiB, "
-          f"step {steps} {rss[steps] / 2**20:.1f} MiB (growth {(rss[steps] - rss[10]) / 2**20:+.1f} MiB)")
-    print(f"  peak RSS {peak / 2**20:.1f} MiB = {peak / budget:.2f}x the sum; "
-          f"peak less the pre-model RSS {(peak - rss0) / 2**20:.1f} MiB = {(peak - rss0) / budget:.2f}x the sum; "
-          f"less that and the undo state {(peak - rss0 - opt.before_nbytes()) / 2**20:.1f} MiB = "
-          f"{(peak - rss0 - opt.before_nbytes()) / budget:.2f}x")
+    peak, (hwm, file1) = _peak_rss(), _status_kib("VmHWM", "RssFile")
+    private = (hwm - min(file0, file1)) * 1024  # at least the private part of the peak
+    print(f"  RSS: before the model {mib(rss0)} MiB (interpreter, NumPy, MPI; {mib(file0 * 1024)} of it mapped "
+          f"files), step 10 {mib(rss[10])} MiB, step {steps} {mib(rss[steps])} MiB (growth "
+          f"{(rss[steps] - rss[10]) / 2**20:+.1f} MiB)")
+    print(f"  peak RSS {mib(peak)} MiB = {peak / budget:.2f}x the sum; of it private (not the mapped libraries "
+          f"and files, {mib(file1 * 1024)} MiB, which all ranks on a node share) at most {mib(private)} MiB = "
+          f"{private / budget:.2f}x the sum; peak less the whole pre-model RSS {mib(peak - rss0)} MiB = "
+          f"{(peak - rss0) / budget:.2f}x")
 
 
 # ---- train.py's per-step checks ----------------------------------------------------------------

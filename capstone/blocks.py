@@ -39,9 +39,9 @@ def _linear_back(g, x, w, gw, gb):
     return K._mm(g, w.T)
 
 
-def _ln_back(g, saved, x, w, gw, gb):
+def _ln_back(g, saved, w, gw, gb):
     """LayerNorm: dw and db written into gw, gb; returns dx."""
-    d = K._ln_bwd(g, saved, (0, 1, 2), x, w, None)
+    d = K._ln_bwd(g, saved, (0, 1, 2), g, w, None)  # the input only gives the shape: g's
     gw[...], gb[...] = d[1], d[2]
     return d[0]
 
@@ -73,18 +73,21 @@ def _block_fwd(x, w, T, H, shapes):
     x1 = x + K._linear_fwd(y, pw, pb)[0]
     m, s_ln2 = K._ln_fwd(x1, ln2w, ln2b)
     h, s_fc = K._linear_gelu_fwd(m, fw, fb)                                     # (B*T, 4C)
-    return x1 + K._linear_fwd(h, mw, mb)[0], (a, s_ln1, qkv, s_att, y, x1, m, s_ln2, h, s_fc)
+    return x1 + K._linear_fwd(h, mw, mb)[0], (a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc)
 
 
 def _block_bwd(g, saved, argnums, x, w, T, H, shapes):
-    a, s_ln1, qkv, s_att, y, x1, m, s_ln2, h, s_fc = saved
+    a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc = saved
     gw = np.empty_like(w, dtype=np.result_type(w, g))
     ln1w, _, aw, _, pw, _, ln2w, _, fw, _, mw, _ = unpack(w, shapes)
     d_ln1w, d_ln1b, d_aw, d_ab, d_pw, d_pb, d_ln2w, d_ln2b, d_fw, d_fb, d_mw, d_mb = unpack(gw, shapes)
-    gu = K._gelu_grad(_linear_back(g, h, mw, d_mw, d_mb), *s_fc)                # through the MLP
-    gx1 = g + _ln_back(_linear_back(gu, m, fw, d_fw, d_fb), s_ln2, x1, ln2w, d_ln2w, d_ln2b)
+    gh = _linear_back(g, h, mw, d_mw, d_mb)                                     # (B*T, 4C)
+    gm = _linear_back(K._gelu_grad(gh, *s_fc, out=gh), m, fw, d_fw, d_fb)       # through the MLP
+    del gh                                                                      # before the attention's temporaries
+    gx1 = g + _ln_back(gm, s_ln2, ln2w, d_ln2w, d_ln2b)
+    del gm
     gqkv = K._attention_bwd(_linear_back(gx1, y, pw, d_pw, d_pb), s_att, (0,), qkv, T, H)[0]
-    gx = gx1 + _ln_back(_linear_back(gqkv, a, aw, d_aw, d_ab), s_ln1, x, ln1w, d_ln1w, d_ln1b)
+    gx = gx1 + _ln_back(_linear_back(gqkv, a, aw, d_aw, d_ab), s_ln1, ln1w, d_ln1w, d_ln1b)
     return {0: gx, 1: gw}
 
 
@@ -113,7 +116,7 @@ def _head_loss_bwd(g, saved, argnums, x, w, targets, shapes):
     lnw, _, hw, _ = unpack(w, shapes)
     d_lnw, d_lnb, d_hw, d_hb = unpack(gw, shapes)
     gz = K._xent_bwd(g, probs, (0,), probs, targets)[0]
-    gx = _ln_back(_linear_back(gz, z_in, hw, d_hw, d_hb), s_ln, x, lnw, d_lnw, d_lnb)
+    gx = _ln_back(_linear_back(gz, z_in, hw, d_hw, d_hb), s_ln, lnw, d_lnw, d_lnb)
     return {0: gx, 1: gw}
 
 

@@ -109,12 +109,14 @@ class ZeroAdam:
         self.timings = {"reduce_scatter": 0.0, "adam": 0.0, "allgather": 0.0}  # seconds, last step
 
     def _decay_mask(self) -> np.ndarray:
-        """1.0 where weight decay applies (matrices and embeddings), 0.0 for biases and LayerNorm."""
-        full = np.zeros(self.layout.padded, dtype=DTYPE)
+        """True where weight decay applies (matrices and embeddings), False for biases and LayerNorm:
+        one byte per element of the shard."""
+        mask = np.zeros(self.hi - self.lo, dtype=bool)
         for _, shape, off in self.layout.entries:
-            if len(shape) >= 2:
-                full[off:off + int(np.prod(shape))] = 1.0
-        return full[self.lo:self.hi].copy()
+            a, b = max(off, self.lo), min(off + int(np.prod(shape)), self.hi)
+            if len(shape) >= 2 and a < b:
+                mask[a - self.lo:b - self.lo] = True
+        return mask
 
     def optimizer_nbytes(self) -> int:
         """Bytes of optimizer state held by this rank: fp32 master + Adam m + Adam v."""
