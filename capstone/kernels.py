@@ -259,14 +259,6 @@ def _split_heads(qkv, T, H):
     return qkv5[0], qkv5[1], qkv5[2]
 
 
-@functools.lru_cache(maxsize=8)
-def _key_major_mask(T: int) -> np.ndarray:
-    """(T, T) additive mask indexed [key, query]: -inf where the key comes after the query."""
-    mask = np.ascontiguousarray(causal_mask(T).T)
-    mask.flags.writeable = False
-    return mask
-
-
 def _heads(a, B, T, H):
     """(B*T, C) -> (B, H, T, D) view."""
     return a.reshape(B, T, H, -1).transpose(0, 2, 1, 3)
