@@ -35,7 +35,6 @@ import numpy as np
 from autograd.extend import defvjp, primitive
 from mpi4py import MPI
 
-from . import checkpoint
 from .backward import value_and_grad_into
 from .checkpointer import Checkpointer
 from .config import ModelConfig

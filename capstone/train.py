@@ -169,7 +169,7 @@ def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> i
     """Collective: call on all ranks. The four invariants, the report, summary.json; the exit code."""
     verified = run.ckpt.verify_first()
     mem = run.dist.allgather_json(run.memory_row())
-    state, layout = run.state, run.model.layout
+    layout = run.model.layout
     results = {
         "a_loss_monotone": loss_invariant(run, start_step),
         "b_params_identical": invariants.params_identical(run.replicas.mismatches, run.replicas.checked),

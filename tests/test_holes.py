@@ -92,7 +92,7 @@ def test_clip_end_to_end(tmp_path, plain):
         res = mpirun(n, "--out", out, "--steps", "6", "--ckpt-every", "0", "--clip", "0.5", "--grad-accum", accum)
         assert res.returncode == 0, res.stderr
         runs[n] = (summary(out), metrics(out))
-    (clipped, rows), (one, one_rows), unclipped = runs[4], runs[1], summary(plain)
+    (clipped, rows), (_, one_rows), unclipped = runs[4], runs[1], summary(plain)
     assert all(r["grad_norm"] > 0.5 and r["grad_norm_clipped"] == pytest.approx(0.5) for r in rows)
     assert clipped["final_param_fingerprint"][1] != unclipped["final_param_fingerprint"][1]
     assert [r["fingerprint"] for r in rows][1:] != [r["fingerprint"] for r in metrics(plain)][1:]

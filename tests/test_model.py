@@ -270,8 +270,8 @@ def test_blocked_attention_equals_unblocked_float32(monkeypatch):
     qkv = rng.standard_normal((2 * T, 3 * 8), dtype=np.float32)
     g = rng.standard_normal((2 * T, 8), dtype=np.float32)
     results = []
-    for block in (64, 10**6):
-        monkeypatch.setattr(kernels, "ATTN_BLOCK", block)
+    for rows in (64, 10**6):
+        monkeypatch.setattr(kernels, "ATTN_BLOCK", rows)
         vjp, y = autograd.make_vjp(lambda a: causal_attention(a, T, H))(qkv)
         results.append((y, vjp(g), len(kernels._query_blocks(T))))
     (y1, g1, n1), (y2, g2, n2) = results

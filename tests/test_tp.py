@@ -1,11 +1,9 @@
 """--tp K end to end (each test launches mpirun): TP x DP grids against the 1-rank run with the
 same global batch, refused grids, and checkpoints restored across grids."""
 
-import json
 import os
 import shutil
 
-import h5py
 import numpy as np
 import pytest
 

@@ -3,7 +3,6 @@ failure modes (bad flags, an exception on one rank)."""
 
 import hashlib
 import json
-import os
 
 import h5py
 import pytest
