@@ -182,35 +182,42 @@ def _linear_grads(g, argnums, x, w):
 linear = define("linear", _linear_fwd, lambda g, _, argnums, x, w, b: _linear_grads(g, argnums, x, w))
 
 
+GELU_BLOCK = 1 << 16  # elements per block of the GELU's passes: 256 KiB per array, in L2
+
+
+def _row_blocks(u):
+    """Slices of u's first axis of about GELU_BLOCK elements each (one slice for 0-d and 1-d u), so
+    that the several passes of the GELU's arithmetic over a block run from L2, not memory."""
+    if u.ndim < 2:
+        return [Ellipsis]
+    rows = max(1, GELU_BLOCK // max(1, u[0].size))
+    return [slice(s, s + rows) for s in range(0, len(u), rows)]
+
+
 def _gelu_fwd(u):
     """GELU, tanh approximation (GPT-2), any shape: 0.5 u (1 + t), t = tanh(K (u + A u^3)).
-    Saves 1 + t for the backward. In-place arithmetic: fresh layer-sized temporaries cost more
-    (page faults, cache misses) than the math."""
-    t = u * u
-    t *= GELU_A
-    t += 1.0
-    t *= u
-    t *= GELU_K
-    np.tanh(t, out=t)
-    t += 1.0                                            # 1 + t
-    y = t * u
-    y *= 0.5
+    Saves 1 + t for the backward. In-place arithmetic over row blocks: fresh layer-sized temporaries,
+    and passes over arrays larger than the cache, cost more than the math."""
+    t, y = np.empty_like(u), np.empty_like(u)
+    for r in _row_blocks(u):
+        ur, tr, yr = u[r], t[r], y[r]
+        np.multiply(ur, ur, out=tr)
+        tr *= GELU_A
+        tr += 1.0
+        tr *= ur
+        tr *= GELU_K
+        np.tanh(tr, out=tr)
+        tr += 1.0                                       # 1 + t
+        np.multiply(tr, ur, out=yr)
+        yr *= 0.5
     return y, t
-
-
-GELU_BLOCK = 1 << 15  # elements per pass of the GELU backward: its temporaries stay in L2 (128 KiB each)
 
 
 def _gelu_grad(g, u, tp, out=None):
     """g * d gelu(u) / du = g (1 + t) (0.5 + 0.5 u (1 - t) K (1 + 3 A u^2)), tp = 1 + t, into `out`
-    (may be g itself; default: a new array). Row blocks of about GELU_BLOCK elements, so the two
-    temporaries are small and every pass reads from cache."""
-    if u.ndim == 0:
-        return _gelu_grad(np.reshape(g, 1), u.reshape(1), tp.reshape(1))[0]
+    (may be g itself; default: a new array), over row blocks: the two temporaries are small."""
     out = np.empty_like(u) if out is None else out
-    rows = max(1, GELU_BLOCK // max(1, u[0].size)) if u.ndim > 1 else max(1, len(u))
-    for s in range(0, len(u), rows):
-        r = slice(s, s + rows)
+    for r in _row_blocks(u):
         d = u[r] * u[r]
         d *= 1.5 * GELU_A * GELU_K
         d += 0.5 * GELU_K
