@@ -280,6 +280,25 @@ def test_blocked_attention_equals_unblocked_float32(monkeypatch):
     np.testing.assert_allclose(g1, g2, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(10, 7), (3, 4, 5), (9,), ()])
+def test_gelu_in_row_blocks_equals_one_pass_bit_for_bit(monkeypatch, shape):
+    """GELU_BLOCK 14: rows of 7 in blocks of 2 rows and a ragged last block; 1-d and 0-d in one block."""
+    rng = np.random.default_rng(5)
+    u = np.asarray(rng.standard_normal(shape, dtype=np.float32))
+    g = np.asarray(rng.standard_normal(shape, dtype=np.float32))
+    results = []
+    for block_elems in (14, 10**9):
+        monkeypatch.setattr(kernels, "GELU_BLOCK", block_elems)
+        assert len(kernels._row_blocks(u)) == (-(-shape[0] // max(1, 14 // math.prod(shape[1:])))
+                                                if len(shape) >= 2 and block_elems == 14 else 1)
+        y, tp = kernels._gelu_fwd(u)
+        results.append((y, tp, kernels._gelu_grad(g, u, tp), kernels._gelu_grad(g.copy(), u, tp, out=g.copy())))
+    for a, b in zip(*results):
+        assert a.dtype == np.float32 and a.shape == shape and np.array_equal(a, b)
+    t = np.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u.astype(np.float64) ** 3))
+    np.testing.assert_allclose(results[0][0], 0.5 * u * (1 + t), rtol=1e-5, atol=1e-6)
+
+
 def test_vjp_recomputes_the_forward_when_the_stash_misses():
     fn, args, g = kernel_case("linear_gelu", np.float64)
     ans = linear_gelu(*args)
