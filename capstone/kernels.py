@@ -118,6 +118,20 @@ def _embed_bwd(g, _, argnums, wte, wpe, idx):
 embed = define("embed", _embed_fwd, _embed_bwd)
 
 
+# ---- row blocks: the elementwise passes of LayerNorm and GELU, a cache-sized block at a time ------
+
+ROW_BLOCK = 1 << 16  # elements per row block of the GELU's and LayerNorm's passes: 256 KiB per array, in L2
+
+
+def _row_blocks(u):
+    """Slices of u's first axis of about ROW_BLOCK elements each (one slice for 0-d and 1-d u), so
+    that the several passes of the GELU's (or LayerNorm's) arithmetic over a block run from L2."""
+    if u.ndim < 2:
+        return [Ellipsis]
+    rows = max(1, ROW_BLOCK // max(1, u[0].size))
+    return [slice(s, s + rows) for s in range(0, len(u), rows)]
+
+
 # ---- LayerNorm ---------------------------------------------------------------------------------
 
 def _rowdot(a, b):
@@ -126,13 +140,20 @@ def _rowdot(a, b):
 
 
 def _ln_fwd(x, w, b, eps=1e-5):
-    """LayerNorm over the last axis: x (..., C), w/b (C,). Saves xhat (..., C) and 1/std (..., 1)."""
+    """LayerNorm over the last axis: x (..., C), w/b (C,). Saves xhat (..., C) and 1/std (..., 1).
+    Row blocks (`_row_blocks`): each row's passes run from cache."""
     inv_c = 1.0 / x.shape[-1]
-    xhat = x - _add(x, axis=-1, keepdims=True) * inv_c
-    rstd = 1.0 / np.sqrt(_rowdot(xhat, xhat) * inv_c + eps)
-    xhat *= rstd
-    y = xhat * w
-    y += b
+    xhat, y = np.empty_like(x), np.empty_like(x, dtype=np.result_type(x, w, b))
+    rstd = np.empty(x.shape[:-1] + (1,), dtype=x.dtype)
+    for r in _row_blocks(x):
+        xh, xr = xhat[r], x[r]
+        np.subtract(xr, _add(xr, axis=-1, keepdims=True) * inv_c, out=xh)
+        rs = rstd[r]
+        np.divide(1.0, np.sqrt(_rowdot(xh, xh) * inv_c + eps), out=rs)
+        xh *= rs
+        yr = y[r]
+        np.multiply(xh, w, out=yr)
+        yr += b
     return y, (xhat, rstd)
 
 
@@ -146,11 +167,14 @@ def _ln_bwd(g, saved, argnums, x, w, b, eps=1e-5):
     if 2 in argnums:
         out[2] = _add(g, axis=lead)
     if 0 in argnums:  # dx = rstd * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat)), gxhat = g * w
-        gx = g * w
-        mean_gx = _rowdot(gx, xhat) * inv_c
-        gx -= _add(gx, axis=-1, keepdims=True) * inv_c
-        gx -= xhat * mean_gx
-        gx *= rstd
+        gx = np.empty_like(g, dtype=np.result_type(g, w))
+        for r in _row_blocks(g):                        # row by row: in blocks from cache
+            gr, xh = gx[r], xhat[r]
+            np.multiply(g[r], w, out=gr)
+            mean_gx = _rowdot(gr, xh) * inv_c
+            gr -= _add(gr, axis=-1, keepdims=True) * inv_c
+            gr -= xh * mean_gx
+            gr *= rstd[r]
         out[0] = gx
     return out
 
@@ -180,18 +204,6 @@ def _linear_grads(g, argnums, x, w):
 
 
 linear = define("linear", _linear_fwd, lambda g, _, argnums, x, w, b: _linear_grads(g, argnums, x, w))
-
-
-GELU_BLOCK = 1 << 16  # elements per block of the GELU's passes: 256 KiB per array, in L2
-
-
-def _row_blocks(u):
-    """Slices of u's first axis of about GELU_BLOCK elements each (one slice for 0-d and 1-d u), so
-    that the several passes of the GELU's arithmetic over a block run from L2, not memory."""
-    if u.ndim < 2:
-        return [Ellipsis]
-    rows = max(1, GELU_BLOCK // max(1, u[0].size))
-    return [slice(s, s + rows) for s in range(0, len(u), rows)]
 
 
 def _gelu_fwd(u):

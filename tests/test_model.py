@@ -282,13 +282,13 @@ def test_blocked_attention_equals_unblocked_float32(monkeypatch):
 
 @pytest.mark.parametrize("shape", [(10, 7), (3, 4, 5), (9,), ()])
 def test_gelu_in_row_blocks_equals_one_pass_bit_for_bit(monkeypatch, shape):
-    """GELU_BLOCK 14: rows of 7 in blocks of 2 rows and a ragged last block; 1-d and 0-d in one block."""
+    """ROW_BLOCK 14: rows of 7 in blocks of 2 rows and a ragged last block; 1-d and 0-d in one block."""
     rng = np.random.default_rng(5)
     u = np.asarray(rng.standard_normal(shape, dtype=np.float32))
     g = np.asarray(rng.standard_normal(shape, dtype=np.float32))
     results = []
     for block_elems in (14, 10**9):
-        monkeypatch.setattr(kernels, "GELU_BLOCK", block_elems)
+        monkeypatch.setattr(kernels, "ROW_BLOCK", block_elems)
         assert len(kernels._row_blocks(u)) == (-(-shape[0] // max(1, 14 // math.prod(shape[1:])))
                                                 if len(shape) >= 2 and block_elems == 14 else 1)
         y, tp = kernels._gelu_fwd(u)
@@ -297,6 +297,23 @@ def test_gelu_in_row_blocks_equals_one_pass_bit_for_bit(monkeypatch, shape):
         assert a.dtype == np.float32 and a.shape == shape and np.array_equal(a, b)
     t = np.tanh(math.sqrt(2 / math.pi) * (u + 0.044715 * u.astype(np.float64) ** 3))
     np.testing.assert_allclose(results[0][0], 0.5 * u * (1 + t), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(10, 7), (3, 4, 5), (9,)])
+def test_layer_norm_in_row_blocks_equals_one_pass_bit_for_bit(monkeypatch, shape):
+    rng = np.random.default_rng(6)
+    x, g = (rng.standard_normal(shape, dtype=np.float32) for _ in range(2))
+    w, b = (rng.standard_normal(shape[-1], dtype=np.float32) for _ in range(2))
+    results = []
+    for block_elems in (14, 10**9):
+        monkeypatch.setattr(kernels, "ROW_BLOCK", block_elems)
+        y, saved = kernels._ln_fwd(x, w, b)
+        d = kernels._ln_bwd(g, saved, (0, 1, 2), x, w, b)
+        results.append((y, *saved, d[0], d[1], d[2]))
+    for a, c in zip(*results):
+        assert a.dtype == np.float32 and np.array_equal(a, c)
+    mu, var = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+    np.testing.assert_allclose(results[0][0], (x - mu) / np.sqrt(var + 1e-5) * w + b, rtol=1e-4, atol=1e-5)
 
 
 def test_vjp_recomputes_the_forward_when_the_stash_misses():
