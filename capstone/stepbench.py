@@ -31,15 +31,12 @@ def _load() -> str:
     return "load average %.2f %.2f %.2f" % os.getloadavg()
 
 
-def _rss() -> int:
-    """Resident set size of this process now, bytes."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss() -> int:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _status_kib(*keys: str) -> list[int]:
+    """Fields of /proc/self/status in KiB (VmHWM: peak RSS; RssFile: file-backed pages, the mapped
+    libraries, which every rank on a node shares through the page cache)."""
+    with open("/proc/self/status") as f:
+        d = dict(line.split(":", 1) for line in f)
+    return [int(d[k].split()[0]) for k in keys]
 
 
 class Stepper:
@@ -207,18 +204,10 @@ def activation_bytes(st: Stepper) -> tuple[int, int]:
     return held, peak
 
 
-def _status_kib(*keys: str) -> list[int]:
-    """Fields of /proc/self/status in KiB (VmHWM: peak RSS; RssFile: file-backed pages, the mapped
-    libraries, which every rank on a node shares through the page cache)."""
-    with open("/proc/self/status") as f:
-        d = dict(line.split(":", 1) for line in f)
-    return [int(d[k].split()[0]) for k in keys]
-
-
 def memory(steps: int) -> None:
     """RSS of one rank training at medium: at steps 10 and `steps` (growth), and the peak (all of
     it, and its private part) against params + grads + optimizer state + activations."""
-    rss0, (file0,) = _rss(), _status_kib("RssFile")
+    rss0, file0 = (1024 * kib for kib in _status_kib("VmRSS", "RssFile"))
     st = Stepper("medium")
     held, peak_alloc = activation_bytes(st)
     m, opt = st.model, st.opt
@@ -237,14 +226,14 @@ def memory(steps: int) -> None:
         x, y = st.stream.samples(s * st.B, st.B)
         st.step(x, y)
         if s in (10, steps):
-            rss[s] = _rss()
-    peak, (hwm, file1) = _peak_rss(), _status_kib("VmHWM", "RssFile")
-    private = (hwm - min(file0, file1)) * 1024  # at least the private part of the peak
-    print(f"  RSS: before the model {mib(rss0)} MiB (interpreter, NumPy, MPI; {mib(file0 * 1024)} of it mapped "
+            rss[s] = 1024 * _status_kib("VmRSS")[0]
+    peak, file1 = (1024 * kib for kib in _status_kib("VmHWM", "RssFile"))
+    private = peak - min(file0, file1)  # at least the private part of the peak
+    print(f"  RSS: before the model {mib(rss0)} MiB (interpreter, NumPy, MPI; {mib(file0)} of it mapped "
           f"files), step 10 {mib(rss[10])} MiB, step {steps} {mib(rss[steps])} MiB (growth "
           f"{(rss[steps] - rss[10]) / 2**20:+.1f} MiB)")
     print(f"  peak RSS {mib(peak)} MiB = {peak / budget:.2f}x the sum; of it private (not the mapped libraries "
-          f"and files, {mib(file1 * 1024)} MiB, which all ranks on a node share) at most {mib(private)} MiB = "
+          f"and files, {mib(file1)} MiB, which all ranks on a node share) at most {mib(private)} MiB = "
           f"{private / budget:.2f}x the sum; peak less the whole pre-model RSS {mib(peak - rss0)} MiB = "
           f"{(peak - rss0) / budget:.2f}x")
 
