@@ -141,8 +141,8 @@ def main(argv=None) -> int:
     ch = sub.add_parser("checks", help="cost of train.py's fingerprint and held-out eval at medium")
     ch.add_argument("--repeats", type=int, default=20)
     args = p.parse_args(argv)
-    from .train import _tune_malloc  # the heap settings every training rank runs with
-    _tune_malloc()
+    from .heap import keep_freed_memory  # the heap settings every training rank runs with
+    keep_freed_memory()
     if args.cmd == "speed":
         reps = {"reference": 200, "medium": 20, "large": 5}
         return speed(args.sizes, {k: args.repeats or v for k, v in reps.items()}, args.vs_torch, args.blas_steps)

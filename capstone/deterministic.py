@@ -222,10 +222,10 @@ def bench(args) -> int:
 
     from .dist import Dist
     from .run import open_run
-    from . import cli, train
+    from . import cli, heap, train
 
     dist = Dist()
-    train._tune_malloc()
+    heap.keep_freed_memory()
     reduction(dist, 20)
     if args.reduction_only:
         return 0

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import accounting, checkpoint, cli, deterministic, faults, invariants, report, stop, tensorboard
+from . import accounting, checkpoint, cli, deterministic, faults, heap, invariants, report, stop, tensorboard
 from .config import ConfigError
 from .dist import Dist, fail_fast
 from .guard import DivergenceError
@@ -197,23 +197,11 @@ def loss_invariant(run: Run, start_step: int) -> dict:
                                     fresh=start_step == 0)
 
 
-def _tune_malloc() -> None:
-    """Keep freed activations in the heap instead of returning them to the OS every step: no trimming
-    (a fixed threshold, 256 MiB, was passed at the `large` preset: 50k page faults, 13% of a step)."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-1, -1)         # M_TRIM_THRESHOLD: -1, never trim
-        libc.mallopt(-3, 256 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
-
-
 def main(argv=None) -> None:
     stop.install()
     dist = Dist()
     settings = cli.parse_on_every_rank(argv, dist.rank)
-    _tune_malloc()
+    heap.keep_freed_memory()
     with fail_fast(dist):
         try:
             code = train(open_run(dist, settings))
