@@ -104,19 +104,28 @@ class ZeroAdam:
         self.overlap = bucket_floats > 0
         self.reducer = BucketedReduceScatter(comm, layout, grads, self.g_shard, self.deadline,
                                              bucket_floats if self.overlap else layout.padded)
-        self.decay_mask = self._decay_mask() if weight_decay > 0 else None
+        self.no_decay = self._no_decay_runs() if weight_decay > 0 else None
         self._scratch = np.empty((2, ADAM_CHUNK), dtype=np.float32)
         self.timings = {"reduce_scatter": 0.0, "adam": 0.0, "allgather": 0.0}  # seconds, last step
 
-    def _decay_mask(self) -> np.ndarray:
-        """True where weight decay applies (matrices and embeddings), False for biases and LayerNorm:
-        one byte per element of the shard."""
-        mask = np.zeros(self.hi - self.lo, dtype=bool)
+    def _no_decay_runs(self) -> list[list[slice]]:
+        """Per Adam pass (ADAM_CHUNK elements of the shard), the slices of the pass that take no weight
+        decay: biases, LayerNorm and padding; matrices and embeddings decay. A few slices per layer,
+        where a mask would cost a byte per element and a pass over it."""
+        decays = np.zeros(self.hi - self.lo + 2, dtype=np.int8)   # 1 where decay applies, 0-padded ends
         for _, shape, off in self.layout.entries:
             a, b = max(off, self.lo), min(off + int(np.prod(shape)), self.hi)
             if len(shape) >= 2 and a < b:
-                mask[a - self.lo:b - self.lo] = True
-        return mask
+                decays[1 + a - self.lo:1 + b - self.lo] = 1
+        edges = np.flatnonzero(np.diff(decays)).reshape(-1, 2)    # [start, end) of each decaying run
+        starts = np.concatenate(([0], edges[:, 1]))
+        ends = np.concatenate((edges[:, 0], [self.hi - self.lo]))
+        runs = []
+        for lo in range(0, self.hi - self.lo, ADAM_CHUNK):
+            hi = min(lo + ADAM_CHUNK, self.hi - self.lo)
+            runs.append([slice(max(a, lo) - lo, min(b, hi) - lo) for a, b in zip(starts.tolist(), ends.tolist())
+                         if max(a, lo) < min(b, hi)])
+        return runs
 
     def optimizer_nbytes(self) -> int:
         """Bytes of optimizer state held by this rank: fp32 master + Adam m + Adam v."""
@@ -191,9 +200,10 @@ class ZeroAdam:
         t1 *= bias2
         t1 += eps
         src = old.master[c]
-        if self.decay_mask is not None:                # decoupled weight decay (masked)
-            np.multiply(self.decay_mask[c], decay, out=t2)
-            t2 *= src
+        if self.no_decay is not None:                  # decoupled weight decay, not on biases and LayerNorm
+            np.multiply(src, decay, out=t2)
+            for z in self.no_decay[c.start // ADAM_CHUNK]:
+                t2[z] = 0.0
             np.subtract(src, t2, out=master)
             src = master
         np.divide(m, t1, out=t2)                       # master -= lr / (1 - b1^t) * m / denom

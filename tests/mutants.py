@@ -59,8 +59,8 @@ MUTANTS = [
            'parameters")\n', "",
            ("mpi: tests/mpi/test_zero.py",), "each rank sees only its own updated shard"),
     Mutant("zero/weight-decay-on-every-parameter", "capstone/zero.py",
-           "np.multiply(self.decay_mask[c], decay, out=t2)",
-           "t2.fill(decay)",
+           "                t2[z] = 0.0\n",
+           "                pass\n",
            ("mpi: tests/mpi/test_zero.py",), "AdamW decay applied to biases and LayerNorm too"),
 
     # ---- train: the step ------------------------------------------------------------------------
@@ -189,8 +189,8 @@ MUTANTS = [
            "    return [slice(s, s + rows) for s in range(0, len(u) - rows + 1, rows)]",
            ("tests/test_model.py",), "the GELU's row blocks leave the last, shorter block unwritten"),
     Mutant("zero/decay-mask-in-global-offsets", "capstone/zero.py",
-           "                mask[a - self.lo:b - self.lo] = True", "                mask[a:b] = True",
-           ("mpi: tests/mpi/test_zero.py",), "the weight-decay mask of a shard placed at its global offsets"),
+           "decays[1 + a - self.lo:1 + b - self.lo] = 1", "decays[1 + a:1 + b] = 1",
+           ("mpi: tests/mpi/test_zero.py",), "the weight-decay runs of a shard placed at its global offsets"),
     Mutant("kernels/attention-backward-unscaled", "capstone/kernels.py",
            "    gqkv[:, :, :2] *= 1.0 / math.sqrt(D)                         # d S / d (q k^T)\n", "",
            ("tests/test_model.py",), "attention backward forgets 1/sqrt(D)"),
