@@ -4,7 +4,10 @@ Each parameter enters the graph through `_tap(anchor, value, sink)`, an identity
 VJP adds the incoming gradient to `sink` (a view of the flat gradient buffer) and passes zero on
 to the scalar `anchor`, the one input `autograd.make_vjp` differentiates. So the graph has one
 root instead of a boxed dict (whose container VJPs cost more than the model at small sizes), and
-gradients accumulate in place across micro-batches without a dict of copies.
+gradients accumulate in place across micro-batches without a dict of copies. On the first
+micro-batch (`fresh`) the sinks are overwritten instead, and a VJP that asks `grad_buffer` for the
+array to write a parameter's gradient into gets the sink itself: the gradient lands in the flat
+buffer with no zero-fill, temporary or add (a sink no tap reached is zeroed at the end).
 
 The tap's VJP runs once per parameter per backward pass, right after that parameter's gradient is
 complete (autograd sums a node's incoming gradients before calling its VJP), in reverse order of
@@ -23,6 +26,26 @@ from autograd.extend import defvjp, primitive, vspace
 _grad_hook = None   # called as _grad_hook(sink) after each tap's gradient has landed in its sink
 
 
+class _Landing:
+    """The sinks of the backward pass running now, when it overwrites them (`fresh`)."""
+
+    fresh = False
+    by_param: dict = {}    # id(parameter array) -> its sink, until a VJP claims it (grad_buffer)
+    untouched: dict = {}   # id(sink) -> sink, until its tap's VJP has run
+
+
+_landing = _Landing()
+
+
+def grad_buffer(w: np.ndarray, dtype) -> np.ndarray:
+    """The array a VJP should write the gradient of parameter array `w` into and return: in a fresh
+    backward pass, w's sink itself (once; the tap then has nothing to add), else a new array."""
+    sink = _landing.by_param.pop(id(w), None)
+    if sink is not None and sink.dtype == dtype and sink.shape == w.shape:
+        return sink
+    return np.empty(w.shape, dtype)
+
+
 def set_grad_hook(hook):
     """Install `hook(sink)` (None: none), called after every tap's VJP; returns the previous hook."""
     global _grad_hook
@@ -32,13 +55,17 @@ def set_grad_hook(hook):
 
 @primitive
 def _tap(anchor, value, sink):
-    """Forward: the parameter itself. Backward: sink += g."""
+    """Forward: the parameter itself. Backward: sink += g (in a fresh pass: sink = g)."""
     return value
 
 
 def _tap_vjp(ans, anchor, value, sink):
     def vjp(g):
-        np.add(sink, g, out=sink)
+        if _landing.fresh and _landing.untouched.pop(id(sink), None) is not None:
+            if g is not sink:               # else a VJP wrote it there (grad_buffer)
+                np.copyto(sink, g)
+        else:
+            np.add(sink, g, out=sink)
         if _grad_hook is not None:
             _grad_hook(sink)
         return np.zeros((), dtype=sink.dtype)  # the anchor's share: nothing
@@ -48,12 +75,22 @@ def _tap_vjp(ans, anchor, value, sink):
 defvjp(_tap, _tap_vjp, None, None)
 
 
-def value_and_grad_into(fun, params: dict, sinks: dict, *args):
-    """Evaluate fun(params, *args) and add d fun / d params[name] into sinks[name] for every name.
-    Returns the value as a float. Parameters the function does not use leave their sink as it was."""
+def value_and_grad_into(fun, params: dict, sinks: dict, *args, fresh: bool = False):
+    """Evaluate fun(params, *args) and add d fun / d params[name] into sinks[name] for every name
+    (`fresh`: write it there, whatever the sinks held; the gradient of a parameter the function does
+    not use is then zero, else its sink is left as it was). Returns the value as a float."""
     def through_taps(anchor):
         return fun({name: _tap(anchor, a, sinks[name]) for name, a in params.items()}, *args)
 
     vjp, value = make_vjp(through_taps)(0.0)
-    vjp(vspace(value).ones())
+    if fresh:
+        _landing.by_param = {id(params[name]): sink for name, sink in sinks.items()}
+        _landing.untouched = {id(sink): sink for sink in sinks.values()}
+    _landing.fresh = fresh
+    try:
+        vjp(vspace(value).ones())
+    finally:
+        untouched, _landing.fresh, _landing.by_param, _landing.untouched = _landing.untouched, False, {}, {}
+    for sink in untouched.values() if fresh else ():
+        sink.fill(0.0)
     return float(value)

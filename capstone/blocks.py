@@ -6,7 +6,8 @@ cross-entropy) compose the forward and backward functions of `capstone.kernels` 
 A group is a contiguous slice of the flat parameter buffer (`Layout.groups`), so the graph of a
 whole step has L + 3 nodes and L + 2 parameter taps instead of one node per layer and one tap per
 array: at the reference size autograd's bookkeeping was a third of the step. Each VJP returns the
-group's gradient as one flat array (the weight gradients are matmuls written into it in place).
+group's gradient as one flat array (the weight gradients are matmuls written into it in place; on
+a step's first micro-batch that array is the group's slice of the flat gradient buffer itself).
 Shapes: N = B*T rows of width C; `shapes` lists the group's parameter shapes in buffer order.
 """
 
@@ -18,6 +19,7 @@ import math
 import numpy as np
 
 from . import kernels as K
+from .backward import grad_buffer
 
 
 @functools.lru_cache(maxsize=64)
@@ -55,7 +57,7 @@ def _embedding_fwd(w, idx, shapes):
 
 def _embedding_bwd(g, _, argnums, w, idx, shapes):
     d = K._embed_bwd(g, None, (0, 1), *unpack(w, shapes), idx)
-    return {0: np.concatenate([d[0].reshape(-1), d[1].reshape(-1)])}
+    return {0: np.concatenate([d[0].reshape(-1), d[1].reshape(-1)], out=grad_buffer(w, d[0].dtype))}
 
 
 embedding = K.define("embedding", _embedding_fwd, _embedding_bwd)
@@ -78,7 +80,7 @@ def _block_fwd(x, w, T, H, shapes):
 
 def _block_bwd(g, saved, argnums, x, w, T, H, shapes):
     a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc = saved
-    gw = np.empty_like(w, dtype=np.result_type(w, g))
+    gw = grad_buffer(w, np.result_type(w, g))                                   # (fresh pass: the sink)
     ln1w, _, aw, _, pw, _, ln2w, _, fw, _, mw, _ = unpack(w, shapes)
     d_ln1w, d_ln1b, d_aw, d_ab, d_pw, d_pb, d_ln2w, d_ln2b, d_fw, d_fb, d_mw, d_mb = unpack(gw, shapes)
     gh = _linear_back(g, h, mw, d_mw, d_mb)                                     # (B*T, 4C)
@@ -112,7 +114,7 @@ def _head_loss_fwd(x, w, targets, shapes):
 
 def _head_loss_bwd(g, saved, argnums, x, w, targets, shapes):
     z_in, s_ln, probs = saved
-    gw = np.empty_like(w, dtype=np.result_type(w, probs))
+    gw = grad_buffer(w, np.result_type(w, probs))
     lnw, _, hw, _ = unpack(w, shapes)
     d_lnw, d_lnb, d_hw, d_hb = unpack(gw, shapes)
     gz = K._xent_bwd(g, probs, (0,), probs, targets)[0]

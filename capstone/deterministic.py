@@ -157,8 +157,7 @@ class Reducer:
         m, w = self.model, self.world
         losses, comm_s = [], 0.0
         for j, (x, y) in enumerate(batches):   # each block alone into the (zeroed) gradient buffer
-            m.grads.fill(0.0)
-            losses.append(value_and_grad_into(loss_sum, m.groups, m.grad_groups, x, y, m.cfg, scale))
+            losses.append(value_and_grad_into(loss_sum, m.groups, m.grad_groups, x, y, m.cfg, scale, fresh=True))
             if poison is not None and j == 0:
                 poison(m.grads)
             t0 = time.perf_counter()

@@ -55,9 +55,8 @@ class Model:
 
     def forward_backward(self, batches, scale: float) -> float:
         """Gradient of scale * (summed loss over every (x, y) in `batches`) into `grads`; returns that loss."""
-        self.grads.fill(0.0)
-        return sum(value_and_grad_into(loss_sum, self.groups, self.grad_groups, x, y, self.cfg, scale)
-                   for x, y in batches)
+        return sum(value_and_grad_into(loss_sum, self.groups, self.grad_groups, x, y, self.cfg, scale, fresh=j == 0)
+                   for j, (x, y) in enumerate(batches))
 
     def loss(self, x: np.ndarray, y: np.ndarray, scale: float) -> float:
         """scale * summed loss of one batch, forward only (no graph is built)."""
