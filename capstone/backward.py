@@ -7,7 +7,9 @@ root instead of a boxed dict (whose container VJPs cost more than the model at s
 gradients accumulate in place across micro-batches without a dict of copies. On the first
 micro-batch (`fresh`) the sinks are overwritten instead, and a VJP that asks `grad_buffer` for the
 array to write a parameter's gradient into gets the sink itself: the gradient lands in the flat
-buffer with no zero-fill, temporary or add (a sink no tap reached is zeroed at the end).
+buffer with no zero-fill, temporary or add (a sink no tap reached is zeroed at the end). Since
+this pass calls each VJP once, a VJP may also free its saved activations as it uses them
+(`drop_saved`), which lowers the peak of the backward pass.
 
 The tap's VJP runs once per parameter per backward pass, right after that parameter's gradient is
 complete (autograd sums a node's incoming gradients before calling its VJP), in reverse order of
@@ -29,6 +31,7 @@ _grad_hook = None   # called as _grad_hook(sink) after each tap's gradient has l
 class _Landing:
     """The sinks of the backward pass running now, when it overwrites them (`fresh`)."""
 
+    once = False           # value_and_grad_into's pass: each VJP runs once (drop_saved may free)
     fresh = False
     by_param: dict = {}    # id(parameter array) -> its sink, until a VJP claims it (grad_buffer)
     untouched: dict = {}   # id(sink) -> sink, until its tap's VJP has run
@@ -44,6 +47,14 @@ def grad_buffer(w: np.ndarray, dtype) -> np.ndarray:
     if sink is not None and sink.dtype == dtype and sink.shape == w.shape:
         return sink
     return np.empty(w.shape, dtype)
+
+
+def drop_saved(saved: list) -> None:
+    """Empty a VJP's list of saved activations in value_and_grad_into's backward pass, which calls
+    each VJP once: the VJP then holds the only references and can free each activation once used.
+    Any other pass (autograd.grad, a VJP called twice) keeps them."""
+    if _landing.once:
+        saved.clear()
 
 
 def set_grad_hook(hook):
@@ -75,22 +86,26 @@ def _tap_vjp(ans, anchor, value, sink):
 defvjp(_tap, _tap_vjp, None, None)
 
 
-def value_and_grad_into(fun, params: dict, sinks: dict, *args, fresh: bool = False):
+def value_and_grad_into(fun, params: dict, sinks: dict, *args, fresh: bool = False, on_forward=None):
     """Evaluate fun(params, *args) and add d fun / d params[name] into sinks[name] for every name
     (`fresh`: write it there, whatever the sinks held; the gradient of a parameter the function does
-    not use is then zero, else its sink is left as it was). Returns the value as a float."""
+    not use is then zero, else its sink is left as it was). Returns the value as a float.
+    `on_forward()`, if given, is called between the forward and the backward pass (benchmarks)."""
     def through_taps(anchor):
         return fun({name: _tap(anchor, a, sinks[name]) for name, a in params.items()}, *args)
 
     vjp, value = make_vjp(through_taps)(0.0)
+    if on_forward is not None:
+        on_forward()
     if fresh:
         _landing.by_param = {id(params[name]): sink for name, sink in sinks.items()}
         _landing.untouched = {id(sink): sink for sink in sinks.values()}
-    _landing.fresh = fresh
+    _landing.fresh, _landing.once = fresh, True
     try:
         vjp(vspace(value).ones())
     finally:
-        untouched, _landing.fresh, _landing.by_param, _landing.untouched = _landing.untouched, False, {}, {}
+        untouched, _landing.untouched, _landing.by_param = _landing.untouched, {}, {}
+        _landing.fresh, _landing.once = False, False
     for sink in untouched.values() if fresh else ():
         sink.fill(0.0)
     return float(value)

@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from . import kernels as K
-from .backward import grad_buffer
+from .backward import drop_saved, grad_buffer
 
 
 @functools.lru_cache(maxsize=64)
@@ -75,20 +75,27 @@ def _block_fwd(x, w, T, H, shapes):
     x1 = x + K._linear_fwd(y, pw, pb)[0]
     m, s_ln2 = K._ln_fwd(x1, ln2w, ln2b)
     h, s_fc = K._linear_gelu_fwd(m, fw, fb)                                     # (B*T, 4C)
-    return x1 + K._linear_fwd(h, mw, mb)[0], (a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc)
+    return x1 + K._linear_fwd(h, mw, mb)[0], [a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc]
 
 
 def _block_bwd(g, saved, argnums, x, w, T, H, shapes):
+    """In a training step (`drop_saved`) each activation is freed once used: the block's MLP
+    activations are gone before the attention's temporaries exist (a lower peak)."""
     a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc = saved
+    drop_saved(saved)
     gw = grad_buffer(w, np.result_type(w, g))                                   # (fresh pass: the sink)
     ln1w, _, aw, _, pw, _, ln2w, _, fw, _, mw, _ = unpack(w, shapes)
     d_ln1w, d_ln1b, d_aw, d_ab, d_pw, d_pb, d_ln2w, d_ln2b, d_fw, d_fb, d_mw, d_mb = unpack(gw, shapes)
-    gh = _linear_back(g, h, mw, d_mw, d_mb)                                     # (B*T, 4C)
+    K._mm(h.T, g, out=d_mw)
+    K._add(g, axis=0, out=d_mb)
+    del h
+    gh = K._mm(g, mw.T)                                                         # (B*T, 4C)
     gm = _linear_back(K._gelu_grad(gh, *s_fc, out=gh), m, fw, d_fw, d_fb)       # through the MLP
-    del gh                                                                      # before the attention's temporaries
+    del gh, s_fc, m
     gx1 = g + _ln_back(gm, s_ln2, ln2w, d_ln2w, d_ln2b)
-    del gm
+    del gm, s_ln2
     gqkv = K._attention_bwd(_linear_back(gx1, y, pw, d_pw, d_pb), s_att, (0,), qkv, T, H)[0]
+    del s_att, y, qkv
     gx = gx1 + _ln_back(_linear_back(gqkv, a, aw, d_aw, d_ab), s_ln1, ln1w, d_ln1w, d_ln1b)
     return {0: gx, 1: gw}
 
@@ -109,15 +116,17 @@ def _head_loss_fwd(x, w, targets, shapes):
     """Sum over the rows of the cross-entropy of the logits against targets (B*T,) -> scalar."""
     z, (z_in, s_ln) = head_logits(x, w, shapes)
     loss, probs = K._xent_fwd(z, targets)
-    return loss, (z_in, s_ln, probs)
+    return loss, [z_in, s_ln, probs]
 
 
 def _head_loss_bwd(g, saved, argnums, x, w, targets, shapes):
     z_in, s_ln, probs = saved
+    drop_saved(saved)                                                           # freed as used
     gw = grad_buffer(w, np.result_type(w, probs))
     lnw, _, hw, _ = unpack(w, shapes)
     d_lnw, d_lnb, d_hw, d_hb = unpack(gw, shapes)
-    gz = K._xent_bwd(g, probs, (0,), probs, targets)[0]
+    gz = K._xent_grad_inplace(probs.copy() if saved else probs, targets, g)     # in place once dropped
+    del probs
     gx = _ln_back(_linear_back(gz, z_in, hw, d_hw, d_hb), s_ln, lnw, d_lnw, d_lnb)
     return {0: gx, 1: gw}
 

@@ -357,10 +357,15 @@ def _xent_fwd(z, targets):
     return loss, e
 
 
+def _xent_grad_inplace(probs, targets, g):
+    """The gradient g (softmax - onehot(targets)) of the summed loss, written over probs (N, V)."""
+    probs[np.arange(probs.shape[0]), targets] -= 1.0
+    probs *= g
+    return probs
+
+
 def _xent_bwd(g, probs, argnums, z, targets):
-    gz = probs.copy()
-    gz[np.arange(z.shape[0]), targets] -= 1.0
-    return {0: gz * g}
+    return {0: _xent_grad_inplace(probs.copy(), targets, g)}
 
 
 cross_entropy_sum = define("cross_entropy_sum", _xent_fwd, _xent_bwd)

@@ -181,27 +181,22 @@ def speed(sizes: list[str], repeats: dict, torch_python: str | None, blas_steps:
 
 def activation_bytes(st: Stepper) -> tuple[int, int]:
     """(bytes the autograd graph holds at the end of the forward pass, peak bytes allocated during
-    forward+backward) of one micro-batch, by tracemalloc (NumPy reports its buffers to it)."""
+    forward+backward) of one micro-batch as the step runs it, by tracemalloc (NumPy reports its
+    buffers to it)."""
     import tracemalloc
 
-    from autograd import make_vjp
-    from autograd.extend import vspace
-
-    from .backward import _tap
+    from .backward import value_and_grad_into
     from .model import loss_sum
-    p, g = st.model.groups, st.model.grad_groups
-    args = (st.x, st.y, st.cfg, 1.0 / st.x.size)
+    held = []
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
-        vjp, value = make_vjp(lambda a: loss_sum({k: _tap(a, v, g[k]) for k, v in p.items()}, *args))(0.0)
-        held = tracemalloc.get_traced_memory()[0] - base
-        vjp(vspace(value).ones())
-        del vjp
+        value_and_grad_into(loss_sum, st.model.groups, st.model.grad_groups, st.x, st.y, st.cfg, 1.0 / st.x.size,
+                            fresh=True, on_forward=lambda: held.append(tracemalloc.get_traced_memory()[0] - base))
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
-    return held, peak
+    return held[0], peak
 
 
 def memory(steps: int) -> None:

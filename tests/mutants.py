@@ -210,6 +210,9 @@ MUTANTS = [
     Mutant("backward/summed-gradient-not-copied", "capstone/backward.py",
            "            if g is not sink:", "            if False:",
            ("tests/test_backward.py",), "a gradient autograd summed (not written in place) never lands"),
+    Mutant("backward/saved-activations-kept", "capstone/backward.py",
+           "    if _landing.once:\n        saved.clear()\n", "    pass\n",
+           ("tests/test_backward.py",), "a block keeps every activation to the end of the backward pass (the old peak)"),
 
     # ---- exit codes, no pickle, setup -----------------------------------------------------------
     Mutant("cli/bad-flags-exit-1", "capstone/cli.py",

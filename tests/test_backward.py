@@ -1,12 +1,16 @@
 """The gradient taps (capstone.backward): a step's first micro-batch overwrites the flat gradient
 buffer (the blocks write their gradients straight into it), later ones add to it, and a parameter
-no VJP reached ends with a zero gradient, whatever the buffer held before."""
+no VJP reached ends with a zero gradient, whatever the buffer held before; a training backward
+pass frees each block's activations as it goes."""
 
 import tracemalloc
 
+import autograd
 import autograd.numpy as anp
 import numpy as np
+import pytest
 
+from capstone import backward, blocks, kernels
 from capstone.backward import value_and_grad_into
 from capstone.config import ModelConfig
 from capstone.model import Model, loss_sum
@@ -80,19 +84,40 @@ def test_a_parameter_used_twice_gets_the_sum_of_both_uses():
     np.testing.assert_array_equal(m.grads, want)
 
 
-def _peak_backward_bytes(m, fresh):
-    x, y = batch(6, B=8)
+@pytest.mark.parametrize("fresh", [True, False])
+def test_every_group_gradient_is_written_in_the_buffer_only_in_a_fresh_pass(monkeypatch, fresh):
+    m = model()
+    into_buffer = []
+
+    def recording(w, dtype):
+        out = backward.grad_buffer(w, dtype)
+        into_buffer.append(np.shares_memory(out, m.grads))
+        return out
+
+    monkeypatch.setattr(blocks, "grad_buffer", recording)
+    value_and_grad_into(loss_sum, m.groups, m.grad_groups, *batch(6), CFG, 1.0, fresh=fresh)
+    assert into_buffer == [fresh] * len(m.groups)
+
+
+def test_a_training_backward_frees_the_mlp_activations_before_the_attention_backward(monkeypatch):
+    """value_and_grad_into runs each VJP once, so a block frees its MLP's activations (h, the GELU's
+    input and tanh) before its attention backward; a general autograd pass keeps them (pure VJPs)."""
+    m = model()
+    x, y = batch(8, B=8)
+    traced, original = [], kernels._attention_bwd
+
+    def recording(*args, **kwargs):
+        traced.append(tracemalloc.get_traced_memory()[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "_attention_bwd", recording)
     tracemalloc.start()
     try:
-        value_and_grad_into(loss_sum, m.groups, m.grad_groups, x, y, CFG, 1.0, fresh=fresh)
-        return tracemalloc.get_traced_memory()[1]
+        value_and_grad_into(loss_sum, m.groups, m.grad_groups, x, y, CFG, 1.0)
+        dropping, first = traced[0], len(traced)
+        autograd.grad(loss_sum)(m.groups, x, y, CFG, 1.0)
+        keeping = traced[first]
     finally:
         tracemalloc.stop()
-
-
-def test_fresh_pass_writes_block_gradients_into_the_buffer_without_a_temporary():
-    m = model()
-    _peak_backward_bytes(m, False)                      # warm caches (masks, spans)
-    accumulate, fresh = _peak_backward_bytes(m, False), _peak_backward_bytes(m, True)
-    block = m.grad_groups["h0"].nbytes
-    assert fresh <= accumulate - block, (fresh, accumulate, block)
+    mlp = 3 * x.size * 4 * CFG.d_model * 4
+    assert dropping <= keeping - mlp, (dropping, keeping, mlp)
