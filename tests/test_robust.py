@@ -33,7 +33,7 @@ def tmpfs(path, size="600k"):
 
 def launch(n, *args, env_extra=None):
     """mpirun as scripts/run starts it (scripts/env.sh sourced), in the background."""
-    env = mpi_env()
+    env = {k: v for k, v in mpi_env().items() if k != "OMPI_MCA_odls_base_sigkill_timeout"}  # env.sh's 3 s
     env.update(CAPSTONE_VENV=sys.prefix, **(env_extra or {}))
     cmd = ["bash", "-c", 'source "$0/scripts/env.sh" && exec "${MPIRUN[@]}" "$@"', ROOT, "-n", str(n),
            "python", "-m", "capstone.train", *map(str, args)]
