@@ -20,6 +20,8 @@ in it is final, overlapping communication with the rest of the backward pass (as
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 from autograd import make_vjp
 from autograd.extend import defvjp, primitive, vspace
@@ -28,13 +30,14 @@ from autograd.extend import defvjp, primitive, vspace
 _grad_hook = None   # called as _grad_hook(sink) after each tap's gradient has landed in its sink
 
 
+@dataclass
 class _Landing:
-    """The sinks of the backward pass running now, when it overwrites them (`fresh`)."""
+    """The sinks of the backward pass running now (value_and_grad_into's)."""
 
-    once = False           # value_and_grad_into's pass: each VJP runs once (drop_saved may free)
-    fresh = False
-    by_param: dict = {}    # id(parameter array) -> its sink, until a VJP claims it (grad_buffer)
-    untouched: dict = {}   # id(sink) -> sink, until its tap's VJP has run
+    once: bool = False                                # each VJP runs once: drop_saved may free
+    fresh: bool = False                               # the sinks are overwritten, not added to
+    by_param: dict = field(default_factory=dict)      # id(parameter array) -> its sink, until a VJP claims it
+    untouched: dict = field(default_factory=dict)     # id(sink) -> sink, until its tap's VJP has run
 
 
 _landing = _Landing()
