@@ -52,12 +52,14 @@ def grad_buffer(w: np.ndarray, dtype) -> np.ndarray:
     return np.empty(w.shape, dtype)
 
 
-def drop_saved(saved: list) -> None:
+def drop_saved(saved: list) -> bool:
     """Empty a VJP's list of saved activations in value_and_grad_into's backward pass, which calls
-    each VJP once: the VJP then holds the only references and can free each activation once used.
-    Any other pass (autograd.grad, a VJP called twice) keeps them."""
+    each VJP once: the VJP then holds the only references and can free (or overwrite) each
+    activation once used. Any other pass (autograd.grad, a VJP called twice) keeps them. Returns
+    whether the VJP now owns them."""
     if _landing.once:
         saved.clear()
+    return _landing.once
 
 
 def set_grad_hook(hook):

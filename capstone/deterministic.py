@@ -156,7 +156,7 @@ class Reducer:
         extras = [tree-summed loss, *caller's extras summed over ranks] like `reduce_gradients`."""
         m, w = self.model, self.world
         losses, comm_s = [], 0.0
-        for j, (x, y) in enumerate(batches):   # each block alone into the (zeroed) gradient buffer
+        for j, (x, y) in enumerate(batches):   # each block alone, overwriting the gradient buffer
             losses.append(value_and_grad_into(loss_sum, m.groups, m.grad_groups, x, y, m.cfg, scale, fresh=True))
             if poison is not None and j == 0:
                 poison(m.grads)
