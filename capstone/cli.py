@@ -12,8 +12,8 @@ import os
 import sys
 from dataclasses import dataclass
 
-from .config import ConfigError, ModelConfig, TrainConfig
-from .presets import PRESETS
+from capstone.config import ConfigError, ModelConfig, TrainConfig
+from capstone.presets import PRESETS
 
 
 @dataclass(frozen=True)

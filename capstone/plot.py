@@ -12,7 +12,7 @@ import itertools
 import os
 import sys
 
-from .runlog import (Run, clip_level, event_steps, memory_rows, number, phase_order, read_run, resume_steps,
+from capstone.observe.runlog import (Run, clip_level, event_steps, memory_rows, number, phase_order, read_run, resume_steps,
                      run_labels, series, timing_parts, x_of_step)
 
 INSTALL = "pip install matplotlib   (or: pip install -e '.[plot]')"

@@ -24,8 +24,8 @@ from pathlib import PurePosixPath
 
 import numpy as np
 
-from .config import ConfigError
-from .textdata import DTYPE, DTYPE_NAME, FORMAT, MAX_VOCAB, META_FILE, VERSION, load_meta
+from capstone.config import ConfigError
+from capstone.data.tokens import DTYPE, DTYPE_NAME, FORMAT, MAX_VOCAB, META_FILE, VERSION, load_meta
 
 VAL_FRACTION = 10               # the last 1/10 of the characters is the validation split
 MIN_VAL_TOKENS = 2              # one input and one target

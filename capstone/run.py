@@ -13,23 +13,27 @@ import resource
 import time
 from dataclasses import dataclass
 
-from . import checkpoint, deterministic, faults, preflight, provenance, report, resume
-from . import tp as tensor_parallel
-from .checkpoint import files
-from .checkpointer import Checkpointer
-from .cli import RunOptions, Settings
-from .config import ConfigError, ModelConfig, TrainConfig
-from .data import DataStream, open_data
-from .dist import Dist
-from .evaluate import HeldOut
-from .grid import Grid
-from .guard import Guard
-from .invariants import ReplicaCheck
-from .model import Model
-from .params import Layout, init_params
-from .runstate import RunIdentity, RunState
-from .textdata import load_meta
-from .zero import ROWS, ZeroAdam
+from capstone import checkpoint, faults
+from capstone.parallel import deterministic
+from capstone.runtime import preflight
+from capstone.observe import provenance, report
+from capstone.checkpoint import resume
+from capstone.parallel import tensor as tensor_parallel
+from capstone.checkpoint import files
+from capstone.checkpoint.saver import Checkpointer
+from capstone.cli import RunOptions, Settings
+from capstone.config import ConfigError, ModelConfig, TrainConfig
+from capstone.data.synthetic import DataStream, open_data
+from capstone.parallel.dist import Dist
+from capstone.data.heldout import HeldOut
+from capstone.parallel.grid import Grid
+from capstone.guard import Guard
+from capstone.invariants import ReplicaCheck
+from capstone.model.gpt import Model
+from capstone.model.params import Layout, init_params
+from capstone.state import RunIdentity, RunState
+from capstone.data.tokens import load_meta
+from capstone.parallel.zero import ROWS, ZeroAdam
 
 TIMEOUT_RECORD = "collective-timeout.json"   # in the run directory, written by a rank whose collective timed out
 
@@ -174,7 +178,7 @@ def build(dist: Dist, settings: Settings, out: str, grid: Grid | None = None) ->
 def _build_tp(dist: Dist, settings: Settings, out: str, grid: Grid) -> Run:
     """build() for --tp K > 1: model, optimizer, held-out set and checkpointer of this rank's TP slice."""
     mcfg, tcfg, opts = settings.model, settings.train, settings.opts
-    from .grid import check
+    from capstone.parallel.grid import check
     check(grid.tp, dist.world, mcfg, tcfg)   # again: a resume may have brought the checkpoint's model config
     batch = tcfg.batch_for(grid.dp)
     data, data_identity = open_data(mcfg, tcfg, batch)

@@ -20,13 +20,13 @@ import time
 
 import numpy as np
 
-from .checkpoint import CheckpointError, files
-from .checkpoint.__main__ import checks, load_all
-from .config import ConfigError, ModelConfig
-from .kernels import layer_norm, linear, linear_gelu
-from .model import logits as full_logits
-from .params import Layout
-from .textdata import META_FILE, Meta, load_meta
+from capstone.checkpoint import CheckpointError, files
+from capstone.checkpoint.__main__ import checks, load_all
+from capstone.config import ConfigError, ModelConfig
+from capstone.model.kernels import layer_norm, linear, linear_gelu
+from capstone.model.gpt import logits as full_logits
+from capstone.model.params import Layout
+from capstone.data.tokens import META_FILE, Meta, load_meta
 
 
 class SampleError(Exception):

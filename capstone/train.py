@@ -15,13 +15,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import accounting, checkpoint, cli, deterministic, faults, heap, invariants, report, stop, tensorboard
-from .config import ConfigError
-from .dist import Dist, fail_fast
-from .guard import DivergenceError
-from .params import fingerprint
-from .run import Run, open_run
-from .schedule import learning_rate
+from capstone.observe import accounting, report, tensorboard
+from capstone import checkpoint, cli, faults, invariants
+from capstone.parallel import deterministic
+from capstone.runtime import heap, stop
+from capstone.config import ConfigError
+from capstone.parallel.dist import Dist, fail_fast
+from capstone.guard import DivergenceError
+from capstone.model.params import fingerprint
+from capstone.run import Run, open_run
+from capstone.schedule import learning_rate
 
 
 @dataclass

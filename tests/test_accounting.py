@@ -1,12 +1,12 @@
-"""capstone.accounting: nccl-tests byte counts and bandwidths, the ZeRO what-if table (closed form,
+"""capstone.observe.accounting: nccl-tests byte counts and bandwidths, the ZeRO what-if table (closed form,
 the ZeRO paper's own numbers) and a real run's measured memory against it."""
 
 import pytest
 
 from conftest import mpirun, summary
 
-from capstone import accounting as acc
-from capstone.accounting import Collective
+from capstone.observe import accounting as acc
+from capstone.observe.accounting import Collective
 
 SIZES = (1, 7536, 1 << 20)  # elements per rank: tiny, the default model's shard on 4 ranks, 4 MiB
 WORLDS = (1, 3, 4)

@@ -10,11 +10,11 @@ import autograd.numpy as anp
 import numpy as np
 import pytest
 
-from capstone import backward, blocks, kernels
-from capstone.backward import value_and_grad_into
+from capstone.model import backward, blocks, kernels
+from capstone.model.backward import value_and_grad_into
 from capstone.config import ModelConfig
-from capstone.model import Model, loss_sum
-from capstone.params import Layout, init_params
+from capstone.model.gpt import Model, loss_sum
+from capstone.model.params import Layout, init_params
 
 CFG = ModelConfig(vocab_size=13, seq_len=8, d_model=16, n_heads=2, n_layers=2)
 

@@ -13,7 +13,7 @@ from conftest import by_step, mpi_env, mpirun, summary
 
 from capstone.cli import RunOptions, Settings
 from capstone.config import ModelConfig, TrainConfig
-from capstone.dist import Dist
+from capstone.parallel.dist import Dist
 from capstone.guard import Guard
 from capstone.schedule import learning_rate
 from capstone.run import build
@@ -188,8 +188,8 @@ def test_every_update_diverging_stops_instead_of_alternating(tmp_path):
 
 def test_huge_gradient_that_overflows_adam_v_is_caught():
     """|g| > 1.8e19 has a finite float64 norm but g*g overflows float32 in Adam's v."""
-    from capstone.params import Layout
-    from capstone.zero import ZeroAdam
+    from capstone.model.params import Layout
+    from capstone.parallel.zero import ZeroAdam
     cfg = ModelConfig(vocab_size=5, seq_len=2, d_model=4, n_heads=1, n_layers=1)
     layout = Layout.for_model(cfg, 1)
     params, grads = layout.zeros(), layout.zeros()
@@ -230,7 +230,7 @@ def test_a_violated_invariant_fails_the_run(tmp_path):
 def test_state_finiteness_sees_one_bad_value_anywhere(bad):
     """ShardState.finite (the update's verdict) checks rows of 1024 values with one BLAS pass and
     the tail apart: one bad value in any array, in a full row or in the tail, is seen."""
-    from capstone.zero import ShardState
+    from capstone.parallel.zero import ShardState
     n = 3 * 1024 + 5
     for row in range(3):
         for i in (0, 1023, 2048 + 17, n - 1):

@@ -8,7 +8,7 @@ import pytest
 PROBE = """
 import sys
 import numpy as np
-from capstone import heap
+from capstone.runtime import heap
 if sys.argv[1] == "keep":
     heap.keep_freed_memory()
 def rss():

@@ -26,9 +26,9 @@ from capstone import faults
 from capstone.checkpoint import files, integrity
 from capstone.cli import RunOptions, Settings
 from capstone.config import ModelConfig, TrainConfig
-from capstone.data import DataStream, make_corpus
-from capstone.dist import Dist
-from capstone.model import Model
+from capstone.data.synthetic import DataStream, make_corpus
+from capstone.parallel.dist import Dist
+from capstone.model.gpt import Model
 from capstone.run import build, start
 from capstone.train import train_step
 

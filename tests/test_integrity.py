@@ -21,7 +21,7 @@ import pytest
 
 from conftest import ROOT, mpi_env, mpirun, summary
 
-from capstone import resume
+from capstone.checkpoint import resume
 from capstone.checkpoint import files, integrity
 from capstone.checkpoint.__main__ import main as checkpoint_main
 

@@ -13,9 +13,9 @@ import pytest
 
 from conftest import ROOT, mpi_env, mpirun, summary
 
-from capstone import accounting as acc
-from capstone import report, runlog
-from capstone.accounting import Collective
+from capstone.observe import accounting as acc
+from capstone.observe import report, runlog
+from capstone.observe.accounting import Collective
 
 ROW = re.compile(r"^\s*(\d+)\s")
 
@@ -209,7 +209,7 @@ def test_provenance_in_summary_start_row_and_checkpoint(reference):
 
 
 def test_provenance_without_git(tmp_path, monkeypatch):
-    from capstone import provenance
+    from capstone.observe import provenance
     assert provenance.git_info(str(tmp_path)) == {"commit": None, "dirty": None}  # not a repository
     monkeypatch.setenv("PATH", str(tmp_path))  # no git at all
     assert provenance.git_info() == {"commit": None, "dirty": None}
@@ -217,7 +217,7 @@ def test_provenance_without_git(tmp_path, monkeypatch):
 
 # ---- --tensorboard (optional) ---------------------------------------------------------------------
 def has_writer() -> bool:
-    from capstone import tensorboard
+    from capstone.observe import tensorboard
     return tensorboard.writer_class() is not None
 
 

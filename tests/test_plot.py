@@ -12,7 +12,8 @@ import pytest
 
 from conftest import ROOT, mpi_env, mpirun
 
-from capstone import plot, runlog
+from capstone import plot
+from capstone.observe import runlog
 
 # Reading is tested without matplotlib; drawing needs it (pip install matplotlib).
 needs_mpl = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
@@ -138,7 +139,7 @@ def test_runs_with_one_name_are_told_apart():
 
 
 def test_training_and_reading_do_not_import_matplotlib():
-    code = "import sys, capstone.train, capstone.runlog, capstone.plot, capstone.accounting; sys.exit('matplotlib' in sys.modules)"
+    code = "import sys, capstone.train, capstone.observe.runlog, capstone.plot, capstone.observe.accounting; sys.exit('matplotlib' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], env=mpi_env(), cwd=ROOT).returncode == 0
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from capstone import prepare
-from capstone.textdata import DatasetError, load_meta
+from capstone.data.tokens import DatasetError, load_meta
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "To be, or not to be: that is the question.\r\nWhether 'tis nobler — café 😀 in the mind\n" * 3

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from capstone.config import ConfigError
-from capstone.data import DataStream
+from capstone.data.synthetic import DataStream
 
 EVAL_SEQUENCES = 32  # DataStream's default held-out windows
 from capstone.prepare import prepare
-from capstone.textdata import DatasetError, TokenData, load_meta
+from capstone.data.tokens import DatasetError, TokenData, load_meta
 
 T, B, SEED = 8, 3, 5
 

@@ -26,13 +26,13 @@ import secrets
 import h5py
 import numpy as np
 
-from .. import faults
-from ..zero import ROWS, ShardState
-from . import files, integrity, reader
-from .digest import CHUNK, distributed_roots, sha256_hex
-from .files import CheckpointError, CorruptCheckpoint
-from .integrity import check_file
-from .reader import (FORMAT, HEADER, VERSION, dataset_name, open_verified, read_dataset, read_meta,
+from capstone import faults
+from capstone.parallel.zero import ROWS, ShardState
+from capstone.checkpoint import files, integrity, reader
+from capstone.checkpoint.digest import CHUNK, distributed_roots, sha256_hex
+from capstone.checkpoint.files import CheckpointError, CorruptCheckpoint
+from capstone.checkpoint.integrity import check_file
+from capstone.checkpoint.reader import (FORMAT, HEADER, VERSION, dataset_name, open_verified, read_dataset, read_meta,
                      root_attributes, verify_contents)
 
 __all__ = ["CheckpointError", "CorruptCheckpoint", "FORMAT", "HEADER", "VERSION", "agree", "check_file",

@@ -21,11 +21,11 @@ import sys
 
 import numpy as np
 
-from ..zero import ROWS
-from . import integrity
-from .digest import logical_root
-from .files import DIGEST_SUFFIX, CheckpointError
-from .reader import open_verified, parse_error, read_dataset
+from capstone.parallel.zero import ROWS
+from capstone.checkpoint import integrity
+from capstone.checkpoint.digest import logical_root
+from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError
+from capstone.checkpoint.reader import open_verified, parse_error, read_dataset
 
 
 def load_all(path: str, require_digest: bool = True):

@@ -21,8 +21,8 @@ import os
 import re
 import time
 
-from . import files
-from .files import DIGEST_SUFFIX, CheckpointError, CorruptCheckpoint
+from capstone.checkpoint import files
+from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError, CorruptCheckpoint
 
 READ_CHUNK = 8 << 20
 DIGEST_RE = re.compile(r"# capstone checkpoint digest v1: (\d+) bytes\n([0-9a-f]{64})  (\S+)\n")

@@ -12,7 +12,7 @@ import tempfile
 import pytest
 from mpi4py import MPI
 
-from capstone.dist import Dist
+from capstone.parallel.dist import Dist
 
 
 def pytest_configure(config):

@@ -12,9 +12,9 @@ from capstone import checkpoint
 from capstone.checkpoint import CheckpointError, files, integrity
 from capstone.checkpoint.digest import logical_root
 from capstone.config import ModelConfig
-from capstone.dist import Dist
-from capstone.params import Layout
-from capstone.zero import ROWS, ShardState
+from capstone.parallel.dist import Dist
+from capstone.model.params import Layout
+from capstone.parallel.zero import ROWS, ShardState
 
 CFG = ModelConfig(vocab_size=29, seq_len=4, d_model=8, n_heads=2, n_layers=1)
 EXPECT = {"model_config": {"cfg": 1}}

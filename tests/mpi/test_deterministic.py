@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from capstone.deterministic import ShardNorm, chunked_sumsq, tree_rows, tree_sum
+from capstone.parallel.deterministic import ShardNorm, chunked_sumsq, tree_rows, tree_sum
 
 
 @pytest.mark.parametrize("n,chunk", [(1037, 100), (1000, 100), (50, 100), (30144, 1 << 14)])

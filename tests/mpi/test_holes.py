@@ -13,8 +13,8 @@ from mpi4py import MPI
 from capstone import checkpoint
 from capstone.cli import RunOptions
 from capstone.config import ModelConfig, TrainConfig
-from capstone.params import Layout, init_params
-from capstone import resume as resume_plan
+from capstone.model.params import Layout, init_params
+from capstone.checkpoint import resume as resume_plan
 from capstone.cli import Settings
 from capstone.run import build as build_run
 from capstone.run import check_parallel_io
@@ -30,7 +30,7 @@ def start(run):
     check_parallel_io(run.dist)
     start_run(run, resume_plan.resolve(run.dist, run.opts.resume, run.ckpt.directory))
 from capstone.train import train
-from capstone.zero import ZeroAdam
+from capstone.parallel.zero import ZeroAdam
 
 CFG = ModelConfig(vocab_size=13, seq_len=4, d_model=8, n_heads=2, n_layers=1)
 
@@ -183,7 +183,7 @@ def test_training_checkpoints_resume_and_data_without_pickle(dist, shared_tmp, n
     allow_pickle, an object dtype in a checkpoint)."""
     from capstone.checkpoint.__main__ import main as checkpoint_tool
     from capstone.prepare import prepare
-    from capstone.textdata import TokenData
+    from capstone.data.tokens import TokenData
     out = os.path.join(shared_tmp, "run")
     run = _run(dist, out, steps=3, ckpt_every=2)
     start(run)

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from capstone.buckets import BucketedReduceScatter, plan, tree_order
+from capstone.parallel.buckets import BucketedReduceScatter, plan, tree_order
 from capstone.config import ModelConfig
-from capstone.deadline import Deadline
-from capstone.model import Model
-from capstone.params import Layout, init_params
-from capstone.zero import ZeroAdam
+from capstone.parallel.deadline import Deadline
+from capstone.model.gpt import Model
+from capstone.model.params import Layout, init_params
+from capstone.parallel.zero import ZeroAdam
 
 CFG = ModelConfig(vocab_size=13, seq_len=4, d_model=8, n_heads=2, n_layers=2)
 BIG = ModelConfig(vocab_size=64, seq_len=16, d_model=128, n_heads=4, n_layers=2)   # ~0.5M floats

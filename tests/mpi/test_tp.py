@@ -6,11 +6,11 @@ import pytest
 from autograd import make_vjp
 from mpi4py import MPI
 
-from capstone import tp
+from capstone.parallel import tensor as tp
 from capstone.config import ConfigError, ModelConfig
-from capstone.grid import Grid
-from capstone.model import loss_and_grad
-from capstone.params import Layout, init_params
+from capstone.parallel.grid import Grid
+from capstone.model.gpt import loss_and_grad
+from capstone.model.params import Layout, init_params
 
 CFG = ModelConfig()   # reference: 4 heads, d_model 32
 WORLD = MPI.COMM_WORLD.Get_size()
@@ -64,7 +64,7 @@ def test_g_is_allreduce_forward_identity_backward(k):
 def test_f_g_pair_gives_the_full_layer_gradient(k):
     """y = g(gelu(f(x) @ A_t) @ B_t) with A column-split and B row-split: value and d/dx equal the
     unsplit MLP's (float64), the gradient check of the conjugate pair."""
-    from capstone.kernels import linear, linear_gelu
+    from capstone.model.kernels import linear, linear_gelu
     g = Grid.build(MPI.COMM_WORLD, k, CFG)
     rng = np.random.default_rng(0)
     x, A, B = rng.standard_normal((5, 8)), rng.standard_normal((8, 16)), rng.standard_normal((16, 8))
@@ -149,8 +149,8 @@ def _canonical_state(seed=11):
 
 
 def _checkpointer(k, directory):
-    from capstone.dist import Dist
-    from capstone.runstate import RunIdentity
+    from capstone.parallel.dist import Dist
+    from capstone.state import RunIdentity
     from capstone.config import TrainConfig
     g = Grid.build(MPI.COMM_WORLD, k, CFG)
     lay = tp.tp_layout(CFG, k, g.dp)
@@ -160,14 +160,14 @@ def _checkpointer(k, directory):
 
 
 def _my_shard(g, lay, full):
-    from capstone.zero import ShardState
+    from capstone.parallel.zero import ShardState
     idx, _ = tp.positions(CFG, g.tp, g.tp_rank)
     lo, hi = lay.shard_range(g.dp_rank)
     return ShardState(*(tp.slice_params(v, lay, idx)[lo:hi] for v in full), t=5)
 
 
 def test_checkpoint_digests_do_not_depend_on_the_grid_and_restore_on_any(shared_tmp):
-    from capstone.runstate import RunState
+    from capstone.state import RunState
     full = _canonical_state()
     roots = {}
     for k in TPS:

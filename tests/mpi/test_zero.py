@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from capstone.config import ModelConfig
-from capstone.params import Layout, init_params
-from capstone.zero import ShardState, ZeroAdam
+from capstone.model.params import Layout, init_params
+from capstone.parallel.zero import ShardState, ZeroAdam
 
 CFG = ModelConfig(vocab_size=13, seq_len=4, d_model=8, n_heads=2, n_layers=1)
 
@@ -31,7 +31,7 @@ def reference_adam(p, grads, lr, b1, b2, eps, wd, decay):
 @pytest.mark.parametrize("wd,chunk", [(0.0, None), (0.1, None), (0.1, 37)])
 def test_zero1_equals_plain_adam(dist, wd, chunk, monkeypatch):
     if chunk:  # the update in passes of 37 elements: several per shard, and a shorter last one
-        monkeypatch.setattr("capstone.zero.ADAM_CHUNK", chunk)
+        monkeypatch.setattr("capstone.parallel.zero.ADAM_CHUNK", chunk)
     layout = Layout.for_model(CFG, dist.world)
     params = init_params(layout, CFG, 5) if dist.rank == 0 else layout.zeros()
     grads = layout.zeros()

@@ -35,14 +35,14 @@ import numpy as np
 from autograd.extend import defvjp, primitive
 from mpi4py import MPI
 
-from .backward import value_and_grad_into
-from .checkpointer import Checkpointer
-from .config import ModelConfig
-from .evaluate import HeldOut
-from .kernels import causal_attention, cross_entropy_sum, embed, layer_norm, linear, linear_gelu
-from .model import Model
-from .params import DTYPE, Layout, init_params, param_shapes, sum_squares
-from .zero import GradStats, ShardState, ZeroAdam
+from capstone.model.backward import value_and_grad_into
+from capstone.checkpoint.saver import Checkpointer
+from capstone.config import ModelConfig
+from capstone.data.heldout import HeldOut
+from capstone.model.kernels import causal_attention, cross_entropy_sum, embed, layer_norm, linear, linear_gelu
+from capstone.model.gpt import Model
+from capstone.model.params import DTYPE, Layout, init_params, param_shapes, sum_squares
+from capstone.parallel.zero import GradStats, ShardState, ZeroAdam
 
 @dataclass
 class TPComm:

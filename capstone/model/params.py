@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ModelConfig
+from capstone.config import ModelConfig
 
 DTYPE = np.float32
 

@@ -1,8 +1,8 @@
-"""A PyTorch eager twin of capstone's model in another venv's Python (capstone/bench_torch.py).
+"""A PyTorch eager twin of capstone's model in another venv's Python (benchmarks/torch_model.py).
 
 It starts from capstone's flat parameter buffer (the same initial values) and talks over a pipe,
 one JSON object a line; arrays travel as raw files in a directory this object owns (no .npy,
-nothing that can unpickle). Used by `capstone.bench speed --vs-torch` and `capstone.torch_reference`.
+nothing that can unpickle). Used by `capstone.bench speed --vs-torch` and `benchmarks.torch_reference`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class TorchWorker:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
         env.pop("PYTHONPATH", None)
         env.pop("VIRTUAL_ENV", None)
-        self.proc = subprocess.Popen([python, os.path.join(os.path.dirname(__file__), "bench_torch.py")],
+        self.proc = subprocess.Popen([python, os.path.join(os.path.dirname(__file__), "torch_model.py")],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.info = self.ask(cmd="init", cfg=cfg.__dict__, B=len(x), entries=layout.entries, dir=self.dir,
                              opt=opt, threads=1)

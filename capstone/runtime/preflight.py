@@ -16,9 +16,9 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
-from . import lock
-from .checkpoint import files
-from .config import ConfigError
+from capstone.runtime import lock
+from capstone.checkpoint import files
+from capstone.config import ConfigError
 
 MIB = 1 << 20
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from .config import ConfigError
+from capstone.config import ConfigError
 
 
 def check(tp: int, world: int, mcfg, tcfg=None) -> None:

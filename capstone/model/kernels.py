@@ -57,7 +57,7 @@ def define(name, forward, backward):
     return op
 
 
-# ---- matmul, with switchable timing (python -m capstone.bench reports the share of a step in BLAS) -----
+# ---- matmul, with switchable timing (python -m benchmarks.bench reports the share of a step in BLAS) -----
 
 matmul_seconds = [0.0]  # CPU seconds, accumulated by the timed matmul while it is switched on
 

@@ -9,8 +9,8 @@ import os
 import sys
 import time
 
-from . import accounting
-from .runlog import number, parse_lines, step_rows
+from capstone.observe import accounting
+from capstone.observe.runlog import number, parse_lines, step_rows
 
 MIB = 1024 * 1024
 EMA_BETA = 0.9     # the console's smoothed loss on long runs
@@ -227,7 +227,7 @@ class Summary:
 
 def final(summary: Summary, verified: dict | None, failed: list[str], rank: int) -> None:
     """The final report: memory table, manifests, invariants, and the verdict line."""
-    from .invariants import describe
+    from capstone.invariants import describe
     run = summary.run
     say("\nmemory per rank (bytes):\n" + memory_table(summary.memory), rank)
     say("\n" + accounting.format_what_if(summary.what_if()), rank)

@@ -1,8 +1,8 @@
 """Benchmarks of one rank's training step, single-threaded, at three model sizes.
 
-`speed`: capstone's step against PyTorch eager's (capstone/bench_torch.py), interleaved, with the
+`speed`: capstone's step against PyTorch eager's (benchmarks/torch_model.py), interleaved, with the
 share of the step in BLAS; `memory`: peak and per-step RSS at medium against the computed budget;
-`checks`: what train.py's per-step checks add at medium. Run through `python -m capstone.bench`.
+`checks`: what train.py's per-step checks add at medium. Run through `python -m benchmarks.bench`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import statistics
 import time
 
-from .torch_worker import TorchWorker
+from benchmarks.torch_worker import TorchWorker
 
 
 # ---- the single-thread training step: capstone (and PyTorch eager) at three sizes -----------------
@@ -46,11 +46,11 @@ class Stepper:
     def __init__(self, size: str, seed: int = 0):
         from mpi4py import MPI
 
-        from .config import ModelConfig
-        from .data import DataStream, make_corpus
-        from .model import Model
-        from .params import Layout, init_params
-        from .zero import ZeroAdam
+        from capstone.config import ModelConfig
+        from capstone.data.synthetic import DataStream, make_corpus
+        from capstone.model.gpt import Model
+        from capstone.model.params import Layout, init_params
+        from capstone.parallel.zero import ZeroAdam
         kw, self.B = SIZES[size]
         self.cfg = ModelConfig(**kw)
         self.layout = Layout.for_model(self.cfg, 1)
@@ -92,7 +92,7 @@ def _agreement(st: Stepper, tw: TorchWorker) -> str:
 def _matmul_share(st: Stepper, tw: TorchWorker | None, steps: int) -> str:
     """The share of capstone's step in its kernels' matmul calls (a timed wrapper); with torch, the
     share of torch's step in its linear layers' matmuls (torch.profiler) and what 0.85x would leave."""
-    from . import kernels
+    from capstone.model import kernels
     kernels.matmul_seconds[0] = 0.0
     kernels.time_matmuls(True)
     try:
@@ -185,8 +185,8 @@ def activation_bytes(st: Stepper) -> tuple[int, int]:
     buffers to it)."""
     import tracemalloc
 
-    from .backward import value_and_grad_into
-    from .model import loss_sum
+    from capstone.model.backward import value_and_grad_into
+    from capstone.model.gpt import loss_sum
     held = []
     tracemalloc.start()
     try:
@@ -239,9 +239,9 @@ def checks(repeats: int) -> None:
     """What train_step adds to a step at medium: the replica fingerprint (float64 norm + word sum,
     or + sha256 on evaluation steps), the update's finiteness check, and the held-out evaluation
     (the `medium` preset's sequences, forward only) on evaluation steps."""
-    from .evaluate import HeldOut
-    from .params import fingerprint, sum_squares, word_sum
-    from .presets import PRESETS
+    from capstone.data.heldout import HeldOut
+    from capstone.model.params import fingerprint, sum_squares, word_sum
+    from capstone.presets import PRESETS
     st = Stepper("medium")
     pre = PRESETS["medium"]
     heldout = HeldOut(st.stream, pre["eval_batches"], pre["eval_batch_size"], st.cfg.seq_len, 0, 1)

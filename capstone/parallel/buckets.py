@@ -44,8 +44,8 @@ import collections
 import numpy as np
 from mpi4py import MPI
 
-from . import backward
-from .params import Layout
+from capstone.model import backward
+from capstone.model.params import Layout
 
 
 def tree_order(world: int) -> list[int]:

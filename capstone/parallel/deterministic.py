@@ -39,10 +39,10 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-from .backward import value_and_grad_into
-from .checkpoint.digest import split_shard
-from .model import loss_sum
-from .zero import GradStats
+from capstone.model.backward import value_and_grad_into
+from capstone.checkpoint.digest import split_shard
+from capstone.model.gpt import loss_sum
+from capstone.parallel.zero import GradStats
 
 NORM_CHUNK = 1 << 14   # values per chunk of the gradient norm's (and param_norm's) sum of squares
 EVAL_ROWS = 4          # held-out rows per evaluation block
@@ -219,9 +219,10 @@ def bench(args) -> int:
     import statistics
     import tempfile
 
-    from .dist import Dist
-    from .run import open_run
-    from . import cli, heap, train
+    from capstone.parallel.dist import Dist
+    from capstone.run import open_run
+    from capstone import cli, train
+    from capstone.runtime import heap
 
     dist = Dist()
     heap.keep_freed_memory()
@@ -263,11 +264,11 @@ def bench(args) -> int:
 def reduction(dist, repeats: int) -> None:
     """Collective. The phase the mode replaces, alone (no forward/backward, so less noise): the
     gradient reduction and norm, default vs deterministic, at the reference and medium sizes."""
-    from .config import ModelConfig
-    from .model import Model
-    from .params import Layout, init_params
-    from .presets import PRESETS
-    from .zero import ZeroAdam
+    from capstone.config import ModelConfig
+    from capstone.model.gpt import Model
+    from capstone.model.params import Layout, init_params
+    from capstone.presets import PRESETS
+    from capstone.parallel.zero import ZeroAdam
     medium = {k: v for k, v in PRESETS["medium"].items() if k in ModelConfig.__dataclass_fields__}
     if dist.rank == 0:
         print(f"gradient reduction + norm alone on {dist.world} ranks, grad_accum 1 (best of {repeats}, ms):")

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from .buckets import BucketedReduceScatter
-from .deadline import Deadline
-from .params import DTYPE, Layout, sum_squares
+from capstone.parallel.buckets import BucketedReduceScatter
+from capstone.parallel.deadline import Deadline
+from capstone.model.params import DTYPE, Layout, sum_squares
 
 ROWS = ("master", "m", "v")  # the arrays of a shard's optimizer state, in checkpoint row order
 ADAM_CHUNK = 1 << 16         # elements per pass of the update: the arrays of one pass stay in L2 (256 KiB each)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backward import value_and_grad_into
-from .blocks import block, embedding, head_logits, head_loss
-from .config import ModelConfig
-from .params import Layout, group_shapes
+from capstone.model.backward import value_and_grad_into
+from capstone.model.blocks import block, embedding, head_logits, head_loss
+from capstone.config import ModelConfig
+from capstone.model.params import Layout, group_shapes
 
 
 def _hidden(t, idx, cfg: ModelConfig):

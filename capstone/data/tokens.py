@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ConfigError
+from capstone.config import ConfigError
 
 FORMAT = "capstone-char-tokens"
 VERSION = 1

@@ -12,9 +12,9 @@ import time
 
 import numpy as np
 
-from . import checkpoint
-from .runstate import RunIdentity, RunState
-from .zero import ShardState
+from capstone import checkpoint
+from capstone.state import RunIdentity, RunState
+from capstone.parallel.zero import ShardState
 
 
 class Checkpointer:

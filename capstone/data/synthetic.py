@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import ConfigError
+from capstone.config import ConfigError
 
 PHRASES = 16
 PHRASE_LEN = 8
@@ -73,7 +73,7 @@ def open_data(mcfg, tcfg, batch_size: int):
     synthetic corpus, both with the same interface; `identity` is what a resume must match."""
     eval_sequences = tcfg.eval_batches * tcfg.eval_batch_size
     if tcfg.data:
-        from .textdata import TokenData
+        from capstone.data.tokens import TokenData
         data = TokenData(tcfg.data, mcfg.seq_len, batch_size, tcfg.seed).verify()
         if data.vocab_size > mcfg.vocab_size:
             raise ConfigError(f"{tcfg.data} has {data.vocab_size} distinct tokens but --vocab-size is "

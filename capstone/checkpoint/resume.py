@@ -23,8 +23,8 @@ from __future__ import annotations
 import os
 import sys
 
-from .checkpoint import CheckpointError, CorruptCheckpoint, files, integrity, verify_contents
-from .config import ConfigError
+from capstone.checkpoint import CheckpointError, CorruptCheckpoint, files, integrity, verify_contents
+from capstone.config import ConfigError
 
 
 def _plan(want: str | None, ckpt_dir: str) -> dict:

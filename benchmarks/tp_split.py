@@ -1,4 +1,4 @@
-"""`python -m capstone.tp_bench RUN_DIR ...`: the per-step time split of --tp runs (rank 0's clock).
+"""`python -m benchmarks.tp_split RUN_DIR ...`: the per-step time split of --tp runs (rank 0's clock).
 
 compute = forward+backward minus the f/g allreduces inside it; tp_allreduce = those allreduces
 (including the wait for the slowest TP rank; their calls and summed bytes per step too); then the

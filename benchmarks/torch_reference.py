@@ -1,8 +1,8 @@
 """The validation-loss reference: a run trained in PyTorch eager on exactly what capstone trains on.
 
-`python -m capstone.torch_reference --torch PYTHON [training flags]` takes the same flags as
+`python -m benchmarks.torch_reference --torch PYTHON [training flags]` takes the same flags as
 `capstone.train` (preset, --data, --steps, ...) and drives the PyTorch twin of the model
-(capstone/bench_torch.py, in a venv that has torch): capstone's initial parameters, the same global
+(benchmarks/torch_model.py, in a venv that has torch): capstone's initial parameters, the same global
 batches in the same order (the data stream of one rank), capstone's learning-rate schedule, AdamW
 with the same betas, eps, weight decay groups and clip, and the same held-out batches at the same
 steps. It prints one line per evaluation; `scripts/bench-shakespeare` quotes the last.
@@ -15,20 +15,20 @@ import dataclasses
 import sys
 import time
 
-from . import cli
-from .config import ConfigError
-from .data import open_data
-from .evaluate import HeldOut
-from .params import Layout, init_params
-from .schedule import learning_rate
-from .torch_worker import TorchWorker
+from capstone import cli
+from capstone.config import ConfigError
+from capstone.data.synthetic import open_data
+from capstone.data.heldout import HeldOut
+from capstone.model.params import Layout, init_params
+from capstone.schedule import learning_rate
+from benchmarks.torch_worker import TorchWorker
 
 
 def settings_for(argv: list[str]) -> cli.Settings:
     """capstone.train's settings for these flags, with the data's vocabulary (as open_run takes it)."""
     s = cli.parse(argv)
     if s.train.data and "vocab_size" not in s.explicit:
-        from .textdata import load_meta
+        from capstone.data.tokens import load_meta
         s = dataclasses.replace(s, model=dataclasses.replace(s.model, vocab_size=load_meta(s.train.data).vocab_size))
     return s
 

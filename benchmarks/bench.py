@@ -1,13 +1,13 @@
 """Benchmarks that print figures (not timed tests).
 
-  python -m capstone.bench speed [--vs-torch PYTHON]     single-thread training step at three sizes,
+  python -m benchmarks.bench speed [--vs-torch PYTHON]     single-thread training step at three sizes,
                                                          BLAS share at medium; optionally against
-                                                         PyTorch eager (capstone/bench_torch.py)
-  python -m capstone.bench memory                        peak and per-step RSS at medium vs the budget
-  python -m capstone.bench checks                        cost of train.py's per-step checks at medium
-  python -m capstone.bench steps RUN_DIR [RUN_DIR ...]   per-step time split from metrics.jsonl
-  python -m capstone.bench model                         serial forward+backward time, two sizes
-  mpirun -n 4 python -m capstone.bench comm [--sizes ...] reduce-scatter variants vs allreduce
+                                                         PyTorch eager (benchmarks/torch_model.py)
+  python -m benchmarks.bench memory                        peak and per-step RSS at medium vs the budget
+  python -m benchmarks.bench checks                        cost of train.py's per-step checks at medium
+  python -m benchmarks.bench steps RUN_DIR [RUN_DIR ...]   per-step time split from metrics.jsonl
+  python -m benchmarks.bench model                         serial forward+backward time, two sizes
+  mpirun -n 4 python -m benchmarks.bench comm [--sizes ...] reduce-scatter variants vs allreduce
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from .stepbench import SIZES, checks, memory, speed
+from benchmarks.step import SIZES, checks, memory, speed
 
 SPLIT = ("fwd_bwd_ms", "reduce_scatter_ms", "optimizer_ms", "allgather_ms", "step_ms")
 
@@ -46,7 +46,7 @@ def step_split(run_dirs: list[str], eval_every: int = 0) -> None:
           f"median {statistics.median(walls):.3f} s")
     print(overhead(rows, eval_every or summary["train_config"]["eval_every"]))
     if len(sizes) == 1 and any("comm" in r for r in rows):  # runs of one model on one world size
-        from .accounting import comm_summary, format_comm_summary
+        from capstone.observe.accounting import comm_summary, format_comm_summary
         padded, world = sizes.pop()
         print("collectives per step over the same steps (rank 0's clock, median; nccl-tests bytes S, algbw, busbw):")
         print("  " + format_comm_summary(comm_summary(rows, padded, world, skip_first=False)).replace("\n", "\n  "))
@@ -71,10 +71,10 @@ def overhead(rows: list[dict], eval_every: int) -> str:
 
 def model(repeats: int) -> None:
     """Serial forward+backward time of one micro-batch at two sizes (float32, one thread)."""
-    from .config import ModelConfig
-    from .data import DataStream, make_corpus
-    from .model import loss_and_grad
-    from .params import Layout, init_params
+    from capstone.config import ModelConfig
+    from capstone.data.synthetic import DataStream, make_corpus
+    from capstone.model.gpt import loss_and_grad
+    from capstone.model.params import Layout, init_params
     print(f"forward+backward of one micro-batch, serial, best of {repeats} (ms):")
     for cfg, B in ((ModelConfig(), 4), (ModelConfig(vocab_size=256, seq_len=128, d_model=256, n_heads=4, n_layers=4), 8)):
         layout = Layout.for_model(cfg, 1)
@@ -120,7 +120,7 @@ def comm(sizes: list[int], repeats: int) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m capstone.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("steps", help="per-step time split of finished runs")
     s.add_argument("runs", nargs="+", help="run directories (with metrics.jsonl and summary.json)")
@@ -134,14 +134,14 @@ def main(argv=None) -> int:
     sp = sub.add_parser("speed", help="single-thread training step at three sizes (and vs PyTorch eager)")
     sp.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     sp.add_argument("--repeats", type=int, default=0, help="steps per size (default: 200, 20, 5 by size)")
-    sp.add_argument("--vs-torch", metavar="PYTHON", help="a Python with torch (a separate venv) to run capstone/bench_torch.py")
+    sp.add_argument("--vs-torch", metavar="PYTHON", help="a Python with torch (a separate venv) to run benchmarks/torch_model.py")
     sp.add_argument("--blas-steps", type=int, default=10, help="steps timed with the matmul wrapper at medium (0: skip)")
     me = sub.add_parser("memory", help="RSS of one rank at medium against the computed budget")
     me.add_argument("--steps", type=int, default=200)
     ch = sub.add_parser("checks", help="cost of train.py's fingerprint and held-out eval at medium")
     ch.add_argument("--repeats", type=int, default=20)
     args = p.parse_args(argv)
-    from .heap import keep_freed_memory  # the heap settings every training rank runs with
+    from capstone.runtime.heap import keep_freed_memory  # the heap settings every training rank runs with
     keep_freed_memory()
     if args.cmd == "speed":
         reps = {"reference": 200, "medium": 20, "large": 5}

@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from .config import ModelConfig, TrainConfig
-from .guard import GuardState
+from capstone.config import ModelConfig, TrainConfig
+from capstone.guard import GuardState
 
 
 @dataclass

@@ -7,8 +7,8 @@ the install command. metrics.jsonl stays the record; this is a view of the same 
 
 from __future__ import annotations
 
-from .config import ConfigError
-from .runlog import number, timing_parts
+from capstone.config import ConfigError
+from capstone.observe.runlog import number, timing_parts
 
 INSTALL = ("pip install tensorboardX   (the writer; or torch, for torch.utils.tensorboard); "
            "to look: pip install tensorboard && tensorboard --logdir DIR")

@@ -1,4 +1,4 @@
-"""The MiniGPT of capstone in PyTorch eager, as a worker process for `python -m capstone.bench speed --vs-torch`.
+"""The MiniGPT of capstone in PyTorch eager, as a worker process for `python -m benchmarks.bench speed --vs-torch`.
 
 Run by the Python of a separate venv that has torch (never capstone's venv); it imports nothing from
 capstone. The bench starts it, and they talk over stdin/stdout, one JSON object a line; arrays

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import numpy as np
 from mpi4py import MPI
 
-from .deadline import Deadline
+from capstone.parallel.deadline import Deadline
 
 
 class Dist:

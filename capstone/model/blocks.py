@@ -18,8 +18,8 @@ import math
 
 import numpy as np
 
-from . import kernels as K
-from .backward import drop_saved, grad_buffer
+from capstone.model import kernels as K
+from capstone.model.backward import drop_saved, grad_buffer
 
 
 @functools.lru_cache(maxsize=64)

@@ -2,7 +2,7 @@
 
 Bytes moved and achieved bandwidth of a collective as nccl-tests reports them (algbw, busbw), and
 the ZeRO what-if: bytes per rank of parameters, gradients and optimizer state at stages 0-3.
-`python -m capstone.accounting` prints the what-if table and, with --run, a run's bandwidths.
+`python -m capstone.observe.accounting` prints the what-if table and, with --run, a run's bandwidths.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-from .runlog import read_run, timing_parts
+from capstone.observe.runlog import read_run, timing_parts
 
 # nccl-tests doc/PERFORMANCE.md, "Summary": busbw = algbw * factor(n), independent of the algorithm
 # as long as it is built from point-to-point transfers.
@@ -279,7 +279,7 @@ def run_bandwidths(run_dir: str) -> tuple[dict, list[Collective]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m capstone.accounting", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = argparse.ArgumentParser(prog="python -m capstone.observe.accounting", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                                 description="ZeRO what-if memory table and, for a finished run, the achieved "
                                             "bandwidth of its collectives (nccl-tests definitions).")
     p.add_argument("--params", type=int, default=30144, help="parameters P (or the padded buffer length)")

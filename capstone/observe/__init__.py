@@ -1,0 +1,1 @@
+"""What a run shows and leaves behind: console, metrics.jsonl, summary.json, accounting, provenance."""

@@ -1,0 +1,64 @@
+"""The reference experiment keeps its bits across the redesign of issue 24: the code of commit
+BEFORE (the last one before it) and the current code, run here on the same machine (BLAS kernels
+round differently on other CPUs, so recorded values would test the machine), give the same losses,
+norms, fingerprints and checkpoint digests at every step. Needs the repository's history (a clone)."""
+
+import json
+import os
+import subprocess
+import tarfile
+
+import pytest
+
+from conftest import ROOT, mpi_env, step_rows, summary
+
+BEFORE = "0d6c940"   # main before the one design of issue 24 (the 47-mutant suite's code)
+KEYS = ("loss", "eval_loss", "grad_norm", "grad_norm_clipped", "lr", "param_norm", "fingerprint", "accepted")
+
+
+@pytest.fixture(scope="module")
+def before_code(tmp_path_factory):
+    """The capstone package of commit BEFORE, unpacked from git into a directory of its own."""
+    where = tmp_path_factory.mktemp("before")
+    try:
+        blob = subprocess.run(["git", "-C", ROOT, "archive", "--format=tar", BEFORE, "capstone"],
+                              capture_output=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"commit {BEFORE} is not in this checkout's history ({exc}): clone the repository to run this")
+    tar = where / "code.tar"
+    tar.write_bytes(blob)
+    with tarfile.open(tar) as t:
+        t.extractall(where, filter="data")
+    return where
+
+
+def run_with(code_dir, out, *args):
+    env = {**mpi_env(), "PYTHONPATH": str(code_dir)}
+    res = subprocess.run(["mpirun", "-n", "4", "--oversubscribe", "python", "-m", "capstone.train", "--out", str(out),
+                          *map(str, args)], capture_output=True, text=True, timeout=300, env=env, cwd=str(code_dir))
+    assert res.returncode == 0, res.stdout + res.stderr
+    return out
+
+
+def digests(out):
+    return [(m["step"], m["logical_sha256"], sorted(d["sha256"] for d in m["datasets"].values()))
+            for m in summary(out)["checkpoints"]]
+
+
+def test_reference_run_is_bit_identical_to_the_code_before(reference, before_code, tmp_path):
+    out, _, _ = reference
+    old = run_with(before_code, tmp_path / "before")
+    assert [{k: r[k] for k in KEYS} for r in step_rows(out)] == [{k: r[k] for k in KEYS} for r in step_rows(old)]
+    assert digests(out) == digests(old)
+    assert summary(out)["final_param_fingerprint"] == summary(old)["final_param_fingerprint"]
+
+
+@pytest.mark.parametrize("flags", [("--grad-accum", "2", "--global-batch", "16", "--clip", "1.0", "--weight-decay", "0.1",
+                                    "--lr-schedule", "cosine", "--warmup-steps", "3", "--inject-nan", "5")],
+                         ids=["accum-clip-decay-cosine-nan"])
+def test_other_default_paths_are_bit_identical_to_the_code_before(before_code, tmp_path, flags):
+    """Accumulation, clipping, weight decay, the schedule and a rollback: the same bits as before."""
+    new = run_with(ROOT, tmp_path / "now", *flags)
+    old = run_with(before_code, tmp_path / "before", *flags)
+    assert [{k: r[k] for k in KEYS} for r in step_rows(new)] == [{k: r[k] for k in KEYS} for r in step_rows(old)]
+    assert digests(new) == digests(old)
