@@ -20,7 +20,7 @@ from capstone.config import ConfigError
 from capstone.data.synthetic import open_data
 from capstone.data.heldout import HeldOut
 from capstone.model.params import Layout, init_params
-from capstone.schedule import learning_rate
+from capstone.lr import learning_rate
 from benchmarks.torch_worker import TorchWorker
 
 

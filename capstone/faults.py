@@ -1,17 +1,21 @@
-"""Fault injection for tests, driven by the environment: CAPSTONE_FAULT=<point>:<rank>[:<step>].
+"""Fault injection for tests: `Faults` implements the run's hooks (capstone.hooks).
 
-Save points (SIGKILL, like a node dying mid-checkpoint): before_data, after_data, before_rename,
-before_pointer, at the save of step <step> (any save if no step is given). Step point:
-raise_in_step (an ordinary exception on one rank at step <step>, default 1, to prove that one
-rank's error aborts the job instead of hanging the others). flip_param_bit: one bit of one rank's parameters flipped after the update of step <step>.
-stall:<rank>:<step>[:<where>]: that rank sleeps STALL_S, silent, like a hung or unreachable node,
-at the start of step <step> (default 1), or at save point <where> of the save of step <step>;
-the others must end the job at --collective-timeout (capstone.deadline).
-write_error: an OSError on one rank
-while it writes its shard of the save of step <step> (like a full disk on one node).
-With no CAPSTONE_FAULT nothing happens. CAPSTONE_FAULT_RESTART=N limits the fault to the launch
-of a Slurm job whose SLURM_RESTART_COUNT is N (0: before any requeue), so a requeued job runs clean. `Injections` are the training-side faults that the
-command line asks for (--inject-lr-spike, --inject-nan), to exercise the divergence guard.
+From the environment, CAPSTONE_FAULT=<action>:<rank>[:<step>[:<point>]] acts on one rank:
+
+  before_data, after_data, before_rename, between_renames, before_pointer
+                  SIGKILL (a node dying) at that point of the save of step <step> (any save if none)
+  write_error     an OSError while that rank writes its shard of the save of step <step>
+  raise_in_step   an ordinary exception at the start of step <step> (default 1)
+  flip_param_bit  one bit of the rank's parameters flipped after the update of step <step>
+  stall           sleep STALL_S seconds, silent (a hung node), at hook point <point> of step <step>
+  stop            SIGSTOP itself (a real stopped process) at hook point <point> of step <step>
+
+A hook point is "step" (the default), a collective's kind ("reduce_scatter", "allreduce_stats",
+"tp_allreduce", "alltoall", "allreduce_eval", "allgather", ...) or a checkpoint point
+("save.before_data", ...); step 0 is start-up. CAPSTONE_FAULT_PIDS=DIR makes every rank write its
+pid to DIR/<rank> first, so a test can kill a stopped rank. CAPSTONE_FAULT_RESTART=N limits the
+fault to the launch of a Slurm job whose SLURM_RESTART_COUNT is N. The flags --inject-lr-spike
+STEP:MULT, --inject-nan STEP[:COUNT] and --sleep-per-step exercise the divergence guard and stops.
 """
 
 from __future__ import annotations
@@ -21,67 +25,94 @@ import signal
 import sys
 import time
 
-KILL_POINTS = ("before_data", "after_data", "before_rename", "before_pointer")
-POINTS = KILL_POINTS + ("raise_in_step", "write_error", "flip_param_bit", "stall")
+from capstone.hooks import Hooks
+
+SAVE_POINTS = ("before_data", "after_data", "before_rename", "between_renames", "before_pointer")
+ACTIONS = SAVE_POINTS + ("raise_in_step", "write_error", "flip_param_bit", "stall", "stop")
 STALL_S = 60.0
-
-
-class Injections:
-    """--inject-lr-spike STEP:MULT and --inject-nan STEP[:COUNT], asked step by step."""
-
-    def __init__(self, lr_spike: tuple[int, float] | None = None, nan: tuple[int, int] | None = None):
-        self.lr_spike, self.nan = lr_spike, nan
-
-    def lr_mult(self, step: int) -> float:
-        return self.lr_spike[1] if self.lr_spike is not None and self.lr_spike[0] == step else 1.0
-
-    def poison(self, step: int, rank: int, grads) -> None:
-        """Make rank 0's gradient NaN on the steps --inject-nan names."""
-        if self.nan is not None and self.nan[0] <= step < self.nan[0] + self.nan[1] and rank == 0:
-            grads[0] = float("nan")
-
-
-def flip_param_bit(rank: int, step: int, params) -> None:
-    """flip_param_bit:<rank>:<step>: flip the lowest bit of params[0] on that rank after that step's update
-    (a replica that silently differs, for invariant (b))."""
-    spec = _spec()
-    if spec is not None and spec[0] == "flip_param_bit" and spec[1] == rank and spec[2] in (None, step):
-        params.view("u4")[0] ^= 1
+POINT_OF = {**{a: f"save.{a}" for a in SAVE_POINTS}, "between_renames": "publish.between_renames",
+            "write_error": "save.write", "raise_in_step": "step"}
 
 
 class InjectedFault(RuntimeError):
     """Raised on purpose by CAPSTONE_FAULT=raise_in_step:<rank>."""
 
 
-def _spec():
-    spec = os.environ.get("CAPSTONE_FAULT", "")
-    only = os.environ.get("CAPSTONE_FAULT_RESTART")   # a Slurm job's launch: the fault fires in that one only
-    if not spec or only is not None and only != os.environ.get("SLURM_RESTART_COUNT", "0"):
-        return None
-    point, _, rest = spec.partition(":")
-    rank, _, step = rest.partition(":")
-    step, _, where = step.partition(":")
-    if point not in POINTS or where and (point != "stall" or where not in KILL_POINTS):
-        raise ValueError(f"CAPSTONE_FAULT={spec!r}: the point must be one of {', '.join(POINTS)} "
-                         f"(stall:<rank>:<step>:<where> takes one of {', '.join(KILL_POINTS)})")
-    return point, int(rank or 0), int(step) if step else None, where or "stall"
+def parse(spec: str) -> tuple[str, int, int | None, str]:
+    """(action, rank, step or None, hook point) of a CAPSTONE_FAULT value."""
+    action, _, rest = spec.partition(":")
+    rank, _, rest = rest.partition(":")
+    step, _, point = rest.partition(":")
+    if action not in ACTIONS or point and action not in ("stall", "stop"):
+        raise ValueError(f"CAPSTONE_FAULT={spec!r}: the action must be one of {', '.join(ACTIONS)}; only stall "
+                         f"and stop take a hook point (<action>:<rank>:<step>:<point>)")
+    step = int(step) if step else (1 if action == "raise_in_step" else None)
+    return action, int(rank or 0), step, POINT_OF.get(point, point) or POINT_OF.get(action, "step")
 
 
-def point(name: str, rank: int, step: int | None = None) -> None:
-    """Act if CAPSTONE_FAULT names this point and rank (and step, for raise_in_step)."""
-    spec = _spec()
-    if spec is not None and spec[0] == "stall" and spec[3] == name and spec[1] == rank and step == (spec[2] or 1):
-        print(f"[rank {rank}] CAPSTONE_FAULT: stalling this rank for {STALL_S:.0f} s at step {step} ({name})",
-              file=sys.stderr, flush=True)
-        time.sleep(STALL_S)
-        return
-    if spec is None or spec[0] != name or spec[1] != rank or name == "stall":
-        return
-    if spec[2] is not None and spec[2] != step or name == "raise_in_step" and step != (spec[2] or 1):
-        return
-    if name == "raise_in_step":
-        raise InjectedFault(f"injected failure on rank {rank} at step {step} (CAPSTONE_FAULT)")
-    if name == "write_error":
-        raise OSError(28, "No space left on device (injected by CAPSTONE_FAULT)")
-    print(f"[rank {rank}] CAPSTONE_FAULT: killing this rank at '{name}'", file=sys.stderr, flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+class Faults(Hooks):
+    """The hooks of a test run: CAPSTONE_FAULT on this rank, and the --inject-* flags."""
+
+    def __init__(self, rank: int, lr_spike=None, nan=None, sleep_per_step: float = 0.0):
+        self.rank, self.lr_spike, self.nan, self.sleep = rank, lr_spike, nan, sleep_per_step
+        spec = os.environ.get("CAPSTONE_FAULT", "")
+        only = os.environ.get("CAPSTONE_FAULT_RESTART")   # a Slurm job's launch: the fault fires in that one only
+        active = spec and (only is None or only == os.environ.get("SLURM_RESTART_COUNT", "0"))
+        self.fault = parse(spec) if active else None
+        if os.environ.get("CAPSTONE_FAULT_PIDS"):
+            with open(os.path.join(os.environ["CAPSTONE_FAULT_PIDS"], str(rank)), "w") as f:
+                f.write(f"{os.getpid()}\n")
+
+    def _mine(self, point: str, step: int | None) -> str | None:
+        """The action if the fault names this rank, point and step."""
+        if self.fault is None:
+            return None
+        action, rank, at_step, at_point = self.fault
+        if rank != self.rank or point != at_point or at_step is not None and at_step != (step or 0):
+            return None
+        return action
+
+    def at(self, point: str, step: int | None = None) -> None:
+        super().at(point, step)
+        action = self._mine(point, self.step if step is None else step)
+        if action is None or action == "flip_param_bit":
+            return
+        where = f"{point} of step {self.step or 0}"
+        if action == "raise_in_step":
+            raise InjectedFault(f"injected failure on rank {self.rank} at step {self.step} (CAPSTONE_FAULT)")
+        if action == "write_error":
+            raise OSError(28, "No space left on device (injected by CAPSTONE_FAULT)")
+        if action == "stall":
+            say(f"[rank {self.rank}] CAPSTONE_FAULT: stalling this rank for {STALL_S:.0f} s at {where}")
+            time.sleep(STALL_S)
+            return
+        say(f"[rank {self.rank}] CAPSTONE_FAULT: {'stopping' if action == 'stop' else 'killing'} this rank at {where}")
+        os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
+
+    def gradients(self, step: int, micro: int, grads) -> None:
+        """--inject-nan: rank 0's gradient NaN on the steps it names (after the first micro-batch)."""
+        if self.nan is not None and self.nan[0] <= step < self.nan[0] + self.nan[1] and self.rank == 0 and micro == 0:
+            grads[0] = float("nan")
+
+    def learning_rate(self, step: int, lr: float) -> float:
+        return lr * self.lr_spike[1] if self.lr_spike is not None and self.lr_spike[0] == step else lr
+
+    def parameters(self, step: int, params) -> None:
+        """flip_param_bit: flip the lowest bit of params[0] on that rank after that step's update
+        (a replica that silently differs, for invariant (b))."""
+        if self._mine("step", step) == "flip_param_bit":
+            params.view("u4")[0] ^= 1
+
+    def step_done(self, step: int) -> None:
+        if self.sleep:
+            time.sleep(self.sleep)
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def wanted(opts) -> bool:
+    """Whether a run needs `Faults` (else the plain `Hooks`)."""
+    return bool(os.environ.get("CAPSTONE_FAULT") or os.environ.get("CAPSTONE_FAULT_PIDS") or opts.inject_lr_spike
+                or opts.inject_nan or opts.sleep_per_step)

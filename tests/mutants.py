@@ -167,7 +167,7 @@ MUTANTS = [
            ("tests/test_invariants.py",), "(a) allows a rise in proportion to the loss, not to the progress"),
 
     # ---- schedule -------------------------------------------------------------------------------
-    Mutant("schedule/cosine-counted-from-step-0", "capstone/schedule.py",
+    Mutant("schedule/cosine-counted-from-step-0", "capstone/lr.py",
            "progress = min(1.0, (step - warmup - 1) / span)", "progress = min(1.0, (step - 1) / span)",
            ("tests/test_guard.py::test_warmup_cosine_schedule", HOLES + "test_cosine_schedule_end_to_end"),
            "the cosine starts as if warmup steps were decay steps"),

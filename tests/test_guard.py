@@ -15,7 +15,7 @@ from capstone.cli import RunOptions, Settings
 from capstone.config import ModelConfig, TrainConfig
 from capstone.parallel.dist import Dist
 from capstone.guard import Guard
-from capstone.schedule import learning_rate
+from capstone.lr import learning_rate
 from capstone.run import build
 
 

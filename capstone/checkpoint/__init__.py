@@ -26,7 +26,7 @@ import secrets
 import h5py
 import numpy as np
 
-from capstone import faults
+from capstone.hooks import NONE
 from capstone.parallel.zero import ROWS, ShardState
 from capstone.checkpoint import files, integrity, reader
 from capstone.checkpoint.digest import CHUNK, distributed_roots, sha256_hex
@@ -52,11 +52,12 @@ def mpi_io_available() -> bool:
     return bool(h5py.get_config().mpi)
 
 
-def _open(path: str, mode: str, dist):
+def _open(path: str, mode: str, comm):
     """Collective: call on all ranks. Open with the mpio driver (serial h5py only for one rank)."""
     if mpi_io_available():
-        return h5py.File(path, mode, driver="mpio", comm=dist.comm)
-    if dist.world == 1:
+        with comm.blocking(f"parallel HDF5 open of {os.path.basename(path)}") as mpi:
+            return h5py.File(path, mode, driver="mpio", comm=mpi)
+    if comm.size == 1:
         return h5py.File(path, mode)
     raise CheckpointError(
         "h5py has no MPI support, so ranks cannot share one checkpoint file. Rebuild it against "
@@ -64,23 +65,23 @@ def _open(path: str, mode: str, dist):
         "--no-build-isolation --no-binary=h5py h5py (scripts/setup does this), or run on one rank.")
 
 
-def agree(dist, error: str | None) -> None:
+def agree(comm, error: str | None) -> None:
     """Collective: call on all ranks. Raise CheckpointError on every rank if any rank had an error."""
-    errors = [e for e in dist.allgather_json(error) if e]
+    errors = [e for e in comm.allgather_json(error) if e]
     if errors:
         raise CheckpointError("\n".join(dict.fromkeys(errors)))
 
 
-def save(dist, directory: str, step: int, state: ShardState, layout, extra: dict,
-         keep_last: int = 0, protect=()) -> dict:
+def save(comm, directory: str, step: int, state: ShardState, layout, extra: dict,
+         keep_last: int = 0, protect=(), hooks=NONE) -> dict:
     """Collective: call on all ranks. Write `state` (this rank's optimizer shard) and `extra`
     (JSON-able run metadata) as checkpoint `step` in `directory`, publish it atomically, move
     `latest` to it and apply retention. Returns the manifest."""
-    rank, world, shard = dist.rank, dist.world, layout.shard
+    rank, world, shard = comm.rank, comm.size, layout.shard
     data = np.stack(state.rows()).astype("<f4", copy=False)     # (len(ROWS), shard)
-    digests = dist.allgather_json(sha256_hex(data))
-    roots = distributed_roots(dist, dict(zip(ROWS, state.rows())), rank * shard, layout.n_params)
-    token = dist.bcast_json(secrets.token_hex(6) if rank == 0 else None)
+    digests = comm.allgather_json(sha256_hex(data))
+    roots = distributed_roots(comm, dict(zip(ROWS, state.rows())), rank * shard, layout.n_params)
+    token = comm.bcast_json(secrets.token_hex(6) if rank == 0 else None)
     meta = {"format": FORMAT, "format_version": VERSION, "step": step, "world_size": world,
             "n_params": layout.n_params, "padded": layout.padded, "shard": shard,
             "layout": json.loads(layout.to_json()), "adam_t": int(state.t), "rows": list(ROWS),
@@ -92,46 +93,49 @@ def save(dist, directory: str, step: int, state: ShardState, layout, extra: dict
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
     need = files.estimated_size(data.nbytes * world, world, len(meta_bytes))
-    agree(dist, files.space_error(directory, step, need) if rank == 0 else None)   # before any byte is written
-    faults.point("before_data", rank, step)
+    agree(comm, files.space_error(directory, step, need) if rank == 0 else None)   # before any byte is written
+    hooks.at("save.before_data", step)
     tmp = os.path.join(directory, files.partial_name(step, token))
     final = os.path.join(directory, files.final_name(step))
-    _write_file(dist, tmp, meta, meta_bytes, meta_sha, data, step)
-    dist.barrier()
-    faults.point("before_rename", rank, step)
-    if rank == 0:
-        integrity.publish(tmp, final)  # the digest file first, then the checkpoint under its name
-    dist.barrier()
-    faults.point("before_pointer", rank, step)
+    _write_file(comm, tmp, meta, meta_bytes, meta_sha, data, step, hooks)
+    comm.barrier("checkpoint save: barrier after the write")
+    hooks.at("save.before_rename", step)
+    if rank == 0:   # the digest file first, then the checkpoint under its name
+        integrity.publish(tmp, final, between=lambda: hooks.at("publish.between_renames", step))
+    comm.barrier("checkpoint save: barrier after the publish")
+    hooks.at("save.before_pointer", step)
     removed = []
     if rank == 0:
         files.write_pointer(directory, os.path.basename(final))
         removed = files.retain(directory, keep_last, protect)
-    removed, size = dist.bcast_json([removed, os.path.getsize(final)] if rank == 0 else None)
+    removed, size = comm.bcast_json([removed, os.path.getsize(final)] if rank == 0 else None)
     return {"path": final, "step": step, "world_size": world, "bytes": size,
             "meta_sha256": meta_sha, "datasets": meta["datasets"], "logical_sha256": roots, "removed": removed}
 
 
-def _write_file(dist, tmp: str, meta: dict, meta_bytes: bytes, meta_sha: str, data: np.ndarray, step: int) -> None:
+def _write_file(comm, tmp: str, meta: dict, meta_bytes: bytes, meta_sha: str, data: np.ndarray, step: int,
+                hooks=NONE) -> None:
     """Collective. Write the checkpoint file `tmp` durably. Any failure (disk full, quota,
     permissions) is agreed across ranks, so no rank is left alone in a collective, and the
     partial file is discarded before CheckpointError is raised on every rank."""
     f = None
     try:
-        f = _agreed(dist, step, tmp, lambda: _open(tmp, "w", dist))
-        meta_ds, shards = _create_datasets(f, meta, meta_sha, len(meta_bytes), dist.world)
+        f = _agreed(comm, step, tmp, lambda: _open(tmp, "w", comm))
+        with comm.blocking(f"parallel HDF5 metadata of checkpoint step {step}"):
+            meta_ds, shards = _create_datasets(f, meta, meta_sha, len(meta_bytes), comm.size)
 
         def write():
-            if dist.rank == 0:
+            if comm.rank == 0:
                 meta_ds[...] = np.frombuffer(meta_bytes, dtype=np.uint8)
-            faults.point("write_error", dist.rank, step)
-            shards[dist.rank][...] = data
-            faults.point("after_data", dist.rank, step)   # before the ranks agree the writes succeeded
-        _agreed(dist, step, tmp, write)   # the only per-rank I/O
-        _agreed(dist, step, tmp, f.flush)  # MPI_File_sync on every rank: durable before the rename
-        f.close()
+            hooks.at("save.write", step)
+            shards[comm.rank][...] = data
+            hooks.at("save.after_data", step)   # before the ranks agree the writes succeeded
+        _agreed(comm, step, tmp, write)   # the only per-rank I/O
+        _agreed(comm, step, tmp, f.flush, f"parallel HDF5 flush of checkpoint step {step}")  # MPI_File_sync: durable
+        with comm.blocking(f"parallel HDF5 close of checkpoint step {step}"):
+            f.close()
     except CheckpointError:
-        _discard(dist, f, tmp)
+        _discard(comm, f, tmp)
         raise
 
 
@@ -148,14 +152,19 @@ def _create_datasets(f, meta: dict, meta_sha: str, meta_len: int, world: int):
     return meta_ds, shards
 
 
-def _agreed(dist, step: int, tmp: str, action):
-    """Collective. Run `action` on every rank; if it failed on any, raise one CheckpointError
-    on every rank that names the ranks, the error and the free space."""
+def _agreed(comm, step: int, tmp: str, action, collective: str = ""):
+    """Collective. Run `action` on every rank (a `collective` one under the deadline's watchdog); if
+    it failed on any, raise one CheckpointError on every rank that names the ranks, the error and
+    the free space."""
     try:
-        result, error = action(), None
+        if collective:
+            with comm.blocking(collective):
+                result, error = action(), None
+        else:
+            result, error = action(), None
     except (OSError, RuntimeError) as exc:   # h5py: OSError for I/O, RuntimeError for a failed flush
         result, error = None, str(exc)
-    failed = [(r, e) for r, e in enumerate(dist.allgather_json(error)) if e]
+    failed = [(r, e) for r, e in enumerate(comm.allgather_json(error)) if e]
     if failed:
         directory = os.path.dirname(tmp)
         free = files.free_bytes(directory)
@@ -170,20 +179,21 @@ def _agreed(dist, step: int, tmp: str, action):
     return result
 
 
-def _discard(dist, f, tmp: str) -> None:
+def _discard(comm, f, tmp: str) -> None:
     """Collective. Drop a failed partial file. Its blocks are freed first (truncate on rank 0):
     HDF5 flushes its metadata on close, and on a full disk that flush fails and h5py's close
     retries forever at 100% CPU; with the space back it succeeds, then the file is removed."""
-    if dist.rank == 0 and os.path.exists(tmp):
+    if comm.rank == 0 and os.path.exists(tmp):
         os.truncate(tmp, 0)
-    dist.barrier()
+    comm.barrier("checkpoint save: barrier before discarding a failed file")
     if f is not None:
         try:
-            f.close()
+            with comm.blocking("parallel HDF5 close of a failed checkpoint"):
+                f.close()
         except (OSError, RuntimeError):
             pass
-    dist.barrier()
-    if dist.rank == 0 and os.path.exists(tmp):
+    comm.barrier("checkpoint save: barrier after discarding a failed file")
+    if comm.rank == 0 and os.path.exists(tmp):
         os.remove(tmp)
 
 
@@ -216,26 +226,26 @@ def _gather_shard(f, path: str, meta: dict, lo: int, hi: int, n: int, rank: int)
     return out
 
 
-def load(dist, path: str, layout, expect: dict) -> tuple[dict, dict]:
+def load(comm, path: str, layout, expect: dict) -> tuple[dict, dict]:
     """Collective: call on all ranks. Load checkpoint `path` into this rank's shard of `layout`
     (any world size), verifying the whole-file digest, every digest read and the logical digests
     after resharding. `expect` maps metadata keys to required values (e.g. the model config).
     Returns (state, meta)."""
-    rank, lo, hi = dist.rank, *layout.shard_range(dist.rank)
+    rank, lo, hi = comm.rank, *layout.shard_range(comm.rank)
     found = integrity.problem(path) if rank == 0 else None  # one read of the file, before HDF5 parses it
-    agree(dist, integrity.message(path, *found) if found else None)
-    agree(dist, None if os.path.isfile(path) else f"checkpoint {path} is not visible on rank {rank}: put --out "
+    agree(comm, integrity.message(path, *found) if found else None)
+    agree(comm, None if os.path.isfile(path) else f"checkpoint {path} is not visible on rank {rank}: put --out "
                                                   f"on a file system that every node shares.")
     reader.silence_hdf5()
     try:
-        f, error = _open(path, "r", dist), None
+        f, error = _open(path, "r", comm), None
     except CheckpointError as exc:
         f, error = None, str(exc)
     except Exception as exc:
         f, error = None, str(reader.parse_error(path, exc, f" on rank {rank}"))
-    agree(dist, error)
+    agree(comm, error)
     state, meta = None, None
-    with f:
+    with comm.blocking(f"parallel HDF5 read of {os.path.basename(path)}"), f:
         try:
             meta = read_meta(f, path)
             _check_compatible(meta, path, layout, expect)
@@ -244,23 +254,23 @@ def load(dist, path: str, layout, expect: dict) -> tuple[dict, dict]:
             error = str(exc)
         except Exception as exc:
             error = str(reader.parse_error(path, exc, f" on rank {rank}"))
-    agree(dist, error)
-    roots = distributed_roots(dist, dict(zip(ROWS, state)), lo, layout.n_params, meta["logical_chunk"])
+    agree(comm, error)
+    roots = distributed_roots(comm, dict(zip(ROWS, state)), lo, layout.n_params, meta["logical_chunk"])
     bad = [r for r in ROWS if roots[r] != meta["logical_sha256"][r]]
-    agree(dist, f"{path}: logical digest of {bad} differs after loading on {dist.world} ranks: the restored "
+    agree(comm, f"{path}: logical digest of {bad} differs after loading on {comm.size} ranks: the restored "
                 f"state is not what was saved." if bad else None)
     return ShardState(*state, t=meta["adam_t"]), meta
 
 
-def verify_snapshot(dist, path: str, layout, expect: dict, snapshot: np.ndarray) -> dict:
+def verify_snapshot(comm, path: str, layout, expect: dict, snapshot: np.ndarray) -> dict:
     """Collective: call on all ranks. Load `path` through `load` (every digest verified) and
     compare this rank's restored rows byte for byte with `snapshot` (len(ROWS), shard)."""
     try:
-        state, _ = load(dist, path, layout, expect)
+        state, _ = load(comm, path, layout, expect)
     except CheckpointError as exc:
         return {"ok": False, "mismatched_bytes": None, "errors": [str(exc)], "path": path}
     got = np.stack(state.rows()).astype("<f4", copy=False).view(np.uint8)
     want = np.ascontiguousarray(snapshot, dtype="<f4").view(np.uint8)
     mismatched = int(np.count_nonzero(got != want)) if got.shape == want.shape else max(got.size, want.size)
-    total = sum(dist.allgather_json(mismatched))
+    total = sum(comm.allgather_json(mismatched))
     return {"ok": total == 0, "mismatched_bytes": total, "errors": [], "path": path}

@@ -46,7 +46,7 @@ def split_shard(lo: int, hi: int, n: int, chunk: int = CHUNK):
     return complete, fragments
 
 
-def distributed_roots(dist, shards: dict, lo: int, n: int, chunk: int = CHUNK) -> dict:
+def distributed_roots(comm, shards: dict, lo: int, n: int, chunk: int = CHUNK) -> dict:
     """Collective: call on all ranks. Logical digests of vectors sharded as [lo, lo+len) per rank.
 
     `shards` maps a name (e.g. "master") to this rank's 1-D shard; values at positions >= n are
@@ -60,9 +60,9 @@ def distributed_roots(dist, shards: dict, lo: int, n: int, chunk: int = CHUNK) -
         local["chunks"][name] = [[c, hashlib.sha256(shard[c * chunk - lo:min((c + 1) * chunk, n) - lo].tobytes()).hexdigest()]
                                  for c in complete]
         local["data"][name] = [shard[a - lo:b - lo].tobytes().hex() for a, b in fragments]
-    gathered = dist.gather_json(local)
-    roots = _combine(gathered, list(shards), n, chunk) if dist.rank == 0 else None
-    return dist.bcast_json(roots)
+    gathered = comm.gather_json(local)
+    roots = _combine(gathered, list(shards), n, chunk) if comm.rank == 0 else None
+    return comm.bcast_json(roots)
 
 
 def _combine(gathered: list, names: list, n: int, chunk: int) -> dict:

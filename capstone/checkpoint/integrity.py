@@ -68,12 +68,14 @@ def write_digest(path: str, name: str | None = None) -> str:
     return digest
 
 
-def publish(tmp: str, final: str) -> str:
+def publish(tmp: str, final: str, between=None) -> str:
     """Rank 0, once every rank has closed `tmp`: write the digest file of `final`, then rename
-    `tmp` to `final`. A crash in between leaves a digest file without its checkpoint, which
-    `files.retain` removes. Returns the sha256."""
+    `tmp` to `final`. A crash in between (`between()` is called there: a test's crash point) leaves
+    a digest file without its checkpoint, which `files.retain` removes. Returns the sha256."""
     digest = write_digest(tmp, os.path.basename(final))
     files.publish(tmp + DIGEST_SUFFIX, final + DIGEST_SUFFIX)
+    if between is not None:
+        between()
     files.publish(tmp, final)
     return digest
 

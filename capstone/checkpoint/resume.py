@@ -118,20 +118,20 @@ def _step_of(path: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def resolve(dist, want: str | None, ckpt_dir: str) -> str | None:
+def resolve(comm, want: str | None, ckpt_dir: str) -> str | None:
     """Collective: call on all ranks. The checkpoint to resume from (None: fresh start); creates
     the checkpoint directory once the decision is made. Raises on every rank: CheckpointError
     when a checkpoint is not valid, ConfigError otherwise."""
     try:
-        plan = _plan(want, ckpt_dir) if dist.rank == 0 else None
+        plan = _plan(want, ckpt_dir) if comm.rank == 0 else None
     except OSError as exc:  # e.g. no permission to set a corrupt file aside
         plan = {"error": f"--resume {want}: {exc}; fix the permissions of {ckpt_dir} and rerun."}
-    plan = dist.bcast_json(plan)
+    plan = comm.bcast_json(plan)
     if "error" in plan:
         raise (CheckpointError if plan.get("invalid") else ConfigError)(plan["error"])
-    if dist.rank == 0:
+    if comm.rank == 0:
         if plan.get("warning"):
             print(plan["warning"], file=sys.stderr, flush=True)
         os.makedirs(ckpt_dir, exist_ok=True)
-    dist.barrier()
+    comm.barrier()
     return plan["path"]

@@ -1,15 +1,31 @@
-"""The held-out evaluation: a fixed set of M batches of S sequences never trained on, split
-across ranks by rows; forward only. Summed over ranks, `loss_share` is the mean loss per token."""
+"""The held-out evaluation: a fixed set of M batches of S sequences never trained on, split across
+the data-parallel ranks by rows; forward only. `weight` is 1 on the ranks whose loss counts for
+their replica (tensor-parallel rank 0), 0 on the others, so the world sum of the shares is the
+mean loss per token. `after_update` is the update's verdict data in one small allreduce."""
 
 from __future__ import annotations
 
 
 class HeldOut:
-    """This rank's rows of the held-out batches of `data` (`val_batch(k, S, rank, world)`)."""
+    """This rank's rows of the held-out batches of `data` (`val_batch(k, S, rank, dp)`)."""
 
-    def __init__(self, data, batches: int, batch_size: int, seq_len: int, rank: int, world: int):
-        self.batches = [data.val_batch(k, batch_size, rank, world) for k in range(batches)]
+    def __init__(self, data, batches: int, batch_size: int, seq_len: int, world, dp_rank: int, dp: int,
+                 weight: float = 1.0):
+        self.world, self.weight = world, weight
+        self.batches = [data.val_batch(k, batch_size, dp_rank, dp) for k in range(batches)]
         self.scale = 1.0 / (batches * batch_size * seq_len)
 
     def loss_share(self, model) -> float:
-        return sum(model.loss(x, y, self.scale) for x, y in self.batches if len(x))
+        """This rank's part of the mean held-out loss per token."""
+        return sum(model.loss(x, y, self.scale) for x, y in self.batches if len(x)) * self.weight
+
+    def after_update(self, model, finite: bool, evaluate: bool) -> tuple[float | None, bool]:
+        """Collective over the world: (the held-out loss if `evaluate` else None, whether every
+        rank's optimizer state is finite)."""
+        share = self.loss_share(model) if evaluate else 0.0
+        held, nonfinite = self.world.sum([share, float(not finite)], "allreduce of the held-out loss", "allreduce_eval")
+        return (held if evaluate else None), nonfinite == 0
+
+    def measure(self, model) -> float:
+        """Collective over the world: the held-out loss of the current parameters."""
+        return self.world.sum([self.loss_share(model)], "allreduce of the held-out loss", "allreduce_eval")[0]

@@ -2,13 +2,20 @@
 
 `embedding` (wte, wpe), `block` (one pre-LN transformer block: LayerNorm, qkv, attention, output
 projection, residual, LayerNorm, MLP, residual) and `head_loss` (final LayerNorm, LM head,
-cross-entropy) compose the forward and backward functions of `capstone.kernels` in one VJP each.
+cross-entropy) compose the forward and backward functions of `capstone.model.kernels` in one VJP each.
 A group is a contiguous slice of the flat parameter buffer (`Layout.groups`), so the graph of a
 whole step has L + 3 nodes and L + 2 parameter taps instead of one node per layer and one tap per
 array: at the reference size autograd's bookkeeping was a third of the step. Each VJP returns the
 group's gradient as one flat array (the weight gradients are matmuls written into it in place; on
 a step's first micro-batch that array is the group's slice of the flat gradient buffer itself).
 Shapes: N = B*T rows of width C; `shapes` lists the group's parameter shapes in buffer order.
+
+Tensor parallelism (Megatron-style) is a property of the block, not another model: `tp` is the
+communicator of the ranks that split it (`ALONE` when nobody does). Each holds H/tp whole heads of
+c_attn and 1/tp of the columns of mlp.c_fc (column parallel), and the matching rows of both c_proj
+weights (row parallel); the rest, row-parallel biases included, is whole on every rank. The forward
+sums the two row-parallel outputs over `tp` before their bias ("g"); the backward sums the input
+gradients of the two column-parallel layers over `tp` ("f"). At tp = 1 those sums do nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +27,18 @@ import numpy as np
 
 from capstone.model import kernels as K
 from capstone.model.backward import drop_saved, grad_buffer
+
+
+class _Alone:
+    """The tensor-parallel group of a block that is not split: one rank, sums are the identity."""
+
+    size = 1
+
+    def allreduce(self, buf, what: str, kind: str = "") -> np.ndarray:
+        return buf
+
+
+ALONE = _Alone()
 
 
 @functools.lru_cache(maxsize=64)
@@ -65,20 +84,28 @@ embedding = K.define("embedding", _embedding_fwd, _embedding_bwd)
 
 # ---- one transformer block ----------------------------------------------------------------------
 
-def _block_fwd(x, w, T, H, shapes):
-    """x + attn(ln_1(x)) = x1; x1 + mlp(ln_2(x1)): (B*T, C) -> (B*T, C). w holds, in order, ln_1.w/b,
-    attn.c_attn.w/b, attn.c_proj.w/b, ln_2.w/b, mlp.c_fc.w/b, mlp.c_proj.w/b."""
+def _block_fwd(x, w, T, H, shapes, tp):
+    """x + attn(ln_1(x)) = x1; x1 + mlp(ln_2(x1)): (B*T, C) -> (B*T, C), H heads on this rank. w holds,
+    in order, ln_1.w/b, attn.c_attn.w/b, attn.c_proj.w/b, ln_2.w/b, mlp.c_fc.w/b, mlp.c_proj.w/b."""
     ln1w, ln1b, aw, ab, pw, pb, ln2w, ln2b, fw, fb, mw, mb = unpack(w, shapes)
     a, s_ln1 = K._ln_fwd(x, ln1w, ln1b)
-    qkv, _ = K._linear_fwd(a, aw, ab)                                           # (B*T, 3C)
-    y, s_att = K._attention_fwd(qkv, T, H)                                      # (B*T, C)
-    x1 = x + K._linear_fwd(y, pw, pb)[0]
+    qkv, _ = K._linear_fwd(a, aw, ab)                                           # (B*T, 3C/tp)
+    y, s_att = K._attention_fwd(qkv, T, H)                                      # (B*T, C/tp)
+    x1 = x + _row_parallel(y, pw, pb, tp)
     m, s_ln2 = K._ln_fwd(x1, ln2w, ln2b)
-    h, s_fc = K._linear_gelu_fwd(m, fw, fb)                                     # (B*T, 4C)
-    return x1 + K._linear_fwd(h, mw, mb)[0], [a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc]
+    h, s_fc = K._linear_gelu_fwd(m, fw, fb)                                     # (B*T, 4C/tp)
+    return x1 + _row_parallel(h, mw, mb, tp), [a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc]
 
 
-def _block_bwd(g, saved, argnums, x, w, T, H, shapes):
+def _row_parallel(x, w, b, tp):
+    """x @ w summed over the tensor-parallel ranks ("g"), then + b: (B*T, Cin/tp) -> (B*T, C)."""
+    y = K._mm(x, w)
+    tp.allreduce(y, "tensor-parallel allreduce of a block's output", "tp_allreduce")
+    y += b
+    return y
+
+
+def _block_bwd(g, saved, argnums, x, w, T, H, shapes, tp):
     """In a training step (`drop_saved`) each activation is freed once used: the block's MLP
     activations are gone before the attention's temporaries exist (a lower peak)."""
     a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc = saved
@@ -89,14 +116,17 @@ def _block_bwd(g, saved, argnums, x, w, T, H, shapes):
     K._mm(h.T, g, out=d_mw)                                                     # _linear_back, with h freed
     K._add(g, axis=0, out=d_mb)                                                 # before gh exists: 3.6 MiB
     del h                                                                       # less peak RSS at medium
-    gh = K._mm(g, mw.T)                                                         # (B*T, 4C)
+    gh = K._mm(g, mw.T)                                                         # (B*T, 4C/tp)
     gm = _linear_back(K._gelu_grad(gh, *s_fc, out=gh), m, fw, d_fw, d_fb)       # through the MLP
     del gh, s_fc, m
+    tp.allreduce(gm, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")   # "f"
     gx1 = g + _ln_back(gm, s_ln2, ln2w, d_ln2w, d_ln2b)
     del gm, s_ln2
     gqkv = K._attention_bwd(_linear_back(gx1, y, pw, d_pw, d_pb), s_att, (0,), qkv, T, H)[0]
     del s_att, y, qkv
-    gx = gx1 + _ln_back(_linear_back(gqkv, a, aw, d_aw, d_ab), s_ln1, ln1w, d_ln1w, d_ln1b)
+    ga = _linear_back(gqkv, a, aw, d_aw, d_ab)
+    tp.allreduce(ga, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")   # "f"
+    gx = gx1 + _ln_back(ga, s_ln1, ln1w, d_ln1w, d_ln1b)
     return {0: gx, 1: gw}
 
 

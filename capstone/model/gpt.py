@@ -1,10 +1,11 @@
 """MiniGPT in NumPy + autograd, float32 end to end (pre-LN GPT-2 blocks, untied LM head).
 
 Activations are 2-D (B*T, C) so every linear layer is one matmul. The model is three kinds of
-autograd primitive (`capstone.blocks`): the embedding, a transformer block, the head with the loss,
-each over one flat parameter group and with a hand-written VJP. `Model` owns the flat parameter
-and gradient buffers (the groups are views into them) and runs forward+backward with the
-gradients landing in the flat gradient buffer; `loss_sum` is the differentiable loss.
+autograd primitive (`capstone.model.blocks`): the embedding, a transformer block, the head with
+the loss, each over one flat parameter group and with a hand-written VJP. `Model` owns the flat
+parameter and gradient buffers (the groups are views into them) and runs forward+backward with the
+gradients landing in the flat gradient buffer; `loss_sum` is the differentiable loss. `tp` is the
+tensor-parallel group the blocks are split over (`blocks.ALONE`: not split).
 """
 
 from __future__ import annotations
@@ -12,28 +13,29 @@ from __future__ import annotations
 import numpy as np
 
 from capstone.model.backward import value_and_grad_into
-from capstone.model.blocks import block, embedding, head_logits, head_loss
+from capstone.model.blocks import ALONE, block, embedding, head_logits, head_loss
 from capstone.config import ModelConfig
 from capstone.model.params import Layout, group_shapes
 
 
-def _hidden(t, idx, cfg: ModelConfig):
+def _hidden(t, idx, cfg: ModelConfig, tp=ALONE):
     """Hidden states (B*T, C) after the last block for token ids idx (B, T); t: Layout.groups."""
-    shapes = group_shapes(cfg)
+    shapes, H = group_shapes(cfg, tp.size), cfg.n_heads // tp.size
     x = embedding(t["embed"], idx, shapes["embed"])                             # (B*T, C)
     for i in range(cfg.n_layers):
-        x = block(x, t[f"h{i}"], idx.shape[1], cfg.n_heads, shapes[f"h{i}"])   # (B*T, C)
+        x = block(x, t[f"h{i}"], idx.shape[1], H, shapes[f"h{i}"], tp)           # (B*T, C)
     return x
 
 
-def logits(t, idx, cfg: ModelConfig):
+def logits(t, idx, cfg: ModelConfig, tp=ALONE):
     """Next-token logits (B*T, V) for token ids idx (B, T), forward only."""
-    return head_logits(_hidden(t, idx, cfg), t["head"], group_shapes(cfg)["head"])[0]
+    return head_logits(_hidden(t, idx, cfg, tp), t["head"], group_shapes(cfg, tp.size)["head"])[0]
 
 
-def loss_sum(t, idx, targets, cfg: ModelConfig, scale: float = 1.0):
+def loss_sum(t, idx, targets, cfg: ModelConfig, scale: float = 1.0, tp=ALONE):
     """scale * (sum over the B*T positions of the softmax cross-entropy). idx, targets (B, T)."""
-    return head_loss(_hidden(t, idx, cfg), t["head"], targets.reshape(-1), group_shapes(cfg)["head"]) * scale
+    x = _hidden(t, idx, cfg, tp)
+    return head_loss(x, t["head"], targets.reshape(-1), group_shapes(cfg, tp.size)["head"]) * scale
 
 
 def loss_and_grad(layout: Layout, flat: np.ndarray, idx: np.ndarray, targets: np.ndarray, cfg: ModelConfig,
@@ -44,24 +46,26 @@ def loss_and_grad(layout: Layout, flat: np.ndarray, idx: np.ndarray, targets: np
 
 
 class Model:
-    """One MiniGPT's parameters and gradients: flat float32 buffers of `layout`, with named views
-    (`p`, `g`) and the group views the model computes with (`groups`, `grad_groups`)."""
+    """One MiniGPT's parameters and gradients (this rank's part under tensor parallelism): flat
+    float32 buffers of `layout`, with named views (`p`, `g`) and the group views the model
+    computes with (`groups`, `grad_groups`)."""
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, params: np.ndarray):
-        self.cfg, self.layout = cfg, layout
+    def __init__(self, cfg: ModelConfig, layout: Layout, params: np.ndarray, tp=ALONE):
+        self.cfg, self.layout, self.tp = cfg, layout, tp
         self.params, self.grads = params, layout.zeros()
         self.p, self.g = layout.views(self.params), layout.views(self.grads)
         self.groups, self.grad_groups = layout.groups(self.params), layout.groups(self.grads)
 
+    def micro_batch(self, x: np.ndarray, y: np.ndarray, scale: float, fresh: bool) -> float:
+        """Gradient of scale * (summed loss of one micro-batch) added into `grads` (`fresh`: written
+        over whatever they held); returns that loss."""
+        return value_and_grad_into(loss_sum, self.groups, self.grad_groups, x, y, self.cfg, scale, self.tp,
+                                   fresh=fresh)
+
     def forward_backward(self, batches, scale: float) -> float:
         """Gradient of scale * (summed loss over every (x, y) in `batches`) into `grads`; returns that loss."""
-        return sum(value_and_grad_into(loss_sum, self.groups, self.grad_groups, x, y, self.cfg, scale, fresh=j == 0)
-                   for j, (x, y) in enumerate(batches))
+        return sum(self.micro_batch(x, y, scale, fresh=j == 0) for j, (x, y) in enumerate(batches))
 
     def loss(self, x: np.ndarray, y: np.ndarray, scale: float) -> float:
         """scale * summed loss of one batch, forward only (no graph is built)."""
-        return float(loss_sum(self.groups, x, y, self.cfg, scale))
-
-    def whole(self) -> np.ndarray:
-        """Every parameter of the model (collective in a --tp model: the slices assembled)."""
-        return self.params
+        return float(loss_sum(self.groups, x, y, self.cfg, scale, self.tp))

@@ -20,22 +20,33 @@ from capstone.config import ModelConfig
 DTYPE = np.float32
 
 
-def param_shapes(cfg: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every parameter, in buffer order; weights are (in, out) so y = x @ w + b."""
+def param_shapes(cfg: ModelConfig, tp: int = 1) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter, in buffer order; weights are (in, out) so y = x @ w + b.
+    With tensor parallelism over `tp` ranks, a rank's shapes (Megatron's split, capstone.model.blocks):
+    c_attn and mlp.c_fc keep 1/tp of their columns (whole heads: q, k and v of H/tp heads), the two
+    c_proj weights 1/tp of their rows; everything else is whole on every rank."""
     V, T, C = cfg.vocab_size, cfg.seq_len, cfg.d_model
     shapes = [("wte", (V, C)), ("wpe", (T, C))]
     for i in range(cfg.n_layers):
         h = f"h{i}."
         shapes += [
             (h + "ln_1.w", (C,)), (h + "ln_1.b", (C,)),
-            (h + "attn.c_attn.w", (C, 3 * C)), (h + "attn.c_attn.b", (3 * C,)),
-            (h + "attn.c_proj.w", (C, C)), (h + "attn.c_proj.b", (C,)),
+            (h + "attn.c_attn.w", (C, 3 * C // tp)), (h + "attn.c_attn.b", (3 * C // tp,)),
+            (h + "attn.c_proj.w", (C // tp, C)), (h + "attn.c_proj.b", (C,)),
             (h + "ln_2.w", (C,)), (h + "ln_2.b", (C,)),
-            (h + "mlp.c_fc.w", (C, 4 * C)), (h + "mlp.c_fc.b", (4 * C,)),
-            (h + "mlp.c_proj.w", (4 * C, C)), (h + "mlp.c_proj.b", (C,)),
+            (h + "mlp.c_fc.w", (C, 4 * C // tp)), (h + "mlp.c_fc.b", (4 * C // tp,)),
+            (h + "mlp.c_proj.w", (4 * C // tp, C)), (h + "mlp.c_proj.b", (C,)),
         ]
     shapes += [("ln_f.w", (C,)), ("ln_f.b", (C,)), ("lm_head.w", (C, V)), ("lm_head.b", (V,))]
     return shapes
+
+
+SPLIT = ("attn.c_attn.w", "attn.c_attn.b", "attn.c_proj.w", "mlp.c_fc.w", "mlp.c_fc.b", "mlp.c_proj.w")
+
+
+def is_split(name: str) -> bool:
+    """Whether tensor parallelism splits parameter `name` (else every tp rank holds it whole)."""
+    return name.endswith(SPLIT)
 
 
 def group_of(name: str) -> str:
@@ -45,10 +56,10 @@ def group_of(name: str) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def group_shapes(cfg: ModelConfig) -> dict[str, tuple]:
-    """The shapes of each group's arrays in buffer order (what capstone.blocks unpacks)."""
+def group_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple]:
+    """The shapes of each group's arrays in buffer order (what capstone.model.blocks unpacks)."""
     out: dict[str, tuple] = {}
-    for name, shape in param_shapes(cfg):
+    for name, shape in param_shapes(cfg, tp):
         out[group_of(name)] = out.get(group_of(name), ()) + (tuple(shape),)
     return out
 
@@ -62,11 +73,12 @@ class Layout:
     world: int
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, world: int) -> "Layout":
+    def for_model(cls, cfg: ModelConfig, world: int, tp: int = 1) -> "Layout":
+        """The layout of a (tensor-parallel rank's part of the) model, padded for `world` ranks."""
         if world < 1:
             raise ValueError(f"world size must be >= 1, got {world}")
         entries, offset = [], 0
-        for name, shape in param_shapes(cfg):
+        for name, shape in param_shapes(cfg, tp):
             entries.append((name, tuple(shape), offset))
             offset += math.prod(shape)
         return cls(tuple(entries), offset, world)
@@ -103,7 +115,7 @@ class Layout:
         return ranges
 
     def groups(self, flat: np.ndarray) -> dict[str, np.ndarray]:
-        """The model's inputs: each group as a 1-D view into `flat` (capstone.blocks)."""
+        """The model's inputs: each group as a 1-D view into `flat` (capstone.model.blocks)."""
         self._check(flat)
         return {g: flat[a:b] for g, (a, b) in self.group_ranges().items()}
 

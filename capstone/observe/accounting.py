@@ -12,7 +12,7 @@ import statistics
 import sys
 from dataclasses import dataclass
 
-from capstone.observe.runlog import read_run, timing_parts
+from capstone.observe.runlog import read_run
 
 # nccl-tests doc/PERFORMANCE.md, "Summary": busbw = algbw * factor(n), independent of the algorithm
 # as long as it is built from point-to-point transfers.
@@ -89,16 +89,10 @@ class Collective:
         return self.size_bytes * self.bus_factor
 
 
-def step_collectives(row: dict, padded: int, world: int, itemsize: int = 4) -> list[Collective]:
-    """The two large collectives of one ZeRO-1 step, from a metrics.jsonl row: reduce-scatter of the
-    gradient buffer and allgather of the parameters (left out when it did not run: allgather_ms 0).
-    Times from "<name>_ms" or the row's per-collective "comm" dict (runlog.timing_parts)."""
-    out, parts = [], timing_parts(row)
-    for name in ("reduce_scatter", "allgather"):
-        ms = parts.get(name)
-        if ms is not None and ms > 0:
-            out.append(Collective(name, padded, itemsize, world, ms / 1e3))
-    return out
+def step_collectives(row: dict) -> list[Collective]:
+    """The collectives of one step, from a metrics.jsonl row's "comm" (those that took any time)."""
+    return [Collective(e["op"], e["bytes"], 1, e["ranks"], e["ms"] / 1e3)
+            for e in (row.get("comm") or {}).values() if e.get("ms", 0) > 0]
 
 
 def format_collectives(records: list[Collective]) -> str:
@@ -111,17 +105,13 @@ def format_collectives(records: list[Collective]) -> str:
 
 
 # ---- the collectives of one training step (metrics.jsonl "comm", summary.json "comm") ----------
-# metrics name -> (op, element count, itemsize) for a flat buffer of `padded` float32 on `world` ranks.
-# The two small float64 allreduces mirror capstone/train.py's train_step: the one inside
-# ZeroAdam.reduce_gradients carries [shard sum of squares, loss, stop flag, clock flag], the one after
-# the update [held-out loss share, non-finite flag].
-SMALL_ALLREDUCES = {"allreduce_stats": 4, "allreduce_eval": 2}
 
-
-def step_buffers(padded: int) -> dict[str, tuple[str, int, int]]:
-    """Every collective on the training path of one step: name -> (op, count, itemsize)."""
-    return {"reduce_scatter": ("reduce_scatter", padded, 4), "allgather": ("allgather", padded, 4),
-            **{name: ("allreduce", n, 8) for name, n in SMALL_ALLREDUCES.items()}}
+def step_comm(traffic: dict) -> dict:
+    """The "comm" dict of a step row from the step's traffic (capstone.parallel.comm.Traffic by kind):
+    per kind of collective its op, S bytes summed over its calls, the bytes a ring sends per rank,
+    the milliseconds spent waiting for it, the bandwidths, its calls and the ranks of its group."""
+    return {kind: {**comm_entry(Collective(t.op, t.bytes, 1, t.ranks, t.seconds)), "calls": t.calls,
+                   "ranks": t.ranks} for kind, t in traffic.items()}
 
 
 def comm_entry(c: Collective) -> dict:
@@ -130,39 +120,22 @@ def comm_entry(c: Collective) -> dict:
             "ms": 1e3 * c.seconds, "algbw_GBps": c.algbw / 1e9, "busbw_GBps": c.busbw / 1e9}
 
 
-def step_comm(ms: dict, padded: int, world: int, tp=None) -> dict:
-    """The "comm" dict of a step row from its "<name>_ms" timings (rank 0's clock): one entry per
-    collective that ran in the step (a time > 0; the allgather and the second allreduce do not run
-    when the guard skips the batch). `tp`: the tp.TPComm of a --tp run, whose f/g allreduces over
-    the ranks of a slice make one entry, "tp_allreduce", of their summed bytes and time."""
-    out = {}
-    for name, (op, count, itemsize) in step_buffers(padded).items():
-        t = ms.get(f"{name}_ms")
-        if t is not None and t > 0:
-            out[name] = comm_entry(Collective(op, count, itemsize, world, t / 1e3))
-    if tp is not None and tp.seconds > 0:
-        out["tp_allreduce"] = {**comm_entry(Collective("allreduce", tp.bytes // 4, 4, tp.ranks, tp.seconds)),
-                               "calls": tp.calls, "ranks": tp.ranks}
-    return out
-
-
-def comm_summary(rows: list[dict], padded: int, world: int, skip_first: bool = True) -> dict:
-    """Per collective over step rows: the median time (over the steps after the first of the list,
-    which pays warm-up, when there are more and `skip_first`), its bandwidths and the steps it ran in."""
+def comm_summary(rows: list[dict], skip_first: bool = True) -> dict:
+    """Per kind of collective over step rows: the median time (over the steps after the first of the
+    list, which pays warm-up, when there are more and `skip_first`), its bandwidths at the bytes of
+    the last step it ran in, the steps it ran in."""
     rows = [r for r in rows if isinstance(r.get("comm"), dict)]
     timed = rows[1:] if skip_first and len(rows) > 1 else rows
-    shapes = {name: (op, count, itemsize, world) for name, (op, count, itemsize) in step_buffers(padded).items()}
-    tp = [r["comm"]["tp_allreduce"] for r in rows if "tp_allreduce" in r["comm"]]
-    if tp:  # --tp: the f/g allreduces (per step: their summed bytes, over the ranks of a slice)
-        shapes["tp_allreduce"] = ("allreduce", tp[-1]["bytes"] // 4, 4, tp[-1]["ranks"])
     out = {}
-    for name, (op, count, itemsize, n) in shapes.items():
+    for name in dict.fromkeys(k for r in rows for k in r["comm"]):
+        last = [r["comm"][name] for r in rows if name in r["comm"]][-1]
         times = [r["comm"][name]["ms"] for r in timed if name in r["comm"]]
         if times:
-            entry = comm_entry(Collective(op, count, itemsize, n, statistics.median(times) / 1e3))
+            c = Collective(last["op"], last["bytes"], 1, last["ranks"], statistics.median(times) / 1e3)
+            entry = comm_entry(c)
             entry["median_ms"] = entry.pop("ms")
             out[name] = {**entry, "steps": sum(name in r["comm"] for r in rows), "timed_steps": len(times),
-                         **({"calls": tp[-1]["calls"]} if name == "tp_allreduce" else {})}
+                         "calls": last["calls"], "ranks": last["ranks"]}
     return out
 
 
@@ -170,7 +143,7 @@ def format_comm_summary(comm: dict) -> str:
     lines = [f"{'collective':<16} {'op':<14} {'bytes':>10} {'median ms':>9} {'algbw GB/s':>10} {'busbw GB/s':>10} "
              f"{'steps':>6}"]
     for name, e in comm.items():
-        op = e["op"] + (f" x{e['calls']}" if "calls" in e else "")   # --tp: the f/g allreduces, summed
+        op = e["op"] + (f" x{e['calls']}" if e.get("calls", 1) > 1 else "")   # several calls in a step, summed
         lines.append(f"{name:<16} {op:<14} {e['bytes']:>10} {e['median_ms']:>9.3f} {e['algbw_GBps']:>10.4g} "
                      f"{e['busbw_GBps']:>10.4g} {e['steps']:>6}")
     return "\n".join(lines)
@@ -265,17 +238,17 @@ def format_what_if(w: dict) -> str:
 
 # ---- command line ------------------------------------------------------------------------------
 def run_bandwidths(run_dir: str) -> tuple[dict, list[Collective]]:
-    """(summary, one record per collective with the median time over steps 2..) of a finished run."""
+    """(summary, one record per kind of collective with the median time over steps 2..) of a finished run."""
     run = read_run(run_dir)
     if not run.summary:
         raise FileNotFoundError(f"{run_dir}/summary.json not found: the run has not finished")
-    padded, world = run.summary["padded"], run.summary["world_size"]
-    by_name: dict[str, list[float]] = {}
+    by_kind: dict[str, list] = {}
     for row in run.rows:
         if row["step"] >= 2:  # step 1 pays one-off warm-up
-            for c in step_collectives(row, padded, world):
-                by_name.setdefault(c.name, []).append(c.seconds)
-    return run.summary, [Collective(n, padded, 4, world, statistics.median(t)) for n, t in by_name.items()]
+            for kind, e in (row.get("comm") or {}).items():
+                by_kind.setdefault(kind, []).append(e)
+    return run.summary, [Collective(es[-1]["op"], es[-1]["bytes"], 1, es[-1]["ranks"],
+                                    statistics.median(e["ms"] for e in es) / 1e3) for es in by_kind.values()]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,6 @@
 """Where a run came from: command line, code version, library versions, hosts.
 
-`collect(dist)` is collective: rank 0 asks git (once, with a timeout) and reads the versions, every
+`collect(comm)` is collective: rank 0 asks git (once, with a timeout) and reads the versions, every
 rank contributes its host name, and every rank gets rank 0's record (so a checkpoint's metadata,
 which all ranks hash, is the same everywhere). It goes into the start row of metrics.jsonl,
 summary.json and every checkpoint's metadata. Anything that cannot be found is null.
@@ -70,10 +70,10 @@ def local() -> dict:
             "platform": platform.platform()}
 
 
-def collect(dist) -> dict:
+def collect(comm) -> dict:
     """Collective: call on all ranks. Rank 0's record plus every rank's host name, on every rank."""
-    hosts = dist.allgather_json(socket.gethostname())
-    record = local() if dist.rank == 0 else None
-    record = dist.bcast_json(record)
+    hosts = comm.allgather_json(socket.gethostname())
+    record = local() if comm.rank == 0 else None
+    record = comm.bcast_json(record)
     record["hosts"] = hosts
     return record

@@ -9,6 +9,7 @@ import os
 import sys
 import time
 
+from capstone.lr import at_step as lr_at_step
 from capstone.observe import accounting
 from capstone.observe.runlog import number, parse_lines, step_rows
 
@@ -28,21 +29,61 @@ def step_header() -> str:
 
 
 def banner(run, header: str | None = None) -> None:
-    layout = run.model.layout
-    say(f"capstone: {run.dist.world} ranks, {layout.n_params} parameters (padded {layout.padded}, shard "
-        f"{layout.shard}), global batch {run.global_batch} x {run.mcfg.seq_len} tokens, run dir {run.out}", run.dist.rank)
-    say(step_header() if header is None else header, run.dist.rank)
+    """The run's first lines: ranks (and the grid), whole-model parameters, global batch, run dir."""
+    layout, (dp, pp, tp) = run.model.layout, run.grid.shape
+    grid = f" (dp {dp} x pp {pp} x tp {tp})" if pp * tp > 1 else ""
+    say(f"capstone: {run.grid.world.size} ranks{grid}, {run.n_params} parameters (padded {layout.padded}, shard "
+        f"{layout.shard}{' per model-parallel rank' if grid else ''}), global batch {run.global_batch} x "
+        f"{run.mcfg.seq_len} tokens, run dir {run.out}", run.grid.world.rank)
+    say(step_header() if header is None else header, run.grid.world.rank)
 
 
-def metrics_row(r, tokens: int, tokens_total: int, comm: dict, repeat: bool = False) -> dict:
+def metrics_row(r, tokens: int, tokens_total: int, repeat: bool = False) -> dict:
     """The metrics.jsonl row of a StepResult (`tokens` per step, `tokens_total` seen by the run so far
-    including this step, `comm` from accounting.step_comm, `repeat`: the step was logged before a resume)."""
+    including this step, `repeat`: the step was logged before a resume). Phases as "<phase>_ms"
+    (disjoint wall-clock parts of step_ms); "comm": each kind of collective of the step, its bytes
+    and the time spent waiting for it (inside the phases)."""
     return {"step": r.step, "loss": r.loss, "eval_loss": r.eval_loss, "accepted": r.rollback is None,
             "grad_norm": r.grad_norm, "grad_norm_clipped": r.grad_norm if r.grad_norm_clipped is None else r.grad_norm_clipped,
             "lr": r.lr, "tokens": tokens, "tokens_total": tokens_total, "time": time.time(), "repeat": repeat,
-            "samples": list(r.samples), **r.ms, "comm": comm,
-            "tokens_per_s": tokens / max(r.ms["step_ms"] / 1e3, 1e-9), "param_norm": r.param_norm,
+            "samples": list(r.samples), **{f"{k}_ms": v for k, v in r.ms.items()},
+            "comm": accounting.step_comm(r.traffic),
+            "tokens_per_s": tokens / max(r.ms["step"] / 1e3, 1e-9), "param_norm": r.param_norm,
             "fingerprint": r.fingerprint, "events": r.events}
+
+
+class StepLog:
+    """Where each step goes: metrics.jsonl, the console (rank 0, unless --quiet) and, with
+    --tensorboard, TensorBoard scalars. Prints the banner when made."""
+
+    def __init__(self, run, start_step: int):
+        self.run, self.rank = run, run.grid.world.rank
+        self.console = Console(log_every(run.opts.log_every, run.tcfg.steps), run.tcfg.steps, start_step)
+        self.board = None
+        if run.opts.tensorboard and self.rank == 0:
+            from capstone.observe.tensorboard import Board
+            self.board = Board(run.opts.tensorboard)
+        banner(run, self.console.header())
+
+    def step(self, r) -> dict:
+        """Log step result `r`; returns its metrics row."""
+        run = self.run
+        scheduled = lr_at_step(r.step, run.tcfg)
+        if r.updated and r.lr != scheduled:   # --inject-lr-spike
+            r.events.insert(0, {"event": "lr_spike_injected", "mult": r.lr / scheduled})
+        row = metrics_row(r, run.global_batch * run.mcfg.seq_len, run.state.cursor * run.mcfg.seq_len,
+                          repeat=r.step <= run.metrics.last_step)
+        run.metrics.write(row)
+        if self.board is not None:
+            self.board.write(row)
+        line = self.console.line(row)
+        if line is not None and not run.opts.quiet:
+            say(line, self.rank)
+        return row
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
 
 
 def log_every(k: int, steps: int) -> int:
@@ -205,9 +246,9 @@ class Summary:
 
     def to_json(self) -> dict:
         run, layout = self.run, self.run.model.layout
-        return {"status": self.status, "world_size": run.dist.world,
+        return {"status": self.status, "world_size": run.grid.world.size, "grid": run.grid.describe(),
                 "model_config": dataclasses.asdict(run.mcfg), "train_config": dataclasses.asdict(run.tcfg),
-                "n_params": layout.n_params, "padded": layout.padded, "start_step": self.start_step,
+                "n_params": run.n_params, "padded": layout.padded, "start_step": self.start_step,
                 "final_step": run.state.step, "resumed_from": run.resumed_from,
                 "losses": [list(x) for x in run.state.losses], "last_step": self.rows[-1] if self.rows else None,
                 "invariants": self.invariants,
@@ -218,11 +259,11 @@ class Summary:
 
     def comm(self) -> dict:
         """Median time and bandwidths of each collective of this launch's steps (accounting.comm_summary)."""
-        return accounting.comm_summary(self.rows, self.run.model.layout.padded, self.run.dp_world)
+        return accounting.comm_summary(self.rows)
 
     def what_if(self) -> dict:
         layout = self.run.model.layout
-        return accounting.what_if(layout.n_params, layout.padded, self.run.dp_world, self.memory)
+        return accounting.what_if(layout.n_params, layout.padded, self.run.grid.dp.size, self.memory)
 
 
 def final(summary: Summary, verified: dict | None, failed: list[str], rank: int) -> None:
@@ -241,9 +282,9 @@ def final(summary: Summary, verified: dict | None, failed: list[str], rank: int)
     if len(kept) > 2 or len(kept) < len(run.ckpt.manifests):
         say(f"({len(run.ckpt.manifests)} checkpoints written, {len(kept)} kept; every manifest is in summary.json, "
             f"`python -m capstone.checkpoint inspect FILE` shows one)", rank)
-    say("\ninvariants:\n  " + "\n  ".join(describe(summary.invariants, run.dist.world)), rank)
+    say("\ninvariants:\n  " + "\n  ".join(describe(summary.invariants, run.grid.world.size)), rank)
     if verified and verified["ok"]:
-        say(f"resume verified: {verified['path']} reloads byte-equal on all {run.dist.world} ranks", rank)
+        say(f"resume verified: {verified['path']} reloads byte-equal on all {run.grid.world.size} ranks", rank)
     if failed:
         say("INVARIANT VIOLATED:\n  " + "\n  ".join(failed), rank)
     else:
@@ -256,7 +297,7 @@ def stopped(run, step: int, why: str | None) -> None:
     path = run.ckpt.manifests[-1]["path"] if run.ckpt.manifests else None
     why = why or ("--stop-after" if step == run.opts.stop_after else "a signal to another rank")
     say(f"stopped at step {step} on {why}: saved checkpoint {path} (check it with "
-        f"python -m capstone.checkpoint verify {path}); continue with --out {run.out} --resume latest", run.dist.rank)
+        f"python -m capstone.checkpoint verify {path}); continue with --out {run.out} --resume latest", run.grid.world.rank)
 
 
 def write_json(path: str, data: dict) -> None:

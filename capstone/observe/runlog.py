@@ -11,9 +11,9 @@ import math
 import os
 from dataclasses import dataclass
 
-# Step-time components in stacking order; any other *_ms field (or "comm" entry) follows them.
-PHASES = ("fwd_bwd", "reduce_scatter", "allgather", "optimizer", "eval", "checks", "ckpt")
-NOT_PHASES = {"step", "comm"}  # step_ms is the total; comm_ms is the sum of the collectives
+# Step-time components in stacking order (disjoint parts of step_ms); any other *_ms field follows them.
+PHASES = ("fwd_bwd", "reduce", "optimizer", "eval", "checks", "ckpt")
+NOT_PHASES = {"step", "comm"}  # step_ms is the total; the "comm" dict's collectives happen inside the phases
 
 
 @dataclass(frozen=True)
@@ -97,15 +97,9 @@ def resume_steps(starts: list[dict]) -> list[int]:
 
 
 def timing_parts(row: dict) -> dict[str, float]:
-    """Milliseconds of each phase of a step row: every "<phase>_ms" field except step_ms and comm_ms,
-    with the entries of a per-collective "comm" dict replacing same-named fields (an entry is a number
-    of ms, or a dict with "ms" or "seconds")."""
+    """Milliseconds of each phase of a step row: every "<phase>_ms" field except step_ms (the
+    phases are disjoint, so they stack to at most the step; the collectives of "comm" run inside them)."""
     parts = {k[:-3]: number(v) for k, v in row.items() if k.endswith("_ms") and k[:-3] not in NOT_PHASES}
-    comm = row.get("comm")
-    for name, v in (comm.items() if isinstance(comm, dict) else ()):
-        if isinstance(v, dict):
-            v = v.get("ms") if "ms" in v else 1e3 * (number(v.get("seconds")) or math.nan)
-        parts[name] = number(v)
     return {k: v for k, v in parts.items() if v is not None}
 
 

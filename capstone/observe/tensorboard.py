@@ -2,7 +2,7 @@
 
 Optional: training needs no TensorBoard. The writer comes from tensorboardX, else from
 torch.utils.tensorboard; with neither, the run stops before its first step with exit status 2 and
-the install command. metrics.jsonl stays the record; this is a view of the same numbers.
+the install command, before anything is written. metrics.jsonl stays the record; this is a view of the same numbers.
 """
 
 from __future__ import annotations
@@ -53,11 +53,10 @@ class Board:
         self.writer.close()
 
 
-def open_board(dist, logdir: str) -> Board | None:
-    """Collective: call on all ranks. Rank 0's Board (None on the others); ConfigError on every rank
+def check_writer(comm) -> None:
+    """Collective: call on all ranks, before the run directory is made. ConfigError on every rank
     when rank 0 has no writer."""
-    ok = dist.bcast_json(writer_class() is not None if dist.rank == 0 else None)
+    ok = comm.bcast_json(writer_class() is not None if comm.rank == 0 else None)
     if not ok:
         raise ConfigError(f"--tensorboard needs tensorboardX (or torch) installed: {INSTALL}. "
                           "Or leave out --tensorboard: metrics.jsonl has the same numbers (python -m capstone.plot).")
-    return Board(logdir) if dist.rank == 0 else None

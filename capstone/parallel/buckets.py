@@ -10,8 +10,8 @@ received into the matching slice of rank r's `g_shard`. Over all buckets every e
 shard is summed exactly once, so each rank ends with its ZeRO-1 shard of the summed gradient, as
 after the single reduce-scatter, and moves the same bytes (an allreduce per bucket would move 2x).
 
-When: `arm(micro_batches)` before the forward+backward of a step installs a hook in
-capstone.backward's tap VJP. Each call marks the gradients of the parameters in its sink (one array
+When: `start(micro_batches)` before the forward+backward of a step installs a hook in
+capstone.model.backward's tap VJP (only when there are several buckets). Each call marks the gradients of the parameters in its sink (one array
 or a group of them) final for that micro-batch;
 a bucket is ready when all its parameters are final on the LAST micro-batch (with gradient
 accumulation the earlier ones are partial sums). Ready buckets are started strictly in order
@@ -34,6 +34,8 @@ on W/2^k ranks with --grad-accum 2^k: resuming on half the ranks stays bit-ident
 size. Against the BLOCKING Reduce_scatter (coll/tuned picks recursive halving or a ring by size)
 the result agrees to float32 rounding; bit-identical at 2 ranks (one addition per element) and at
 power-of-2 worlds while tuned uses recursive halving (<= 256 KiB). tests/mpi/test_overlap.py checks each.
+With a single bucket (--no-overlap, or a model smaller than one bucket) nothing starts during the
+backward pass: one reduce-scatter of the whole buffer after it.
 """
 
 from __future__ import annotations
@@ -42,10 +44,10 @@ import bisect
 import collections
 
 import numpy as np
-from mpi4py import MPI
 
 from capstone.model import backward
 from capstone.model.params import Layout
+from capstone.parallel.reduce import Flags, GradReducer, GradStats
 
 
 def tree_order(world: int) -> list[int]:
@@ -95,24 +97,23 @@ def plan(layout: Layout, bucket_floats: int, rank: int = 0, order: list[int] | N
     return [Bucket(a, b, p, layout, rank, order) for a, b, p in reversed(bounds)]
 
 
-class BucketedReduceScatter:
-    """Sum `grads` over the ranks into each rank's `g_shard`, bucket by bucket (see the module).
-    `bucket_floats` >= the buffer: one bucket, started after the backward pass (--no-overlap)."""
+class BucketReducer(GradReducer):
+    """Sum `grads` over the data-parallel group into `grad_shard`, bucket by bucket (see the
+    module). `bucket_floats` >= the buffer: one bucket, started after the backward pass."""
 
-    def __init__(self, comm, layout: Layout, grads: np.ndarray, g_shard: np.ndarray, deadline,
-                 bucket_floats: int):
-        self.grads, self.g_shard, self.deadline = grads, g_shard, deadline
-        rank = comm.Get_rank()
-        self.order = tree_order(comm.Get_size())
+    def __init__(self, grid, layout: Layout, grads, bucket_floats: int, loss_weight: float = 1.0):
+        super().__init__(grid, layout, grads, loss_weight)
+        dp, rank = grid.dp, grid.dp.rank
+        self.order = tree_order(dp.size)
         if self.order == sorted(self.order):
-            self.comm, self.staging = comm, None
-        else:  # (MPI has no non-blocking split; this runs once, at start-up)
-            self.comm, self.staging = comm.Split(0, key=self.order[rank]), np.empty_like(grads)
+            self.comm, self.staging = dp, None
+        else:
+            self.comm, self.staging = dp.split(0, self.order[rank], "reduce-scatter in tree order"), \
+                np.empty_like(grads)
         self.buckets = plan(layout, max(1, int(bucket_floats)), rank, self.order)
         entries = sorted(layout.entries, key=lambda e: e[2])
-        itemsize = grads.itemsize
-        self.base = grads.__array_interface__["data"][0]
-        self.itemsize, self.offsets = itemsize, [off for _, _, off in entries]  # a sink covers whole params
+        self.base, self.itemsize = grads.__array_interface__["data"][0], grads.itemsize
+        self.offsets = [off for _, _, off in entries]   # a sink covers whole params
         self.bucket_of = [0] * len(entries)
         for k, bucket in enumerate(self.buckets):
             for i in bucket.params:
@@ -128,12 +129,13 @@ class BucketedReduceScatter:
         self.pending: collections.deque = collections.deque()
         self.requests: list = []
 
-    def arm(self, micro_batches: int) -> None:
+    def start(self, micro_batches: int) -> None:
         """Before a step's forward+backward of `micro_batches` micro-batches: start buckets from the
-        backward pass as they become ready."""
+        backward pass as they become ready (when there is more than one)."""
         self._reset()
         self.micro_batches, self.overlapped = int(micro_batches), 0
-        backward.set_grad_hook(self._on_grad)
+        if len(self.buckets) > 1:
+            backward.set_grad_hook(self._on_grad)
 
     def _on_grad(self, sink: np.ndarray) -> None:
         """The hook: the gradients of the parameters in `sink` (one or a group) are final for this
@@ -157,19 +159,23 @@ class BucketedReduceScatter:
             for dst, src in b.copies:
                 self.staging[dst] = self.grads[src]
             send = self.staging[b.a:b.b]
-        req = self.comm.Ireduce_scatter(send, self.g_shard[b.recv], b.counts, op=MPI.SUM)
+        req = self.comm.start_reduce_scatter(send, self.grad_shard[b.recv], b.counts)
         self.requests.append(req)
         self.pending.append(req)
         self.next = k - 1
 
-    def finish(self) -> None:
-        """Start what is left (bucket 0, and any bucket the backward pass did not complete) and
-        wait for every bucket, with the deadline."""
+    def finish(self, losses: list[float], flags: Flags) -> GradStats:
+        """Start what is left (bucket 0, and any bucket the backward pass did not complete), wait
+        for every bucket with the deadline, then the step's small allreduce."""
         if backward._grad_hook == self._on_grad:
             backward.set_grad_hook(None)
         while self.next >= 0:
             self._start(self.next)
         what = "reduce-scatter of the gradient" + (f" ({len(self.buckets)} buckets, {self.overlapped} started "
                                                    f"during backward)" if len(self.buckets) > 1 else "")
-        self.deadline.wait(self.requests, what)
+        self.comm.wait(self.requests, what, "reduce_scatter", "reduce_scatter", self.grads.nbytes)
         self._reset()
+        return self.stats(sum(losses), flags)
+
+    def nbytes(self) -> int:
+        return self.grad_shard.nbytes + (0 if self.staging is None else self.staging.nbytes)

@@ -1,71 +1,86 @@
-"""The process grid of a run: N ranks = (N/K data-parallel replicas) x (K tensor-parallel ranks).
+"""The process grid: the world's N ranks as dp x pp x tp, every axis present (size 1 when unused).
 
-A tensor-parallel (TP) group is K consecutive world ranks (color rank // K); the data-parallel
-(DP) group of a TP rank holds the ranks with the same rank % K, one per replica. This module is
-the only one that builds communicators. With K = 1 nothing is split: the DP communicator is the
-world communicator itself and the TP communicator is COMM_SELF, so a TP-1 run is exactly the
-data-parallel run it always was.
+Rank order, as in Megatron and picotron: tensor parallel fastest (a TP group is tp consecutive
+ranks, so it stays on one node), then pipeline, data parallel slowest:
+
+    rank = (dp_rank * pp + pp_rank) * tp + tp_rank
+
+Each axis has a `Comm` of the ranks that differ only in that coordinate; `mp` (model parallel) is
+the pp x tp ranks of one replica, which together hold one whole model. An axis of size 1 is
+`MPI.COMM_SELF` and an axis that spans the world is the world itself, so plain data parallelism
+builds no communicator at all. The `Grid` is built once and passed in; nothing is global.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from mpi4py import MPI
 
 from capstone.config import ConfigError
+from capstone.parallel.comm import Comm
 
 
-def check(tp: int, world: int, mcfg, tcfg=None) -> None:
-    """ConfigError if K = tp cannot split this model on `world` ranks (same verdict on every rank:
-    it depends only on the flags and the world size)."""
-    if not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"--tp must be a positive integer, got {tp!r}; --tp 1 is plain data parallelism.")
-    if world % tp:
-        raise ConfigError(f"--tp {tp} does not divide the {world} ranks: the grid is (ranks / tp) replicas x tp "
-                          f"tensor-parallel ranks. Use a --tp that divides {world}, or launch a multiple of {tp} ranks.")
+def check(world: int, tp: int, pp: int, mcfg) -> None:
+    """ConfigError if a tp x pp split of this model does not fit `world` ranks (the same verdict
+    on every rank: it depends only on the flags and the world size)."""
+    for flag, k in (("--tp", tp), ("--pp", pp)):
+        if not isinstance(k, int) or k < 1:
+            raise ConfigError(f"{flag} must be a positive integer, got {k!r}; 1 turns that axis off.")
+    if world % (tp * pp):
+        raise ConfigError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the {world} ranks: the grid is "
+                          f"(ranks / (tp x pp)) data-parallel replicas of tp x pp ranks. Launch a multiple of "
+                          f"{tp * pp} ranks, or choose --tp and --pp whose product divides {world}.")
     if mcfg.n_heads % tp:
         raise ConfigError(f"--tp {tp} does not divide n_heads {mcfg.n_heads}: attention is split by whole heads. "
                           f"Use a --tp that divides {mcfg.n_heads}.")
-    if (4 * mcfg.d_model) % tp or mcfg.d_model % tp:
-        raise ConfigError(f"--tp {tp} does not divide d_model {mcfg.d_model} and the MLP width 4*d_model "
-                          f"{4 * mcfg.d_model}. Use a --tp that divides both.")
-    if tp > 1 and tcfg is not None and tcfg.deterministic:
-        raise ConfigError(f"--deterministic is not supported with --tp {tp} (its fixed-order reduction covers "
-                          f"data parallelism only); drop one of them.")
+    if pp > mcfg.n_layers:
+        raise ConfigError(f"--pp {pp} is more pipeline stages than the model's {mcfg.n_layers} blocks: every "
+                          f"stage holds at least one block. Use --pp <= {mcfg.n_layers} or more --n-layers.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Grid:
-    """The communicators and coordinates of this rank in the (dp x tp) grid."""
+    """This rank's coordinates in the dp x pp x tp grid and a Comm per axis."""
 
-    world_comm: object
-    tp_comm: object        # the K ranks of this replica (COMM_SELF when K = 1)
-    dp_comm: object        # the replicas' ranks holding the same TP slice (the world when K = 1)
-    tp: int
-    dp: int
-    rank: int
-    tp_rank: int
-    dp_rank: int
+    world: Comm
+    dp: Comm
+    pp: Comm
+    tp: Comm
+    mp: Comm              # the pp x tp ranks of this replica (one whole model)
 
     @classmethod
-    def build(cls, comm, tp: int, mcfg, tcfg=None) -> "Grid":
-        """Collective: call on all ranks of `comm`. Validate K (ConfigError on every rank alike), then split."""
-        world, rank = comm.Get_size(), comm.Get_rank()
-        check(tp, world, mcfg, tcfg)
-        if tp == 1:
-            return cls(comm, MPI.COMM_SELF, comm, 1, world, rank, 0, rank)
-        tp_comm = comm.Split(color=rank // tp, key=rank % tp)
-        dp_comm = comm.Split(color=rank % tp, key=rank // tp)
-        return cls(comm, tp_comm, dp_comm, tp, world // tp, rank, tp_comm.Get_rank(), dp_comm.Get_rank())
+    def build(cls, world: Comm, tp: int = 1, pp: int = 1) -> "Grid":
+        """Collective: call on all ranks of `world` (sizes already `check`ed)."""
+        dp = world.size // (tp * pp)
+        d, rest = divmod(world.rank, tp * pp)
+        p, t = divmod(rest, tp)
 
-    def by_slice(self, values: list) -> list:
-        """A world-ordered list (one value per rank) regrouped as one list per replica, each holding
-        its K TP ranks' values: replicas agree iff every TP slice agrees across the DP group."""
-        if self.tp == 1:
-            return values
-        return [values[d * self.tp:(d + 1) * self.tp] for d in range(self.dp)]
+        def axis(size: int, color: int, key: int, name: str) -> Comm:
+            if size == world.size:
+                return world
+            if size == 1:
+                return world.derived(MPI.COMM_SELF)
+            return world.split(color, key, name)
+        return cls(world, axis(dp, p * tp + t, d, "data parallel"), axis(pp, d * tp + t, p, "pipeline"),
+                   axis(tp, d * pp + p, t, "tensor parallel"), axis(tp * pp, d, rest, "model parallel"))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(dp, pp, tp)."""
+        return self.dp.size, self.pp.size, self.tp.size
+
+    def begin_step(self, step: int) -> None:
+        """Name the step in timeout messages, time it for the automatic deadline, reset the traffic."""
+        self.world.deadline.begin_step(step)
+        self.world.traffic.clear()
+
+    def traffic(self) -> dict:
+        """A copy of the collectives counted since `begin_step` (capstone.parallel.comm.Traffic by kind)."""
+        return {kind: dataclasses.replace(t) for kind, t in self.world.traffic.items()}
 
     def describe(self) -> dict:
-        return {"tp": self.tp, "dp": self.dp, "tp_group": "K consecutive world ranks (rank // tp)",
-                "dp_group": "ranks with equal rank % tp"}
+        dp, pp, tp = self.shape
+        return {"dp": dp, "pp": pp, "tp": tp, "order": "rank = (dp_rank * pp + pp_rank) * tp + tp_rank",
+                "tp_group": "tp consecutive ranks", "dp_group": "ranks with equal pp_rank and tp_rank"}

@@ -1,27 +1,19 @@
-"""ZeRO-1: Adam whose fp32 master copy and moments are sharded across ranks.
+"""ZeRO-1: AdamW whose fp32 master copy and moments are sharded over the data-parallel group.
 
-The flat gradient buffer is reduce-scattered so each rank receives the summed gradient of its
-shard; Adam updates the rank's shard of (master, m, v); the updated shard is allgathered into
-the flat parameter buffer in place. Per-rank optimizer memory is 12 * padded / world bytes.
-This module (with checkpoint.py and dist.py) is the only one that calls MPI collectives.
-
-Every collective is non-blocking and waited on with a deadline (capstone.deadline), so a dead peer
-ends the job instead of hanging it. With `bucket_floats` the reduce-scatter runs in buckets that
-start during the backward pass (capstone.buckets); without, it is one reduce-scatter of the whole
-buffer after the backward pass (--no-overlap).
+`ZeroAdam` owns this rank's shard of the optimizer state (`ShardState`: master, m, v, t) and
+nothing else: the reduced gradient shard comes from the gradient reducer
+(capstone.parallel.reduce), Adam updates the shard, and the updated shard is allgathered into the
+flat parameter buffer in place. `revert` undoes the last update bit for bit (the divergence
+guard). Per-rank optimizer memory is 12 * padded / dp bytes.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
-from mpi4py import MPI
 
-from capstone.parallel.buckets import BucketedReduceScatter
-from capstone.parallel.deadline import Deadline
-from capstone.model.params import DTYPE, Layout, sum_squares
+from capstone.model.params import DTYPE, Layout
 
 ROWS = ("master", "m", "v")  # the arrays of a shard's optimizer state, in checkpoint row order
 ADAM_CHUNK = 1 << 16         # elements per pass of the update: the arrays of one pass stay in L2 (256 KiB each)
@@ -68,45 +60,28 @@ class ShardState:
         return sum(a.nbytes for a in self.rows())
 
 
-@dataclass(frozen=True)
-class GradStats:
-    """Global facts about one step's reduced gradient (identical on every rank)."""
-
-    norm: float          # L2 norm of the full (unsharded) reduced gradient
-    extras: np.ndarray   # the caller's per-rank values, summed over ranks (float64)
-
-
 class ZeroAdam:
-    """Adam(W) with ZeRO-1 sharding over `comm`; `params` and `grads` are flat buffers of `layout`."""
+    """Adam(W) with ZeRO-1 sharding over the data-parallel group `dp` (a Comm); `params` is the
+    flat parameter buffer of `layout`, whose shard [lo, hi) this rank updates."""
 
-    def __init__(self, comm, layout: Layout, params: np.ndarray, grads: np.ndarray,
-                 betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, deadline: Deadline | None = None,
-                 bucket_floats: int = 0):
-        """Collective: call on all ranks. Broadcasts rank 0's parameters (DDP-style, once).
-        `deadline`: the timeout of the collectives (default: automatic); `bucket_floats` > 0:
-        reduce-scatter in buckets of about that many floats, overlapped with backward."""
-        if layout.world != comm.Get_size():
-            raise ValueError(f"layout is padded for {layout.world} ranks but the communicator has {comm.Get_size()}")
-        for name, buf in (("params", params), ("grads", grads)):
-            if buf.dtype != DTYPE or buf.shape != (layout.padded,) or not buf.flags.c_contiguous:
-                raise ValueError(f"{name} must be a contiguous float32 buffer of length {layout.padded}")
-        self.comm, self.layout, self.params, self.grads = comm, layout, params, grads
-        self.rank, self.world = comm.Get_rank(), comm.Get_size()
-        self.lo, self.hi = layout.shard_range(self.rank)
+    def __init__(self, dp, layout: Layout, params: np.ndarray, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                 clip: float = 0.0):
+        """Collective: call on all ranks of `dp`. Broadcasts its rank 0's parameters (DDP-style, once)."""
+        if layout.world != dp.size:
+            raise ValueError(f"layout is padded for {layout.world} ranks but the data-parallel group has {dp.size}")
+        if params.dtype != DTYPE or params.shape != (layout.padded,) or not params.flags.c_contiguous:
+            raise ValueError(f"params must be a contiguous float32 buffer of length {layout.padded}")
+        self.dp, self.layout, self.params = dp, layout, params
+        self.lo, self.hi = layout.shard_range(dp.rank)
         self.beta1, self.beta2, self.eps, self.weight_decay = float(betas[0]), float(betas[1]), float(eps), float(weight_decay)
-        self.deadline = deadline if deadline is not None else Deadline(comm)
-        self.deadline.wait(comm.Ibcast(params, root=0), "broadcast of the initial parameters")
+        self.clip = float(clip)   # the global gradient norm is clipped to this (0: off)
+        dp.bcast(params, "broadcast of the initial parameters")
         master = params[self.lo:self.hi].copy()
         self.state = ShardState(master, np.zeros_like(master), np.zeros_like(master))
         self.before = ShardState(*(np.zeros_like(master) for _ in ROWS))  # the state before the last apply
         self.revertible = False                                            # `before` may be restored
-        self.g_shard = np.empty_like(master)
-        self.overlap = bucket_floats > 0
-        self.reducer = BucketedReduceScatter(comm, layout, grads, self.g_shard, self.deadline,
-                                             bucket_floats if self.overlap else layout.padded)
         self.no_decay = self._no_decay_runs() if weight_decay > 0 else None
         self._scratch = np.empty((2, ADAM_CHUNK), dtype=np.float32)
-        self.timings = {"reduce_scatter": 0.0, "adam": 0.0, "allgather": 0.0}  # seconds, last step
 
     def _no_decay_runs(self) -> list[list[slice]]:
         """Per Adam pass (ADAM_CHUNK elements of the shard), the slices of the pass that take no weight
@@ -135,33 +110,14 @@ class ZeroAdam:
         """Bytes of the state kept from before the last update (what `revert` restores)."""
         return self.before.nbytes
 
-    def begin_step(self, step: int, micro_batches: int) -> None:
-        """Before step `step`'s forward+backward (of `micro_batches` micro-batches): name the step
-        in timeout messages, measure step times for the automatic timeout, and (with buckets) let
-        the backward pass start the reduce-scatter of each bucket as soon as it is ready."""
-        self.deadline.begin_step(step)
-        if self.overlap:
-            self.reducer.arm(micro_batches)
-
-    def reduce_gradients(self, extras=()) -> GradStats:
-        """Collective: call on all ranks. Reduce-scatter (sum) the flat gradient into this rank's
-        shard, then one small Allreduce of [shard sum of squares, *extras] for the global norm,
-        the non-finite check and the caller's scalars (e.g. the loss sum). With buckets, the
-        buckets the backward pass started are waited for and the rest started first."""
-        t0 = time.perf_counter()
-        self.reducer.finish()   # one bucket without overlap: a single reduce-scatter (capstone.buckets)
-        self.timings["reduce_scatter"] = time.perf_counter() - t0
-        small = np.array([sum_squares(self.g_shard), *extras], dtype=np.float64)
-        self.deadline.wait(self.comm.Iallreduce(MPI.IN_PLACE, small, op=MPI.SUM),
-                           "allreduce of the gradient norm and loss")
-        return GradStats(float(np.sqrt(small[0])), small[1:])
-
-    def apply(self, lr: float, grad_scale: float = 1.0) -> None:
-        """Collective: call on all ranks after `reduce_gradients`. Adam on the local shard with the
-        gradient multiplied by `grad_scale` (clipping), then Allgather the shard into `params`.
-        The update reads `state` and writes the spare arrays, which then become `state`: the state
-        before it stays intact in `before` for `revert`, without a copy."""
-        t0 = time.perf_counter()
+    def apply(self, grad_shard: np.ndarray, lr: float, norm: float) -> float:
+        """Collective: call on all ranks. Adam on the local shard with the reduced gradient shard,
+        scaled in place by clip / norm when `norm` (the whole gradient's) exceeds `clip`, then
+        allgather the shard into `params`; returns the norm after clipping. The update reads
+        `state` and writes the spare arrays, which then become `state`: the state before it stays
+        intact in `before` for `revert`, without a copy."""
+        clip = self.clip if 0 < self.clip < norm else 0.0
+        grad_scale = clip / norm if clip else 1.0
         old, new = self.state, self.before
         new.t = old.t + 1
         b1, b2 = self.beta1, self.beta2
@@ -169,10 +125,10 @@ class ZeroAdam:
              np.float32(1.0 / np.sqrt(1 - b2 ** new.t)), np.float32(self.eps), np.float32(lr * self.weight_decay),
              np.float32(lr / (1 - b1 ** new.t)))
         for lo in range(0, old.master.size, ADAM_CHUNK):
-            self._adam_chunk(slice(lo, lo + ADAM_CHUNK), old, new, *k)
+            self._adam_chunk(grad_shard, slice(lo, lo + ADAM_CHUNK), old, new, *k)
         self.state, self.before, self.revertible = new, old, True
-        self.timings["adam"] = time.perf_counter() - t0
         self._publish()
+        return clip or norm
 
     def revert(self) -> None:
         """Collective: call on all ranks. Undo the last `apply` bit for bit: its `before` state
@@ -181,11 +137,11 @@ class ZeroAdam:
             self.state, self.before, self.revertible = self.before, self.state, False
         self._publish()
 
-    def _adam_chunk(self, c: slice, old: ShardState, new: ShardState,
+    def _adam_chunk(self, grad_shard, c: slice, old: ShardState, new: ShardState,
                     scale, b1, one_b1, b2, one_b2, bias2, eps, decay, step) -> None:
         """AdamW on elements c of the shard from `old` into `new`, through cache-sized scratch
         buffers. The operations per element are those of the whole-array expressions (the same bits)."""
-        g, m, v, master = self.g_shard[c], new.m[c], new.v[c], new.master[c]
+        g, m, v, master = grad_shard[c], new.m[c], new.v[c], new.master[c]
         t1, t2 = self._scratch[0][:g.size], self._scratch[1][:g.size]
         if scale != 1.0:
             g *= scale
@@ -210,12 +166,14 @@ class ZeroAdam:
         t2 *= step
         np.subtract(src, t2, out=master)
 
+    def finite(self) -> bool:
+        """No NaN or infinity in this rank's master, m or v."""
+        return self.state.finite()
+
     def _publish(self) -> None:
         """Collective: call on all ranks. Copy the master shard into params and allgather it."""
-        t0 = time.perf_counter()
         self.params[self.lo:self.hi] = self.state.master
-        self.deadline.wait(self.comm.Iallgather(MPI.IN_PLACE, self.params), "allgather of the updated parameters")
-        self.timings["allgather"] = time.perf_counter() - t0
+        self.dp.allgather(self.params, "allgather of the updated parameters", "allgather")
 
     def load_state(self, state: ShardState) -> None:
         """Collective: call on all ranks. Replace the local shard state and rebuild `params`."""

@@ -78,10 +78,10 @@ def _cgroup_files(controllers: str, path: str) -> list[tuple[str, str, str]]:
     return []
 
 
-def check_memory(dist, mcfg, tcfg) -> None:
+def check_memory(comm, mcfg, tcfg) -> None:
     """Collective. ConfigError on every rank if a step's activations do not fit on some node."""
     need = activation_bytes(mcfg, tcfg)
-    local = dist.local_size()
+    local = comm.node_size()
     avail, source = available_bytes()
     error = None
     if avail is not None and need * local > avail:
@@ -89,7 +89,7 @@ def check_memory(dist, mcfg, tcfg) -> None:
                  f"({local} ranks on {socket.gethostname()}: {need * local / MIB:.0f} MiB), but only "
                  f"{avail / MIB:.0f} MiB is available ({source}); the kernel would kill the run in its first step. "
                  f"Lower --batch-size (raise --grad-accum to keep the global batch), or run fewer ranks per node.")
-    errors = [e for e in dist.allgather_json(error) if e]
+    errors = [e for e in comm.allgather_json(error) if e]
     if errors:
         raise ConfigError(errors[0])
 
@@ -117,17 +117,17 @@ def _quietly(fn, path) -> None:
         pass
 
 
-def claim(dist, out: str, ckpt_dir: str, ckpt_bytes: int) -> Claim:
+def claim(comm, out: str, ckpt_dir: str, ckpt_bytes: int) -> Claim:
     """Collective. Create, lock and check the run directory; ConfigError on every rank if any
     check fails (after undoing what was created). Rank 0's Claim holds the lock."""
     done, error = Claim(), None
-    if dist.rank == 0:
+    if comm.rank == 0:
         try:
             _claim(done, out, ckpt_dir, ckpt_bytes)
         except ConfigError as exc:
             error = str(exc)
             done.undo()
-    error = dist.bcast_json(error)
+    error = comm.bcast_json(error)
     if error:
         raise ConfigError(error)
     return done

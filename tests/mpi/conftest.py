@@ -12,7 +12,8 @@ import tempfile
 import pytest
 from mpi4py import MPI
 
-from capstone.parallel.dist import Dist
+from capstone.parallel.comm import Comm
+from capstone.parallel.grid import Grid
 
 
 def pytest_configure(config):
@@ -32,17 +33,24 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture
-def dist():
-    return Dist(MPI.COMM_WORLD)
+def world():
+    """The job's ranks as a capstone Comm (a fresh deadline per test)."""
+    return Comm(MPI.COMM_WORLD)
 
 
 @pytest.fixture
-def shared_tmp(dist):
+def grid(world):
+    """Plain data parallelism over the job's ranks."""
+    return Grid.build(world)
+
+
+@pytest.fixture
+def shared_tmp(world):
     """A fresh directory made by rank 0 and broadcast to every rank."""
-    path = tempfile.mkdtemp(prefix="capstone-test-") if dist.rank == 0 else None
-    path = dist.bcast_json(path)
+    path = tempfile.mkdtemp(prefix="capstone-test-") if world.rank == 0 else None
+    path = world.bcast_json(path)
     yield path
-    dist.barrier()
-    if dist.rank == 0:
+    world.barrier()
+    if world.rank == 0:
         import shutil
         shutil.rmtree(path, ignore_errors=True)

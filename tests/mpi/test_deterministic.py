@@ -6,20 +6,21 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from capstone.parallel.comm import Comm
 from capstone.parallel.deterministic import ShardNorm, chunked_sumsq, tree_rows, tree_sum
 
 
 @pytest.mark.parametrize("n,chunk", [(1037, 100), (1000, 100), (50, 100), (30144, 1 << 14)])
-def test_shard_norm_is_the_same_on_every_world_size(dist, n, chunk):
+def test_shard_norm_is_the_same_on_every_world_size(world, n, chunk):
     full = np.random.default_rng(n).standard_normal(n).astype(np.float32) * np.float32(1e-3)
     want = math.sqrt(chunked_sumsq(full, n, chunk))
-    for k in range(1, dist.world + 1):  # sub-communicators of the first k ranks
-        sub = dist.comm.Split(0 if dist.rank < k else MPI.UNDEFINED, dist.rank)
+    for k in range(1, world.size + 1):  # sub-communicators of the first k ranks
+        sub = world.mpi.Split(0 if world.rank < k else MPI.UNDEFINED, world.rank)
         if sub != MPI.COMM_NULL:
             shard = -(-n // k)
             padded = np.zeros(shard * k, dtype=np.float32)
             padded[:n] = full
-            got = ShardNorm(sub, n, shard, chunk)(padded[dist.rank * shard:(dist.rank + 1) * shard])
+            got = ShardNorm(Comm(sub), n, shard, chunk)(padded[world.rank * shard:(world.rank + 1) * shard])
             assert got == want, (k, got, want)
             sub.Free()
 

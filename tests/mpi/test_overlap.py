@@ -1,4 +1,4 @@
-"""The bucketed, overlapped gradient reduce-scatter (capstone.buckets) equals the single one.
+"""The bucketed, overlapped gradient reduce-scatter (capstone.parallel.buckets) equals the single one.
 
 Run under mpirun (4 ranks): mpirun --oversubscribe -n 4 python -m pytest -q tests/mpi/test_overlap.py
 Sub-communicators (Split) give worlds of 1, 2, 3 and 4 ranks inside one 4-rank job. Gradients are
@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from capstone.parallel.buckets import BucketedReduceScatter, plan, tree_order
 from capstone.config import ModelConfig
-from capstone.parallel.deadline import Deadline
 from capstone.model.gpt import Model
 from capstone.model.params import Layout, init_params
-from capstone.parallel.zero import ZeroAdam
+from capstone.parallel.buckets import BucketReducer, plan, tree_order
+from capstone.parallel.comm import Comm
+from capstone.parallel.grid import Grid
+from capstone.parallel.reduce import Flags
 
 CFG = ModelConfig(vocab_size=13, seq_len=4, d_model=8, n_heads=2, n_layers=2)
 BIG = ModelConfig(vocab_size=64, seq_len=16, d_model=128, n_heads=4, n_layers=2)   # ~0.5M floats
@@ -46,9 +47,9 @@ def grad(layout, rank, seed=0):
 
 
 def reduce(comm, layout, g, bucket_floats):
-    shard = np.empty(layout.shard, dtype=np.float32)
-    BucketedReduceScatter(comm, layout, g, shard, Deadline(comm, 30), bucket_floats).finish()
-    return shard
+    reducer = BucketReducer(Grid.build(Comm(comm)), layout, g, bucket_floats)
+    reducer.finish([0.0], Flags())
+    return reducer.grad_shard
 
 
 def blocking(comm, layout, g):
@@ -83,8 +84,8 @@ def test_plan_covers_the_buffer_in_whole_parameters(world):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("cfg", [CFG, BIG], ids=["small", "big"])
-def test_bucketed_equals_single_reduce_scatter(dist, world, cfg):
-    comm = sub(dist.comm, world)
+def test_bucketed_equals_single_reduce_scatter(world, cfg):
+    comm = sub(MPI.COMM_WORLD, world)
     if comm is None:
         return
     rank = comm.Get_rank()
@@ -105,15 +106,16 @@ def test_bucketed_equals_single_reduce_scatter(dist, world, cfg):
 
 
 @pytest.mark.parametrize("cfg", [CFG, BIG], ids=["small", "big"])
-def test_four_ranks_equal_two_ranks_accumulating_pairs(dist, cfg):
+def test_four_ranks_equal_two_ranks_accumulating_pairs(cfg):
     """Rank r of 2 holds g_r + g_{r+2} (micro-batch j of rank r is global block j*world + r)."""
-    if dist.world != 4:
+    world = Comm(MPI.COMM_WORLD)
+    if world.size != 4:
         pytest.skip("needs 4 ranks")
     l4, l2 = Layout.for_model(cfg, 4), Layout.for_model(cfg, 2)
-    four = reduce(dist.comm, l4, grad(l4, dist.rank), 1000)
+    four = reduce(MPI.COMM_WORLD, l4, grad(l4, world.rank), 1000)
     full4 = np.empty(l4.padded, dtype=np.float32)
-    dist.comm.Allgather(four, full4)
-    comm = sub(dist.comm, 2)
+    world.allgather(full4, "test", send=four)
+    comm = sub(MPI.COMM_WORLD, 2)
     if comm is not None:
         r = comm.Get_rank()
         mine = np.zeros(l2.padded, dtype=np.float32)
@@ -125,27 +127,25 @@ def test_four_ranks_equal_two_ranks_accumulating_pairs(dist, cfg):
         comm.Free()
 
 
-def test_overlap_from_backward_with_accumulation(dist):
-    layout = Layout.for_model(CFG, dist.world)
-    rng = np.random.default_rng(dist.rank)
+def test_overlap_from_backward_with_accumulation(grid, world):
+    layout = Layout.for_model(CFG, world.size)
+    rng = np.random.default_rng(world.rank)
     batches = [(rng.integers(0, CFG.vocab_size, (2, CFG.seq_len)), rng.integers(0, CFG.vocab_size, (2, CFG.seq_len)))
                for _ in range(3)]
     model = Model(CFG, layout, init_params(layout, CFG, 3))
-    overlap = ZeroAdam(dist.comm, layout, model.params, model.grads, bucket_floats=200)
-    plain = ZeroAdam(dist.comm, layout, model.params, model.grads)
-    assert len(overlap.reducer.buckets) > 3
-    overlap.begin_step(1, len(batches))
+    overlap = BucketReducer(grid, layout, model.grads, 200)
+    plain = BucketReducer(grid, layout, model.grads, layout.padded)
+    assert len(overlap.buckets) > 3
+    overlap.start(len(batches))
     model.forward_backward(batches, 0.01)
-    started = overlap.reducer.next
-    assert started < len(overlap.reducer.buckets) - 1, "no bucket started during the backward pass"
+    started = overlap.next
+    assert started < len(overlap.buckets) - 1, "no bucket started during the backward pass"
     assert started == 0, "every bucket but bucket 0 starts during the backward pass"
     model.grads[0] += 1.0                   # touched after backward (like --inject-nan): bucket 0 sees it
-    a = overlap.reduce_gradients(extras=[1.0])
-    b = plain.reduce_gradients(extras=[1.0])
-    assert np.array_equal(overlap.g_shard, plain.g_shard)
-    assert a.norm == b.norm and a.extras.tolist() == b.extras.tolist() == [dist.world]
-    if dist.rank == 0:
-        assert overlap.g_shard[0] == plain.g_shard[0]
+    a = overlap.finish([1.0], Flags())
+    b = plain.finish([1.0], Flags())
+    assert np.array_equal(overlap.grad_shard, plain.grad_shard)
+    assert a.norm == b.norm and a.loss == b.loss == world.size
     # the hook is gone: a later backward pass starts nothing
     model.forward_backward(batches[:1], 0.01)
-    assert overlap.reducer.requests == []
+    assert overlap.requests == []

@@ -19,3 +19,8 @@ def learning_rate(step: int, lr: float, steps: int, kind: str = "constant", warm
         progress = min(1.0, (step - warmup - 1) / span)
         return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
     raise ValueError(f"unknown schedule {kind!r}: use 'constant' or 'cosine'")
+
+
+def at_step(step: int, tcfg) -> float:
+    """The learning rate of optimizer step `step` under a TrainConfig's schedule."""
+    return learning_rate(step, tcfg.lr, tcfg.steps, tcfg.lr_schedule, tcfg.warmup_steps, tcfg.min_lr)

@@ -1,0 +1,95 @@
+"""The gradient reduction: one interface, three implementations.
+
+A `GradReducer` sums the step's gradients over the data-parallel group into this rank's shard
+(`grad_shard`, what the ZeRO optimizer updates with) and makes the step's global numbers in one
+small allreduce over the world: the gradient norm, the loss and the flags the ranks agree on. The
+step calls it around the backward passes, as Megatron calls its gradient buffer's
+start_grad_sync / finish_grad_sync apart from its distributed optimizer:
+
+    reducer.start(micro_batches)          before the first forward
+    reducer.after_backward(j)             after micro-batch j's backward
+    stats = reducer.finish(losses, flags) after the last one: GradStats (the same on every rank)
+
+Implementations: `capstone.parallel.buckets.BucketReducer` (one reduce-scatter after the backward
+pass, or buckets started during it: --no-overlap / --bucket-mb) and
+`capstone.parallel.deterministic.DeterministicReducer` (--deterministic: fixed-order sums).
+
+Every rank holds a part of the model (its tensor-parallel slice, its pipeline stage): the norm
+counts each parameter once (`norm_weight`: parameters every tensor-parallel rank holds whole count
+on tp rank 0 only) and the loss once (`loss_weight`: 1 on the ranks whose loss is the replica's).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from capstone.model.params import DTYPE, Layout, is_split, sum_squares
+
+
+@dataclass(frozen=True)
+class Flags:
+    """What the ranks agree on at every step: any rank's stop request, rank 0's wall clock."""
+
+    stop: bool = False
+    clock_due: bool = False
+
+
+@dataclass(frozen=True)
+class GradStats:
+    """Global facts about one step's reduced gradient (identical on every rank)."""
+
+    loss: float     # the summed, scaled loss of the global batch
+    norm: float     # L2 norm of the whole reduced gradient
+    flags: Flags
+
+
+def norm_weight(layout: Layout, tp_rank: int, tp: int, lo: int, hi: int) -> np.ndarray | None:
+    """Per element of the shard [lo, hi): 1 where this rank counts the parameter in the norm, 0 for
+    a parameter every tensor-parallel rank holds whole and that tp rank 0 counts (None: all count)."""
+    if tp == 1:
+        return None
+    weight = np.zeros(layout.padded)
+    for name, shape, off in layout.entries:
+        weight[off:off + math.prod(shape)] = 1.0 if is_split(name) or tp_rank == 0 else 0.0
+    return weight[lo:hi]
+
+
+class GradReducer:
+    """The interface, and the step's one small allreduce (subclasses fill `grad_shard`)."""
+
+    accumulates = True   # micro-batch gradients add up in the flat buffer (else each is reduced alone)
+
+    def __init__(self, grid, layout: Layout, grads: np.ndarray, loss_weight: float = 1.0):
+        if layout.world != grid.dp.size:
+            raise ValueError(f"layout is padded for {layout.world} ranks but the data-parallel group has {grid.dp.size}")
+        if grads.dtype != DTYPE or grads.shape != (layout.padded,) or not grads.flags.c_contiguous:
+            raise ValueError(f"grads must be a contiguous float32 buffer of length {layout.padded}")
+        self.world, self.dp, self.layout, self.grads = grid.world, grid.dp, layout, grads
+        lo, hi = layout.shard_range(grid.dp.rank)
+        self.grad_shard = np.empty(hi - lo, dtype=DTYPE)
+        self.norm_weight = norm_weight(layout, grid.tp.rank, grid.tp.size, lo, hi)
+        self.loss_weight = loss_weight
+
+    def start(self, micro_batches: int) -> None:
+        """Before the step's first forward pass."""
+
+    def after_backward(self, micro: int) -> None:
+        """After micro-batch `micro`'s backward pass (its gradient is in `grads`)."""
+
+    def finish(self, losses: list[float], flags: Flags) -> GradStats:
+        """Collective: call on all ranks after the last backward pass."""
+        raise NotImplementedError
+
+    def stats(self, loss: float, flags: Flags, sumsq: float | None = None) -> GradStats:
+        """Collective over the world: one allreduce of [sum of squares, loss, stop, clock]."""
+        mine = sum_squares(self.grad_shard, self.norm_weight) if sumsq is None else sumsq
+        total = self.world.sum([mine, loss * self.loss_weight, flags.stop, flags.clock_due],
+                               "allreduce of the gradient norm and loss", "allreduce_stats")
+        return GradStats(total[1], math.sqrt(total[0]), Flags(total[2] > 0, total[3] > 0))
+
+    def nbytes(self) -> int:
+        """Bytes this reduction holds besides the flat gradient buffer (the received shard...)."""
+        return self.grad_shard.nbytes

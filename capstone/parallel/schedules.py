@@ -1,0 +1,27 @@
+"""How a step's micro-batches go through forward and backward.
+
+`Sequential` (no pipeline parallelism): each micro-batch's forward and backward in turn on this
+rank's model, the gradients accumulating in the flat buffer (or, for a reducer that takes each
+micro-batch alone, overwriting it) and the reducer told after each backward pass. With pipeline
+parallelism the stages take turns instead (capstone.parallel.pipeline: afab, 1f1b).
+"""
+
+from __future__ import annotations
+
+
+class Sequential:
+    """The micro-batches of a step one after another (`scale`: 1 / tokens of the global batch)."""
+
+    def __init__(self, model, reducer, hooks, scale: float):
+        self.model, self.reducer, self.hooks, self.scale = model, reducer, hooks, scale
+
+    def forward_backward(self, batches: list, step: int) -> list[float]:
+        """Collective: call on all ranks. Every micro-batch's (scaled, summed) loss, in order."""
+        self.reducer.start(len(batches))
+        losses = []
+        for j, (x, y) in enumerate(batches):
+            fresh = j == 0 or not self.reducer.accumulates
+            losses.append(self.model.micro_batch(x, y, self.scale, fresh))
+            self.hooks.gradients(step, j, self.model.grads)
+            self.reducer.after_backward(j)
+        return losses
