@@ -11,6 +11,8 @@ import os
 import statistics
 import time
 
+import numpy as np
+
 from benchmarks.torch_worker import TorchWorker
 
 
@@ -93,13 +95,19 @@ def _matmul_share(st: Stepper, tw: TorchWorker | None, steps: int) -> str:
     """The share of capstone's step in its kernels' matmul calls (a timed wrapper); with torch, the
     share of torch's step in its linear layers' matmuls (torch.profiler) and what 0.85x would leave."""
     from capstone.model import kernels
-    kernels.matmul_seconds[0] = 0.0
-    kernels.time_matmuls(True)
+    seconds = [0.0]
+
+    def timed(a, b, out=None):   # every kernel matmul goes through kernels._mm
+        t = time.process_time()
+        r = np.matmul(a, b, out=out)
+        seconds[0] += time.process_time() - t
+        return r
+    kernels._mm = timed
     try:
         total = sum(st.step()[1] for _ in range(steps)) / 1e3
     finally:
-        kernels.time_matmuls(False)
-    mm = kernels.matmul_seconds[0]
+        kernels._mm = np.matmul
+    mm = seconds[0]
     line = (f"    capstone: {mm / total:.1%} of its step in the kernels' matmul calls, attention's included "
             f"({1e3 * mm / steps:.1f} of {1e3 * total / steps:.1f} ms; timed wrapper, {steps} steps)")
     if tw:
@@ -240,7 +248,7 @@ def checks(repeats: int) -> None:
     or + sha256 on evaluation steps), the update's finiteness check, and the held-out evaluation
     (the `medium` preset's sequences, forward only) on evaluation steps."""
     from capstone.data.heldout import HeldOut
-    from capstone.model.params import fingerprint, sum_squares, word_sum
+    from capstone.model.fingerprint import fingerprint, sum_squares, word_sum
     from capstone.presets import PRESETS
     st = Stepper("medium")
     pre = PRESETS["medium"]

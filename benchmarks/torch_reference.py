@@ -17,7 +17,7 @@ import time
 
 from capstone import cli
 from capstone.config import ConfigError
-from capstone.data.synthetic import open_data
+from capstone.data import open_data
 from capstone.data.heldout import HeldOut
 from capstone.model.params import Layout, init_params
 from capstone.lr import learning_rate

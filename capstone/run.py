@@ -23,16 +23,18 @@ from dataclasses import dataclass
 
 from capstone import checkpoint
 from capstone.checkpoint import files, resume
-from capstone.checkpoint.saver import Checkpointer
+from capstone.checkpoint.cadence import Cadence
+from capstone.checkpoint.saver import Checkpointer, RunIdentity
 from capstone.cli import RunOptions, Settings
 from capstone.config import ConfigError, ModelConfig, TrainConfig
 from capstone.data.heldout import HeldOut
-from capstone.data.synthetic import open_data
+from capstone.data import open_data
 from capstone.data.tokens import load_meta
 from capstone.guard import Guard
 from capstone.hooks import Hooks
 from capstone.model.gpt import Model
-from capstone.model.params import Layout, fingerprint, init_params
+from capstone.model.fingerprint import fingerprint
+from capstone.model.params import Layout, init_params
 from capstone.observe import provenance, report
 from capstone.parallel import grid as grids
 from capstone.parallel.buckets import BucketReducer
@@ -43,7 +45,7 @@ from capstone.parallel.replicas import ReplicaCheck
 from capstone.parallel.schedules import Sequential
 from capstone.parallel.zero import ROWS, ZeroAdam
 from capstone.runtime import preflight
-from capstone.state import RunIdentity, RunState
+from capstone.state import RunState
 
 TIMEOUT_RECORD = "collective-timeout.json"   # in the run directory, written by a rank whose collective timed out
 
@@ -64,24 +66,21 @@ class Run:
     data: object
     heldout: HeldOut
     guard: Guard
+    cadence: Cadence
     ckpt: Checkpointer
     state: RunState
     replicas: ReplicaCheck
     hooks: Hooks
     batch_size: int                        # sequences per data-parallel rank per micro-batch
+    global_batch: int                      # sequences per optimizer step, over all replicas and micro-batches
     n_params: int                          # of the whole model (a rank may hold a part)
     metrics: report.MetricsLog | None = None
     segment_start: tuple = (None, None)    # (held-out loss, best held-out loss) where this segment began
     resumed_from: str | None = None
 
-    @property
-    def global_batch(self) -> int:
-        """Sequences per optimizer step, over all replicas and micro-batches."""
-        return self.batch_size * self.tcfg.grad_accum * self.grid.dp.size
-
     def memory_row(self) -> dict:
         return {"rank": self.grid.world.rank, "params_bytes": self.model.params.nbytes,
-                "grads_bytes": self.model.grads.nbytes + self.reducer.nbytes(),
+                "grads_bytes": self.model.grads.nbytes + self.reducer.nbytes(), "reduce_bytes": self.reducer.nbytes(),
                 "optimizer_bytes": self.opt.state.nbytes, "guard_bytes": self.opt.before.nbytes,
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
@@ -155,12 +154,13 @@ def build(world: Comm, settings: Settings, out: str) -> Run:
     data, data_identity = open_data(mcfg, tcfg, batch)
     reducer, heldout, replicas = _modes(grid, layout, model, data, settings)
     identity = RunIdentity(mcfg, tcfg, data_identity, batch * tcfg.grad_accum * dp.size)
-    ckpt = Checkpointer(world, os.path.join(out, "checkpoints"), full, identity, view, hooks, opts.stop_after)
+    cadence = Cadence(tcfg, world.rank, opts.stop_after)
+    ckpt = Checkpointer(world, os.path.join(out, "checkpoints"), full, identity, cadence, view, hooks)
     state = RunState()
     guard = Guard(tcfg.spike_factor, tcfg.max_rollbacks, state.guard)
     schedule = Sequential(model, reducer, hooks, 1.0 / (identity.global_batch * mcfg.seq_len))
-    return Run(grid, mcfg, tcfg, opts, out, model, opt, reducer, schedule, data, heldout, guard, ckpt, state,
-               replicas, hooks, batch, full.n_params)
+    return Run(grid, mcfg, tcfg, opts, out, model, opt, reducer, schedule, data, heldout, guard, cadence, ckpt,
+               state, replicas, hooks, batch, identity.global_batch, full.n_params)
 
 
 def _hooks(world: Comm, opts: RunOptions) -> Hooks:

@@ -23,7 +23,7 @@ import numpy as np
 from capstone.checkpoint import CheckpointError, files
 from capstone.checkpoint.__main__ import checks, load_all
 from capstone.config import ConfigError, ModelConfig
-from capstone.model.kernels import layer_norm, linear, linear_gelu
+from capstone.model.ops import layer_norm, linear, linear_gelu
 from capstone.model.gpt import logits as full_logits
 from capstone.model.params import Layout
 from capstone.data.tokens import META_FILE, Meta, load_meta

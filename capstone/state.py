@@ -2,17 +2,13 @@
 
 `RunState` is where the run is (step, data cursor) and what it has judged so far (the guard's
 state, the start and best held-out loss that invariant (a) measures against, the rollbacks); the
-per-step history lives in metrics.jsonl, not in every checkpoint. `RunIdentity` is what
-a resumed run must match (the model and the data stream). Both go to and from JSON here and
-nowhere else: save, load and resume all go through these.
+per-step history lives in metrics.jsonl, not in every checkpoint.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
-from capstone.config import ModelConfig, TrainConfig
 from capstone.guard import GuardState
 
 
@@ -42,21 +38,3 @@ class RunState:
         self.losses.append((step, loss, eval_loss))
         if eval_loss is not None and (self.best_eval is None or eval_loss < self.best_eval):
             self.best_eval = eval_loss
-
-
-@dataclass(frozen=True)
-class RunIdentity:
-    """The configs of a run; a checkpoint resumes only into the same model and data stream."""
-
-    model: ModelConfig
-    train: TrainConfig
-    data: dict            # the data stream's identity (e.g. seeds and corpus length)
-    global_batch: int     # sequences per optimizer step
-
-    def to_json(self) -> dict:
-        return {"model_config": dataclasses.asdict(self.model), "train_config": dataclasses.asdict(self.train),
-                "data": self.data, "global_batch": self.global_batch}
-
-    def must_match(self) -> dict:
-        """The metadata a checkpoint must hold, key by key, to be resumed by this run."""
-        return {"model_config": dataclasses.asdict(self.model), "data": self.data}

@@ -18,15 +18,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from capstone import checkpoint, cli, invariants, lr
-from capstone.checkpoint.saver import Due
+from capstone.checkpoint.cadence import Due
 from capstone.config import ConfigError
 from capstone.guard import DivergenceError
 from capstone.observe import report
 from capstone.observe.timer import PhaseTimer
-from capstone.parallel import comm
+from capstone.parallel import launch
 from capstone.parallel.reduce import Flags
 from capstone.run import Run, open_run
-from capstone.runtime import heap, stop
+from capstone.runtime import heap, signals, stop
 
 
 @dataclass
@@ -53,16 +53,16 @@ class StepResult:
 def train_step(run: Run, s: int) -> StepResult:
     """Collective: call on all ranks. One optimizer step; returns what happened."""
     timer, state, tcfg = PhaseTimer(), run.state, run.tcfg
-    run.grid.begin_step(s)
+    run.grid.world.begin_step(s)
     run.hooks.at("step", s)
     with timer("fwd_bwd"), np.errstate(over="ignore", invalid="ignore"):   # a diverging step is the guard's
         batches = [run.data.micro_batch(state.cursor, j, run.grid.dp.rank, run.grid.dp.size)
                    for j in range(tcfg.grad_accum)]
         losses = run.schedule.forward_backward(batches, s)
     with timer("reduce"):
-        stats = run.reducer.finish(losses, Flags(stop.requested(), run.ckpt.clock_due()))
+        stats = run.reducer.finish(losses, Flags(stop.requested(), run.cadence.clock_due()))
     r = StepResult(s, stats.loss, stats.norm, run.hooks.learning_rate(s, lr.at_step(s, tcfg)),
-                   (state.cursor, state.cursor + run.global_batch), run.ckpt.due(s, stats.flags))
+                   (state.cursor, state.cursor + run.global_batch), run.cadence.due(s, stats.flags))
     r.rollback = run.guard.batch_verdict(r.loss, r.grad_norm)                         # guard: the batch
     if r.rollback is None:
         with timer("optimizer"), np.errstate(over="ignore", invalid="ignore"):        # judged just below
@@ -79,7 +79,7 @@ def train_step(run: Run, s: int) -> StepResult:
     run.hooks.parameters(s, run.model.params)
     with timer("checks"):                                                             # invariant (b)
         r.param_norm, r.fingerprint = run.replicas.check(s, run.model.params, strong=r.due.evaluate)
-    r.ms, r.traffic = {"step": timer.total_ms(), **timer.ms}, run.grid.traffic()
+    r.ms, r.traffic = {"step": timer.total_ms(), **timer.ms}, run.grid.world.step_traffic()
     return r
 
 
@@ -105,8 +105,6 @@ def train(run: Run) -> int:
     while run.state.step < run.tcfg.steps:
         run.state.step += 1
         r = train_step(run, run.state.step)
-        if r.lr != lr.at_step(r.step, run.tcfg) and r.updated:
-            r.events.append({"event": "lr_spike_injected", "mult": r.lr / lr.at_step(r.step, run.tcfg)})
         if r.due.checkpoint:
             man = run.ckpt.save(run.state, run.opt.state)
             r.events.append({"event": "checkpoint", "path": man["path"]})
@@ -153,11 +151,11 @@ def loss_invariant(run: Run, start_step: int) -> dict:
 
 
 def main(argv=None) -> None:
-    stop.install()
-    world = comm.world()
+    signals.install()
+    world = launch.world()
     settings = cli.parse_on_every_rank(argv, world.rank)
     heap.keep_freed_memory()
-    with comm.fail_fast(world):
+    with launch.fail_fast(world):
         try:
             code = train(open_run(world, settings))
         except (ConfigError, checkpoint.CheckpointError, DivergenceError) as exc:  # raised on every rank alike

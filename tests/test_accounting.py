@@ -51,13 +51,23 @@ def test_a_worked_example_and_bad_input():
 
 
 def test_step_collectives_from_a_metrics_row():
-    row = {"reduce_scatter_ms": 2.0, "allgather_ms": 0.0}  # a batch the guard skipped: no allgather
-    assert acc.step_collectives(row, 30144, 4) == [Collective("reduce_scatter", 30144, 4, 4, 2e-3)]
-    both = acc.step_collectives({"reduce_scatter_ms": 2.0, "allgather_ms": 1.0}, 30144, 4)
-    assert [c.name for c in both] == ["reduce_scatter", "allgather"]
+    """A row's "comm" entries (op, S bytes, ranks, ms) become Collectives; a collective that took no
+    time (or is absent: a batch the guard skipped has no allgather) is left out."""
+    row = {"comm": {"reduce_scatter": {"op": "reduce_scatter", "bytes": 120576, "ranks": 4, "ms": 2.0},
+                    "allgather": {"op": "allgather", "bytes": 120576, "ranks": 4, "ms": 0.0}}}
+    assert acc.step_collectives(row) == [Collective("reduce_scatter", 120576, 1, 4, 2e-3)]
+    row["comm"]["allgather"]["ms"] = 1.0
+    both = acc.step_collectives(row)
+    assert [(c.name, c.size_bytes, c.seconds) for c in both] == [("reduce_scatter", 120576, 2e-3), ("allgather", 120576, 1e-3)]
     assert "reduce_scatter" in acc.format_collectives(both)
-    from_comm = acc.step_collectives({"comm": {"reduce_scatter": {"ms": 4.0}, "allgather": 2.0}}, 8, 2)
-    assert [(c.name, c.seconds) for c in from_comm] == [("reduce_scatter", 4e-3), ("allgather", 2e-3)]
+
+
+def test_step_comm_entries_follow_the_traffic():
+    from capstone.parallel.comm import Traffic
+    comm = acc.step_comm({"tp_allreduce": Traffic("allreduce", 2, bytes=4096, seconds=2e-3, calls=8)})
+    e = comm["tp_allreduce"]
+    assert (e["op"], e["bytes"], e["ranks"], e["calls"]) == ("allreduce", 4096, 2, 8) and e["ms"] == 2.0
+    assert e["algbw_GBps"] == 4096 / 2e-3 / 1e9 and e["busbw_GBps"] == e["algbw_GBps"] * 2 * (2 - 1) / 2
 
 
 def test_zero_table_fp32_closed_form():

@@ -81,32 +81,33 @@ def one_rank_run(tmp_path, **train):
 
     from capstone.cli import RunOptions, Settings
     from capstone.config import ModelConfig, TrainConfig
-    from capstone.parallel.dist import Dist
+    from capstone.parallel.comm import Comm
     from capstone.run import build
     settings = Settings(ModelConfig(), TrainConfig(**train), RunOptions(out=str(tmp_path)), {})
-    return build(Dist(MPI.COMM_SELF), settings, str(tmp_path))
+    return build(Comm(MPI.COMM_SELF), settings, str(tmp_path))
 
 
 def test_default_mode_builds_none_of_it(tmp_path):
-    """The default step is the code it was: no Reducer, the row-split HeldOut (its speed is the bench's)."""
+    """The default step is the code it was: the bucketed reducer and the row-split HeldOut (its
+    speed is the bench's); --deterministic chooses its reducer and held-out blocks."""
     from capstone.parallel import deterministic
+    from capstone.parallel.buckets import BucketReducer
     from capstone.data.heldout import HeldOut
     run = one_rank_run(tmp_path / "a", grad_accum=2)
-    assert run.det is None and type(run.heldout) is HeldOut
+    assert type(run.reducer) is BucketReducer and type(run.heldout) is HeldOut
     det = one_rank_run(tmp_path / "b", grad_accum=2, deterministic=True)
-    assert isinstance(det.det, deterministic.Reducer) and isinstance(det.heldout, deterministic.HeldOutBlocks)
+    assert isinstance(det.reducer, deterministic.DeterministicReducer)
+    assert isinstance(det.heldout, deterministic.HeldOutBlocks)
 
 
 def test_deterministic_gradient_is_the_same_gradient(tmp_path):
     """Same math, another order: the tree-summed gradient, loss and norm match the default ones to rounding."""
     import numpy as np
+    from capstone.parallel.reduce import Flags
     runs = [one_rank_run(tmp_path / m, grad_accum=3, deterministic=m == "det") for m in ("default", "det")]
     batches = [runs[0].data.micro_batch(0, j, 0, 1) for j in range(3)]
-    scale = 1.0 / (runs[0].global_batch * runs[0].mcfg.seq_len)
-    loss = runs[0].model.forward_backward(batches, scale)
-    ref = runs[0].opt.reduce_gradients()
-    stats = runs[1].det.step(batches, scale)
-    assert np.allclose(runs[1].opt.g_shard, runs[0].opt.g_shard, rtol=1e-5, atol=1e-8)
-    assert abs(stats.extras[0] - loss) < 1e-6 and abs(stats.norm - ref.norm) < 1e-6 * ref.norm
+    ref, stats = (r.reducer.finish(r.schedule.forward_backward(batches, 1), Flags()) for r in runs)
+    assert np.allclose(runs[1].reducer.grad_shard, runs[0].reducer.grad_shard, rtol=1e-5, atol=1e-8)
+    assert abs(stats.loss - ref.loss) < 1e-6 and abs(stats.norm - ref.norm) < 1e-6 * ref.norm
     held = [r.heldout.loss_share(r.model) for r in runs]
     assert abs(held[0] - held[1]) < 1e-6

@@ -13,7 +13,7 @@ from conftest import by_step, mpi_env, mpirun, summary
 
 from capstone.cli import RunOptions, Settings
 from capstone.config import ModelConfig, TrainConfig
-from capstone.parallel.dist import Dist
+from capstone.parallel.comm import Comm
 from capstone.guard import Guard
 from capstone.lr import learning_rate
 from capstone.run import build
@@ -104,7 +104,7 @@ def test_equivalent_layouts_see_the_same_samples(tmp_path):
 def step_gradient(tmp_path, **train):
     """(loss, gradient buffer) of the first step's micro-batches of a one-rank run."""
     settings = Settings(ModelConfig(), TrainConfig(**train), RunOptions(out=str(tmp_path)), {})
-    run = build(Dist(MPI.COMM_SELF), settings, str(tmp_path))
+    run = build(Comm(MPI.COMM_SELF), settings, str(tmp_path))
     batches = [run.data.micro_batch(0, j, 0, 1) for j in range(run.tcfg.grad_accum)]
     loss = run.model.forward_backward(batches, 1.0 / (run.global_batch * run.mcfg.seq_len))
     return loss, run.model.grads
@@ -191,15 +191,20 @@ def test_huge_gradient_that_overflows_adam_v_is_caught():
     from capstone.model.params import Layout
     from capstone.parallel.zero import ZeroAdam
     cfg = ModelConfig(vocab_size=5, seq_len=2, d_model=4, n_heads=1, n_layers=1)
+    from capstone.parallel.buckets import BucketReducer
+    from capstone.parallel.launch import serial
+    from capstone.parallel.grid import Grid
+    from capstone.parallel.reduce import Flags
     layout = Layout.for_model(cfg, 1)
     params, grads = layout.zeros(), layout.zeros()
-    opt = ZeroAdam(MPI.COMM_SELF, layout, params, grads)
+    grid = Grid.build(serial())
+    opt, reducer = ZeroAdam(grid.dp, layout, params), BucketReducer(grid, layout, grads, layout.padded)
     grads[5] = 3e19
-    stats = opt.reduce_gradients()
+    stats = reducer.finish([1.0], Flags())
     assert np.isfinite(stats.norm) and Guard().batch_verdict(1.0, stats.norm) is None
     with np.errstate(over="ignore"):
-        opt.apply(1e-3)
-    assert not opt.state.finite()
+        opt.apply(reducer.grad_shard, 1e-3, stats.norm)
+    assert not opt.finite()
 
 
 def test_a_diverged_last_update_is_undone_too(tmp_path, reference):

@@ -22,12 +22,11 @@ from mpi4py import MPI
 
 from conftest import ROOT, flip_shard_byte, mpi_env, mpirun, summary
 
-from capstone import faults
 from capstone.checkpoint import files, integrity
 from capstone.cli import RunOptions, Settings
 from capstone.config import ModelConfig, TrainConfig
 from capstone.data.synthetic import DataStream, make_corpus
-from capstone.parallel.dist import Dist
+from capstone.parallel.comm import Comm
 from capstone.model.gpt import Model
 from capstone.run import build, start
 from capstone.train import train_step
@@ -56,7 +55,7 @@ def test_clipped_training_steps_match_a_reference(tmp_path):
     reference written out here: the unclipped gradient of the same batch, scaled by clip/norm,
     then textbook Adam in float64 (catches: the scale not passed to the update, or inverted)."""
     tcfg = TrainConfig(steps=4, clip=0.5, ckpt_every=0)
-    run = build(Dist(MPI.COMM_SELF), Settings(ModelConfig(), tcfg, RunOptions(out=str(tmp_path / "run"), quiet=True), {}),
+    run = build(Comm(MPI.COMM_SELF), Settings(ModelConfig(), tcfg, RunOptions(out=str(tmp_path / "run"), quiet=True), {}),
                 str(tmp_path / "run"))
     start(run)
     reference = Model(run.mcfg, run.model.layout, run.model.params.copy())
@@ -103,9 +102,6 @@ def test_clip_end_to_end(tmp_path, plain):
 
 # ---- 2. invariant (b) end to end ---------------------------------------------------------------
 
-@pytest.mark.skipif("flip_param_bit" not in faults.POINTS,
-                    reason="needs the CAPSTONE_FAULT point flip_param_bit in capstone/faults.py + train.py "
-                           "(issue 17: the change is in the report of branch mutants17)")
 @pytest.mark.parametrize("eval_every", [1, 3])
 def test_a_bit_flipped_on_one_rank_fails_the_run(tmp_path, eval_every):
     """CAPSTONE_FAULT=flip_param_bit:2:2 flips one bit of rank 2's parameters after the update of

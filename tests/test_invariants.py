@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from capstone import invariants
-from capstone.model.params import fingerprint, word_sum
+from capstone.model.fingerprint import fingerprint, word_sum
 
 
 @pytest.mark.parametrize("n", [7, 8, 1001])

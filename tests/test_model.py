@@ -15,9 +15,9 @@ from autograd.tracer import getval
 from capstone.model import kernels
 from capstone.config import ConfigError, ModelConfig
 from capstone.data.synthetic import DataStream, make_corpus
-from capstone.model.kernels import causal_attention, cross_entropy_sum, embed, gelu, layer_norm, linear, linear_gelu
+from capstone.model.ops import causal_attention, cross_entropy_sum, embed, gelu, layer_norm, linear, linear_gelu
 from capstone.model.kernels import causal_mask
-from capstone.model.blocks import block, embedding, head_loss
+from capstone.model.blocks import ALONE, block, embedding, head_loss
 from capstone.model.gpt import logits, loss_and_grad, loss_sum
 from capstone.model.params import Layout, group_shapes, init_params
 
@@ -208,9 +208,9 @@ KERNELS = {  # name: (function of the differentiable arrays only, their shapes)
     "linear_gelu": (linear_gelu, [(4, 3), (3, 5), (5,)]),
     "attention": (lambda qkv: causal_attention(qkv, 4, 3), [(2 * 4, 3 * 6)]),  # B 2, T 4, H 3, D 2
     "cross_entropy": (lambda z: cross_entropy_sum(z, TGT), [(6, 5)]),
-    # the fused parts of capstone.blocks, each over its flat parameter group (C 4, H 2, V 5)
+    # the fused parts of capstone.model.blocks, each over its flat parameter group (C 4, H 2, V 5)
     "embedding": (lambda w: embedding(w, IDS, SHAPES["embed"]), [(7 * 4 + 6 * 4,)]),
-    "block": (lambda x, w: block(x, w, 4, 2, SHAPES["h0"]), [(2 * 4, 4), (GROUP["h0"],)]),
+    "block": (lambda x, w: block(x, w, 4, 2, SHAPES["h0"], ALONE), [(2 * 4, 4), (GROUP["h0"],)]),
     "head_loss": (lambda x, w: head_loss(x, w, TGT, SHAPES["head"]), [(6, 4), (GROUP["head"],)]),
 }
 

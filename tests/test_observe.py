@@ -80,8 +80,8 @@ def test_long_run_console_stays_short(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 201))
     times, totals = [r["time"] for r in rows], [r["tokens_total"] for r in rows]
     assert times == sorted(times) and totals == [r["step"] * r["tokens"] for r in rows]
-    assert all(r["repeat"] is False and r["eval_ms"] >= 0 for r in rows)
-    assert all((r["eval_ms"] > 0) == (r["eval_loss"] is not None) for r in rows)
+    assert all(r["repeat"] is False and r["eval_ms"] > 0 for r in rows)   # the update's verdict, every step
+    assert all((r["eval_loss"] is not None) == (r["step"] % 10 == 0 or r["step"] in ckpts) for r in rows)
 
 
 # ---- the reference run: table unchanged, the new fields, the collectives at 4 ranks ---------------
@@ -96,21 +96,25 @@ def test_reference_table_is_unchanged(reference):
 
 
 def check_comm(out, world: int) -> None:
-    """Every row's collectives: S = the whole buffer (nccl-tests), algbw = S / t, busbw = algbw * factor."""
+    """Every row's collectives: S = the whole buffer (nccl-tests), algbw = S / t, busbw = algbw * factor;
+    each waited for inside the step (one rank has no allgather to make)."""
     s = summary(out)
     padded = s["padded"]
     want = {"reduce_scatter": ("reduce_scatter", 4 * padded), "allgather": ("allgather", 4 * padded),
             "allreduce_stats": ("allreduce", 8 * 4), "allreduce_eval": ("allreduce", 8 * 2)}
+    if world == 1:
+        del want["allgather"]
     rows = step_rows(out)
     for r in rows:
         assert set(r["comm"]) == set(want), r["comm"]
         for name, (op, nbytes) in want.items():
             e = r["comm"][name]
-            assert (e["op"], e["bytes"]) == (op, nbytes)
-            assert e["ms"] == r[f"{name}_ms"] > 0
+            assert (e["op"], e["bytes"], e["ranks"], e["calls"]) == (op, nbytes, world, 1)
+            assert 0 < e["ms"] < r["step_ms"]
             assert e["algbw_GBps"] == pytest.approx(nbytes / (e["ms"] / 1e3) / 1e9)
             assert e["busbw_GBps"] == pytest.approx(e["algbw_GBps"] * acc.BUS_FACTORS[op](world))
             assert e["sent_bytes_per_rank"] == pytest.approx(nbytes * acc.BUS_FACTORS[op](world))
+        assert sum(r[f"{p}_ms"] for p in ("fwd_bwd", "reduce", "optimizer", "eval", "checks")) <= r["step_ms"]
     for name, (op, nbytes) in want.items():  # the summary: medians over steps 2..
         e = s["comm"][name]
         assert (e["bytes"], e["steps"], e["timed_steps"]) == (nbytes, len(rows), len(rows) - 1)
@@ -132,7 +136,9 @@ def check_what_if(out, world: int) -> None:
         (3, 4 * P // world, 4 * P // world, 12 * P // world, 20 * P // world)]
     stage1, m = w["stages"][1], w["measured"]
     assert m["params_bytes"] == stage1["params_bytes"] and m["optimizer_bytes"] == stage1["optimizer_bytes"]
-    assert m["grads_bytes"] == stage1["grads_bytes"] + m["grads_receive_shard_bytes"] == 4 * P + 4 * P // world
+    staging = 4 * P if world in (4, 8) else 0   # the bit-reversed reduce-scatter's copy (capstone.parallel.buckets)
+    assert m["reduce_bytes"] == 4 * P // world + staging
+    assert m["grads_bytes"] == stage1["grads_bytes"] + m["reduce_bytes"]
 
 
 def test_reference_collectives_and_what_if(reference):

@@ -76,13 +76,18 @@ def test_reading_dedupes_by_step_latest_row_wins(syn):
     assert [m["rank"] for m in runlog.memory_rows(run)] == [0, 1]
 
 
-def test_timing_parts_use_the_comm_dict_and_skip_totals(syn):
+def test_timing_parts_are_the_phases_and_skip_totals(syn):
+    """The stacked phases are the "<phase>_ms" fields (an older run's names too); the "comm" dict's
+    collectives happen inside them and are not stacked again."""
     rows = runlog.read_run(str(syn)).rows
     assert runlog.timing_parts(rows[0]) == {"fwd_bwd": 6.0, "reduce_scatter": 2.0, "allgather": 1.0, "optimizer": 0.5}
-    assert runlog.timing_parts(rows[-1]) == {"fwd_bwd": 6.0, "reduce_scatter": 2.5, "allgather": 1.5, "optimizer": 0.5,
-                                             "eval": 0.7, "bcast": 1.0}
-    assert runlog.phase_order(list(rows)) == ["fwd_bwd", "reduce_scatter", "allgather", "optimizer", "eval", "bcast"]
+    assert runlog.timing_parts(rows[-1]) == {"fwd_bwd": 6.0, "reduce_scatter": 2.0, "allgather": 1.0, "optimizer": 0.5,
+                                             "eval": 0.7}
+    assert runlog.phase_order(list(rows)) == ["fwd_bwd", "optimizer", "eval", "allgather", "reduce_scatter"]
     assert runlog.timing_parts({"comm": {"x": {"seconds": None}, "y": "nan"}, "step_ms": 1.0, "comm_ms": 1.0}) == {}
+    new = {"step_ms": 10.0, "fwd_bwd_ms": 6.0, "reduce_ms": 2.0, "optimizer_ms": 1.0, "eval_ms": 0.5, "checks_ms": 0.2}
+    assert list(runlog.timing_parts(new)) == ["fwd_bwd", "reduce", "optimizer", "eval", "checks"]
+    assert runlog.phase_order([new]) == ["fwd_bwd", "reduce", "optimizer", "eval", "checks"]
 
 
 def test_values_nulls_and_clip_sources():

@@ -14,7 +14,8 @@ from conftest import ROOT, flip_shard_byte, mpi_env, mpirun, summary
 from capstone import sample
 from capstone.config import ModelConfig
 from capstone.model.gpt import logits
-from capstone.model.params import Layout, fingerprint, init_params
+from capstone.model.fingerprint import fingerprint
+from capstone.model.params import Layout, init_params
 
 TEXT = ("ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\n\n"
         "JULIET:\nO Romeo, Romeo, wherefore art thou Romeo?\nDeny thy father and refuse thy name.\n\n") * 12

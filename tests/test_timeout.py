@@ -126,11 +126,14 @@ def test_spin_long_only_when_every_rank_has_a_core(monkeypatch, env, dedicated):
     """Waiting ranks spin 50 ms before sleeping when each has a core (sleeping only adds latency
     there), 2 ms when ranks share cores (a spinner would take a peer's CPU)."""
     from mpi4py import MPI
-    from capstone.parallel import deadline
+    from capstone.parallel import deadline, launch
     for k in ("OMPI_MCA_mpi_oversubscribe", "OMPI_MCA_mpi_yield_when_idle"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    assert deadline.dedicated_cores(MPI.COMM_SELF) is dedicated
+    assert launch.dedicated_cores(2, lambda: 2) is dedicated
+    if not env:   # neither flag: the ranks on the node against its CPUs
+        assert launch.dedicated_cores(2, lambda: os.cpu_count() + 1) is False
+    from capstone.parallel import launch
     want = deadline.SPIN_DEDICATED_S if dedicated else deadline.SPIN_S
-    assert deadline.Deadline(MPI.COMM_SELF).spin_s == want
+    assert launch.world().deadline.spin_s == (want if env else deadline.SPIN_DEDICATED_S)

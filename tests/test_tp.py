@@ -10,7 +10,8 @@ import pytest
 from capstone.checkpoint import open_verified
 from capstone.config import ModelConfig
 from capstone.model.gpt import Model
-from capstone.model.params import Layout, fingerprint, init_params
+from capstone.model.fingerprint import fingerprint
+from capstone.model.params import Layout, init_params
 from conftest import mpirun, step_rows, summary
 
 GLOBAL = 16   # sequences per step: 4 ranks x batch 4 (the reference), or 1 rank x grad-accum 4
@@ -84,17 +85,20 @@ def test_tp_grid_equals_the_one_rank_run(tmp_path, one_rank, n, k):
     if k > 1:
         assert meta["tensor_parallel"]["tp"] == k and meta["tensor_parallel"]["dp"] == n // k
         assert s["final_param_fingerprint"] == list(fingerprint(master)), "the whole model's, not one slice's"
-        assert_tp_comm(out, k, GLOBAL // (n // k))
+        assert_tp_comm(out, k, GLOBAL // (n // k), n // k)
 
 
-def assert_tp_comm(out, k, B, T=16, C=32, L=2):
+def assert_tp_comm(out, k, B, dp, T=16, C=32, L=2, eval_rows=32):
     """Per step, the f/g allreduces move 4 per layer (g after attention and MLP forward, f before
-    them backward) of the (B, T, C) activations of this replica."""
-    for comm in step_rows(out, "comm"):
-        tp = comm["tp_allreduce"]
-        assert (tp["calls"], tp["bytes"], tp["ranks"]) == (4 * L, 4 * L * B * T * C * 4, k), tp
+    them backward) of the (B, T, C) activations of this replica, and the held-out forward of each
+    evaluation step 2 per layer of its eval_rows / dp rows."""
+    for row in step_rows(out):
+        tp, held = row["comm"]["tp_allreduce"], 2 * L * eval_rows // dp * T * C * 4
+        evaluated = row["eval_loss"] is not None
+        assert (tp["calls"], tp["bytes"], tp["ranks"]) == (4 * L + 2 * L * evaluated,
+                                                          4 * L * B * T * C * 4 + held * evaluated, k), tp
         assert tp["ms"] > 0
-    assert summary(out)["comm"]["tp_allreduce"]["calls"] == 4 * L
+    assert summary(out)["comm"]["tp_allreduce"]["calls"] == 6 * L
 
 
 def test_reference_experiment_with_tp2_on_4_ranks(tmp_path):

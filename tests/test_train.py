@@ -110,17 +110,17 @@ def test_h5py_without_mpi_one_rank_writes_the_same_format(tmp_path, monkeypatch)
     from capstone.checkpoint.__main__ import main as ckpt_main
     from capstone.cli import RunOptions
     from capstone.config import ModelConfig, TrainConfig
-    from capstone.parallel.dist import Dist
+    from capstone.parallel.comm import Comm
     from capstone.cli import Settings
     from capstone.run import open_run
     from capstone.train import train
     monkeypatch.setattr(checkpoint, "mpi_io_available", lambda: False)
     settings = Settings(ModelConfig(), TrainConfig(steps=4, ckpt_every=2), RunOptions(out=str(tmp_path / "run"), quiet=True), {})
-    assert train(open_run(Dist(MPI.COMM_SELF), settings)) == 0
+    assert train(open_run(Comm(MPI.COMM_SELF), settings)) == 0
     assert ckpt_main(["verify", str(tmp_path / "run" / "checkpoints" / "ckpt-00000004.h5")]) == 0
 
-    two_ranks = Dist(MPI.COMM_SELF)
-    two_ranks.world = 2  # what the file layer sees on 2 ranks
+    two_ranks = Comm(MPI.COMM_SELF)
+    two_ranks.size = 2  # what the file layer sees on 2 ranks
     with pytest.raises(checkpoint.CheckpointError, match="no MPI support"):
         checkpoint._open(str(tmp_path / "x.h5"), "w", two_ranks)
     assert not (tmp_path / "x.h5").exists()

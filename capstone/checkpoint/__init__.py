@@ -98,11 +98,11 @@ def save(comm, directory: str, step: int, state: ShardState, layout, extra: dict
     tmp = os.path.join(directory, files.partial_name(step, token))
     final = os.path.join(directory, files.final_name(step))
     _write_file(comm, tmp, meta, meta_bytes, meta_sha, data, step, hooks)
-    comm.barrier("checkpoint save: barrier after the write")
+    comm.Barrier("checkpoint save: barrier after the write")
     hooks.at("save.before_rename", step)
     if rank == 0:   # the digest file first, then the checkpoint under its name
         integrity.publish(tmp, final, between=lambda: hooks.at("publish.between_renames", step))
-    comm.barrier("checkpoint save: barrier after the publish")
+    comm.Barrier("checkpoint save: barrier after the publish")
     hooks.at("save.before_pointer", step)
     removed = []
     if rank == 0:
@@ -185,14 +185,14 @@ def _discard(comm, f, tmp: str) -> None:
     retries forever at 100% CPU; with the space back it succeeds, then the file is removed."""
     if comm.rank == 0 and os.path.exists(tmp):
         os.truncate(tmp, 0)
-    comm.barrier("checkpoint save: barrier before discarding a failed file")
+    comm.Barrier("checkpoint save: barrier before discarding a failed file")
     if f is not None:
         try:
             with comm.blocking("parallel HDF5 close of a failed checkpoint"):
                 f.close()
         except (OSError, RuntimeError):
             pass
-    comm.barrier("checkpoint save: barrier after discarding a failed file")
+    comm.Barrier("checkpoint save: barrier after discarding a failed file")
     if comm.rank == 0 and os.path.exists(tmp):
         os.remove(tmp)
 

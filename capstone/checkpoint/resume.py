@@ -133,5 +133,5 @@ def resolve(comm, want: str | None, ckpt_dir: str) -> str | None:
         if plan.get("warning"):
             print(plan["warning"], file=sys.stderr, flush=True)
         os.makedirs(ckpt_dir, exist_ok=True)
-    comm.barrier()
+    comm.Barrier()
     return plan["path"]

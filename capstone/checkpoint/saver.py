@@ -1,9 +1,7 @@
-"""The run's side of checkpoints: when to save (and evaluate), what goes in, what comes back, and
-what was saved.
+"""The run's side of checkpoints: what goes in, what comes back, and what was saved (when: the
+cadence, capstone.checkpoint.cadence).
 
-Saves every `ckpt_every` steps, when `ckpt_every_minutes` of wall clock have passed (rank 0's
-clock, agreed by the ranks), on a stop request and at the last step; evaluates every `eval_every`
-steps and at every save. The file holds the canonical 1-rank vectors sharded over the world ranks;
+The file holds the canonical 1-rank vectors sharded over the world ranks;
 `view` converts this rank's optimizer shard to and from that (as is without tensor parallelism,
 capstone.parallel.tensor.Canonical with it). The first save of a run is snapshotted in memory so
 invariant (d) can check it reloads byte-equal. File format and I/O are `capstone.checkpoint`'s.
@@ -11,24 +9,34 @@ invariant (d) can check it reloads byte-equal. File format and I/O are `capstone
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from capstone import checkpoint
+from capstone.config import ModelConfig, TrainConfig
 from capstone.hooks import NONE
-from capstone.state import RunIdentity, RunState
+from capstone.state import RunState
 from capstone.parallel.zero import ShardState
 
 
 @dataclass(frozen=True)
-class Due:
-    """What a step must do besides training, decided once from the cadence and the agreed flags."""
+class RunIdentity:
+    """The configs of a run; a checkpoint resumes only into the same model and data stream."""
 
-    checkpoint: bool
-    evaluate: bool
-    stop: bool       # a stop before the last step (a signal, --stop-after): save, then end
+    model: ModelConfig
+    train: TrainConfig
+    data: dict            # the data stream's identity (e.g. seeds and corpus length)
+    global_batch: int     # sequences per optimizer step
+
+    def to_json(self) -> dict:
+        return {"model_config": dataclasses.asdict(self.model), "train_config": dataclasses.asdict(self.train),
+                "data": self.data, "global_batch": self.global_batch}
+
+    def must_match(self) -> dict:
+        """The metadata a checkpoint must hold, key by key, to be resumed by this run."""
+        return {"model_config": dataclasses.asdict(self.model), "data": self.data}
 
 
 class AsIs:
@@ -50,28 +58,13 @@ class AsIs:
 class Checkpointer:
     """Checkpoints of one run in `directory` (collective methods: call on all ranks)."""
 
-    def __init__(self, comm, directory: str, layout, identity: RunIdentity, view=None, hooks=NONE,
-                 stop_after: int = 0):
+    def __init__(self, comm, directory: str, layout, identity: RunIdentity, cadence, view=None, hooks=NONE):
         self.comm, self.directory, self.layout, self.identity = comm, directory, layout, identity
-        self.view, self.hooks, self.stop_after = view or AsIs(), hooks, stop_after
-        tcfg = identity.train
-        self.every, self.minutes, self.keep_last = tcfg.ckpt_every, tcfg.ckpt_every_minutes, tcfg.keep_last
-        self.eval_every, self.steps = tcfg.eval_every, tcfg.steps
+        self.cadence, self.view, self.hooks = cadence, view or AsIs(), hooks
+        self.keep_last = identity.train.keep_last
         self.manifests: list[dict] = []
         self.snapshot: np.ndarray | None = None   # (rows, shard) of the first save, for invariant (d)
         self.provenance: dict | None = None       # capstone.observe.provenance.collect, set by run.start
-        self.last_save = time.monotonic()
-
-    def clock_due(self) -> bool:
-        """Whether the wall-clock interval has passed on this rank (the ranks agree on rank 0's)."""
-        return self.comm.rank == 0 and self.minutes > 0 and time.monotonic() - self.last_save >= 60 * self.minutes
-
-    def due(self, step: int, flags) -> Due:
-        """Checkpoint every K steps, on the wall clock, on a stop and at the last step; evaluate
-        every eval_every steps and at every checkpoint."""
-        stop, last = flags.stop or step == self.stop_after, step == self.steps
-        ckpt = bool(self.every and step % self.every == 0) or flags.clock_due or stop or last
-        return Due(ckpt, step % self.eval_every == 0 or ckpt, stop and not last)
 
     def save(self, state: RunState, shard: ShardState) -> dict:
         """Collective. Write checkpoint `state.step`; returns its manifest."""
@@ -84,7 +77,7 @@ class Checkpointer:
         if self.snapshot is None:
             self.snapshot = np.stack(stored.rows())
         self.manifests.append(man)
-        self.last_save = time.monotonic()
+        self.cadence.saved()
         return man
 
     def load(self, path: str) -> tuple[ShardState, RunState, dict]:

@@ -34,7 +34,7 @@ class _Alone:
 
     size = 1
 
-    def allreduce(self, buf, what: str, kind: str = "") -> np.ndarray:
+    def Allreduce(self, buf, what: str, kind: str = "") -> np.ndarray:
         return buf
 
 
@@ -100,7 +100,7 @@ def _block_fwd(x, w, T, H, shapes, tp):
 def _row_parallel(x, w, b, tp):
     """x @ w summed over the tensor-parallel ranks ("g"), then + b: (B*T, Cin/tp) -> (B*T, C)."""
     y = K._mm(x, w)
-    tp.allreduce(y, "tensor-parallel allreduce of a block's output", "tp_allreduce")
+    tp.Allreduce(y, "tensor-parallel allreduce of a block's output", "tp_allreduce")
     y += b
     return y
 
@@ -119,13 +119,13 @@ def _block_bwd(g, saved, argnums, x, w, T, H, shapes, tp):
     gh = K._mm(g, mw.T)                                                         # (B*T, 4C/tp)
     gm = _linear_back(K._gelu_grad(gh, *s_fc, out=gh), m, fw, d_fw, d_fb)       # through the MLP
     del gh, s_fc, m
-    tp.allreduce(gm, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")   # "f"
+    tp.Allreduce(gm, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")   # "f"
     gx1 = g + _ln_back(gm, s_ln2, ln2w, d_ln2w, d_ln2b)
     del gm, s_ln2
     gqkv = K._attention_bwd(_linear_back(gx1, y, pw, d_pw, d_pb), s_att, (0,), qkv, T, H)[0]
     del s_att, y, qkv
     ga = _linear_back(gqkv, a, aw, d_aw, d_ab)
-    tp.allreduce(ga, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")   # "f"
+    tp.Allreduce(ga, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")   # "f"
     gx = gx1 + _ln_back(ga, s_ln1, ln1w, d_ln1w, d_ln1b)
     return {0: gx, 1: gw}
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 
 import numpy as np
 from autograd.extend import defvjp_argnums, primitive
@@ -57,25 +56,7 @@ def define(name, forward, backward):
     return op
 
 
-# ---- matmul, with switchable timing (python -m benchmarks.bench reports the share of a step in BLAS) -----
-
-matmul_seconds = [0.0]  # CPU seconds, accumulated by the timed matmul while it is switched on
-
-
-def _timed_matmul(a, b, out=None):
-    t = time.process_time()
-    r = np.matmul(a, b, out=out)
-    matmul_seconds[0] += time.process_time() - t
-    return r
-
-
-_mm = np.matmul  # every matmul of the kernels (and capstone.blocks) goes through this name
-
-
-def time_matmuls(on: bool) -> None:
-    """Switch the timing of every kernel matmul on (accumulating into matmul_seconds[0]) or off."""
-    global _mm
-    _mm = _timed_matmul if on else np.matmul
+_mm = np.matmul  # every matmul of the kernels (and capstone.model.blocks) goes through this name (benchmarks time it)
 
 
 def causal_mask(T: int) -> np.ndarray:
@@ -115,7 +96,6 @@ def _embed_bwd(g, _, argnums, wte, wpe, idx):
     return out
 
 
-embed = define("embed", _embed_fwd, _embed_bwd)
 
 
 # ---- row blocks: the elementwise passes of LayerNorm and GELU, a cache-sized block at a time ------
@@ -179,7 +159,6 @@ def _ln_bwd(g, saved, argnums, x, w, b, eps=1e-5):
     return out
 
 
-layer_norm = define("layer_norm", _ln_fwd, _ln_bwd)
 
 
 # ---- linear, GELU, linear + GELU ---------------------------------------------------------------
@@ -191,19 +170,6 @@ def _linear_fwd(x, w, b):
     return y, None
 
 
-def _linear_grads(g, argnums, x, w):
-    """{0: dx, 1: dw, 2: db} of y = x @ w + b for output gradient g (N, Cout)."""
-    out = {}
-    if 0 in argnums:
-        out[0] = _mm(g, w.T)
-    if 1 in argnums:
-        out[1] = _mm(x.T, g)
-    if 2 in argnums:
-        out[2] = _add(g, axis=0)
-    return out
-
-
-linear = define("linear", _linear_fwd, lambda g, _, argnums, x, w, b: _linear_grads(g, argnums, x, w))
 
 
 def _gelu_fwd(u):
@@ -242,7 +208,6 @@ def _gelu_grad(g, u, tp, out=None):
     return out
 
 
-gelu = define("gelu", _gelu_fwd, lambda g, tp, argnums, u: {0: _gelu_grad(g, u, tp)})
 
 
 def _linear_gelu_fwd(x, w, b):
@@ -252,12 +217,6 @@ def _linear_gelu_fwd(x, w, b):
     return y, (u, t)
 
 
-def _linear_gelu_bwd(g, saved, argnums, x, w, b):
-    u, t = saved
-    return _linear_grads(_gelu_grad(g, u, t), argnums, x, w)
-
-
-linear_gelu = define("linear_gelu", _linear_gelu_fwd, _linear_gelu_bwd)
 
 
 # ---- causal multi-head attention on the fused qkv buffer ---------------------------------------
@@ -341,7 +300,6 @@ def _attention_bwd(g, saved, argnums, qkv, T, H):
     return {0: gqkv.reshape(qkv.shape)}
 
 
-causal_attention = define("causal_attention", _attention_fwd, _attention_bwd)
 
 
 # ---- softmax cross-entropy ---------------------------------------------------------------------
@@ -362,10 +320,3 @@ def _xent_grad_inplace(probs, targets, g):
     probs[np.arange(probs.shape[0]), targets] -= 1.0
     probs *= g
     return probs
-
-
-def _xent_bwd(g, probs, argnums, z, targets):
-    return {0: _xent_grad_inplace(probs.copy(), targets, g)}
-
-
-cross_entropy_sum = define("cross_entropy_sum", _xent_fwd, _xent_bwd)

@@ -8,7 +8,6 @@ equal shards on any number of ranks. Gradients use a second buffer with the same
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -144,32 +143,21 @@ def init_params(layout: Layout, cfg: ModelConfig, seed: int) -> np.ndarray:
     return flat
 
 
-NORM_CHUNK = 1 << 16   # float64 copies of this many values stay in cache (a whole-buffer copy is 15x slower)
-
-
-def sum_squares(flat: np.ndarray, weight: np.ndarray | None = None) -> float:
-    """Sum of (weight *) squares of a vector in float64, converted chunk by chunk."""
-    total = 0.0
-    for c in range(0, flat.size, NORM_CHUNK):
-        x = flat[c:c + NORM_CHUNK].astype(np.float64)
-        total += float(np.dot(x if weight is None else x * weight[c:c + NORM_CHUNK], x))
-    return total
-
-
-def word_sum(flat: np.ndarray) -> int:
-    """The buffer's bytes summed as 64-bit words modulo 2**64 (an odd last 32-bit word added on its
-    own): flipping any one bit changes it by a power of two, so it always changes."""
-    u = np.ascontiguousarray(flat).reshape(-1).view(np.uint32)
-    even = u.size - u.size % 2
-    total = int(np.add.reduce(u[:even].view(np.uint64))) if even else 0
-    return (total + (int(u[-1]) if u.size % 2 else 0)) % (1 << 64)
-
-
-def fingerprint(flat: np.ndarray, strong: bool = True) -> tuple[float, str]:
-    """(L2 norm in float64, 16 hex digits) of a contiguous buffer, compared across ranks: the sha256
-    prefix (strong), else the word sum, one pass and about 30x cheaper, which any one-bit
-    difference still changes (docs/invariants.md)."""
-    norm = math.sqrt(sum_squares(flat))
-    if not strong:
-        return norm, f"{word_sum(flat):016x}"
-    return norm, hashlib.sha256(memoryview(np.ascontiguousarray(flat)).cast("B")).hexdigest()[:16]
+def no_decay_runs(layout: Layout, lo: int, hi: int, chunk: int) -> list[list[slice]]:
+    """For the shard [lo, hi) of the buffer, per pass of `chunk` elements, the slices of the pass
+    that take no weight decay: biases, LayerNorm and padding; matrices and embeddings decay. A few
+    slices per layer (capstone.parallel.zero), where a mask would cost a byte per element and a pass."""
+    decays = np.zeros(hi - lo + 2, dtype=np.int8)   # 1 where decay applies, 0-padded ends
+    for _, shape, off in layout.entries:
+        a, b = max(off, lo), min(off + math.prod(shape), hi)
+        if len(shape) >= 2 and a < b:
+            decays[1 + a - lo:1 + b - lo] = 1
+    edges = np.flatnonzero(np.diff(decays)).reshape(-1, 2)    # [start, end) of each decaying run
+    starts = np.concatenate(([0], edges[:, 1]))
+    ends = np.concatenate((edges[:, 0], [hi - lo]))
+    runs = []
+    for c in range(0, hi - lo, chunk):
+        d = min(c + chunk, hi - lo)
+        runs.append([slice(max(a, c) - c, min(b, d) - c) for a, b in zip(starts.tolist(), ends.tolist())
+                     if max(a, c) < min(b, d)])
+    return runs

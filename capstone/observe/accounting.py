@@ -212,10 +212,11 @@ def format_zero_table(rows: list[ZeroRow], n_params: int, world: int, precision:
 
 def what_if(n_params: int, padded: int, world: int, memory: list[dict], precision: Precision = FP32) -> dict:
     """summary.json's "zero_what_if": the table for P = `padded` (the live flat buffer) on `world`
-    ranks beside what the run measured per rank (max over ranks; its grads_bytes adds the 4P/N shard
-    that the reduce-scatter receives into)."""
+    ranks beside what the run measured per rank (max over ranks; its grads_bytes adds the buffers of
+    the gradient reduction: the 4P/N shard it receives into, and its staging copy if it has one)."""
     p = precision
-    measured = {k: max(m[k] for m in memory) for k in ("params_bytes", "grads_bytes", "optimizer_bytes")} if memory else {}
+    keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "reduce_bytes")
+    measured = {k: max(m.get(k, 0) for m in memory) for k in keys} if memory else {}
     return {"precision": p.name, "bytes_per_param": {"params": p.param, "grads": p.grad, "optimizer": p.optimizer},
             "n_params": n_params, "P": padded, "world": world,
             "stages": [{"stage": r.stage, "sharded": STAGES[r.stage], "params_bytes": r.params_bytes,
@@ -232,7 +233,7 @@ def format_what_if(w: dict) -> str:
     if "params_bytes" in m:
         total = m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"]
         text += (f"\n{'1':<5} {'measured (max over ranks)':<26} {m['params_bytes']:>12} {m['grads_bytes']:>12} "
-                 f"{m['optimizer_bytes']:>12} {total:>12}  (grads + {m['grads_receive_shard_bytes']} receive shard)")
+                 f"{m['optimizer_bytes']:>12} {total:>12}  (grads + {m['reduce_bytes']} of the reduction)")
     return text
 
 

@@ -6,13 +6,13 @@ first. Bucket k is reduced with ONE non-blocking reduce-scatter with variable co
 
     recvcounts[r] = |[a, b) & [r*shard, (r+1)*shard)|     (0 for ranks owning none of it)
 
-received into the matching slice of rank r's `g_shard`. Over all buckets every element of every
+received into the matching slice of rank r's `grad_shard`. Over all buckets every element of every
 shard is summed exactly once, so each rank ends with its ZeRO-1 shard of the summed gradient, as
 after the single reduce-scatter, and moves the same bytes (an allreduce per bucket would move 2x).
 
 When: `start(micro_batches)` before the forward+backward of a step installs a hook in
-capstone.model.backward's tap VJP (only when there are several buckets). Each call marks the gradients of the parameters in its sink (one array
-or a group of them) final for that micro-batch;
+capstone.model.backward's tap VJP (only when there are several buckets). Each call marks the
+gradients of the parameters in its sink (one array or a group of them) final for that micro-batch;
 a bucket is ready when all its parameters are final on the LAST micro-batch (with gradient
 accumulation the earlier ones are partial sums). Ready buckets are started strictly in order
 (highest first), so every rank issues the same collectives in the same order whatever the order
@@ -23,17 +23,8 @@ left to overlap) is started by `finish`, after the caller may have touched the b
 --inject-nan fault writes grads[0]); so is any bucket a backward pass did not reach (an unused
 parameter). `finish` then waits for every bucket with the deadline.
 
-Results: Open MPI 4.1's Ireduce_scatter (libnbc) is a binomial-tree reduce to position 0 followed
-by a scatter, for every message size and count vector, so each element is summed in the same order
-whether it travels in one big reduce-scatter or in a bucket: the bucketed result is bit-identical
-to the single non-blocking reduce-scatter (--no-overlap) at every world size. For a power-of-2
-world the reduce-scatter runs on a communicator whose ranks are in bit-reversed order
-(`tree_order`, pieces staged in that order), so the tree sums in recursive-halving order, the order
-of the blocking Reduce_scatter's small-message algorithm and, more importantly, the order of a run
-on W/2^k ranks with --grad-accum 2^k: resuming on half the ranks stays bit-identical at any model
-size. Against the BLOCKING Reduce_scatter (coll/tuned picks recursive halving or a ring by size)
-the result agrees to float32 rounding; bit-identical at 2 ranks (one addition per element) and at
-power-of-2 worlds while tuned uses recursive halving (<= 256 KiB). tests/mpi/test_overlap.py checks each.
+Why the result is bit-identical to one reduce-scatter, and the bit-reversed rank order of a
+power-of-2 world: docs/design.md ("The bucketed reduce-scatter").
 With a single bucket (--no-overlap, or a model smaller than one bucket) nothing starts during the
 backward pass: one reduce-scatter of the whole buffer after it.
 """
@@ -47,54 +38,8 @@ import numpy as np
 
 from capstone.model import backward
 from capstone.model.params import Layout
+from capstone.parallel.bucket_plan import plan, tree_order
 from capstone.parallel.reduce import Flags, GradReducer, GradStats
-
-
-def tree_order(world: int) -> list[int]:
-    """order[j] = the rank at position j of the reduce-scatter's communicator: bit-reversed for a
-    power-of-2 world (an involution), else the identity. libnbc's binomial tree pairs positions
-    (0,1), (2,3), ... first; over bit-reversed ranks it pairs ranks 0 and W/2 first: the order of
-    recursive halving, which is also the order in which a run on W/2^k ranks with --grad-accum 2^k
-    accumulates the same samples (rank r's micro-batch j is global block j*world + r)."""
-    bits = world.bit_length() - 1
-    if world < 4 or world != 1 << bits:
-        return list(range(world))
-    return [int(format(j, f"0{bits}b")[::-1], 2) for j in range(world)]
-
-
-class Bucket:
-    """One contiguous range [a, b) of the flat buffer, its counts in the reduce-scatter's rank
-    order, and where this rank's piece lands in g_shard."""
-
-    def __init__(self, a: int, b: int, params: list[int], layout: Layout, rank: int, order: list[int]):
-        self.a, self.b, self.params = a, b, params
-        pieces = [(max(a, lo), min(b, hi)) for lo, hi in map(layout.shard_range, range(layout.world))]
-        self.counts = [max(0, pieces[o][1] - pieces[o][0]) for o in order]   # by position in the tree order
-        lo = layout.shard_range(rank)[0]
-        n = max(0, pieces[rank][1] - pieces[rank][0])
-        self.recv = slice(max(a, lo) - lo, max(a, lo) - lo + n)               # within g_shard
-        # with a non-identity order the pieces are staged in that order: (staging slice, grads slice)
-        self.copies, pos = [], a
-        for o, n_o in zip(order, self.counts):
-            if n_o:
-                self.copies.append((slice(pos, pos + n_o), slice(pieces[o][0], pieces[o][0] + n_o)))
-                pos += n_o
-
-
-def plan(layout: Layout, bucket_floats: int, rank: int = 0, order: list[int] | None = None) -> list[Bucket]:
-    """Buckets in flat order (bucket 0 starts at 0), filled from the end: whole parameters, each
-    bucket at least `bucket_floats` long except bucket 0 (the remainder). The padding goes with
-    the last parameter."""
-    order = order or list(range(layout.world))
-    entries = sorted(layout.entries, key=lambda e: e[2])
-    bounds, end, params = [], layout.padded, []
-    for i in range(len(entries) - 1, -1, -1):
-        params.append(i)
-        start = entries[i][2]
-        if end - start >= bucket_floats or i == 0:
-            bounds.append((0 if i == 0 else start, end, sorted(params)))
-            end, params = start, []
-    return [Bucket(a, b, p, layout, rank, order) for a, b, p in reversed(bounds)]
 
 
 class BucketReducer(GradReducer):
@@ -159,7 +104,7 @@ class BucketReducer(GradReducer):
             for dst, src in b.copies:
                 self.staging[dst] = self.grads[src]
             send = self.staging[b.a:b.b]
-        req = self.comm.start_reduce_scatter(send, self.grad_shard[b.recv], b.counts)
+        req = self.comm.Ireduce_scatter(send, self.grad_shard[b.recv], b.counts)
         self.requests.append(req)
         self.pending.append(req)
         self.next = k - 1

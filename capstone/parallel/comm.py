@@ -3,20 +3,19 @@
 Each collective is issued non-blocking and waited on with the run's `Deadline`, so a dead or
 stopped peer ends the job with one line that names the collective instead of a hang; what MPI or
 HDF5 offers only blocking (a `Split`, a parallel-HDF5 open/write/close) runs under the deadline's
-watchdog (`blocking`). Buffers only (the uppercase mpi4py methods; JSON for small values, never
-pickle). Each wait is counted in `traffic` by kind (bytes as nccl-tests count them, the seconds
-spent waiting, calls) for the step's accounting. A communicator of one rank (`MPI.COMM_SELF`,
+watchdog (`blocking`). Buffers only: the buffer collectives are named as mpi4py's uppercase
+(buffer, never pickle) methods they wrap, `Allreduce`, `Allgather`, ...; small values go as JSON
+(capstone.parallel.values). Each wait is counted in `traffic` by kind (bytes as nccl-tests count
+them, the seconds spent waiting, calls) for the step's accounting. A communicator of one rank (`MPI.COMM_SELF`,
 e.g. the tensor-parallel group without tensor parallelism) skips its reductions: one code path.
-No other module of capstone holds an MPI communicator (tests/test_collectives.py checks it).
+No other module of capstone holds an MPI communicator (tests/test_architecture.py checks it).
 """
 
 from __future__ import annotations
 
-import json
-import os
+import dataclasses
 import sys
 import time
-import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -24,7 +23,9 @@ import numpy as np
 from mpi4py import MPI
 
 from capstone.hooks import NONE
+from capstone.parallel import timeout
 from capstone.parallel.deadline import Deadline
+from capstone.parallel.values import JsonValues
 
 
 @dataclass
@@ -39,7 +40,7 @@ class Traffic:
     calls: int = 0
 
 
-class Comm:
+class Comm(JsonValues):
     """Rank, size and deadline-bound collectives of one MPI communicator."""
 
     def __init__(self, mpi_comm, deadline: Deadline | None = None, traffic: dict | None = None, hooks=NONE):
@@ -53,6 +54,15 @@ class Comm:
         """Another group of this run's ranks: the same deadline, traffic count and hooks."""
         return Comm(mpi_comm, self.deadline, self.traffic, self.hooks)
 
+    def begin_step(self, step: int) -> None:
+        """Name the step in timeout messages, time it for the automatic deadline, reset the traffic."""
+        self.deadline.begin_step(step)
+        self.traffic.clear()
+
+    def step_traffic(self) -> dict:
+        """A copy of the collectives counted since `begin_step`, by kind (of every Comm of the grid)."""
+        return {kind: dataclasses.replace(t) for kind, t in self.traffic.items()}
+
     def wait(self, requests, what: str, kind: str | None = None, op: str = "", nbytes: int = 0) -> None:
         """Wait for `requests` under the deadline; count the wait under `kind` (None: not counted)."""
         t0 = time.perf_counter()
@@ -62,45 +72,45 @@ class Comm:
             t.bytes, t.seconds, t.calls = t.bytes + nbytes, t.seconds + time.perf_counter() - t0, t.calls + 1
 
     # ---- buffer collectives: blocking for the caller, non-blocking for MPI ----------------------
-    def allreduce(self, buf: np.ndarray, what: str, kind: str = "allreduce") -> np.ndarray:
+    def Allreduce(self, buf: np.ndarray, what: str, kind: str = "allreduce") -> np.ndarray:
         """Sum `buf` over the group, in place."""
         if self.size > 1:
             self.hooks.at(kind)
             self.wait(self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), what, kind, "allreduce", buf.nbytes)
         return buf
 
-    def allgather(self, buf: np.ndarray, what: str, kind: str | None = None, send: np.ndarray | None = None) -> None:
+    def Allgather(self, buf: np.ndarray, what: str, kind: str | None = None, send: np.ndarray | None = None) -> None:
         """Rank r's block r of `buf` (its len(buf)/size values, or `send`) to every rank, in place."""
         if self.size > 1 or send is not None:
             self.hooks.at(kind or "allgather")
             request = self.mpi.Iallgather(MPI.IN_PLACE if send is None else send, buf)
             self.wait(request, what, kind, "allgather", buf.nbytes)
 
-    def bcast(self, buf: np.ndarray, what: str, root: int = 0, kind: str | None = None) -> None:
+    def Bcast(self, buf: np.ndarray, what: str, root: int = 0, kind: str | None = None) -> None:
         if self.size > 1:
             self.hooks.at(kind or "broadcast")
             self.wait(self.mpi.Ibcast(buf, root=root), what, kind, "broadcast", buf.nbytes)
 
-    def alltoall(self, send: np.ndarray, recv: np.ndarray, what: str, kind: str = "alltoall") -> None:
+    def Alltoall(self, send: np.ndarray, recv: np.ndarray, what: str, kind: str = "alltoall") -> None:
         self.hooks.at(kind)
         self.wait(self.mpi.Ialltoall(send, recv), what, kind, "alltoall", send.nbytes)
 
-    def allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int], what: str) -> None:
+    def Allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int], what: str) -> None:
         self.wait(self.mpi.Iallgatherv(send, [recv, counts]), what)
 
-    def start_reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int]):
+    def Ireduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int]):
         """Start summing `send` over the group, rank r receiving its counts[r] values into `recv`;
         `wait` for the request (or `Test` it to drive progress)."""
         self.hooks.at("reduce_scatter")
         return self.mpi.Ireduce_scatter(send, recv, counts, op=MPI.SUM)
 
-    def isend(self, buf: np.ndarray, dest: int, tag: int):
+    def Isend(self, buf: np.ndarray, dest: int, tag: int):
         return self.mpi.Isend(buf, dest=dest, tag=tag)
 
-    def irecv(self, buf: np.ndarray, source: int, tag: int):
+    def Irecv(self, buf: np.ndarray, source: int, tag: int):
         return self.mpi.Irecv(buf, source=source, tag=tag)
 
-    def barrier(self, what: str = "barrier") -> None:
+    def Barrier(self, what: str = "barrier") -> None:
         self.wait(self.mpi.Ibarrier(), what)
 
     # ---- small values ---------------------------------------------------------------------------
@@ -111,42 +121,12 @@ class Comm:
         self.wait(self.mpi.Iallreduce(MPI.IN_PLACE, v, op=MPI.SUM), what, kind, "allreduce", v.nbytes)
         return [float(x) for x in v]
 
-    def allgather_json(self, value) -> list:
-        """Every rank's JSON-able value, in rank order, on every rank."""
-        data = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
-        sizes = self._sizes(len(data))
-        buf = np.empty(sum(sizes), dtype=np.uint8)
-        self.allgatherv(data, buf, sizes, "allgather (JSON)")
-        return _split_json(buf, sizes)
-
-    def gather_json(self, value, root: int = 0) -> list | None:
-        """Every rank's JSON-able value on `root`, None elsewhere."""
-        data = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
-        sizes = self._sizes(len(data))
-        buf = np.empty(sum(sizes), dtype=np.uint8) if self.rank == root else None
-        self.wait(self.mpi.Igatherv(data, [buf, sizes] if self.rank == root else None, root=root), "gather (JSON)")
-        return _split_json(buf, sizes) if self.rank == root else None
-
-    def _sizes(self, n: int) -> list[int]:
-        out, mine = np.empty(self.size, dtype=np.int64), np.array([n], dtype=np.int64)
-        self.wait(self.mpi.Iallgather(mine, out), "allgather (JSON sizes)")
-        return [int(x) for x in out]
-
-    def bcast_json(self, value, root: int = 0):
-        """Root's JSON-able value on every rank."""
-        data = json.dumps(value).encode() if self.rank == root else b""
-        n = np.array([len(data)], dtype=np.int64)
-        self.wait(self.mpi.Ibcast(n, root=root), "broadcast (JSON size)")
-        buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root else np.empty(int(n[0]), np.uint8)
-        self.wait(self.mpi.Ibcast(buf, root=root), "broadcast (JSON)")
-        return json.loads(buf.tobytes())
-
     # ---- what has no non-blocking form: under the watchdog --------------------------------------
     @contextmanager
     def blocking(self, what: str):
         """A blocking collective call (h5py's mpio driver on `self.mpi`) bounded by the deadline."""
         self.hooks.at("blocking")
-        with self.deadline.guard(what):
+        with timeout.guard(self.deadline, what):
             yield self.mpi
 
     def split(self, color: int, key: int, what: str) -> "Comm":
@@ -167,38 +147,3 @@ class Comm:
         sys.stdout.flush()
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(code)
-
-
-def _split_json(buf: np.ndarray, sizes: list[int]) -> list:
-    out, pos = [], 0
-    for n in sizes:
-        out.append(json.loads(buf[pos:pos + n].tobytes()))
-        pos += n
-    return out
-
-
-def world() -> Comm:
-    """The job's ranks (MPI.COMM_WORLD)."""
-    return Comm(MPI.COMM_WORLD)
-
-
-def serial() -> Comm:
-    """This rank alone (MPI.COMM_SELF): the serial run, the sampler, the tests' single process."""
-    return Comm(MPI.COMM_SELF)
-
-
-@contextmanager
-def fail_fast(comm: Comm):
-    """Run a block so that an exception on one rank prints it with the rank and aborts every rank,
-    instead of leaving the others blocked in their next collective. SystemExit passes through:
-    it is raised on every rank together (agreed failures), so no one is left waiting."""
-    try:
-        yield
-    except SystemExit:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - any escape must end the job
-        detail = "".join(traceback.format_exception(exc)) if os.environ.get("CAPSTONE_TRACEBACK") else ""
-        print(f"[rank {comm.rank}/{comm.size}] error: {type(exc).__name__}: {exc}\n{detail}"
-              f"[rank {comm.rank}] aborting all ranks (set CAPSTONE_TRACEBACK=1 for the traceback)",
-              file=sys.stderr, flush=True)
-        comm.abort(1)

@@ -113,7 +113,7 @@ class ShardNorm:
         lo, chunk, n = self.lo, self.chunk, self.n
         send = [np.array([sumsq(shard[c * chunk - lo:min((c + 1) * chunk, n) - lo]) for c in complete])]
         send += [shard[a - lo:b - lo].astype(np.float64) for a, b in fragments]
-        self.comm.allgatherv(np.concatenate(send), self.recv, self.counts, "allgather of the gradient norm's pieces")
+        self.comm.Allgatherv(np.concatenate(send), self.recv, self.counts, "allgather of the gradient norm's pieces")
         sums, pieces = {}, {}
         for (complete, fragments), at in zip(self.plans, self.displs):
             for c in complete:
@@ -149,7 +149,7 @@ class DeterministicReducer(GradReducer):
 
     def after_backward(self, micro: int) -> None:
         """Slice q of the flat gradient buffer to rank q (rows of block micro*world + q)."""
-        self.dp.alltoall(self.grads, self.rows[micro * self.w:(micro + 1) * self.w],
+        self.dp.Alltoall(self.grads, self.rows[micro * self.w:(micro + 1) * self.w],
                          "deterministic exchange of a micro-batch's gradient", "alltoall")
 
     def finish(self, losses: list[float], flags: Flags) -> GradStats:
@@ -157,7 +157,7 @@ class DeterministicReducer(GradReducer):
         tree_rows(self.rows, self.grad_shard)
         small = np.array([*losses, flags.stop, flags.clock_due], dtype=np.float64)
         every = np.empty((self.w, len(small)), dtype=np.float64)
-        self.dp.allgather(every, "allgather of the micro-batch losses", "allreduce_stats", send=small)
+        self.dp.Allgather(every, "allgather of the micro-batch losses", "allgather_stats", send=small)
         loss = tree_sum(every[:, :self.accum].T.reshape(-1))   # index j*w + q = block k
         stop, clock = every[:, self.accum:].sum(axis=0)
         return GradStats(loss, self.norm(self.grad_shard), Flags(stop > 0, clock > 0))
@@ -185,6 +185,6 @@ class HeldOutBlocks(HeldOut):
         for i, (x, y) in enumerate(self.blocks):
             local[i] = model.loss(x, y, self.scale)
         every = np.empty((self.w, self.per_rank), dtype=np.float64)
-        self.comm.allgather(every, "allgather of the held-out block losses", "allreduce_eval", send=local)
+        self.comm.Allgather(every, "allgather of the held-out block losses", "allgather_eval", send=local)
         total = tree_sum(every.T.reshape(-1)[:self.n_blocks])   # index i*world + q = block b
         return total if self.rank == 0 else 0.0

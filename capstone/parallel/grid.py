@@ -13,7 +13,6 @@ builds no communicator at all. The `Grid` is built once and passed in; nothing i
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from mpi4py import MPI
@@ -70,15 +69,6 @@ class Grid:
     def shape(self) -> tuple[int, int, int]:
         """(dp, pp, tp)."""
         return self.dp.size, self.pp.size, self.tp.size
-
-    def begin_step(self, step: int) -> None:
-        """Name the step in timeout messages, time it for the automatic deadline, reset the traffic."""
-        self.world.deadline.begin_step(step)
-        self.world.traffic.clear()
-
-    def traffic(self) -> dict:
-        """A copy of the collectives counted since `begin_step` (capstone.parallel.comm.Traffic by kind)."""
-        return {kind: dataclasses.replace(t) for kind, t in self.world.traffic.items()}
 
     def describe(self) -> dict:
         dp, pp, tp = self.shape

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from capstone.model.params import DTYPE, Layout, is_split, sum_squares
+from capstone.model.fingerprint import sum_squares
+from capstone.model.params import DTYPE, Layout
 
 
 @dataclass(frozen=True)
@@ -46,17 +47,6 @@ class GradStats:
     flags: Flags
 
 
-def norm_weight(layout: Layout, tp_rank: int, tp: int, lo: int, hi: int) -> np.ndarray | None:
-    """Per element of the shard [lo, hi): 1 where this rank counts the parameter in the norm, 0 for
-    a parameter every tensor-parallel rank holds whole and that tp rank 0 counts (None: all count)."""
-    if tp == 1:
-        return None
-    weight = np.zeros(layout.padded)
-    for name, shape, off in layout.entries:
-        weight[off:off + math.prod(shape)] = 1.0 if is_split(name) or tp_rank == 0 else 0.0
-    return weight[lo:hi]
-
-
 class GradReducer:
     """The interface, and the step's one small allreduce (subclasses fill `grad_shard`)."""
 
@@ -70,7 +60,10 @@ class GradReducer:
         self.world, self.dp, self.layout, self.grads = grid.world, grid.dp, layout, grads
         lo, hi = layout.shard_range(grid.dp.rank)
         self.grad_shard = np.empty(hi - lo, dtype=DTYPE)
-        self.norm_weight = norm_weight(layout, grid.tp.rank, grid.tp.size, lo, hi)
+        self.norm_weight = None          # None: every element counts in the norm; tensor parallelism: ones and zeros
+        if grid.tp.size > 1:
+            from capstone.parallel import tensor
+            self.norm_weight = tensor.norm_weight(layout, grid.tp.rank, lo, hi)
         self.loss_weight = loss_weight
 
     def start(self, micro_batches: int) -> None:

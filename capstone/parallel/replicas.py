@@ -1,6 +1,6 @@
 """Invariant (b) at every step: the replicas of each part of the model hold the same parameters.
 
-Every rank fingerprints its flat parameter buffer (`capstone.model.params.fingerprint`: sha256 on
+Every rank fingerprints its flat parameter buffer (`capstone.model.fingerprint.fingerprint`: sha256 on
 evaluation steps, the cheap word sum otherwise; under --deterministic the unpadded parameters with
 a layout-independent norm). One allgather over the world gives every rank every fingerprint, so
 every rank records the same verdict: the ranks of a data-parallel group (the same tensor-parallel
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import math
 
-from capstone.model.params import fingerprint, is_split, sum_squares
+import numpy as np
+
+from capstone.model.fingerprint import fingerprint
 
 
 class ReplicaCheck:
@@ -27,20 +29,19 @@ class ReplicaCheck:
     def check(self, step: int, params, strong: bool) -> tuple[float, str]:
         """Collective over the world: this rank's (whole-model parameter norm, fingerprint)."""
         norm, digest = self.fingerprint(params, strong)
-        owned = norm * norm if self.parts == 1 else self._owned_sumsq(params)
-        every = self.world.allgather_json([norm, digest, owned])
-        self.record(step, [[e[0], e[1]] for e in every])
+        owned = norm * norm
+        if self.parts > 1:   # this rank's share of its replica's sum of squares
+            from capstone.parallel import tensor
+            owned = tensor.owned_sumsq(self.layout, params, self.tp_rank)
+        mine = np.array([norm, owned, 0.0])
+        mine[2:].view(np.uint64)[0] = int(digest, 16)                   # the 64-bit digest, as its bits
+        every = np.empty((self.world.size, 3))
+        self.world.Allgather(every, "allgather of the parameter fingerprints", "allgather_checks", send=mine)
+        self.record(step, [[float(e[0]), f"{int(e[2:].view(np.uint64)[0]):016x}"] for e in every])
         if self.parts == 1:
             return norm, digest
         replica = self.world.rank // self.parts
-        return math.sqrt(sum(e[2] for e in every[replica * self.parts:(replica + 1) * self.parts])), digest
-
-    def _owned_sumsq(self, params) -> float:
-        """Sum of squares of the parameters this rank counts for its replica: its split ones, and
-        the ones every tensor-parallel rank holds whole on tp rank 0 only."""
-        views = self.layout.views(params)
-        return sum(sum_squares(views[name].reshape(-1)) for name, _, _ in self.layout.entries
-                   if is_split(name) or self.tp_rank == 0)
+        return math.sqrt(sum(every[replica * self.parts:(replica + 1) * self.parts, 1].tolist())), digest
 
     def record(self, step: int, every: list) -> None:
         """`every`: one value per world rank; ranks with the same rank % parts must agree."""

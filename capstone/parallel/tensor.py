@@ -21,7 +21,8 @@ import math
 
 import numpy as np
 
-from capstone.model.params import DTYPE, Layout, init_params, param_shapes
+from capstone.model.fingerprint import sum_squares
+from capstone.model.params import DTYPE, Layout, init_params, is_split, param_shapes
 from capstone.parallel.zero import ShardState
 
 
@@ -60,6 +61,23 @@ def initial_params(cfg, layout: Layout, seed: int, K: int, t: int) -> np.ndarray
     return out
 
 
+def norm_weight(layout: Layout, tp_rank: int, lo: int, hi: int) -> np.ndarray:
+    """Per element of the shard [lo, hi) of a rank's buffer: 1 where it counts the parameter in the
+    gradient norm, 0 for a whole (replicated) parameter, which tp rank 0 counts alone."""
+    weight = np.zeros(layout.padded)
+    for name, shape, off in layout.entries:
+        weight[off:off + math.prod(shape)] = 1.0 if is_split(name) or tp_rank == 0 else 0.0
+    return weight[lo:hi]
+
+
+def owned_sumsq(layout: Layout, params: np.ndarray, tp_rank: int) -> float:
+    """The sum of squares of the parameters this rank counts for its replica: its split ones, and
+    the whole ones on tp rank 0 only."""
+    views = layout.views(params)
+    return sum(sum_squares(views[name].reshape(-1)) for name, _, _ in layout.entries
+               if is_split(name) or tp_rank == 0)
+
+
 class Canonical:
     """Converts this rank's optimizer shard (of its tensor-parallel slice, sharded over its
     data-parallel group) to and from its shard of the canonical 1-rank vectors over the world."""
@@ -73,10 +91,10 @@ class Canonical:
         g, n = self.grid, self.layout.n_params
         rows = np.ascontiguousarray(np.stack(shard.rows()))                    # (3, dp shard)
         got = np.empty((g.dp.size,) + rows.shape, dtype=DTYPE)
-        g.dp.allgather(got, "checkpoint: allgather of the optimizer shards", send=rows)
+        g.dp.Allgather(got, "checkpoint: allgather of the optimizer shards", send=rows)
         mine = np.ascontiguousarray(got.transpose(1, 0, 2).reshape(3, -1)[:, :n])
         slices = np.empty((g.tp.size,) + mine.shape, dtype=DTYPE)
-        g.tp.allgather(slices, "checkpoint: allgather of the tensor-parallel slices", send=mine)
+        g.tp.Allgather(slices, "checkpoint: allgather of the tensor-parallel slices", send=mine)
         full = np.zeros((3, self.full.padded), dtype=DTYPE)
         for t, (idx, owned) in enumerate(self.maps):
             full[:, idx[owned]] = slices[t][:, owned]
@@ -88,7 +106,7 @@ class Canonical:
         g, sl = self.grid, self.layout
         rows = np.ascontiguousarray(np.stack(shard.rows()))
         got = np.empty((g.world.size,) + rows.shape, dtype=DTYPE)
-        g.world.allgather(got, "checkpoint: allgather of the stored shards", send=rows)
+        g.world.Allgather(got, "checkpoint: allgather of the stored shards", send=rows)
         full = got.transpose(1, 0, 2).reshape(3, -1)
         mine = np.zeros((3, sl.padded), dtype=DTYPE)
         mine[:, :sl.n_params] = full[:, self.maps[g.tp.rank][0]]
@@ -99,7 +117,7 @@ class Canonical:
         """Collective over the tensor-parallel group: the full 1-rank parameter vector (unpadded)."""
         g, n = self.grid, self.layout.n_params
         slices = np.empty((g.tp.size, n), dtype=DTYPE)
-        g.tp.allgather(slices, "allgather of the tensor-parallel slices", send=np.ascontiguousarray(params[:n]))
+        g.tp.Allgather(slices, "allgather of the tensor-parallel slices", send=np.ascontiguousarray(params[:n]))
         full = np.zeros(self.full.n_params, dtype=DTYPE)
         for t, (idx, owned) in enumerate(self.maps):
             full[idx[owned]] = slices[t][owned]

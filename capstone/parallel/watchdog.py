@@ -1,20 +1,52 @@
-"""The watchdog process of one rank (capstone.parallel.deadline.Deadline.guard): `python -I -S
-watchdog.py PARENT_PID`, reading JSON orders from its stdin, one per line:
+"""A rank's watchdog for the calls that cannot be made non-blocking (capstone.parallel.timeout.guard).
+
+A thread would not do: h5py holds the GIL while HDF5 waits in MPI-IO, so no Python thread could
+run. So the watchdog is a small process, started on first use: `Watchdog` (the rank's side) runs
+`python -I -S watchdog.py PARENT_PID`, which reads JSON orders from its stdin, one per line:
 
   {"arm": SECONDS, "line": TEXT, "record": PATH or null, "data": {...}}   start the clock
   {"disarm": true}                                                         stop it
 
 When an armed clock runs out it prints TEXT to stderr, writes `data` as JSON to PATH and kills the
 parent with SIGKILL (the launcher then ends the job). It exits when its stdin closes (the parent
-is gone). Standard library only, so it starts in milliseconds and needs nothing of the parent's.
+is gone). It stays in its parent's process group, so Ctrl-Z stops it with the rank, and it ignores
+the signals the launcher forwards as stop requests (SIGINT, SIGTERM, SIGUSR1), which the rank
+itself handles. Standard library only, so it starts in milliseconds and needs nothing of the parent's.
 """
 
 import json
 import os
 import select
 import signal
+import subprocess
 import sys
 import time
+
+
+class Watchdog:
+    """The rank's side: arm and disarm the watchdog process (started on first use)."""
+
+    def __init__(self):
+        self.proc: subprocess.Popen | None = None
+
+    def arm(self, seconds: float, line: str, record: str | None, data: dict) -> None:
+        self._send({"arm": seconds, "line": line, "record": record, "data": data})
+
+    def disarm(self) -> None:
+        self._send({"disarm": True})
+
+    def _send(self, order: dict) -> None:
+        line = json.dumps(order).encode() + b"\n"
+        for _ in range(2):   # a watchdog killed from outside is replaced once
+            if self.proc is None or self.proc.poll() is not None:
+                self.proc = subprocess.Popen([sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid())],
+                                             stdin=subprocess.PIPE, close_fds=True)
+            try:
+                self.proc.stdin.write(line)
+                self.proc.stdin.flush()
+                return
+            except OSError:
+                self.proc = None
 
 
 def expire(parent: int, order: dict) -> None:
@@ -31,6 +63,8 @@ def expire(parent: int, order: dict) -> None:
 
 
 def main(parent: int) -> None:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     armed, until, pending = None, None, b""
     while True:
         timeout = None if until is None else max(0.0, until - time.monotonic())

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from capstone.model.params import DTYPE, Layout
+from capstone.model.params import DTYPE, Layout, no_decay_runs
 
 ROWS = ("master", "m", "v")  # the arrays of a shard's optimizer state, in checkpoint row order
 ADAM_CHUNK = 1 << 16         # elements per pass of the update: the arrays of one pass stay in L2 (256 KiB each)
@@ -75,32 +75,13 @@ class ZeroAdam:
         self.lo, self.hi = layout.shard_range(dp.rank)
         self.beta1, self.beta2, self.eps, self.weight_decay = float(betas[0]), float(betas[1]), float(eps), float(weight_decay)
         self.clip = float(clip)   # the global gradient norm is clipped to this (0: off)
-        dp.bcast(params, "broadcast of the initial parameters")
+        dp.Bcast(params, "broadcast of the initial parameters")
         master = params[self.lo:self.hi].copy()
         self.state = ShardState(master, np.zeros_like(master), np.zeros_like(master))
         self.before = ShardState(*(np.zeros_like(master) for _ in ROWS))  # the state before the last apply
         self.revertible = False                                            # `before` may be restored
-        self.no_decay = self._no_decay_runs() if weight_decay > 0 else None
+        self.no_decay = no_decay_runs(layout, self.lo, self.hi, ADAM_CHUNK) if weight_decay > 0 else None
         self._scratch = np.empty((2, ADAM_CHUNK), dtype=np.float32)
-
-    def _no_decay_runs(self) -> list[list[slice]]:
-        """Per Adam pass (ADAM_CHUNK elements of the shard), the slices of the pass that take no weight
-        decay: biases, LayerNorm and padding; matrices and embeddings decay. A few slices per layer,
-        where a mask would cost a byte per element and a pass over it."""
-        decays = np.zeros(self.hi - self.lo + 2, dtype=np.int8)   # 1 where decay applies, 0-padded ends
-        for _, shape, off in self.layout.entries:
-            a, b = max(off, self.lo), min(off + int(np.prod(shape)), self.hi)
-            if len(shape) >= 2 and a < b:
-                decays[1 + a - self.lo:1 + b - self.lo] = 1
-        edges = np.flatnonzero(np.diff(decays)).reshape(-1, 2)    # [start, end) of each decaying run
-        starts = np.concatenate(([0], edges[:, 1]))
-        ends = np.concatenate((edges[:, 0], [self.hi - self.lo]))
-        runs = []
-        for lo in range(0, self.hi - self.lo, ADAM_CHUNK):
-            hi = min(lo + ADAM_CHUNK, self.hi - self.lo)
-            runs.append([slice(max(a, lo) - lo, min(b, hi) - lo) for a, b in zip(starts.tolist(), ends.tolist())
-                         if max(a, lo) < min(b, hi)])
-        return runs
 
     def optimizer_nbytes(self) -> int:
         """Bytes of optimizer state held by this rank: fp32 master + Adam m + Adam v."""
@@ -173,7 +154,7 @@ class ZeroAdam:
     def _publish(self) -> None:
         """Collective: call on all ranks. Copy the master shard into params and allgather it."""
         self.params[self.lo:self.hi] = self.state.master
-        self.dp.allgather(self.params, "allgather of the updated parameters", "allgather")
+        self.dp.Allgather(self.params, "allgather of the updated parameters", "allgather")
 
     def load_state(self, state: ShardState) -> None:
         """Collective: call on all ranks. Replace the local shard state and rebuild `params`."""

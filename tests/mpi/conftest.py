@@ -50,7 +50,7 @@ def shared_tmp(world):
     path = tempfile.mkdtemp(prefix="capstone-test-") if world.rank == 0 else None
     path = world.bcast_json(path)
     yield path
-    world.barrier()
+    world.Barrier()
     if world.rank == 0:
         import shutil
         shutil.rmtree(path, ignore_errors=True)

@@ -61,7 +61,7 @@ def test_round_trip_and_sha256_matches_plain_h5py(world, shared_tmp):
         with open(man["path"] + ".sha256") as f:  # sha256sum -c format, size in a comment line
             assert f.read() == (f"# capstone checkpoint digest v1: {os.path.getsize(man['path'])} bytes\n"
                                 f"{integrity.file_sha256(man['path'])}  ckpt-00000010.h5\n")
-    world.barrier()
+    world.Barrier()
 
 
 def test_verify_snapshot_counts_differing_bytes(world, shared_tmp):
@@ -89,7 +89,7 @@ def test_reshard_from_all_ranks_to_fewer(world, shared_tmp, new_world):
         for k in ROWS:
             assert getattr(state, k).tobytes() == getattr(want, k).tobytes(), k
         sub.Free()
-    world.barrier()
+    world.Barrier()
 
 
 def test_reshard_from_fewer_ranks_to_all(world, shared_tmp):
@@ -97,7 +97,7 @@ def test_reshard_from_fewer_ranks_to_all(world, shared_tmp):
     if sub != MPI.COMM_NULL:
         save(Comm(sub), shared_tmp)
         sub.Free()
-    world.barrier()
+    world.Barrier()
     layout = Layout.for_model(CFG, world.size)
     state, meta = checkpoint.load(world, os.path.join(shared_tmp, files.final_name(10)), layout, EXPECT)
     assert meta["world_size"] == min(2, world.size)
@@ -129,7 +129,7 @@ def reseal(world, path):
     inside the file can catch it."""
     if world.rank == 0:
         integrity.write_digest(path)
-    world.barrier()
+    world.Barrier()
 
 
 @pytest.mark.parametrize("target", ["shards/rank00000", "second", "last", "meta_json"])
@@ -138,7 +138,7 @@ def test_corrupted_byte_is_rejected_on_every_rank(world, shared_tmp, target):
     name = {"last": f"shards/rank{world.size - 1:05d}", "second": f"shards/rank{min(1, world.size - 1):05d}"}.get(target, target)
     if world.rank == 0:
         flip_byte(man["path"], name)
-    world.barrier()
+    world.Barrier()
     layout = Layout.for_model(CFG, world.size)
     with pytest.raises(CheckpointError, match="not a valid checkpoint: .*: its sha256 is .* but was written as"):
         checkpoint.load(world, man["path"], layout, EXPECT)  # the whole-file digest, before HDF5 parses it
@@ -153,7 +153,7 @@ def test_truncated_file_is_rejected(world, shared_tmp):
     man = save(world, shared_tmp)
     if world.rank == 0:
         os.truncate(man["path"], os.path.getsize(man["path"]) // 2)
-    world.barrier()
+    world.Barrier()
     with pytest.raises(CheckpointError, match="truncated"):
         checkpoint.load(world, man["path"], Layout.for_model(CFG, world.size), EXPECT)
 
@@ -163,7 +163,7 @@ def test_not_a_checkpoint_and_incompatible_config_are_refused(world, shared_tmp)
     if world.rank == 0:
         with h5py.File(other, "w") as f:
             f["x"] = np.arange(3)
-    world.barrier()
+    world.Barrier()
     layout = Layout.for_model(CFG, world.size)
     with pytest.raises(CheckpointError, match="no digest file other.h5.sha256 .* capstone.checkpoint seal"):
         checkpoint.load(world, other, layout, EXPECT)
@@ -215,7 +215,7 @@ def test_edited_attribute_is_rejected(world, shared_tmp, obj, attr, value, messa
     if world.rank == 0:
         with h5py.File(man["path"], "r+") as f:
             f[obj].attrs[attr] = value
-    world.barrier()
+    world.Barrier()
     layout = Layout.for_model(CFG, world.size)
     with pytest.raises(CheckpointError, match="not a valid checkpoint"):
         checkpoint.load(world, man["path"], layout, EXPECT)

@@ -39,7 +39,7 @@ CFG = ModelConfig(vocab_size=13, seq_len=4, d_model=8, n_heads=2, n_layers=1)
 
 def summary(world, out):
     """summary.json of a run in `out` (rank 0 wrote it), on every rank."""
-    world.barrier()
+    world.Barrier()
     import json
     with open(os.path.join(out, "summary.json")) as f:
         return json.load(f)
@@ -47,7 +47,7 @@ def summary(world, out):
 
 def metrics_rows(world, out):
     """The step rows of metrics.jsonl (rank 0 wrote it), on every rank."""
-    world.barrier()
+    world.Barrier()
     import json
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f) if "step" in r]
@@ -204,7 +204,7 @@ def test_training_checkpoints_resume_and_data_without_pickle(world, shared_tmp, 
         data = TokenData(os.path.join(shared_tmp, "ds"), 8, 2, 1).verify()
         x, y = data.micro_batch(0, 0, 0, 1)
         assert x.shape == (2, 8) and data.eval_batch(0, 1)[0].shape[1] == 8
-    world.barrier()
+    world.Barrier()
 
 
 def test_h5py_without_mpi_is_refused_before_anything_is_written(world, shared_tmp, monkeypatch):
@@ -219,5 +219,5 @@ def test_h5py_without_mpi_is_refused_before_anything_is_written(world, shared_tm
     with pytest.raises(Exception, match="h5py has no MPI support") as err:
         start(run)
     assert type(err.value).__name__ == "ConfigError"
-    world.barrier()
+    world.Barrier()
     assert not os.path.exists(out)

@@ -20,7 +20,8 @@ from mpi4py import MPI
 from capstone.config import ModelConfig
 from capstone.model.gpt import Model
 from capstone.model.params import Layout, init_params
-from capstone.parallel.buckets import BucketReducer, plan, tree_order
+from capstone.parallel.bucket_plan import plan, tree_order
+from capstone.parallel.buckets import BucketReducer
 from capstone.parallel.comm import Comm
 from capstone.parallel.grid import Grid
 from capstone.parallel.reduce import Flags
@@ -114,7 +115,7 @@ def test_four_ranks_equal_two_ranks_accumulating_pairs(cfg):
     l4, l2 = Layout.for_model(cfg, 4), Layout.for_model(cfg, 2)
     four = reduce(MPI.COMM_WORLD, l4, grad(l4, world.rank), 1000)
     full4 = np.empty(l4.padded, dtype=np.float32)
-    world.allgather(full4, "test", send=four)
+    world.Allgather(full4, "test", send=four)
     comm = sub(MPI.COMM_WORLD, 2)
     if comm is not None:
         r = comm.Get_rank()

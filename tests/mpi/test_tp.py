@@ -7,6 +7,7 @@ import pytest
 from mpi4py import MPI
 
 from capstone.config import ConfigError, ModelConfig, TrainConfig
+from capstone.checkpoint.cadence import Cadence
 from capstone.checkpoint.saver import Checkpointer
 from capstone.model.backward import value_and_grad_into
 from capstone.model.gpt import loss_and_grad, loss_sum
@@ -16,7 +17,8 @@ from capstone.parallel import tensor as tp
 from capstone.parallel.comm import Comm
 from capstone.parallel.grid import Grid
 from capstone.parallel.zero import ShardState
-from capstone.state import RunIdentity, RunState
+from capstone.checkpoint.saver import RunIdentity
+from capstone.state import RunState
 
 CFG = ModelConfig()   # reference: 4 heads, d_model 32
 WORLD = MPI.COMM_WORLD.Get_size()
@@ -33,10 +35,10 @@ def test_grid_groups(k):
     rank = MPI.COMM_WORLD.Get_rank()
     assert g.shape == (WORLD // k, 1, k) and (g.tp.rank, g.dp.rank, g.pp.rank) == (rank % k, rank // k, 0)
     members = np.empty(k, dtype=np.int64)
-    g.tp.allgather(members, "test", send=np.array([rank], dtype=np.int64))
+    g.tp.Allgather(members, "test", send=np.array([rank], dtype=np.int64))
     assert members.tolist() == list(range(rank // k * k, rank // k * k + k))   # K consecutive ranks
     same = np.empty(WORLD // k, dtype=np.int64)
-    g.dp.allgather(same, "test", send=np.array([rank], dtype=np.int64))
+    g.dp.Allgather(same, "test", send=np.array([rank], dtype=np.int64))
     assert same.tolist() == list(range(rank % k, WORLD, k))                     # one per replica
 
 
@@ -96,7 +98,7 @@ def test_split_model_float32_and_replicated_gradients_identical_on_every_tp_rank
     assert np.abs(model.grads[:lay.n_params] - flat[idx]).max() <= 1e-5 * np.abs(flat).max()
     whole = tp.positions(CFG, k, 1)[1]   # False where a rank > 0 holds a whole (replicated) parameter
     everyone = np.empty((k, int((~whole).sum())), dtype=np.float32)
-    g.tp.allgather(everyone, "test", send=np.ascontiguousarray(model.grads[:lay.n_params][~whole]))
+    g.tp.Allgather(everyone, "test", send=np.ascontiguousarray(model.grads[:lay.n_params][~whole]))
     assert all(np.array_equal(everyone[0], e) for e in everyone)
 
 
@@ -131,7 +133,8 @@ def _checkpointer(k, directory):
     g = grid(k)
     lay, full = Layout.for_model(CFG, g.dp.size, k), Layout.for_model(CFG, WORLD)
     identity = RunIdentity(CFG, TrainConfig(), {"test": 1}, 16)
-    return g, lay, Checkpointer(g.world, directory, full, identity, tp.Canonical(g, CFG, lay, full))
+    return g, lay, Checkpointer(g.world, directory, full, identity, Cadence(identity.train, g.world.rank),
+                                tp.Canonical(g, CFG, lay, full))
 
 
 def _my_shard(g, lay, full):

@@ -62,7 +62,7 @@ def test_zero1_equals_plain_adam(grid, world, wd, chunk, monkeypatch):
         total = sum(rank_grad(layout, step, r).astype(np.float64) for r in range(world.size))
         assert stats.norm == pytest.approx(np.linalg.norm(total), rel=1e-6)
         reduced = layout.zeros()   # the reference starts from the same float32 sums (summing is tested below)
-        world.allgather(reduced, "test", send=reducer.grad_shard.copy())
+        world.Allgather(reduced, "test", send=reducer.grad_shard.copy())
         summed.append(reduced.astype(np.float64))
         opt.apply(reducer.grad_shard, 1e-2, stats.norm)
     decay = np.zeros(layout.padded)

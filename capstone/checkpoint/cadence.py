@@ -1,0 +1,39 @@
+"""When a step must save a checkpoint and evaluate, decided once per step from the agreed flags.
+
+Saves every `ckpt_every` steps, when `ckpt_every_minutes` of wall clock have passed since the last
+save (rank 0's clock: its `clock_due` is the flag the ranks agree on), on a stop request (a signal,
+--stop-after) and at the last step; evaluates every `eval_every` steps and at every save.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Due:
+    """What a step must do besides training."""
+
+    checkpoint: bool
+    evaluate: bool
+    stop: bool       # a stop before the last step: save, then end
+
+
+class Cadence:
+    def __init__(self, tcfg, rank: int, stop_after: int = 0):
+        self.every, self.minutes, self.eval_every = tcfg.ckpt_every, tcfg.ckpt_every_minutes, tcfg.eval_every
+        self.steps, self.stop_after, self.rank = tcfg.steps, stop_after, rank
+        self.last_save = time.monotonic()
+
+    def clock_due(self) -> bool:
+        """Rank 0: whether the wall-clock interval has passed since the last save (False elsewhere)."""
+        return self.rank == 0 and self.minutes > 0 and time.monotonic() - self.last_save >= 60 * self.minutes
+
+    def due(self, step: int, flags) -> Due:
+        stop, last = flags.stop or step == self.stop_after, step == self.steps
+        ckpt = bool(self.every and step % self.every == 0) or flags.clock_due or stop or last
+        return Due(ckpt, step % self.eval_every == 0 or ckpt, stop and not last)
+
+    def saved(self) -> None:
+        self.last_save = time.monotonic()
