@@ -101,7 +101,8 @@ def check_comm(out, world: int) -> None:
     s = summary(out)
     padded = s["padded"]
     want = {"reduce_scatter": ("reduce_scatter", 4 * padded), "allgather": ("allgather", 4 * padded),
-            "allreduce_stats": ("allreduce", 8 * 4), "allreduce_eval": ("allreduce", 8 * 2)}
+            "allreduce_stats": ("allreduce", 8 * 4), "allreduce_eval": ("allreduce", 8 * 2),
+            "allgather_checks": ("allgather", 8 * 3 * world)}
     if world == 1:
         del want["allgather"]
     rows = step_rows(out)

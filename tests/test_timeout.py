@@ -96,6 +96,57 @@ def test_stall_during_a_save_never_publishes_it(tmp_path):
     assert "resumed from" in p.stdout and "ckpt-00000002.h5" in p.stdout
 
 
+# ---- a real stopped process (SIGSTOP) inside a collective ------------------------------------------
+def stopped_job(out, ranks: int, fault: str, *flags, timeout: int = TIMEOUT_S):
+    """Run `ranks` ranks with CAPSTONE_FAULT=fault (a `stop` action: that rank sends itself SIGSTOP at
+    a hook point); returns (exit code, output, seconds from the stop to the end of the job). Every
+    rank's pid is recorded, and any rank still alive at the end is killed, stopped or not."""
+    pids = out.parent / f"{out.name}-pids"
+    pids.mkdir()
+    env = {**mpi_env(), "CAPSTONE_FAULT": fault, "CAPSTONE_FAULT_PIDS": str(pids)}
+    cmd = ["mpirun", "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "capstone.train", "--out", str(out),
+           "--collective-timeout", str(timeout), "--ckpt-every", "2", "--quiet", *map(str, flags)]
+    log = f"{out}.log"
+    with open(log, "w") as f:
+        job = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    try:
+        stopped, deadline = None, time.monotonic() + 120
+        while job.poll() is None and time.monotonic() < deadline:
+            if stopped is None and "CAPSTONE_FAULT: stopping this rank" in open(log).read():
+                stopped = time.monotonic()
+            time.sleep(0.05)
+        assert job.poll() is not None, f"the job did not end within 120 s:\n{open(log).read()[-3000:]}"
+        text = open(log).read()
+        assert stopped is not None, f"the stop never happened:\n{text[-3000:]}"
+        return job.returncode, text, time.monotonic() - stopped
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, 9)
+            job.wait()
+        for f in pids.iterdir():   # a leftover stopped rank must never outlive the test
+            try:
+                os.kill(int(f.read_text()), 9)
+            except (ProcessLookupError, ValueError):
+                pass
+
+
+def assert_named(rc: int, text: str, ended: float, what: str, step: int, timeout: int = TIMEOUT_S) -> None:
+    lines = [ln for ln in text.splitlines() if "capstone: collective timeout" in ln]
+    print(f"stop -> job ended after {ended:.1f} s (exit {rc}):\n" + "\n".join(lines))
+    assert rc != 0 and lines, text[-3000:]
+    assert any(what in ln and f"at step {step}" in ln for ln in lines), lines
+    assert ended <= timeout + SLACK_S, f"the job took {ended:.1f} s after the stop (timeout {timeout} s)"
+
+
+def test_tp_allreduce_of_a_stopped_rank_ends_the_job(tmp_path):
+    """--tp 2: rank 1 stops (SIGSTOP) at the start of step 3; its tensor-parallel partner waits in
+    the first block's allreduce, which the deadline ends with a message naming it (issue 24:
+    tensor parallelism used to ignore --collective-timeout and hang)."""
+    rc, text, ended = stopped_job(tmp_path / "tp", 4, "stop:1:3", "--tp", "2", "--steps", "6")
+    assert_named(rc, text, ended, "tensor-parallel allreduce of a block's output", 3)
+    assert (tmp_path / "tp" / "checkpoints" / "latest").read_text().strip() == "ckpt-00000002.h5"
+
+
 # ---- the overlapped reduce-scatter, end to end (it shares the step's collectives with the timeout) ----
 def test_overlap_and_no_overlap_train_alike(tmp_path, run_train):
     """Buckets started during backward (small buckets, --grad-accum 2: only the last micro-batch
