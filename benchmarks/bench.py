@@ -23,7 +23,7 @@ import numpy as np
 
 from benchmarks.step import SIZES, checks, memory, speed
 
-SPLIT = ("fwd_bwd_ms", "reduce_scatter_ms", "optimizer_ms", "allgather_ms", "step_ms")
+SPLIT = ("fwd_bwd_ms", "reduce_ms", "optimizer_ms", "eval_ms", "checks_ms", "step_ms")   # the step's phases
 
 
 def step_split(run_dirs: list[str], eval_every: int = 0) -> None:
@@ -47,19 +47,20 @@ def step_split(run_dirs: list[str], eval_every: int = 0) -> None:
     print(overhead(rows, eval_every or summary["train_config"]["eval_every"]))
     if len(sizes) == 1 and any("comm" in r for r in rows):  # runs of one model on one world size
         from capstone.observe.accounting import comm_summary, format_comm_summary
-        padded, world = sizes.pop()
-        print("collectives per step over the same steps (rank 0's clock, median; nccl-tests bytes S, algbw, busbw):")
-        print("  " + format_comm_summary(comm_summary(rows, padded, world, skip_first=False)).replace("\n", "\n  "))
+        print("collectives per step over the same steps (rank 0's clock, median of the time waited for each; "
+              "nccl-tests bytes S, algbw, busbw):")
+        print("  " + format_comm_summary(comm_summary(rows, skip_first=False)).replace("\n", "\n  "))
 
 
 def overhead(rows: list[dict], eval_every: int) -> str:
-    """The whole step (checks, evaluation, logging) over its core: forward+backward, communication
-    and Adam, summed over the rows; and, from the non-evaluation steps and the cost of one
-    evaluation, the ratio of a run that evaluates every `eval_every` steps."""
-    core = lambda r: r["fwd_bwd_ms"] + r["comm_ms"] + r["optimizer_ms"]  # noqa: E731
+    """The whole step (checks, evaluation, logging) over its core: forward+backward, the gradient
+    reduction and the update (Adam and its allgather), summed over the rows; and, from the
+    non-evaluation steps and the cost of one evaluation, the ratio of a run that evaluates every
+    `eval_every` steps."""
+    core = lambda r: r["fwd_bwd_ms"] + r["reduce_ms"] + r["optimizer_ms"]  # noqa: E731
     extra = lambda rs: statistics.mean(r["step_ms"] - core(r) for r in rs)  # noqa: E731
     plain, evals = [r for r in rows if r["eval_loss"] is None], [r for r in rows if r["eval_loss"] is not None]
-    line = (f"whole step / (fwd_bwd + comm + optimizer): {sum(r['step_ms'] for r in rows) / sum(map(core, rows)):.3f} "
+    line = (f"whole step / (fwd_bwd + reduce + optimizer): {sum(r['step_ms'] for r in rows) / sum(map(core, rows)):.3f} "
             f"over these {len(rows)} steps ({len(evals)} evaluating)")
     if plain and evals:
         per_eval = extra(evals) - extra(plain)

@@ -15,7 +15,6 @@ import numpy as np
 
 from benchmarks.torch_worker import TorchWorker
 
-
 # ---- the single-thread training step: capstone (and PyTorch eager) at three sizes -----------------
 
 # (name, model config, sequences per step): the sizes of issue 11's table (medium as the `medium`

@@ -15,13 +15,13 @@ import dataclasses
 import sys
 import time
 
+from benchmarks.torch_worker import TorchWorker
 from capstone import cli
 from capstone.config import ConfigError
 from capstone.data import open_data
 from capstone.data.heldout import HeldOut
-from capstone.model.params import Layout, init_params
 from capstone.lr import learning_rate
-from benchmarks.torch_worker import TorchWorker
+from capstone.model.params import Layout, init_params
 
 
 def settings_for(argv: list[str]) -> cli.Settings:

@@ -1,8 +1,8 @@
 """`python -m benchmarks.tp_split RUN_DIR ...`: the per-step time split of --tp runs (rank 0's clock).
 
 compute = forward+backward minus the f/g allreduces inside it; tp_allreduce = those allreduces
-(including the wait for the slowest TP rank; their calls and summed bytes per step too); then the
-DP reduce-scatter, Adam, the allgather.
+(including the wait for the slowest TP rank, and the held-out forward's on evaluation steps; their
+calls and summed bytes per step too); then the DP reduce-scatter, Adam, the allgather.
 Steps 2.. of every run (step 1 pays one-off warm-up); median ms.
 """
 
@@ -19,14 +19,21 @@ def split(run_dir: str) -> dict:
         rows = {r["step"]: r for r in map(json.loads, f) if "step" in r}
     with open(os.path.join(run_dir, "summary.json")) as f:
         s = json.load(f)
-    keep = [{**r, "compute_ms": r["fwd_bwd_ms"] - r.get("tp_allreduce_ms", 0.0)}
-            for step, r in sorted(rows.items()) if step >= 2]
-    med = lambda key: statistics.median(r.get(key, 0.0) for r in keep)   # noqa: E731
+    keep = [r for step, r in sorted(rows.items()) if step >= 2]
+
+    def med(get):
+        return statistics.median(get(r) for r in keep)
+
+    def comm_ms(r, kind):
+        return r.get("comm", {}).get(kind, {}).get("ms", 0.0)
     tp = [r["comm"]["tp_allreduce"] for r in keep if "tp_allreduce" in r.get("comm", {})]
-    return {"world": s["world_size"], "padded": s["padded"], "compute": med("compute_ms"),
+    return {"world": s["world_size"], "padded": s["padded"],
+            "compute": med(lambda r: r["fwd_bwd_ms"] - comm_ms(r, "tp_allreduce")),
             "tp_MB": tp[-1]["bytes"] / 2**20 if tp else 0.0, "tp_calls": tp[-1]["calls"] if tp else 0,
-            "tp_allreduce": med("tp_allreduce_ms"), "reduce_scatter": med("reduce_scatter_ms"),
-            "adam": med("optimizer_ms"), "allgather": med("allgather_ms"), "step": med("step_ms")}
+            "tp_allreduce": med(lambda r: comm_ms(r, "tp_allreduce")),
+            "reduce_scatter": med(lambda r: comm_ms(r, "reduce_scatter")),
+            "adam": med(lambda r: r["optimizer_ms"] - comm_ms(r, "allgather")),
+            "allgather": med(lambda r: comm_ms(r, "allgather")), "step": med(lambda r: r["step_ms"])}
 
 
 def main(argv: list[str]) -> None:

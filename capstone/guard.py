@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-
 UPDATE_REASONS = ("update_nonfinite", "eval_spike")
 
 

@@ -27,13 +27,13 @@ from capstone.checkpoint.cadence import Cadence
 from capstone.checkpoint.saver import Checkpointer, RunIdentity
 from capstone.cli import RunOptions, Settings
 from capstone.config import ConfigError, ModelConfig, TrainConfig
-from capstone.data.heldout import HeldOut
 from capstone.data import open_data
+from capstone.data.heldout import HeldOut
 from capstone.data.tokens import load_meta
 from capstone.guard import Guard
 from capstone.hooks import Hooks
-from capstone.model.gpt import Model
 from capstone.model.fingerprint import fingerprint
+from capstone.model.gpt import Model
 from capstone.model.params import Layout, init_params
 from capstone.observe import provenance, report
 from capstone.parallel import grid as grids

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -73,6 +74,36 @@ def step_rows(out, key=None) -> list:
                 rows[r["step"]] = r
     ordered = [rows[k] for k in sorted(rows)]
     return ordered if key is None else [r[key] for r in ordered]
+
+
+def launch(n, *args, env_extra=None):
+    """mpirun as scripts/run starts it (scripts/env.sh sourced), in the background."""
+    env = {k: v for k, v in mpi_env().items() if k != "OMPI_MCA_odls_base_sigkill_timeout"}  # env.sh's 3 s
+    env.update(CAPSTONE_VENV=sys.prefix, **(env_extra or {}))
+    cmd = ["bash", "-c", 'source "$0/scripts/env.sh" && exec "${MPIRUN[@]}" "$@"', ROOT, "-n", str(n),
+           "python", "-m", "capstone.train", *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+
+
+def wait_for_steps(out, n, timeout=60):
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + timeout
+    while time.time() < deadline and (not metrics.exists() or metrics.read_text().count('"step"') < n):
+        time.sleep(0.05)
+    assert metrics.read_text().count('"step"') >= n
+
+
+def children(pid):
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            pass
+    return found
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,10 @@ the ZeRO paper's own numbers) and a real run's measured memory against it."""
 
 import pytest
 
-from conftest import mpirun, summary
-
 from capstone.observe import accounting as acc
 from capstone.observe.accounting import Collective
+
+from conftest import mpirun, summary
 
 SIZES = (1, 7536, 1 << 20)  # elements per rank: tiny, the default model's shard on 4 ranks, 4 MiB
 WORLDS = (1, 3, 4)

@@ -10,9 +10,9 @@ import autograd.numpy as anp
 import numpy as np
 import pytest
 
+from capstone.config import ModelConfig
 from capstone.model import backward, blocks, kernels
 from capstone.model.backward import value_and_grad_into
-from capstone.config import ModelConfig
 from capstone.model.gpt import Model, loss_sum
 from capstone.model.params import Layout, init_params
 

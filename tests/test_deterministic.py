@@ -9,6 +9,7 @@ import os
 import pytest
 
 from capstone import checkpoint
+
 from conftest import mpirun, step_rows
 
 # clipping, weight decay and a schedule on, so the global-scalar paths are exercised too
@@ -107,9 +108,9 @@ def one_rank_run(tmp_path, **train):
 def test_default_mode_builds_none_of_it(tmp_path):
     """The default step is the code it was: the bucketed reducer and the row-split HeldOut (its
     speed is the bench's); --deterministic chooses its reducer and held-out blocks."""
+    from capstone.data.heldout import HeldOut
     from capstone.parallel import deterministic
     from capstone.parallel.buckets import BucketReducer
-    from capstone.data.heldout import HeldOut
     run = one_rank_run(tmp_path / "a", grad_accum=2)
     assert type(run.reducer) is BucketReducer and type(run.heldout) is HeldOut
     det = one_rank_run(tmp_path / "b", grad_accum=2, deterministic=True)
@@ -120,6 +121,7 @@ def test_default_mode_builds_none_of_it(tmp_path):
 def test_deterministic_gradient_is_the_same_gradient(tmp_path):
     """Same math, another order: the tree-summed gradient, loss and norm match the default ones to rounding."""
     import numpy as np
+
     from capstone.parallel.reduce import Flags
     runs = [one_rank_run(tmp_path / m, grad_accum=3, deterministic=m == "det") for m in ("default", "det")]
     batches = [runs[0].data.micro_batch(0, j, 0, 1) for j in range(3)]

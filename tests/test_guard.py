@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import by_step, mpi_env, mpirun, summary
-
 from capstone.cli import RunOptions, Settings
 from capstone.config import ModelConfig, TrainConfig
-from capstone.parallel.comm import Comm
 from capstone.guard import Guard
 from capstone.lr import learning_rate
+from capstone.parallel.comm import Comm
 from capstone.run import build
+
+from conftest import by_step, mpi_env, mpirun, summary
 
 
 def metrics(out):
@@ -192,8 +192,8 @@ def test_huge_gradient_that_overflows_adam_v_is_caught():
     from capstone.parallel.zero import ZeroAdam
     cfg = ModelConfig(vocab_size=5, seq_len=2, d_model=4, n_heads=1, n_layers=1)
     from capstone.parallel.buckets import BucketReducer
-    from capstone.parallel.launch import serial
     from capstone.parallel.grid import Grid
+    from capstone.parallel.launch import serial
     from capstone.parallel.reduce import Flags
     layout = Layout.for_model(cfg, 1)
     params, grads = layout.zeros(), layout.zeros()

@@ -19,11 +19,10 @@ import tempfile
 import h5py
 import pytest
 
-from conftest import ROOT, mpi_env, mpirun, summary
-
-from capstone.checkpoint import resume
-from capstone.checkpoint import files, integrity
+from capstone.checkpoint import files, integrity, resume
 from capstone.checkpoint.__main__ import main as checkpoint_main
+
+from conftest import ROOT, mpi_env, mpirun, summary
 
 CLEAN = "not a valid checkpoint"
 

@@ -12,13 +12,13 @@ import pytest
 from autograd.core import primitive_vjps
 from autograd.tracer import getval
 
-from capstone.model import kernels
 from capstone.config import ConfigError, ModelConfig
 from capstone.data.synthetic import DataStream, make_corpus
-from capstone.model.ops import causal_attention, cross_entropy_sum, embed, gelu, layer_norm, linear, linear_gelu
-from capstone.model.kernels import causal_mask
+from capstone.model import kernels
 from capstone.model.blocks import ALONE, block, embedding, head_loss
 from capstone.model.gpt import logits, loss_and_grad, loss_sum
+from capstone.model.kernels import causal_mask
+from capstone.model.ops import causal_attention, cross_entropy_sum, embed, gelu, layer_norm, linear, linear_gelu
 from capstone.model.params import Layout, group_shapes, init_params
 
 CFG = ModelConfig(vocab_size=11, seq_len=5, d_model=8, n_heads=2, n_layers=2)

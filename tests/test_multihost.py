@@ -35,9 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import hosts as H
+import pytest
 
 REQUIRE = os.environ.get("CAPSTONE_REQUIRE_HOSTS") == "1"
 

@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from conftest import ROOT, mpi_env, mpirun, summary
-
 from capstone.observe import accounting as acc
 from capstone.observe import report, runlog
 from capstone.observe.accounting import Collective
+
+from conftest import ROOT, mpi_env, mpirun, summary
 
 ROW = re.compile(r"^\s*(\d+)\s")
 
@@ -238,6 +238,7 @@ def test_tensorboard_without_the_package_says_how_to_install(tmp_path):
 def read_scalars(directory) -> dict:
     """tag -> [(step, value)] of the event files in `directory` (TFRecord framing, tensorboardX's protos)."""
     import struct
+
     from tensorboardX.proto import event_pb2
     out = {}
     for name in sorted(os.listdir(directory)):

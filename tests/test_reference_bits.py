@@ -3,8 +3,6 @@ BEFORE (the last one before it) and the current code, run here on the same machi
 round differently on other CPUs, so recorded values would test the machine), give the same losses,
 norms, fingerprints and checkpoint digests at every step. Needs the repository's history (a clone)."""
 
-import json
-import os
 import subprocess
 import tarfile
 

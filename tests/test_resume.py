@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from conftest import ROOT, flip_shard_byte, by_step, mpi_env, mpirun, summary
-
 from capstone.checkpoint import files, integrity
+
+from conftest import ROOT, by_step, flip_shard_byte, mpi_env, mpirun, summary
 
 
 @pytest.fixture

@@ -9,9 +9,10 @@ import pytest
 
 from capstone.checkpoint import open_verified
 from capstone.config import ModelConfig
-from capstone.model.gpt import Model
 from capstone.model.fingerprint import fingerprint
+from capstone.model.gpt import Model
 from capstone.model.params import Layout, init_params
+
 from conftest import mpirun, step_rows, summary
 
 GLOBAL = 16   # sequences per step: 4 ranks x batch 4 (the reference), or 1 rank x grad-accum 4

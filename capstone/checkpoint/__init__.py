@@ -26,14 +26,23 @@ import secrets
 import h5py
 import numpy as np
 
-from capstone.hooks import NONE
-from capstone.parallel.zero import ROWS, ShardState
 from capstone.checkpoint import files, integrity, reader
 from capstone.checkpoint.digest import CHUNK, distributed_roots, sha256_hex
 from capstone.checkpoint.files import CheckpointError, CorruptCheckpoint
 from capstone.checkpoint.integrity import check_file
-from capstone.checkpoint.reader import (FORMAT, HEADER, VERSION, dataset_name, open_verified, read_dataset, read_meta,
-                     root_attributes, verify_contents)
+from capstone.checkpoint.reader import (
+    FORMAT,
+    HEADER,
+    VERSION,
+    dataset_name,
+    open_verified,
+    read_dataset,
+    read_meta,
+    root_attributes,
+    verify_contents,
+)
+from capstone.hooks import NONE
+from capstone.parallel.zero import ROWS, ShardState
 
 __all__ = ["CheckpointError", "CorruptCheckpoint", "FORMAT", "HEADER", "VERSION", "agree", "check_file",
            "dataset_name", "load", "mpi_io_available", "open_verified", "read_dataset", "read_meta", "read_meta_file",

@@ -15,10 +15,10 @@ import json
 import h5py
 import numpy as np
 
-from capstone.parallel.zero import ROWS
 from capstone.checkpoint import integrity
 from capstone.checkpoint.digest import sha256_hex
 from capstone.checkpoint.files import CheckpointError, CorruptCheckpoint
+from capstone.parallel.zero import ROWS
 
 FORMAT = "capstone-checkpoint"
 VERSION = 2

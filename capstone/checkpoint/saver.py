@@ -17,8 +17,8 @@ import numpy as np
 from capstone import checkpoint
 from capstone.config import ModelConfig, TrainConfig
 from capstone.hooks import NONE
-from capstone.state import RunState
 from capstone.parallel.zero import ShardState
+from capstone.state import RunState
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ import numpy as np
 from autograd import make_vjp
 from autograd.extend import defvjp, primitive, vspace
 
-
 _grad_hook = None   # called as _grad_hook(sink) after each tap's gradient has landed in its sink
 
 

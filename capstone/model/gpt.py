@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from capstone.config import ModelConfig
 from capstone.model.backward import value_and_grad_into
 from capstone.model.blocks import ALONE, block, embedding, head_logits, head_loss
-from capstone.config import ModelConfig
 from capstone.model.params import Layout, group_shapes
 
 

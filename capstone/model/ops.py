@@ -7,10 +7,23 @@ tests (each hand-written VJP against finite differences) compose.
 
 from __future__ import annotations
 
-from capstone.model.kernels import (_add, _attention_bwd, _attention_fwd, _embed_bwd, _embed_fwd, _gelu_fwd,
-                                    _gelu_grad, _linear_fwd, _linear_gelu_fwd, _ln_bwd, _ln_fwd, _mm,
-                                    _xent_fwd, _xent_grad_inplace, define)
-
+from capstone.model.kernels import (
+    _add,
+    _attention_bwd,
+    _attention_fwd,
+    _embed_bwd,
+    _embed_fwd,
+    _gelu_fwd,
+    _gelu_grad,
+    _linear_fwd,
+    _linear_gelu_fwd,
+    _ln_bwd,
+    _ln_fwd,
+    _mm,
+    _xent_fwd,
+    _xent_grad_inplace,
+    define,
+)
 
 embed = define("embed", _embed_fwd, _embed_bwd)
 

@@ -21,7 +21,6 @@ import time
 
 from mpi4py import MPI
 
-
 FLOOR_S = 300.0      # the automatic timeout is never below this
 STEP_MULT = 20.0     # ... nor below this many times the longest step measured so far
 SPIN_S = 0.002       # poll without sleeping for this long when ranks share cores (oversubscribed)
@@ -87,7 +86,7 @@ class Deadline:
                 os.sched_yield()   # a pure spin on a dedicated core; lets a peer run on a shared one
             else:
                 if now - t0 >= limit:
-                    from capstone.parallel import timeout   # (its own module: the failure path)
+                    from capstone.parallel import timeout  # (its own module: the failure path)
                     timeout.expire(self, what, now - t0)
                 time.sleep(sleep)
                 sleep = min(2 * sleep, MAX_SLEEP_S)

@@ -16,9 +16,9 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
-from capstone.runtime import lock
 from capstone.checkpoint import files
 from capstone.config import ConfigError
+from capstone.runtime import lock
 
 MIB = 1 << 20
 

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from capstone.config import ConfigError, ModelConfig, TrainConfig
 from capstone.checkpoint.cadence import Cadence
-from capstone.checkpoint.saver import Checkpointer
+from capstone.checkpoint.saver import Checkpointer, RunIdentity
+from capstone.config import ConfigError, ModelConfig, TrainConfig
 from capstone.model.backward import value_and_grad_into
 from capstone.model.gpt import loss_and_grad, loss_sum
 from capstone.model.params import Layout, init_params
@@ -17,7 +17,6 @@ from capstone.parallel import tensor as tp
 from capstone.parallel.comm import Comm
 from capstone.parallel.grid import Grid
 from capstone.parallel.zero import ShardState
-from capstone.checkpoint.saver import RunIdentity
 from capstone.state import RunState
 
 CFG = ModelConfig()   # reference: 4 heads, d_model 32

@@ -5,10 +5,10 @@ import sys
 
 import pytest
 
-from conftest import ROOT, by_step, mpi_env, mpirun, step_rows, summary
-
 from capstone.cli import parse
 from capstone.presets import PRESETS
+
+from conftest import ROOT, by_step, mpi_env, mpirun, step_rows, summary
 
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
         "First Citizen:\nYou are all resolved rather to die than to famish?\n\n") * 40

@@ -186,8 +186,8 @@ def test_training_checkpoints_resume_and_data_without_pickle(world, shared_tmp, 
     dataset, all with pickle made to raise (catches: a lowercase mpi4py collective, np.load with
     allow_pickle, an object dtype in a checkpoint)."""
     from capstone.checkpoint.__main__ import main as checkpoint_tool
-    from capstone.prepare import prepare
     from capstone.data.tokens import TokenData
+    from capstone.prepare import prepare
     out = os.path.join(shared_tmp, "run")
     run = _run(world, out, steps=3, ckpt_every=2)
     start(run)

@@ -153,6 +153,7 @@ def test_overlap_and_no_overlap_train_alike(tmp_path, run_train):
     may start them) give the --no-overlap run's losses and parameters: bit for bit, and within
     rtol 1e-6 as the acceptance bound; both pass every invariant."""
     import numpy as np
+
     from conftest import by_step, summary
     runs = {}
     for name, flags in (("overlap", ["--bucket-mb", "0.01"]), ("no-overlap", ["--no-overlap"])):
@@ -176,7 +177,6 @@ def test_overlap_and_no_overlap_train_alike(tmp_path, run_train):
 def test_spin_long_only_when_every_rank_has_a_core(monkeypatch, env, dedicated):
     """Waiting ranks spin 50 ms before sleeping when each has a core (sleeping only adds latency
     there), 2 ms when ranks share cores (a spinner would take a peer's CPU)."""
-    from mpi4py import MPI
     from capstone.parallel import deadline, launch
     for k in ("OMPI_MCA_mpi_oversubscribe", "OMPI_MCA_mpi_yield_when_idle"):
         monkeypatch.delenv(k, raising=False)

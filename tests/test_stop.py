@@ -1,0 +1,116 @@
+"""Stopping a run: a signal to one rank stops every rank at a step boundary; Ctrl-C, SIGTERM to
+mpirun or to the ranks save a checkpoint that --resume continues; Ctrl-Z then fg carries on."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from capstone.checkpoint import files
+
+from conftest import ROOT, children, launch, mpi_env, mpirun, summary, wait_for_steps
+
+
+def find_rank_pid(tag: str, rank: int, timeout: float = 30) -> int:
+    """pid of the rank process whose environment holds CAPSTONE_TEST_TAG=tag (set for this job only)."""
+    want = {f"CAPSTONE_TEST_TAG={tag}".encode(), f"OMPI_COMM_WORLD_RANK={rank}".encode()}
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if want <= set(f.read().split(b"\0")):
+                        return int(pid)
+            except OSError:
+                continue
+        time.sleep(0.1)
+    raise AssertionError(f"no rank {rank} process with tag {tag}")
+
+
+@pytest.mark.parametrize("sig, rank", [(signal.SIGUSR1, 2), (signal.SIGTERM, 1)])
+def test_a_signal_to_one_rank_stops_every_rank_at_a_step_boundary(tmp_path, sig, rank):
+    """SIGUSR1 or SIGTERM delivered to ONE rank (not rank 0, not through mpirun): all ranks agree to
+    checkpoint at the next step, the run ends 'preempted' with exit 0 (catches: a stop request
+    honoured on rank 0 only, or SIGTERM not handled)."""
+    out, tag = tmp_path / "run", uuid.uuid4().hex
+    cmd = ["mpirun", "-n", "3", "--oversubscribe", sys.executable, "-m", "capstone.train", "--out", str(out),
+           "--steps", "40", "--ckpt-every", "0", "--sleep-per-step", "0.2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**mpi_env(), "CAPSTONE_TEST_TAG": tag}, cwd=ROOT)
+    try:
+        pid = find_rank_pid(tag, rank)
+        deadline = time.time() + 60
+        while time.time() < deadline and (not (out / "metrics.jsonl").exists()
+                                          or (out / "metrics.jsonl").read_text().count('"step"') < 2):
+            time.sleep(0.05)
+        os.kill(pid, sig)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stderr
+    s = summary(out)
+    assert s["status"] == "preempted" and 2 <= s["final_step"] < 40, s["final_step"]
+    assert [c["step"] for c in s["checkpoints"]] == [s["final_step"]]
+    assert files.read_pointer(str(out / "checkpoints")).endswith(files.final_name(s["final_step"]))
+    assert f"stopped at step {s['final_step']}" in stdout
+
+
+
+
+
+
+
+
+def verify(path):
+    return subprocess.run([sys.executable, "-m", "capstone.checkpoint", "verify", str(path)],
+                          capture_output=True, text=True, env=mpi_env())
+
+
+@pytest.mark.parametrize("how", ["SIGINT to mpirun", "SIGTERM to mpirun", "SIGINT to the ranks"])
+def test_interrupt_saves_a_checkpoint_that_resume_continues(tmp_path, how):
+    """A 1.5 s step (--sleep-per-step) and no periodic checkpoint: the stop itself must save."""
+    out = tmp_path / "run"
+    proc = launch(2, "--out", out, "--steps", "100", "--ckpt-every", "0", "--sleep-per-step", "1.5")
+    wait_for_steps(out, 2)
+    sig = signal.SIGTERM if "TERM" in how else signal.SIGINT
+    t0 = time.time()
+    for pid in children(proc.pid) if "ranks" in how else [proc.pid]:
+        os.kill(pid, sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    elapsed = time.time() - t0
+    s = summary(out)
+    step = s["final_step"]
+    assert s["status"] == "preempted" and 2 <= step < 100, stderr
+    path = out / "checkpoints" / files.final_name(step)
+    assert f"stopped at step {step} on " in stdout and f"saved checkpoint {path}" in stdout
+    assert stderr.count("saving a checkpoint at the end of this step") == 1
+    assert files.read_pointer(str(out / "checkpoints")) == str(path) and verify(path).returncode == 0
+    assert proc.returncode == (0 if "ranks" in how else 1), stderr  # mpirun exits 1 once it is interrupted
+    assert elapsed < 15, f"{how}: {elapsed:.1f} s from the signal to the exit"
+    if how != "SIGTERM to mpirun":
+        return  # resuming is the same for all three; once is enough
+    res = mpirun(2, "--out", out, "--steps", str(step + 2), "--resume", "latest")
+    assert res.returncode == 0, res.stderr
+    assert summary(out)["start_step"] == step and summary(out)["final_step"] == step + 2
+
+
+def test_ctrl_z_then_fg_does_not_stop_the_run(tmp_path):
+    """Ctrl-Z reaches the ranks as SIGSTOP and fg as SIGCONT, the same SIGCONT that starts mpirun's
+    kill sequence: after a real stop the run must carry on."""
+    out = tmp_path / "run"
+    proc = launch(2, "--out", out, "--steps", "100", "--ckpt-every", "0", "--sleep-per-step", "0.1")
+    wait_for_steps(out, 3)
+    proc.send_signal(signal.SIGTSTP)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGCONT)
+    steps = (out / "metrics.jsonl").read_text().count('"step"')
+    wait_for_steps(out, steps + 5)
+    proc.send_signal(signal.SIGUSR1)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "on SIGUSR1" in stdout, stderr
