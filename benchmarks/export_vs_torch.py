@@ -1,0 +1,60 @@
+"""capstone's logits against the exported file's in plain PyTorch (benchmarks/gpt2_torch.py).
+
+    python -m benchmarks.export_vs_torch RUN_DIR_or_CKPT --torch TORCH_PYTHON [--sequences 8]
+
+Exports the checkpoint with `capstone.export`, computes capstone's logits (capstone.model.gpt.logits)
+for random full-length sequences, hands the ids and logits to TORCH_PYTHON as a safetensors file
+(never pickle) and prints the largest absolute difference of the torch module's logits; exit 1
+when it exceeds 1e-5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from capstone.export import export
+from capstone.model.gpt import logits
+from capstone.model.params import Layout
+from capstone.sample import load_checkpoint, resolve
+
+TOLERANCE = 1e-5
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.export_vs_torch", description=__doc__.splitlines()[0])
+    p.add_argument("target", metavar="RUN_DIR_or_CKPT")
+    p.add_argument("--torch", required=True, metavar="PYTHON", help="a Python with torch and safetensors")
+    p.add_argument("--sequences", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    path = resolve(args.target)
+    meta, cfg, params = load_checkpoint(path)
+    ids = np.random.default_rng(args.seed).integers(0, cfg.vocab_size, (args.sequences, cfg.seq_len), dtype=np.int32)
+    want = logits(Layout.for_model(cfg, 1).groups(params), ids, cfg).reshape(args.sequences, cfg.seq_len, -1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model, inputs = os.path.join(tmp, "model.safetensors"), os.path.join(tmp, "inputs.safetensors")
+        export(path, model)
+        save_file({"ids": ids.astype(np.int64), "logits": np.ascontiguousarray(want, np.float32)}, inputs)
+        run = subprocess.run([args.torch, os.path.join(HERE, "gpt2_torch.py"), model, inputs], capture_output=True,
+                             text=True)
+    if run.returncode != 0:
+        sys.exit(f"the torch side failed (exit {run.returncode}):\n{run.stderr}")
+    r = json.loads(run.stdout)
+    ok = r["max_abs_diff"] <= TOLERANCE
+    print(f"{path} (step {meta['step']}, {cfg}): max |logit difference| {r['max_abs_diff']:.3g} over {r['logits']} "
+          f"logits ({args.sequences} x {cfg.seq_len} positions x {cfg.vocab_size}), torch {r['torch']}: "
+          f"{'within' if ok else 'ABOVE'} {TOLERANCE:g}; logits span {float(want.min()):.2f}..{float(want.max()):.2f}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
