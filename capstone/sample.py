@@ -73,6 +73,7 @@ def load_checkpoint(path: str) -> tuple[dict, ModelConfig, np.ndarray]:
 
 
 MAX_SAMPLES = 10000
+TOP_K = 40                      # --top-k when not given (at most the vocabulary size)
 
 
 def _prompt_text(args) -> str | None:
@@ -123,7 +124,7 @@ def check_args(args) -> None:
         bad.append(f"--tokens {args.tokens}: generate at least 1 token")
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
         bad.append(f"--temperature {args.temperature}: must be a finite number >= 0 (0: greedy; 0.8 is typical)")
-    if args.top_k < 0:
+    if args.top_k is not None and args.top_k < 0:
         bad.append(f"--top-k {args.top_k}: must be >= 0 (0: all tokens)")
     if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
         bad.append(f"--top-p {args.top_p}: must be in (0, 1] (1: off; 0.9 is typical)")
@@ -149,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=500, help="number of new tokens per sample")
     p.add_argument("--num-samples", type=int, default=1, help="samples to draw; sample i uses seed SEED+i")
     p.add_argument("--temperature", type=float, default=0.8, help="divide the logits by this (0: greedy)")
-    p.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens only (0: all)")
+    p.add_argument("--top-k", type=int, default=None, help=f"sample among the k most likely tokens only (0: all; "
+                                                          f"default {TOP_K}, or the vocabulary size if smaller)")
     p.add_argument("--top-p", type=float, default=1.0, help="then among the fewest most likely tokens whose "
                                                             "probability reaches p (1: all)")
     p.add_argument("--seed", type=int, default=1, help="seed of the sampler: the same seed gives the same text")
@@ -166,13 +168,14 @@ def run(args) -> int:
     meta, cfg, params = load_checkpoint(path)
     vocab = load_vocab(meta, cfg, args.data, path)
     limit = vocab.tokenizer.vocab_size if vocab else cfg.vocab_size
-    if args.top_k > limit:
+    if args.top_k is not None and args.top_k > limit:
         raise SampleError(2, f"--top-k {args.top_k} is larger than the vocabulary ({limit} tokens); pass 0 (all) "
                              f"or at most {limit}.")
+    top_k = min(TOP_K, limit) if args.top_k is None else args.top_k
     prompt = prompt_ids(args, vocab, limit)
     start, cpu, texts = time.perf_counter(), time.process_time(), []
     for i in range(args.num_samples):
-        new = generate(params, cfg, prompt, args.tokens, args.temperature, args.top_k, args.seed + i,
+        new = generate(params, cfg, prompt, args.tokens, args.temperature, top_k, args.seed + i,
                        not args.no_kv_cache, args.top_p, limit)
         texts.append(" ".join(map(str, prompt + new)) if vocab is None else vocab.tokenizer.decode(prompt + new))
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
