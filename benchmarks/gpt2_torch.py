@@ -3,11 +3,13 @@
     TORCH_PYTHON benchmarks/gpt2_torch.py MODEL.safetensors INPUTS.safetensors
 
 needs only torch and safetensors (no capstone): it loads the model, computes the logits of INPUTS'
-`ids` and prints, as JSON, the largest absolute difference from INPUTS' `logits` (capstone's).
+`ids` in float32 and in float64 and prints, as JSON, the largest absolute difference of each from
+INPUTS' `logits` (capstone's, float32) and from each other (float32's own rounding).
 docs/export.md shows the module part of this file (tests/test_export.py keeps the two the same).
 """
 
 import json
+import math
 import sys
 
 import torch
@@ -37,7 +39,9 @@ class Attention(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in self.c_attn(x).split(C, dim=2))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)      # scale 1/sqrt(C/heads)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // self.heads))
+        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))   # causal
+        y = att.softmax(dim=-1) @ v
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -90,10 +94,13 @@ def load(path):
 
 def main(model_path, inputs_path):
     inputs = load_file(inputs_path)
+    ids, model = inputs["ids"].long(), load(model_path)
     with torch.no_grad():
-        got = load(model_path)(inputs["ids"].long())
-    want = inputs["logits"].reshape(got.shape)
-    print(json.dumps({"max_abs_diff": float((got - want).abs().max()), "logits": got.numel(),
+        f32 = model(ids).double()
+        f64 = model.double()(ids)
+    want = inputs["logits"].double().reshape(f32.shape)
+    print(json.dumps({"max_abs_diff": float((f32 - want).abs().max()), "float64_vs_capstone": float((f64 - want).abs().max()),
+                      "float32_vs_float64": float((f32 - f64).abs().max()), "logits": f32.numel(),
                       "torch": torch.__version__}))
 
 
