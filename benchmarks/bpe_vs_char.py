@@ -43,16 +43,24 @@ def prepare(work: str, vocab: int | None) -> str:
     return out
 
 
-def train(work: str, data: str, steps: int, ranks: int) -> tuple[str, float, int]:
+def train(work: str, data: str, steps: int, ranks: int, reuse: bool) -> tuple[str, float, int]:
+    """The final checkpoint, wall seconds and exit status of the run (--reuse: of the run already in WORK)."""
     out = os.path.join(work, "run-" + os.path.basename(data)[5:])
+    final = os.path.join(out, "checkpoints", f"ckpt-{steps:08d}.h5")
+    if reuse and os.path.isfile(final) and os.path.isfile(out + ".wall"):
+        with open(out + ".wall") as f:
+            wall, rc = f.read().split()
+        return final, float(wall), int(rc)
     cmd = ["mpirun", "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "capstone.train", "--preset", PRESET,
            "--data", data, "--steps", str(steps), "--out", out, "--quiet"]
     start = time.perf_counter()
     rc = run(cmd, out + ".log")
-    final = os.path.join(out, "checkpoints", f"ckpt-{steps:08d}.h5")
+    wall = time.perf_counter() - start
     if not os.path.isfile(final):
         sys.exit(f"training failed (exit {rc}) before step {steps}: see {out}.log")
-    return final, time.perf_counter() - start, rc
+    with open(out + ".wall", "w") as f:
+        f.write(f"{wall:.1f} {rc}\n")
+    return final, wall, rc
 
 
 def main(argv=None) -> int:
@@ -61,6 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2000, help="steps of the char model (the preset's)")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--work", default="runs/bpe-vs-char", help="datasets, runs and logs go here")
+    p.add_argument("--reuse", action="store_true", help="take the runs already in WORK (same steps) instead of training")
     args = p.parse_args(argv)
     os.makedirs(args.work, exist_ok=True)
     preset = parse(["--preset", PRESET])
@@ -72,19 +81,19 @@ def main(argv=None) -> int:
         per_step = train_flops_per_token(cfg) * cfg.seq_len * batch
         steps = args.steps if budget is None else round(budget / per_step)
         budget = budget or steps * per_step
-        ckpt, wall, rc = train(args.work, data, steps, args.ranks)
+        ckpt, wall, rc = train(args.work, data, steps, args.ranks, args.reuse)
         r = evaluate(ckpt, data)
         rows.append((os.path.basename(data)[5:], cfg.vocab_size, steps, steps * per_step, wall, rc, r,
                      load_meta(data)))
         print(f"done {rows[-1][0]}: {r['bits_per_char']:.4f} bits/char", file=sys.stderr, flush=True)
     print(f"{PRESET} model (4 layers, d_model 128, seq_len 64 tokens, global batch 12) on {args.ranks} ranks; "
           f"held-out: the last 10% of the characters ({rows[0][6]['chars']:,}), every token scored")
-    print(f"{'tokenizer':<10}{'vocab':>6}{'chars/token':>12}{'steps':>7}{'train PFLOP':>12}{'chars seen':>12}"
+    print(f"{'tokenizer':<10}{'vocab':>6}{'chars/token':>12}{'steps':>7}{'train TFLOP':>12}{'chars seen':>12}"
           f"{'nats/token':>11}{'bits/char':>10}{'wall s':>8}")
     for name, vocab, steps, flops, wall, rc, r, meta in rows:   # noqa: B007
         per_token = meta.train.chars / meta.train.tokens
         seen = steps * batch * base.seq_len * per_token
-        print(f"{name:<10}{vocab:>6}{per_token:>12.3f}{steps:>7}{flops / 1e15:>12.3f}{seen / 1e6:>11.2f}M"
+        print(f"{name:<10}{vocab:>6}{per_token:>12.3f}{steps:>7}{flops / 1e12:>12.3f}{seen / 1e6:>11.2f}M"
               f"{r['nats_per_token']:>11.4f}{r['bits_per_char']:>10.4f}{wall:>8.0f}" + (f"  (exit {rc})" if rc else ""))
     return 0
 
