@@ -178,22 +178,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _out_dir(args) -> str:
+    """The figures' directory; a clean error if it is an existing file (before anything is drawn)."""
+    out = args.out or os.path.join(args.runs[0], "plots")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise FileNotFoundError(f"--out {out} exists and is not a directory; pass a directory for the PNGs "
+                                f"(it is created if missing), e.g. --out {out}-plots.")
+    return out
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        out = _out_dir(args)
         runs = [read_run(p, label) for p, label in zip(args.runs, run_labels(args.runs))]
         if not any(run.rows for run in runs):
             raise FileNotFoundError(f"no step rows in {', '.join(args.runs)} yet: nothing to plot")
-        figs = make_figures(runs)
+        paths = save_figures(make_figures(runs), out)
     except (FileNotFoundError, MissingMatplotlib) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"error: cannot write the figures to {args.out or 'RUN_DIR/plots'} ({exc}); pass a writable "
+              f"directory as --out.", file=sys.stderr)
+        return 2
+    lines = []                        # printed after the work: a reader that leaves early loses only lines
     for run in runs:
         state = f"status {run.summary.get('status')}" if run.summary else "running or stopped (no summary.json yet)"
         skipped = f", {run.skipped_lines} unparsable line(s) skipped" if run.skipped_lines else ""
-        print(f"{run.path}: {len(run.rows)} steps, {state}{skipped}")
-    for path in save_figures(figs, args.out or os.path.join(args.runs[0], "plots")):
-        print(f"wrote {path}")
+        lines.append(f"{run.path}: {len(run.rows)} steps, {state}{skipped}")
+    lines += [f"wrote {path}" for path in paths]
+    try:
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:           # `plot RUN | head -1`: the reader has gone; the figures are written
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

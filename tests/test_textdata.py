@@ -1,8 +1,11 @@
-"""capstone.textdata: strict meta.json, memmapped splits, verification, DataStream-compatible sampling."""
+"""capstone.data.tokens / dataset: strict meta.json, memmapped splits, verification, identity, DataStream-compatible
+sampling, and a corrupted train.bin refused by the trainer."""
 
 import hashlib
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +16,7 @@ from capstone.data.synthetic import DataStream
 EVAL_SEQUENCES = 32  # DataStream's default held-out windows
 from capstone.prepare import prepare
 from capstone.data.tokens import DatasetError, TokenData, load_meta
+from conftest import ROOT, mpi_env
 
 T, B, SEED = 8, 3, 5
 
@@ -115,11 +119,26 @@ def test_verify_identity_encode_decode(ds):
     ident = data.identity()
     assert json.loads(json.dumps(ident)) == ident == TokenData(ds, 4, 1, 9).identity()
     assert ident["vocab_size"] == 30 and ident["train_tokens"] + ident["val_tokens"] == 3000
+    assert ident["val_chars"] == 300 and ident["format"] == "capstone-char-tokens" and ident["version"] == 1
     assert ident["train_sha256"] == hashlib.sha256(open(data.train.filename, "rb").read()).hexdigest()
+    assert ident["tokenizer"] == {"kind": "char", "chars": "".join(data.meta.chars)}
+    assert ident["chars_sha256"] == hashlib.sha256("".join(data.meta.chars).encode()).hexdigest()
+    assert len(ident["digest"]) == 64
     assert data.decode(data.encode("äbc\n")) == "äbc\n"
     with pytest.raises(ValueError, match="not in the vocabulary"):
         data.encode("A")
     assert load_meta(ds).decode(data.train[:5]) == data.decode(data.train[:5]) and len(data.decode(data.train[:5])) == 5
+
+
+def test_identity_tells_same_size_vocabularies_apart(tmp_path):
+    """Two texts of the same length over 30 characters each, one character different: the digests differ."""
+    rng = np.random.default_rng(0)
+    for name, alphabet in (("a", "abcdefghijklmnopqrstuvwxyzäöü\n"), ("b", "abcdefghijklmnopqrstuvwxyzäöß\n")):
+        (tmp_path / f"{name}.txt").write_text("".join(rng.choice(list(alphabet), size=3000)), encoding="utf-8")
+        prepare([str(tmp_path / f"{name}.txt")], str(tmp_path / name))
+    a, b = (TokenData(str(tmp_path / n), T, B, SEED).identity() for n in "ab")
+    assert a["vocab_size"] == b["vocab_size"] == 30
+    assert a["chars_sha256"] != b["chars_sha256"] and a["digest"] != b["digest"]
 
 
 def test_flipped_byte_is_refused(ds):
@@ -155,21 +174,28 @@ def test_size_mismatch_and_short_split_are_refused(ds):
 
 BAD_META = {
     "not json": lambda m: "{not json",
-    "NaN": lambda m: json.dumps(m).replace('"version": 1', '"version": NaN'),
-    "duplicate key": lambda m: json.dumps(m)[:-1] + ', "version": 1}',
+    "NaN": lambda m: json.dumps(m).replace('"version": 2', '"version": NaN'),
+    "duplicate key": lambda m: json.dumps(m)[:-1] + ', "version": 2}',
     "not an object": lambda m: "[]",
     "format": lambda m: m.update(format="nanogpt"),
-    "version": lambda m: m.update(version=2),
+    "format list": lambda m: m.update(format=["capstone-tokens"]),
+    "version": lambda m: m.update(version=3),
+    "version 1 with a tokenizer": lambda m: m.update(version=1),
     "version bool": lambda m: m.update(version=True),
     "missing key": lambda m: m.pop("sources"),
     "unknown key": lambda m: m.update(extra=1),
     "dtype": lambda m: m.update(dtype="uint32"),
     "vocab type": lambda m: m.update(vocab_size="30"),
-    "chars unsorted": lambda m: m.update(chars=m["chars"][::-1]),
-    "chars count": lambda m: m.update(chars=m["chars"][:-1]),
-    "chars list": lambda m: m.update(chars=list(m["chars"])),
-    "surrogate": lambda m: m.update(chars=m["chars"][:-1] + "\ud800"),
+    "tokenizer kind": lambda m: m["tokenizer"].update(kind="wordpiece"),
+    "tokenizer keys": lambda m: m["tokenizer"].update(extra=1),
+    "bpe without its file": lambda m: m.update(tokenizer={"kind": "bpe", "file": "tokenizer.json", "sha256": "0" * 64}),
+    "chars unsorted": lambda m: m["tokenizer"].update(chars=m["tokenizer"]["chars"][::-1]),
+    "chars count": lambda m: m["tokenizer"].update(chars=m["tokenizer"]["chars"][:-1]),
+    "chars list": lambda m: m["tokenizer"].update(chars=list(m["tokenizer"]["chars"])),
+    "surrogate": lambda m: m["tokenizer"].update(chars=m["tokenizer"]["chars"][:-1] + "\ud800"),
     "tokens": lambda m: m["splits"]["train"].update(tokens=-1),
+    "split chars": lambda m: m["splits"]["val"].update(chars=m["splits"]["val"]["chars"] + 1),
+    "split chars missing": lambda m: m["splits"]["val"].pop("chars"),
     "sha256": lambda m: m["splits"]["val"].update(sha256="abc"),
     "file": lambda m: m["splits"]["train"].update(file="../train.bin"),
     "splits": lambda m: m["splits"].pop("val"),
@@ -180,7 +206,7 @@ BAD_META = {
 @pytest.mark.parametrize("case", sorted(BAD_META))
 def test_bad_meta_is_refused_cleanly(ds, case):
     rewrite_meta(ds, BAD_META[case])
-    with pytest.raises(DatasetError, match=r"^not a valid dataset: .*meta\.json: .*capstone\.prepare"):
+    with pytest.raises(DatasetError, match=r"^not a valid dataset: .*(meta|tokenizer)\.json: .*capstone\.prepare"):
         TokenData(ds, T, B, SEED)
 
 
@@ -195,3 +221,20 @@ def test_eval_batch_is_val_batch_zero(ds):
     data = TokenData(ds, T, B, SEED)
     full = data.val_batch(0, 32)[0]
     assert np.array_equal(data.eval_batch(0, 1)[0], full) and np.array_equal(data.eval_batch(1, 2)[0], full[1::2])
+
+
+def test_a_corrupted_train_bin_stops_the_trainer_cleanly(ds, tmp_path):
+    """A flipped byte in train.bin: `capstone.train --data` exits 2 before training with one paragraph naming
+    the file and how to re-create it; no traceback."""
+    path = os.path.join(ds, "train.bin")
+    with open(path, "r+b") as f:
+        f.seek(11)
+        byte = f.read(1)
+        f.seek(11)
+        f.write(bytes([byte[0] ^ 0x04]))
+    cmd = ["mpirun", "-n", "1", "--oversubscribe", sys.executable, "-m", "capstone.train", "--data", ds, "--steps", "2",
+           "--seq-len", str(T), "--out", str(tmp_path / "run")]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=120)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "train.bin: sha256" in res.stderr and "capstone.prepare" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists() or not os.listdir(tmp_path / "run" / "checkpoints")

@@ -6,7 +6,8 @@ file's size and sha256 against its digest file (ckpt-*.h5.sha256) before HDF5 pa
 then recompute every sha256 inside (metadata, attributes, each dataset, the logical digests);
 inspect prints the manifest and only the failed checks, verify prints every check.
 `inspect --json` prints one JSON object on stdout (the metadata plus "file", "verified",
-"problems"; or "file", "verified": false, "error"); messages go to stderr.
+"problems"; or "file", "verified": false, "error"); `verify --json` prints "file", "verified",
+"step", "world_size", "checks" (each {"ok", "check"}) and "problems"; messages go to stderr.
 seal writes the digest file of a checkpoint that has none (written before digest files existed)
 after `verify --unsealed` passed in a child process.
 Exit codes: 0 verified (sealed); 1 a check failed or the file is not a valid checkpoint.
@@ -77,7 +78,7 @@ def manifest(path: str, meta: dict) -> None:
 
 
 def inspect_or_verify(args) -> int:
-    as_json = args.command == "inspect" and args.json
+    as_json = args.json
     try:
         path = integrity.resolve(args.target)
         meta, results = load_all(path, require_digest=not args.unsealed)
@@ -88,8 +89,12 @@ def inspect_or_verify(args) -> int:
         return 1
     lines = checks(path, meta, results, sealed=not args.unsealed)
     ok = all(good for good, _ in lines)
-    if as_json:
-        problems = [line for good, line in lines if not good]
+    problems = [line for good, line in lines if not good]
+    if as_json and args.command == "verify":
+        print(json.dumps({"file": path, "verified": ok, "step": meta.get("step"), "world_size": meta.get("world_size"),
+                          "checks": [{"ok": good, "check": line} for good, line in lines], "problems": problems},
+                         indent=2))
+    elif as_json:
         print(json.dumps({**meta, "file": path, "verified": ok, "problems": problems}, indent=2, sort_keys=True))
     elif args.command == "inspect":
         manifest(path, meta)
@@ -134,7 +139,7 @@ def main(argv=None) -> int:
                    help="inspect: print the manifest; verify: check every digest; seal: add a missing digest file")
     p.add_argument("target", metavar="TARGET",
                    help="a ckpt-*.h5 file, a run directory (--out), its checkpoints directory or a latest pointer")
-    p.add_argument("--json", action="store_true", help="inspect: print one JSON object on stdout")
+    p.add_argument("--json", action="store_true", help="inspect, verify: print one JSON object on stdout")
     p.add_argument("--unsealed", action="store_true",
                    help="check a file that has no digest file (HDF5 then parses unverified bytes: a damaged "
                         "file can crash this process; seal runs it in a child process)")

@@ -1,0 +1,182 @@
+"""The two tokenizers of a prepared dataset: characters (the default) and byte-level BPE.
+
+`CharTokenizer` maps each distinct character to an id (sorted by code point). `BPETokenizer` is a
+byte-level BPE trained with Hugging Face `tokenizers` (pinned in scripts/setup) and kept as its JSON
+text, never pickle; the library is imported only when a BPE is trained, encodes or decodes. Both
+`describe()` themselves as JSON-able data that a checkpoint can carry and `from_description` rebuilds.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from capstone.config import ConfigError
+
+TOKENIZERS_PIN = "tokenizers==0.23.3"
+BYTE_ALPHABET = 256              # a byte-level BPE starts from every byte: any text encodes
+MAX_VOCAB = 65535                # uint16 ids 0..65534 (the size itself fits uint16 too)
+
+
+class TokenizerError(ConfigError):
+    """A tokenizer cannot be built or used; the message says what to do."""
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _library():
+    try:
+        import tokenizers
+    except ImportError:
+        raise TokenizerError(f"the BPE tokenizer needs the Hugging Face `tokenizers` library: pip install "
+                             f"{TOKENIZERS_PIN} (scripts/setup installs it), or use --tokenizer char.") from None
+    return tokenizers
+
+
+@dataclass(frozen=True)
+class CharTokenizer:
+    """One token per character; token id i is chars[i] (chars sorted by code point)."""
+
+    chars: tuple[str, ...]
+    kind: ClassVar[str] = "char"
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.chars)
+
+    @property
+    def sha256(self) -> str:
+        return sha256_text("".join(self.chars))
+
+    def encode(self, text: str) -> np.ndarray:
+        """Token ids (int32) of text; every character must be in the vocabulary (ValueError)."""
+        index = {c: i for i, c in enumerate(self.chars)}
+        try:
+            return np.array([index[c] for c in text], dtype=np.int32)
+        except KeyError as exc:
+            c = exc.args[0]
+            raise ValueError(f"character {c!r} (U+{ord(c):04X}) is not in the vocabulary ({self.vocab_size} "
+                             f"characters); use only characters of the prepared text") from None
+
+    def decode(self, ids) -> str:
+        ids = _checked_ids(ids, self.vocab_size)
+        return "".join(self.chars[i] for i in ids.tolist())
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "chars": "".join(self.chars)}
+
+
+@dataclass(frozen=True)
+class BPETokenizer:
+    """A byte-level BPE, held as the JSON text of a Hugging Face `tokenizers.Tokenizer`."""
+
+    json: str
+    kind: ClassVar[str] = "bpe"
+
+    @functools.cached_property
+    def _tok(self):
+        try:
+            return _library().Tokenizer.from_str(self.json)
+        except Exception as exc:    # the library raises its own exception types
+            raise TokenizerError(f"the BPE tokenizer JSON cannot be loaded ({exc}); prepare the dataset "
+                                 f"again with --tokenizer bpe.") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return bpe_vocab_size(self.json)
+
+    @property
+    def sha256(self) -> str:
+        return sha256_text(self.json)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.array(self._tok.encode(text).ids, dtype=np.int32)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(_checked_ids(ids, self.vocab_size).tolist(), skip_special_tokens=False)
+
+    def describe(self) -> dict:
+        return {"kind": self.kind, "sha256": self.sha256, "json": self.json}
+
+
+def _checked_ids(ids, vocab_size: int) -> np.ndarray:
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"token ids must be in [0, {vocab_size}), got {ids.min()}..{ids.max()}")
+    return ids
+
+
+def bpe_vocab_size(text: str) -> int:
+    """Entries of a tokenizer JSON's model vocabulary, read without the library (ValueError if not BPE)."""
+    try:
+        spec = json.loads(text)
+        vocab = spec["model"]["vocab"]
+        if spec["model"].get("type") != "BPE" or not isinstance(vocab, dict) or spec.get("added_tokens"):
+            raise ValueError
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError("not the JSON of a byte-level BPE tokenizer without added tokens") from None
+    return len(vocab)
+
+
+def check_bpe_options(vocab_size: int | None) -> None:
+    """Refuse a BPE vocabulary size out of range, or a missing library, before any work is done."""
+    if vocab_size is not None and not BYTE_ALPHABET <= vocab_size <= MAX_VOCAB:
+        raise TokenizerError(f"--vocab-size {vocab_size}: a byte-level BPE needs {BYTE_ALPHABET} ids for the bytes "
+                             f"and uint16 ids allow at most {MAX_VOCAB}; pass e.g. --vocab-size 512.")
+    _library()
+
+
+def train_bpe(text: str, vocab_size: int) -> BPETokenizer:
+    """A byte-level BPE (GPT-2 pre-tokenization, every byte in the alphabet) trained on `text`; deterministic."""
+    check_bpe_options(vocab_size)
+    lib = _library()
+    tok = lib.Tokenizer(lib.models.BPE())
+    tok.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = lib.decoders.ByteLevel()
+    trainer = lib.trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, special_tokens=[],
+                                      initial_alphabet=lib.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text], trainer)
+    return BPETokenizer(tok.to_str())
+
+
+def from_description(desc) -> CharTokenizer | BPETokenizer:
+    """Rebuild a tokenizer from `describe()`'s output (ValueError if it is not one)."""
+    if isinstance(desc, dict) and desc.get("kind") == "char" and isinstance(desc.get("chars"), str):
+        return CharTokenizer(tuple(desc["chars"]))
+    if isinstance(desc, dict) and desc.get("kind") == "bpe" and isinstance(desc.get("json"), str):
+        tok = BPETokenizer(desc["json"])
+        if tok.sha256 != desc.get("sha256"):
+            raise ValueError(f"the BPE JSON's sha256 {tok.sha256[:16]}... differs from the recorded one")
+        bpe_vocab_size(tok.json)
+        return tok
+    raise ValueError("not a tokenizer description ({'kind': 'char', 'chars': ...} or {'kind': 'bpe', ...})")
+
+
+def _quote(chars) -> str:
+    text = "".join(sorted(chars))
+    return repr(text if len(text) <= 24 else text[:24]) + ("" if len(text) <= 24 else f" and {len(text) - 24} more")
+
+
+def difference(mine, theirs, names=("the checkpoint's", "the dataset's")) -> str:
+    """What differs between two tokenizers, in words ("" if they are the same)."""
+    if mine.kind != theirs.kind:
+        return f"{names[0]} tokenizer is {mine.kind}, {names[1]} is {theirs.kind}"
+    if mine.sha256 == theirs.sha256:
+        return ""
+    if mine.kind == "bpe":
+        return (f"{names[0]} BPE ({mine.vocab_size} tokens, sha256 {mine.sha256[:16]}...) is not {names[1]} "
+                f"({theirs.vocab_size} tokens, sha256 {theirs.sha256[:16]}...)")
+    a, b = set(mine.chars), set(theirs.chars)
+    parts = [f"{names[0]} vocabulary has {mine.vocab_size} characters, {names[1]} {theirs.vocab_size}"]
+    if a - b:
+        parts.append(f"only {names[0]} has {_quote(a - b)}")
+    if b - a:
+        parts.append(f"only {names[1]} has {_quote(b - a)}")
+    return ", ".join(parts)

@@ -1,0 +1,172 @@
+"""capstone.export: GPT-2 names and shapes read back with safetensors' NumPy API, capstone's parameters and logits
+reproduced by an independent NumPy GPT-2 forward of the file, the metadata, clean errors, and the pins of the two
+new libraries kept equal everywhere (no torch here: benchmarks/export_vs_torch.py does the PyTorch side)."""
+
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file
+
+from conftest import ROOT, flip_shard_byte, mpi_env, mpirun
+
+from capstone import export
+from capstone.data.tokenizer import TOKENIZERS_PIN
+from capstone.model.gpt import logits
+from capstone.model.params import Layout
+from capstone.sample import load_checkpoint
+
+TEXT = "It is the east, and Juliet is the sun.\nArise, fair sun, and kill the envious moon.\n" * 30
+BLOCK_NAMES = ["ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight",
+               "attn.c_proj.bias", "ln_2.weight", "ln_2.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight",
+               "mlp.c_proj.bias"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """3 steps on 2 ranks of a small prepared text, d_model 32, 3 layers (checkpoint at step 3)."""
+    tmp = tmp_path_factory.mktemp("export")
+    (tmp / "t.txt").write_text(TEXT, encoding="utf-8")
+    prep = subprocess.run([sys.executable, "-m", "capstone.prepare", str(tmp / "t.txt"), "--out", str(tmp / "data")],
+                          capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=120)
+    assert prep.returncode == 0, prep.stderr
+    res = mpirun(2, "--out", tmp / "run", "--data", tmp / "data", "--steps", 3, "--ckpt-every", 3, "--n-layers", 3,
+                 "--seq-len", 12, "--eval-batch-size", 4, "--quiet")
+    assert res.returncode == 0, res.stdout + res.stderr
+    return str(tmp / "run")
+
+
+@pytest.fixture(scope="module")
+def exported(run, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("file") / "model.safetensors")
+    assert export.main([run, "--out", path]) == 0
+    meta, cfg, params = load_checkpoint(os.path.join(run, "checkpoints", "ckpt-00000003.h5"))
+    return path, meta, cfg, params
+
+
+def test_gpt2_names_shapes_and_values(exported):
+    path, _, cfg, params = exported
+    tensors = load_file(path)
+    C, V, T, L = cfg.d_model, cfg.vocab_size, cfg.seq_len, cfg.n_layers
+    want = {"transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight", "transformer.ln_f.bias",
+            "lm_head.weight", "lm_head.bias"} | {f"transformer.h.{i}.{n}" for i in range(L) for n in BLOCK_NAMES}
+    assert set(tensors) == want and all(t.dtype == np.float32 for t in tensors.values())
+    assert tensors["transformer.wte.weight"].shape == (V, C) and tensors["transformer.wpe.weight"].shape == (T, C)
+    assert tensors["transformer.h.1.attn.c_attn.weight"].shape == (C, 3 * C)            # Conv1D: (in, out)
+    assert tensors["transformer.h.1.mlp.c_proj.weight"].shape == (4 * C, C)
+    assert tensors["lm_head.weight"].shape == (V, C) and tensors["lm_head.bias"].shape == (V,)   # nn.Linear: (out, in)
+    p = Layout.for_model(cfg, 1).views(params)
+    assert np.array_equal(tensors["lm_head.weight"], p["lm_head.w"].T)
+    assert np.array_equal(tensors["transformer.h.2.attn.c_attn.weight"], p["h2.attn.c_attn.w"])
+    for name, array in p.items():
+        got = tensors[export.gpt2_name(name)]
+        assert np.array_equal(got.T if name == "lm_head.w" else got, array), name
+    assert sum(t.size for t in tensors.values()) == Layout.for_model(cfg, 1).n_params
+
+
+def gpt2_numpy(t: dict, c: dict, ids: np.ndarray) -> np.ndarray:
+    """GPT-2's forward written from its definition, in float64, from the exported tensors and config only."""
+    t = {k: v.astype(np.float64) for k, v in t.items()}
+    B, T = ids.shape
+    C, H, eps = c["n_embd"], c["n_head"], c["layer_norm_epsilon"]
+
+    def ln(x, name):
+        m, v = x.mean(-1, keepdims=True), x.var(-1, keepdims=True)
+        return (x - m) / np.sqrt(v + eps) * t[name + ".weight"] + t[name + ".bias"]
+
+    def conv(x, name):
+        return x @ t[name + ".weight"] + t[name + ".bias"]
+
+    x = t["transformer.wte.weight"][ids] + t["transformer.wpe.weight"][:T]
+    mask = np.triu(np.full((T, T), -np.inf), k=1)
+    for i in range(c["n_layer"]):
+        h = f"transformer.h.{i}."
+        q, k, v = np.split(conv(ln(x, h + "ln_1"), h + "attn.c_attn"), 3, axis=-1)
+        q, k, v = (a.reshape(B, T, H, C // H).transpose(0, 2, 1, 3) for a in (q, k, v))
+        att = q @ k.transpose(0, 1, 3, 2) / np.sqrt(C // H) + mask
+        att = np.exp(att - att.max(-1, keepdims=True))
+        y = (att / att.sum(-1, keepdims=True)) @ v
+        x = x + conv(y.transpose(0, 2, 1, 3).reshape(B, T, C), h + "attn.c_proj")
+        u = conv(ln(x, h + "ln_2"), h + "mlp.c_fc")
+        x = x + conv(0.5 * u * (1 + np.tanh(np.sqrt(2 / np.pi) * (u + 0.044715 * u ** 3))), h + "mlp.c_proj")
+    return ln(x, "transformer.ln_f") @ t["lm_head.weight"].T + t["lm_head.bias"]
+
+
+def test_the_file_reproduces_capstones_logits(exported):
+    path, _, cfg, params = exported
+    with safe_open(path, framework="np") as f:
+        config = json.loads(f.metadata()["gpt2_config"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (3, cfg.seq_len)).astype(np.int32)
+    want = logits(Layout.for_model(cfg, 1).groups(params), ids, cfg).reshape(3, cfg.seq_len, -1)
+    got = gpt2_numpy(tensors, config, ids)
+    assert np.abs(got - want).max() < 1e-5 and np.abs(want).max() > 0.1
+    assert np.abs(gpt2_numpy(tensors, config, ids[:, :5]) - want[:, :5]).max() < 1e-5       # shorter input
+
+
+def test_metadata(exported):
+    path, meta, cfg, _ = exported
+    with safe_open(path, framework="np") as f:
+        md = f.metadata()
+    assert md["format"] == "capstone-gpt2" and md["step"] == "3" and md["checkpoint"] == "ckpt-00000003.h5"
+    config = json.loads(md["gpt2_config"])
+    assert (config["vocab_size"], config["n_positions"], config["n_embd"], config["n_layer"], config["n_head"]) == (
+        cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads)
+    assert config["activation_function"] == "gelu_new" and config["tie_word_embeddings"] is False
+    assert json.loads(md["capstone_model_config"]) == meta["model_config"]
+    assert json.loads(md["tokenizer"]) == meta["data"]["tokenizer"] == {"kind": "char", "chars": "".join(sorted(set(TEXT)))}
+
+
+def test_the_file_is_safetensors_not_pickle(exported):
+    with open(exported[0], "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    assert header["lm_head.weight"]["dtype"] == "F32" and "__metadata__" in header
+
+
+def test_docs_show_the_torch_module_of_the_benchmark():
+    with open(os.path.join(ROOT, "docs", "export.md")) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    with open(os.path.join(ROOT, "benchmarks", "gpt2_torch.py")) as f:
+        source = f.read()
+    assert blocks and blocks[0] in source and "class GPT(nn.Module)" in blocks[0]
+
+
+def test_errors_are_clean(run, tmp_path):
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "capstone.export", *map(str, args)], capture_output=True,
+                              text=True, env=mpi_env(), cwd=ROOT, timeout=120)
+    for args, code, words in (([run, "--out", tmp_path], 2, "is a directory"),
+                              ([run, "--out", tmp_path / "no" / "m.safetensors"], 2, "does not exist"),
+                              ([tmp_path / "nope", "--out", tmp_path / "m.safetensors"], 2, "no such file"),
+                              ([run], 2, "--out")):
+        res = cli(*args)
+        assert res.returncode == code and words in res.stderr and "Traceback" not in res.stderr, res.stderr
+    bad = tmp_path / "ckpt-00000003.h5"
+    for suffix in ("", ".sha256"):
+        shutil.copy(os.path.join(run, "checkpoints", "ckpt-00000003.h5" + suffix), str(bad) + suffix)
+    flip_shard_byte(bad, 1, 40, 0x10)
+    res = cli(bad, "--out", tmp_path / "m.safetensors")
+    assert res.returncode == 1 and "not a valid checkpoint" in res.stderr and "Traceback" not in res.stderr
+    assert not (tmp_path / "m.safetensors").exists() and not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def test_pins_agree_everywhere():
+    """tokenizers and safetensors: one version in the code, scripts/setup, environment.yml, pyproject.toml and the
+    bare-Debian check."""
+    pins = {TOKENIZERS_PIN, export.SAFETENSORS_PIN}
+    read = {name: open(os.path.join(ROOT, *name.split("/"))).read()
+            for name in ("scripts/setup", "environment.yml", "pyproject.toml", "scripts/check-bare-debian")}
+    for pin in pins:
+        name, version = pin.split("==")
+        assert read["scripts/setup"].count(pin) >= 2 and f'"{pin}"' in read["pyproject.toml"], pin
+        assert f"- {name}={version}\n" in read["environment.yml"], pin
+    versions = " ".join(p.split("==")[1] for p in sorted(pins, reverse=True))
+    assert f"^pins: {versions}$" in read["scripts/check-bare-debian"]
