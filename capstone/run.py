@@ -102,6 +102,9 @@ def open_run(world: Comm, settings: Settings) -> Run:
     """Collective: call on all ranks. Decide fresh or resumed (the checkpoint's settings under the
     explicit flags), build every piece, restore the checkpoint or measure the starting loss."""
     opts = settings.opts
+    world.deadline.set_timeout(opts.collective_timeout)
+    hooks = _hooks(world, opts)
+    hooks.at("start", 0)
     out = world.bcast_json(opts.out or time.strftime("runs/run-%Y%m%d-%H%M%S") + f"-{os.getpid()}")
     ckpt_dir = os.path.join(out, "checkpoints")
     check_parallel_io(world)
@@ -122,7 +125,7 @@ def open_run(world: Comm, settings: Settings) -> Run:
             settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, vocab_size=vocab))
         tcfg, dp = settings.train, world.size // opts.tp
         preflight.check_memory(world, settings.model, dataclasses.replace(tcfg, batch_size=tcfg.batch_for(dp)))
-        run = build(world, settings, out)
+        run = build(world, settings, out, hooks)
         start(run, path, saved["train_config"] if path is not None else None)
     except (ConfigError, checkpoint.CheckpointError):
         if world.rank == 0:
@@ -131,11 +134,11 @@ def open_run(world: Comm, settings: Settings) -> Run:
     return run
 
 
-def build(world: Comm, settings: Settings, out: str) -> Run:
+def build(world: Comm, settings: Settings, out: str, hooks: Hooks | None = None) -> Run:
     """Collective: call on all ranks. Fresh objects on a new grid; the initial parameters are
     broadcast from each data-parallel group's rank 0."""
     mcfg, tcfg, opts = settings.model, settings.train, settings.opts
-    hooks = _hooks(world, opts)
+    hooks = _hooks(world, opts) if hooks is None else hooks
     world.deadline.set_timeout(opts.collective_timeout)
     world.deadline.record_to(os.path.join(out, TIMEOUT_RECORD))   # for the batch script's watchdog
     grid = Grid.build(world, opts.tp, 1)

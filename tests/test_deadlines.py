@@ -97,13 +97,13 @@ def test_stall_during_a_save_never_publishes_it(tmp_path):
 
 
 # ---- a real stopped process (SIGSTOP) inside a collective ------------------------------------------
-def stopped_job(out, ranks: int, fault: str, *flags, timeout: int = TIMEOUT_S):
+def stopped_job(out, ranks: int, fault: str, *flags, timeout: float = TIMEOUT_S, env: dict | None = None):
     """Run `ranks` ranks with CAPSTONE_FAULT=fault (a `stop` action: that rank sends itself SIGSTOP at
     a hook point); returns (exit code, output, seconds from the stop to the end of the job). Every
     rank's pid is recorded, and any rank still alive at the end is killed, stopped or not."""
     pids = out.parent / f"{out.name}-pids"
     pids.mkdir()
-    env = {**mpi_env(), "CAPSTONE_FAULT": fault, "CAPSTONE_FAULT_PIDS": str(pids)}
+    env = {**mpi_env(), "CAPSTONE_FAULT": fault, "CAPSTONE_FAULT_PIDS": str(pids), **(env or {})}
     cmd = ["mpirun", "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "capstone.train", "--out", str(out),
            "--collective-timeout", str(timeout), "--ckpt-every", "2", "--quiet", *map(str, flags)]
     log = f"{out}.log"
@@ -130,12 +130,85 @@ def stopped_job(out, ranks: int, fault: str, *flags, timeout: int = TIMEOUT_S):
                 pass
 
 
-def assert_named(rc: int, text: str, ended: float, what: str, step: int, timeout: int = TIMEOUT_S) -> None:
+def assert_named(rc: int, text: str, ended: float, what: str, step, timeout: float = TIMEOUT_S) -> None:
     lines = [ln for ln in text.splitlines() if "capstone: collective timeout" in ln]
     print(f"stop -> job ended after {ended:.1f} s (exit {rc}):\n" + "\n".join(lines))
     assert rc != 0 and lines, text[-3000:]
-    assert any(what in ln and f"at step {step}" in ln for ln in lines), lines
+    at = f"at step {step}" if step != "start-up" else "at start-up"
+    assert any(what in ln and at in ln for ln in lines), lines
     assert ended <= timeout + SLACK_S, f"the job took {ended:.1f} s after the stop (timeout {timeout} s)"
+
+
+@pytest.mark.parametrize("kind, flags, what", [
+    ("reduce_scatter", ("--no-overlap",), "reduce-scatter of the gradient at"),
+    ("reduce_scatter", ("--bucket-mb", "0.01"), "reduce-scatter of the gradient (7 buckets"),
+    ("alltoall", ("--deterministic", "--grad-accum", "2"), "deterministic exchange of a micro-batch's gradient"),
+    ("allreduce_stats", (), "allreduce of the gradient norm and loss"),
+    ("allreduce_eval", (), "allreduce of the held-out loss"),
+    ("allgather", (), "allgather of the updated parameters"),
+], ids=["one-shot-reduce", "bucketed-reduce", "deterministic-exchange", "stats-allreduce", "eval-allreduce",
+        "parameter-allgather"])
+def test_a_rank_stopped_before_a_collective_ends_the_job(tmp_path, kind, flags, what):
+    """Rank 1 stops itself (SIGSTOP) at step 3 right before it would take part in the collective;
+    the others wait in it until the deadline, which names it and the step; the last checkpoint
+    (step 2) still verifies."""
+    out = tmp_path / "run"
+    rc, text, ended = stopped_job(out, 4, f"stop:1:3:{kind}", "--steps", "6", *flags)
+    assert_named(rc, text, ended, what, 3)
+    assert (out / "checkpoints" / "latest").read_text().strip() == "ckpt-00000002.h5"
+    inspect_ok(out / "checkpoints" / "ckpt-00000002.h5")
+
+
+def test_a_rank_stopped_in_a_checkpoint_save_ends_the_job_and_never_publishes_it(tmp_path):
+    """At the save of step 4 rank 1 stops before the collective parallel-HDF5 open; the others are
+    inside it, holding the GIL in MPI-IO, where only the watchdog process can end the wait: it
+    prints the line and kills its rank, the job ends. Checkpoint 4 is never published."""
+    out = tmp_path / "run"
+    rc, text, ended = stopped_job(out, 4, "stop:1:4:blocking", "--steps", "6")
+    assert_named(rc, text, ended, "parallel HDF5 open of ckpt-00000004.h5.partial-", 4)
+    assert (out / "checkpoints" / "latest").read_text().strip() == "ckpt-00000002.h5"
+    assert not (out / "checkpoints" / "ckpt-00000004.h5").exists()
+    inspect_ok(out / "checkpoints" / "ckpt-00000002.h5")
+
+
+def test_a_rank_stopped_while_loading_a_checkpoint_ends_the_job(tmp_path):
+    """A resume: rank 1 stops before the collective read of the checkpoint; the job ends at the
+    start-up deadline (the floor, made short here by CAPSTONE_DEADLINE_FLOOR_S) naming the read."""
+    out = tmp_path / "run"
+    assert subprocess.run(["mpirun", "-n", "4", "--oversubscribe", sys.executable, "-m", "capstone.train", "--out",
+                           str(out), "--steps", "4", "--ckpt-every", "2", "--quiet"], env=mpi_env(), cwd=ROOT,
+                          capture_output=True, timeout=120).returncode == 0
+    rc, text, ended = stopped_job(out, 4, "stop:1:0:load", "--steps", "6", "--resume", "latest",
+                                  env={"CAPSTONE_DEADLINE_FLOOR_S": str(TIMEOUT_S)})
+    assert_named(rc, text, ended, "parallel HDF5 open of ckpt-00000004.h5", "start-up")
+    inspect_ok(out / "checkpoints" / "ckpt-00000004.h5")
+
+
+def test_start_up_waits_at_least_the_floor(tmp_path):
+    """Before the first step the deadline is at least the floor (rank 0 may be verifying a large
+    checkpoint while the others wait): with --collective-timeout 1 and the floor at 4 s, a rank
+    stopped at start-up ends the job after about 4 s, not 1, and the message says so."""
+    out = tmp_path / "run"
+    rc, text, ended = stopped_job(out, 4, "stop:1:0:start", "--steps", "4", timeout=1,
+                                  env={"CAPSTONE_DEADLINE_FLOOR_S": "4"})
+    assert_named(rc, text, ended, "", "start-up", timeout=4)
+    assert ended >= 3.5, f"the start-up deadline was {ended:.1f} s, below the floor"
+    assert "start-up timeout 4 s = max(--collective-timeout 1, floor 4 s)" in text
+
+
+def test_the_automatic_deadline_follows_the_longest_step(tmp_path):
+    """No --collective-timeout: the deadline is max(floor, 20 x the longest step). With steps of about
+    0.25 s (--sleep-per-step) and the floor at 2 s, a rank stopped at step 4 ends the job after 20 x
+    the longest step, and the message gives that number."""
+    out = tmp_path / "run"
+    env = {"CAPSTONE_DEADLINE_FLOOR_S": "2"}
+    rc, text, ended = stopped_job(out, 4, "stop:1:4:allreduce_stats", "--steps", "6", "--sleep-per-step", "0.25",
+                                  timeout=0, env=env)
+    line = next(ln for ln in text.splitlines() if "collective timeout" in ln)
+    seconds = float(line.split("automatic timeout ")[1].split(" s")[0])
+    print(line)
+    assert "= max(2 s, 20 x longest step)" in line and 5 <= seconds <= 12, line
+    assert seconds - 1 <= ended <= seconds + SLACK_S, (ended, seconds)
 
 
 def test_tp_allreduce_of_a_stopped_rank_ends_the_job(tmp_path):
@@ -154,7 +227,7 @@ def test_overlap_and_no_overlap_train_alike(tmp_path, run_train):
     rtol 1e-6 as the acceptance bound; both pass every invariant."""
     import numpy as np
 
-    from conftest import by_step, summary
+    from conftest import by_step, step_rows, summary
     runs = {}
     for name, flags in (("overlap", ["--bucket-mb", "0.01"]), ("no-overlap", ["--no-overlap"])):
         out = tmp_path / name
@@ -165,6 +238,12 @@ def test_overlap_and_no_overlap_train_alike(tmp_path, run_train):
         runs[name] = by_step(out)
     a, b = runs["overlap"], runs["no-overlap"]
     assert sorted(a) == sorted(b) == list(range(1, 11))
+    from capstone.config import ModelConfig
+    from capstone.model.params import Layout
+    from capstone.parallel.bucket_plan import plan
+    buckets = len(plan(Layout.for_model(ModelConfig(), 4), int(0.01 * 2**20) // 4))
+    calls = {name: {r["comm"]["reduce_scatter"]["calls"] for r in step_rows(tmp_path / name)} for name in runs}
+    assert buckets == 7 and calls == {"overlap": {buckets}, "no-overlap": {1}}, calls   # the flags are honoured
     np.testing.assert_allclose([a[s][0] for s in a], [b[s][0] for s in a], rtol=1e-6)
     np.testing.assert_allclose([a[s][1] for s in a], [b[s][1] for s in a], rtol=1e-6)
     assert [a[s][2] for s in a] == [b[s][2] for s in a], "parameter fingerprints differ"

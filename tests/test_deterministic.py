@@ -59,7 +59,7 @@ def test_layouts_of_12_are_bit_identical_also_through_a_rollback(tmp_path):
 @pytest.mark.parametrize("flags", [("--bucket-mb", "0.01"), ("--bucket-mb", "0.01", "--no-overlap")],
                          ids=["default-overlap", "no-overlap"])
 def test_layouts_are_bit_identical_with_several_buckets(tmp_path, flags):
-    """Buckets small enough for 11 of them (the bug of issue 24: the bucket hook stayed armed in
+    """Buckets small enough for 7 of them (the bug of issue 24: the bucket hook stayed armed in
     deterministic mode and its reduce-scatters overwrote the deterministic sums from step 7 on):
     1x4, 2x2 and 4x1 agree bit for bit, with the default overlap and without it."""
     from capstone.config import ModelConfig

@@ -78,6 +78,24 @@ def test_a_spike_between_evaluations_is_undone_by_the_next_batch(tmp_path):
     assert all(v["ok"] for v in s["invariants"].values())
 
 
+@pytest.mark.parametrize("flags, step", [(("--eval-every", "3"), 6), (("--eval-every", "3", "--ckpt-every", "4"), 4)],
+                         ids=["evaluation-step-after-two-without", "checkpoint-step-between-evaluations"])
+def test_a_held_out_spike_with_sparse_evaluations_is_undone_in_its_step(tmp_path, flags, step):
+    """--eval-every 3: the update of an evaluation step (6) is judged against the held-out loss of
+    step 3, though steps 4 and 5 measured none; and a checkpoint step (4) between evaluations is
+    evaluated too, so its spike is undone before the save. Either way: undone in its own step
+    (catches: a baseline forgotten on steps without evaluation; a checkpoint without evaluation)."""
+    out = tmp_path / "run"
+    res = mpirun(2, "--out", out, "--steps", "8", *flags, "--inject-lr-spike", f"{step}:1000")
+    assert res.returncode == 0, res.stderr
+    s = summary(out)
+    assert [(r["step"], r["reason"], r["restored_adam_t"]) for r in s["rollbacks"]] == [(step, "eval_spike", step - 1)]
+    rows = metrics(out)
+    evaluated = {3, 6, 8} | ({4} if "--ckpt-every" in flags else set())   # every 3rd, checkpoints, the last
+    assert {r["step"] for r in rows if r["eval_loss"] is not None} == evaluated
+    assert all(v["ok"] for v in s["invariants"].values())
+
+
 def test_consecutive_triggers_stop_with_an_error(tmp_path):
     res = mpirun(2, "--out", tmp_path / "run", "--inject-nan", "5:10", "--max-rollbacks", "3", timeout=60)
     assert res.returncode == 1

@@ -70,6 +70,10 @@ def test_optimizer_memory():
     assert invariants.optimizer_memory([12 * padded // N] * N, P, padded)["ok"]
     assert not invariants.optimizer_memory([12 * padded] * N, P, padded)["ok"], "unsharded state must fail"
     assert not invariants.optimizer_memory([12 * padded // N] * 3 + [12 * padded // N + 4], P, padded)["ok"]
+    # too few bytes fail as well: a rank that holds less than its shard (m or v missing, a short shard)
+    too_few = invariants.optimizer_memory([12 * padded // N] * 3 + [8 * padded // N], P, padded)
+    assert not too_few["ok"] and too_few["max_deviation_bytes"] == 4 * padded // N
+    assert not invariants.optimizer_memory([12 * padded // N - 4] * N, P, padded)["ok"]
 
 
 def test_resume_bytes_and_failure_lines():

@@ -305,6 +305,33 @@ def test_cut_link_lingering_mpirun_ended_by_the_batch_scripts_watchdog(fresh, tm
     assert not fresh.wait_no_processes(["h1"], timeout=10), "processes left on h1"
 
 
+def test_cut_link_lingering_plain_mpirun_ended_by_scripts_launch(fresh, tmp_path):
+    """3c: the same bound for users of plain mpirun (no Slurm): scripts/launch RUN_DIR mpirun ...
+    ends the lingering mpirun CAPSTONE_ABORT_GRACE seconds after a rank recorded its collective
+    timeout, and says to rerun with --resume auto."""
+    out, log = tmp_path / "launch", tmp_path / "launch.log"
+    step = fresh.mpirun_command("h1:2,h2:2", train(out, "--sleep-per-step", 0.5, "--collective-timeout", TIMEOUT_S),
+                                ["--no-keepalive"])
+    with open(log, "w") as f:
+        job = subprocess.Popen(["bash", "scripts/launch", str(out), *step], stdout=f, stderr=subprocess.STDOUT,
+                               cwd=H.ROOT, start_new_session=True,
+                               env={k: v for k, v in {**H.env(), "CAPSTONE_ABORT_GRACE": "3"}.items()
+                                    if not k.startswith("SLURM_")})
+    fresh.jobs.append(job)
+    wait_for(out / "checkpoints" / "latest", job, log)
+    fresh.cut("h2")
+    t0, bound = time.monotonic(), TIMEOUT_BOUND_S + 3 + 5 + 3
+    try:
+        rc = job.wait(timeout=bound)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"scripts/launch did not end within {bound} s of the cut:\n{log.read_text()[-4000:]}")
+    ended, text = time.monotonic() - t0, log.read_text()
+    print(f"cut h2 under scripts/launch: ended in {ended:.1f} s, exit {rc}")
+    assert rc != 0 and "the job step is still running" in text, text[-4000:]
+    assert "rerun the same mpirun command with --resume auto" in text and "sbatch" not in text
+    assert not fresh.wait_no_processes(["h1"], timeout=10), "processes left on h1"
+
+
 def _is_rank(pid: int) -> bool:
     """A capstone rank (python -m capstone.train), not mpirun or orted (whose command lines name it too)."""
     try:

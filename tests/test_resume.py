@@ -89,6 +89,25 @@ def test_kill_during_save_then_resume_latest(tmp_path, uninterrupted, point, ran
     assert not [p for p in os.listdir(ckpts) if ".partial-" in p], "leftover partial files are cleaned up"
 
 
+def test_kill_between_the_two_renames_of_a_publish(tmp_path, uninterrupted):
+    """Rank 0 dies after publishing the digest file of checkpoint 10 and before renaming the file
+    itself: no checkpoint is ever visible without its digest file (catches: the file renamed
+    first), latest still names 5, and the resumed run removes the orphan digest and ends as the
+    uninterrupted one."""
+    out = tmp_path / "run"
+    res = mpirun(4, "--out", out, "--ckpt-every", "5", env_extra={"CAPSTONE_FAULT": "between_renames:0:10"})
+    assert res.returncode != 0 and "killing this rank at publish.between_renames of step 10" in res.stderr
+    ckpts = out / "checkpoints"
+    published = sorted(p.name for p in ckpts.glob("ckpt-*.h5"))
+    assert published == [files.final_name(5)] and (ckpts / (files.final_name(10) + ".sha256")).exists()
+    assert all((ckpts / (name + ".sha256")).exists() for name in published)
+    assert files.read_pointer(str(ckpts)).endswith(files.final_name(5))
+    res = mpirun(4, "--out", out, "--ckpt-every", "5", "--resume", "latest")
+    assert res.returncode == 0, res.stderr
+    assert summary(out)["final_param_fingerprint"] == uninterrupted["final_param_fingerprint"]
+    assert sorted(p.name for p in ckpts.glob("*.sha256")) == sorted(p.name + ".sha256" for p in ckpts.glob("ckpt-*.h5"))
+
+
 def test_corrupt_latest_is_rejected_by_resume_and_verify(tmp_path):
     out = tmp_path / "run"
     assert mpirun(4, "--out", out, "--steps", "4", "--ckpt-every", "2").returncode == 0

@@ -31,14 +31,17 @@ def find_rank_pid(tag: str, rank: int, timeout: float = 30) -> int:
     raise AssertionError(f"no rank {rank} process with tag {tag}")
 
 
-@pytest.mark.parametrize("sig, rank", [(signal.SIGUSR1, 2), (signal.SIGTERM, 1)])
-def test_a_signal_to_one_rank_stops_every_rank_at_a_step_boundary(tmp_path, sig, rank):
-    """SIGUSR1 or SIGTERM delivered to ONE rank (not rank 0, not through mpirun): all ranks agree to
-    checkpoint at the next step, the run ends 'preempted' with exit 0 (catches: a stop request
-    honoured on rank 0 only, or SIGTERM not handled)."""
+@pytest.mark.parametrize("sig, rank, mode", [(signal.SIGUSR1, 2, ()), (signal.SIGTERM, 1, ()),
+                                             (signal.SIGUSR1, 1, ("--deterministic",))],
+                         ids=["usr1", "term", "usr1-deterministic"])
+def test_a_signal_to_one_rank_stops_every_rank_at_a_step_boundary(tmp_path, sig, rank, mode):
+    """SIGUSR1 or SIGTERM delivered to ONE rank (not rank 0, not through mpirun), in the default and
+    the deterministic mode (its own reduction carries the flags): all ranks agree to checkpoint at
+    the next step, the run ends 'preempted' with exit 0 (catches: a stop request honoured on rank 0
+    only, SIGTERM not handled, or a mode that drops the agreed flag)."""
     out, tag = tmp_path / "run", uuid.uuid4().hex
     cmd = ["mpirun", "-n", "3", "--oversubscribe", sys.executable, "-m", "capstone.train", "--out", str(out),
-           "--steps", "40", "--ckpt-every", "0", "--sleep-per-step", "0.2"]
+           "--steps", "40", "--ckpt-every", "0", "--sleep-per-step", "0.2", *mode]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**mpi_env(), "CAPSTONE_TEST_TAG": tag}, cwd=ROOT)
     try:
@@ -114,3 +117,13 @@ def test_ctrl_z_then_fg_does_not_stop_the_run(tmp_path):
     proc.send_signal(signal.SIGUSR1)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0 and "on SIGUSR1" in stdout, stderr
+
+
+def test_a_stop_at_the_last_step_completes_the_run(tmp_path):
+    """A stop asked for at the last step (--stop-after equal to --steps) has nothing left to save
+    for: the run completes, exit 0, status "completed", and says nothing of a stop (catches: a
+    finished run reported as preempted, which a batch script would requeue)."""
+    out = tmp_path / "run"
+    res = mpirun(2, "--out", out, "--steps", "4", "--stop-after", "4", "--quiet")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert summary(out)["status"] == "completed" and "stopped at step" not in res.stdout

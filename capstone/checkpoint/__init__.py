@@ -248,6 +248,7 @@ def load(comm, path: str, layout, expect: dict) -> tuple[dict, dict]:
     agree(comm, None if os.path.isfile(path) else f"checkpoint {path} is not visible on rank {rank}: put --out "
                                                   f"on a file system that every node shares.")
     reader.silence_hdf5()
+    comm.hooks.at("load")
     try:
         f, error = _open(path, "r", comm), None
     except CheckpointError as exc:

@@ -64,12 +64,15 @@ class Comm(JsonValues):
         return {kind: dataclasses.replace(t) for kind, t in self.traffic.items()}
 
     def wait(self, requests, what: str, kind: str | None = None, op: str = "", nbytes: int = 0) -> None:
-        """Wait for `requests` under the deadline; count the wait under `kind` (None: not counted)."""
+        """Wait for `requests` under the deadline; count them (calls) and the wait under `kind` (None:
+        not counted)."""
+        requests = requests if isinstance(requests, list) else [requests]
         t0 = time.perf_counter()
-        self.deadline.wait(requests if isinstance(requests, list) else [requests], what)
+        self.deadline.wait(requests, what)
         if kind is not None:
             t = self.traffic.setdefault(kind, Traffic(op or kind, self.size))
-            t.bytes, t.seconds, t.calls = t.bytes + nbytes, t.seconds + time.perf_counter() - t0, t.calls + 1
+            t.bytes, t.seconds = t.bytes + nbytes, t.seconds + time.perf_counter() - t0
+            t.calls += len(requests)
 
     # ---- buffer collectives: blocking for the caller, non-blocking for MPI ----------------------
     def Allreduce(self, buf: np.ndarray, what: str, kind: str = "allreduce") -> np.ndarray:

@@ -62,9 +62,12 @@ class Deadline:
         return max(floor_s(), STEP_MULT * self.longest_step)
 
     def describe(self) -> str:
+        """How the current timeout was set, for the message."""
         if self.explicit > 0 and self.step is not None:
             return f"--collective-timeout {self.explicit:g}"
-        return f"automatic timeout {self.seconds:.0f} s = max({floor_s():.0f} s, {STEP_MULT:g} x longest step)"
+        if self.explicit > 0:
+            return f"start-up timeout {self.seconds:g} s = max(--collective-timeout {self.explicit:g}, floor {floor_s():g} s)"
+        return f"automatic timeout {self.seconds:.0f} s = max({floor_s():g} s, {STEP_MULT:g} x longest step)"
 
     def begin_step(self, step: int) -> None:
         """The training loop starts step `step`; the time since the previous one is a step's time."""

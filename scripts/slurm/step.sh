@@ -51,7 +51,7 @@ run_step() {
       fi
       step_log "scontrol requeue failed"
     fi
-    step_log "checkpointed; to resume: CAPSTONE_RUN_DIR=$run_dir sbatch <this script> [same flags]"
+    step_log "checkpointed; to resume: $(resume_hint "$run_dir")"
     exit 0
   fi
   if [[ $rc -eq 0 && $signalled -eq 1 && "$status" != completed ]]; then
@@ -97,5 +97,15 @@ requeue_after_timeout() {
     fi
     step_log "scontrol requeue failed"
   fi
-  step_log "to resume: CAPSTONE_RUN_DIR=$run_dir sbatch <this script> [same flags]"
+  step_log "to resume: $(resume_hint "$run_dir")"
+}
+
+# How to go on from the run's last checkpoint: a batch script resubmitted, or (scripts/launch, no
+# Slurm) the same mpirun command with --resume auto.
+resume_hint() {
+  if [[ -n "${SLURM_JOB_ID:-}" || -z "${CAPSTONE_PLAIN_MPIRUN:-}" ]]; then
+    echo "CAPSTONE_RUN_DIR=$1 sbatch <this script> [same flags]"
+  else
+    echo "rerun the same mpirun command with --resume auto (run directory $1)"
+  fi
 }

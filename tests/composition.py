@@ -1,0 +1,135 @@
+"""The composition matrix (docs/composition.md): every mode of the product against the others.
+
+A row is one value per axis. `refusal(row)` is the product's own rule for the combinations it does
+not run (they must exit 2 at start with that reason); every other row must train, pass its
+invariants, and match the 1-rank run of the same global batch and injections step by step.
+`pairs(seed)` is a seeded all-pairs selection (every pair of values of two axes in at least one
+row; a pair the product refuses in a refused row), `product()` every row. Not a test module:
+tests/test_composition.py runs the rows; scripts/composition-matrix runs them all.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass
+
+GLOBAL = 48          # sequences per step: divisible by every data-parallel size x accumulation
+STEPS = 8
+STOP_AT = 4          # the stopped rows stop here and resume on another grid
+NAN_STEP, SPIKE_STEP = 3, 6
+# the reference model with buckets small enough for several of them (6 at 0.02 MB), healthy settings
+COMMON = ("--steps", STEPS, "--global-batch", GLOBAL, "--ckpt-every", STOP_AT, "--bucket-mb", "0.02", "--quiet")
+
+AXES = {
+    "world": (1, 2, 3, 4),
+    "tp": (1, 2),
+    "accum": (1, 2, 4),
+    "overlap": (True, False),
+    "det": (False, True),
+    "inject": ("clean", "nan", "spike"),
+    "resume": (False, True),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    world: int
+    tp: int
+    accum: int
+    overlap: bool
+    det: bool
+    inject: str
+    resume: bool
+
+    @property
+    def name(self) -> str:
+        return (f"n{self.world}-tp{self.tp}-acc{self.accum}-{'overlap' if self.overlap else 'no-overlap'}-"
+                f"{'det' if self.det else 'default'}-{self.inject}" + (f"-stop{STOP_AT}-resume-{self.resumed_on()}"
+                                                                       if self.resume else ""))
+
+    def flags(self) -> list:
+        """The training flags of this row (without --out and --resume)."""
+        flags = [*COMMON, "--tp", self.tp, "--grad-accum", self.accum]
+        flags += [] if self.overlap else ["--no-overlap"]
+        flags += ["--deterministic"] if self.det else []
+        flags += {"clean": [], "nan": ["--inject-nan", NAN_STEP], "spike": ["--inject-lr-spike", f"{SPIKE_STEP}:1000"]}[
+            self.inject]
+        return [str(f) for f in flags]
+
+    def resumed_on(self) -> str:
+        """The other grid a stopped row resumes on: another world size (with the same micro-batch,
+        so that a deterministic row stays bit-identical), tensor parallelism kept where it fits."""
+        world, accum = other_layout(self.world, self.accum)
+        tp = self.tp if world % self.tp == 0 else 1
+        return f"n{world}-tp{tp}-acc{accum}"
+
+    def resume_grid(self) -> tuple[int, int, int]:
+        world, accum = other_layout(self.world, self.accum)
+        return world, (self.tp if world % self.tp == 0 else 1), accum
+
+
+def other_layout(world: int, accum: int) -> tuple[int, int]:
+    """Another (world, accum) with the same product (the same per-rank micro-batch), else another world."""
+    for w in (2, 4, 1, 3):
+        if w != world and (world * accum) % w == 0:
+            return w, world * accum // w
+    return 2, accum
+
+
+def reasons(row: Row) -> list[str]:
+    """Why the product refuses this row at start (exit 2), in the order it checks; [] if it runs it."""
+    found = []
+    if row.world % row.tp:
+        found.append(f"--tp {row.tp} x --pp 1 = {row.tp} does not divide the {row.world} ranks")
+    if row.det and row.tp > 1:
+        found.append(f"--deterministic is not supported with --tp {row.tp}")
+    return found
+
+
+def refusal(row: Row) -> str | None:
+    """The message the product gives for this row (its first reason), None if it runs it."""
+    return (reasons(row) or [None])[0]
+
+
+def product() -> list[Row]:
+    return [Row(*values) for values in itertools.product(*AXES.values())]
+
+
+def _pairs_of(row: Row) -> set:
+    items = list(vars(row).items())
+    return {(a, b) for a, b in itertools.combinations(items, 2)}
+
+
+def pairs(seed: int = 25) -> list[Row]:
+    """A seeded greedy all-pairs selection: rows are added, best first, until every pair of values
+    is in a row the product runs, or (for a pair it never runs) in a refused row."""
+    everything = product()
+    runnable = set().union(*(_pairs_of(r) for r in everything if refusal(r) is None))
+    wanted = set().union(*(_pairs_of(r) for r in everything))
+    rng, chosen, left = random.Random(seed), [], set(wanted)
+    while left:
+        candidates = rng.sample(everything, min(len(everything), 300))
+
+        def gain(r):   # a refused row counts for the pairs it is refused for, and only with one reason
+            covered = _pairs_of(r) & left
+            return len(covered) if not reasons(r) else len(covered - runnable) if len(reasons(r)) == 1 else 0
+        best = max(candidates, key=gain)
+        if gain(best) == 0:   # the sample missed the few rows left: take one that covers a pair
+            best = next(r for r in everything if gain(r) > 0)
+        chosen.append(best)
+        covered = _pairs_of(best) & left
+        left -= covered if not reasons(best) else covered - runnable
+    return chosen
+
+
+if __name__ == "__main__":   # python tests/composition.py [--full]: the rows, and the refusals with their reasons
+    import sys
+    rows = product() if "--full" in sys.argv else pairs()
+    print(f"{len(rows)} rows ({'every row' if '--full' in sys.argv else 'seeded all-pairs, seed 25'}):")
+    for r in rows:
+        print(f"  {r.name:<62} {refusal(r) or 'runs: matches the 1-rank run'}")
+    refused = [r for r in product() if reasons(r)]
+    print(f"\nthe product refuses {len(refused)} of {len(product())} rows, for these reasons:")
+    for reason in sorted({x for r in refused for x in reasons(r)}):
+        print(f"  {reason}: {sum(reason in reasons(r) for r in refused)} rows")
