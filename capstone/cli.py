@@ -33,6 +33,8 @@ class RunOptions:
     collective_timeout: float = 0.0   # seconds; 0: automatic (capstone.deadline)
     overlap: bool = True              # reduce-scatter in buckets during the backward pass
     bucket_mb: float = 1.0            # bucket size of the overlapped reduce-scatter
+    zero_stage: int = 1               # ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
+    recompute: bool = False           # activation checkpointing: each block recomputed in the backward pass
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,13 @@ def _run_flags(p) -> None:
                         "buckets started during it")
     g.add_argument("--bucket-mb", type=float, default=1.0, metavar="MB",
                    help="bucket size of the overlapped gradient reduce-scatter (default: 1.0)")
+    g.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=1,
+                   help="ZeRO over the data-parallel group: 1 shards the optimizer state, 2 also the gradients "
+                        "(reduced into the shard as the backward makes them), 3 also the parameters (gathered "
+                        "block by block, one ahead) (docs/performance.md; default: 1)")
+    g.add_argument("--recompute", action="store_true",
+                   help="activation checkpointing: keep only each block's input and recompute the block in the "
+                        "backward pass (the same gradients, about a third more compute, far less memory)")
     g = p.add_argument_group("test hooks (fault injection, not for training)")
     g.add_argument("--stop-after", type=int, default=0, help="checkpoint and stop after this step, as if preempted (0: off)")
     g.add_argument("--sleep-per-step", type=float, default=0.0, help="sleep this many seconds per step")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import resource
 import time
 from dataclasses import dataclass
 
@@ -78,15 +77,9 @@ class Run:
     segment_start: tuple = (None, None)    # (held-out loss, best held-out loss) where this segment began
     resumed_from: str | None = None
 
-    def memory_row(self) -> dict:
-        return {"rank": self.grid.world.rank, "params_bytes": self.model.params.nbytes,
-                "grads_bytes": self.model.grads.nbytes + self.reducer.nbytes(), "reduce_bytes": self.reducer.nbytes(),
-                "optimizer_bytes": self.opt.state.nbytes, "guard_bytes": self.opt.before.nbytes,
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-
     def final_fingerprint(self) -> tuple[float, str]:
         """Collective: the fingerprint of the whole model's parameters."""
-        return fingerprint(self.ckpt.view.whole(self.model.params))
+        return fingerprint(self.ckpt.view.whole(self.model.whole()))
 
 
 def check_modes(world: int, settings: Settings) -> None:
@@ -96,6 +89,15 @@ def check_modes(world: int, settings: Settings) -> None:
     if tcfg.deterministic and opts.tp > 1:
         raise ConfigError(f"--deterministic is not supported with --tp {opts.tp}: its fixed-order reduction and "
                           f"held-out blocks cover data parallelism only. Drop one of them (docs/composition.md).")
+    if tcfg.deterministic and opts.zero_stage > 1:
+        raise ConfigError(f"--deterministic is not supported with --zero-stage {opts.zero_stage}: it exchanges each "
+                          f"micro-batch's whole gradient in a fixed order, and ZeRO-2/3 keep no whole gradient. Use "
+                          f"--zero-stage 1 with --deterministic (docs/composition.md).")
+    if not opts.overlap and opts.zero_stage > 1:
+        raise ConfigError(f"--no-overlap is not supported with --zero-stage {opts.zero_stage}: stage {opts.zero_stage} "
+                          f"reduces each bucket of the gradient as the backward pass makes it, and keeps no whole "
+                          f"gradient to reduce after it. Drop --no-overlap, or use --zero-stage 1 "
+                          f"(docs/composition.md).")
 
 
 def open_run(world: Comm, settings: Settings) -> Run:
@@ -124,7 +126,7 @@ def open_run(world: Comm, settings: Settings) -> Run:
             vocab = _agreed(world, lambda: load_meta(settings.train.data).vocab_size)
             settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, vocab_size=vocab))
         tcfg, dp = settings.train, world.size // opts.tp
-        preflight.check_memory(world, settings.model, dataclasses.replace(tcfg, batch_size=tcfg.batch_for(dp)))
+        preflight.check_memory(world, settings.model, dataclasses.replace(tcfg, batch_size=tcfg.batch_for(dp)), opts)
         run = build(world, settings, out, hooks)
         start(run, path, saved["train_config"] if path is not None else None)
     except (ConfigError, checkpoint.CheckpointError):
@@ -145,17 +147,14 @@ def build(world: Comm, settings: Settings, out: str, hooks: Hooks | None = None)
     dp, tp = grid.dp, grid.tp
     batch = tcfg.batch_for(dp.size)
     layout, full = Layout.for_model(mcfg, dp.size, tp.size), Layout.for_model(mcfg, world.size)
-    view = None
-    if tp.size > 1:   # this rank holds a tensor-parallel slice (capstone.parallel.tensor)
-        from capstone.parallel import tensor
-        view = tensor.Canonical(grid, mcfg, layout, full)
-        params = tensor.initial_params(mcfg, layout, tcfg.seed, tp.size, tp.rank) if dp.rank == 0 else layout.zeros()
-    else:
-        params = init_params(layout, mcfg, tcfg.seed) if dp.rank == 0 else layout.zeros()
-    model = Model(mcfg, layout, params, tp)
-    opt = ZeroAdam(dp, layout, model.params, (tcfg.beta1, tcfg.beta2), tcfg.eps, tcfg.weight_decay, tcfg.clip)
+    view, params = _initial(grid, mcfg, tcfg, layout, full, sharded=opts.zero_stage == 3)
     data, data_identity = open_data(mcfg, tcfg, batch)
-    reducer, heldout, replicas = _modes(grid, layout, model, data, settings)
+    model, reducer, replicas = _model_and_reducer(grid, layout, params, settings)
+    heldout = _heldout(grid, data, settings)
+    adam = ZeroAdam
+    if opts.zero_stage == 3:      # the parameters are a shard too
+        from capstone.parallel.zero3 import ShardedAdam as adam
+    opt = adam(dp, layout, model.params, (tcfg.beta1, tcfg.beta2), tcfg.eps, tcfg.weight_decay, tcfg.clip)
     identity = RunIdentity(mcfg, tcfg, data_identity, batch * tcfg.grad_accum * dp.size)
     cadence = Cadence(tcfg, world.rank, opts.stop_after)
     ckpt = Checkpointer(world, os.path.join(out, "checkpoints"), full, identity, cadence, view, hooks)
@@ -177,23 +176,60 @@ def _hooks(world: Comm, opts: RunOptions) -> Hooks:
     return hooks
 
 
-def _modes(grid: Grid, layout: Layout, model: Model, data, settings: Settings):
-    """(gradient reducer, held-out evaluator, replica check) of the run's modes."""
-    tcfg, opts, world = settings.train, settings.opts, grid.world
+def _initial(grid: Grid, mcfg, tcfg, layout: Layout, full: Layout, sharded: bool):
+    """(the checkpoints' view of this rank's state, its initial parameters): the 1-rank run's, made
+    by rank 0 of each data-parallel group (ZeroAdam broadcasts them), or (ZeRO-3) by every rank,
+    which keeps its shard; tensor parallelism takes this rank's slice (capstone.parallel.tensor)."""
+    dp, tp = grid.dp, grid.tp
+    view, make = None, dp.rank == 0 or sharded
+    if tp.size > 1:
+        from capstone.parallel import tensor
+        view = tensor.Canonical(grid, mcfg, layout, full)
+        params = tensor.initial_params(mcfg, layout, tcfg.seed, tp.size, tp.rank) if make else layout.zeros()
+    else:
+        params = init_params(layout, mcfg, tcfg.seed) if make else layout.zeros()
+    if sharded:
+        lo, hi = layout.shard_range(dp.rank)
+        params = params[lo:hi].copy()
+    return view, params
+
+
+def _model_and_reducer(grid: Grid, layout: Layout, params, settings: Settings):
+    """(model, gradient reducer, replica check) of the run's modes: deterministic, or ZeRO stage 1
+    (the flat gradient buffer, buckets), 2 (no gradient buffer: capstone.parallel.zero2) or 3 (no
+    whole parameters either: capstone.parallel.zero3)."""
+    mcfg, tcfg, opts = settings.model, settings.train, settings.opts
     weight = 1.0 if grid.tp.rank == 0 else 0.0        # the ranks whose loss is their replica's
     if tcfg.deterministic:   # fixed-order sums (capstone.parallel.deterministic)
         from capstone.parallel import deterministic as det
-        if opts.overlap and world.rank == 0:
+        if opts.overlap and grid.world.rank == 0:
             report.say("note: --deterministic exchanges each micro-batch's gradient after its backward pass, in a "
                        "fixed order; the bucketed overlap (--bucket-mb) does not apply.")
-        return (det.DeterministicReducer(grid, layout, model.grads, tcfg.grad_accum),
-                det.HeldOutBlocks(data, tcfg.eval_batches, tcfg.eval_batch_size, settings.model.seq_len, world, grid.dp),
-                ReplicaCheck(grid, layout, lambda params, strong: det.fingerprint(params, layout.n_params)))
+        model = Model(mcfg, layout, params, grid.tp, opts.recompute)
+        return (model, det.DeterministicReducer(grid, layout, model.grads, tcfg.grad_accum),
+                ReplicaCheck(grid, layout, lambda p, strong: det.fingerprint(p, layout.n_params)))
     floats = int(opts.bucket_mb * 2**20) // 4 if opts.overlap else layout.padded
-    return (BucketReducer(grid, layout, model.grads, floats, weight),
-            HeldOut(data, tcfg.eval_batches, tcfg.eval_batch_size, settings.model.seq_len, world, grid.dp.rank,
-                    grid.dp.size, weight),
-            ReplicaCheck(grid, layout))
+    if opts.zero_stage == 1:
+        model = Model(mcfg, layout, params, grid.tp, opts.recompute)
+        return model, BucketReducer(grid, layout, model.grads, floats, weight), ReplicaCheck(grid, layout)
+    from capstone.parallel.progress import Progress
+    from capstone.parallel.zero2 import ShardedGradReducer
+    reducer = ShardedGradReducer(grid, layout, floats, Progress(), weight)
+    if opts.zero_stage == 2:
+        return Model(mcfg, layout, params, grid.tp, opts.recompute, grads=False), reducer, ReplicaCheck(grid, layout)
+    from capstone.parallel import zero3
+    model = zero3.ShardedModel(mcfg, layout, params, grid, opts.recompute, reducer)
+    return model, reducer, zero3.ShardedReplicaCheck(grid, layout, model.gatherer)
+
+
+def _heldout(grid: Grid, data, settings: Settings) -> HeldOut:
+    """The held-out evaluation: rows split over the data-parallel group (deterministic: fixed blocks)."""
+    tcfg, T = settings.train, settings.model.seq_len
+    if tcfg.deterministic:
+        from capstone.parallel import deterministic as det
+        return det.HeldOutBlocks(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp)
+    weight = 1.0 if grid.tp.rank == 0 else 0.0
+    return HeldOut(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp.rank, grid.dp.size, weight)
 
 
 def start(run: Run, path: str | None = None, saved_train: dict | None = None) -> None:

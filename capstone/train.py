@@ -21,7 +21,7 @@ from capstone import checkpoint, cli, invariants, lr
 from capstone.checkpoint.cadence import Due
 from capstone.config import ConfigError
 from capstone.guard import DivergenceError
-from capstone.observe import report
+from capstone.observe import memory, report
 from capstone.observe.timer import PhaseTimer
 from capstone.parallel import launch
 from capstone.parallel.reduce import Flags
@@ -121,13 +121,12 @@ def train(run: Run) -> int:
 def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> int:
     """Collective: call on all ranks. The four invariants, the report, summary.json; the exit code."""
     verified = run.ckpt.verify_first()
-    mem = run.grid.world.allgather_json(run.memory_row())
+    mem = run.grid.world.allgather_json(memory.row(run))
     layout = run.model.layout
     results = {
         "a_loss_monotone": loss_invariant(run, start_step),
         "b_params_identical": invariants.params_identical(run.replicas.mismatches, run.replicas.checked),
-        "c_optimizer_memory": invariants.optimizer_memory([m["optimizer_bytes"] for m in mem],
-                                                          layout.n_params, layout.padded, run.grid.dp.size),
+        "c_memory": invariants.memory(mem, layout.n_params, layout.padded, run.grid.dp.size),
         "d_resume_bytes": invariants.resume_bytes(verified)}
     failed = invariants.failures(results)
     summary = report.Summary(status if not failed else "failed", run, rows, start_step, results, mem, wall,

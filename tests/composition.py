@@ -10,6 +10,7 @@ tests/test_composition.py runs the rows; scripts/composition-matrix runs them al
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ AXES = {
     "det": (False, True),
     "inject": ("clean", "nan", "spike"),
     "resume": (False, True),
+    "zero": (1, 2, 3),
+    "recompute": (False, True),
 }
 
 
@@ -41,32 +44,39 @@ class Row:
     det: bool
     inject: str
     resume: bool
+    zero: int = 1
+    recompute: bool = False
 
     @property
     def name(self) -> str:
         return (f"n{self.world}-tp{self.tp}-acc{self.accum}-{'overlap' if self.overlap else 'no-overlap'}-"
-                f"{'det' if self.det else 'default'}-{self.inject}" + (f"-stop{STOP_AT}-resume-{self.resumed_on()}"
-                                                                       if self.resume else ""))
+                f"{'det' if self.det else 'default'}-{self.inject}-zero{self.zero}"
+                + ("-recompute" if self.recompute else "")
+                + (f"-stop{STOP_AT}-resume-{self.resumed_on()}" if self.resume else ""))
 
     def flags(self) -> list:
         """The training flags of this row (without --out and --resume)."""
         flags = [*COMMON, "--tp", self.tp, "--grad-accum", self.accum]
         flags += [] if self.overlap else ["--no-overlap"]
         flags += ["--deterministic"] if self.det else []
+        flags += ["--zero-stage", self.zero] + (["--recompute"] if self.recompute else [])
         flags += {"clean": [], "nan": ["--inject-nan", NAN_STEP], "spike": ["--inject-lr-spike", f"{SPIKE_STEP}:1000"]}[
             self.inject]
         return [str(f) for f in flags]
 
     def resumed_on(self) -> str:
         """The other grid a stopped row resumes on: another world size (with the same micro-batch,
-        so that a deterministic row stays bit-identical), tensor parallelism kept where it fits."""
-        world, accum = other_layout(self.world, self.accum)
-        tp = self.tp if world % self.tp == 0 else 1
-        return f"n{world}-tp{tp}-acc{accum}"
+        so that a deterministic row stays bit-identical), tensor parallelism kept where it fits,
+        and another ZeRO stage (1 after 2 or 3; 3 after 1 where the row's modes allow it)."""
+        again = self.resumed()
+        return f"n{again.world}-tp{again.tp}-acc{again.accum}-zero{again.zero}"
 
-    def resume_grid(self) -> tuple[int, int, int]:
+    def resumed(self) -> "Row":
+        """The row of the resumed launch (its flags; `resume` False)."""
         world, accum = other_layout(self.world, self.accum)
-        return world, (self.tp if world % self.tp == 0 else 1), accum
+        zero = 1 if self.zero > 1 or self.det or not self.overlap else 3
+        return dataclasses.replace(self, world=world, tp=self.tp if world % self.tp == 0 else 1, accum=accum,
+                                   zero=zero, resume=False)
 
 
 def other_layout(world: int, accum: int) -> tuple[int, int]:
@@ -84,6 +94,10 @@ def reasons(row: Row) -> list[str]:
         found.append(f"--tp {row.tp} x --pp 1 = {row.tp} does not divide the {row.world} ranks")
     if row.det and row.tp > 1:
         found.append(f"--deterministic is not supported with --tp {row.tp}")
+    if row.det and row.zero > 1:
+        found.append(f"--deterministic is not supported with --zero-stage {row.zero}")
+    if not row.overlap and row.zero > 1:
+        found.append(f"--no-overlap is not supported with --zero-stage {row.zero}")
     return found
 
 
@@ -128,7 +142,7 @@ if __name__ == "__main__":   # python tests/composition.py [--full]: the rows, a
     rows = product() if "--full" in sys.argv else pairs()
     print(f"{len(rows)} rows ({'every row' if '--full' in sys.argv else 'seeded all-pairs, seed 25'}):")
     for r in rows:
-        print(f"  {r.name:<62} {refusal(r) or 'runs: matches the 1-rank run'}")
+        print(f"  {r.name:<84} {refusal(r) or 'runs: matches the 1-rank run'}")
     refused = [r for r in product() if reasons(r)]
     print(f"\nthe product refuses {len(refused)} of {len(product())} rows, for these reasons:")
     for reason in sorted({x for r in refused for x in reasons(r)}):
