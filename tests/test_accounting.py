@@ -1,6 +1,8 @@
 """capstone.observe.accounting: nccl-tests byte counts and bandwidths, the ZeRO what-if table (closed form,
 the ZeRO paper's own numbers) and a real run's measured memory against it."""
 
+import re
+
 import pytest
 
 from capstone.observe import accounting as acc
@@ -108,3 +110,4 @@ def test_a_real_run_measures_what_stage_1_predicts(tmp_path, capsys):
     assert acc.main(["--run", str(out)]) == 0
     text = capsys.readouterr().out
     assert "reduce_scatter" in text and "allgather" in text and f"P={padded} parameters on N=2" in text
+    assert re.search(r"^allreduce_stats\s+allreduce\s", text, re.M), text   # rows named by kind, then op

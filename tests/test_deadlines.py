@@ -1,6 +1,6 @@
-"""No collective hangs forever: a silent rank ends the job at --collective-timeout (capstone.deadline).
+"""No collective hangs forever: a silent rank ends the job at --collective-timeout (capstone.parallel.deadline).
 
-Run serially (the tests start their own 4-rank jobs): python -m pytest -q tests/test_timeout.py
+Run serially (the tests start their own 4-rank jobs): python -m pytest -q tests/test_deadlines.py
 The fault `CAPSTONE_FAULT=stall:<rank>:<step>[:<save point>]` makes one rank sleep 60 s, silent,
 like a hung or unreachable node. The other ranks must print the one-line message and abort: the
 job exits non-zero within the timeout plus a few seconds, and the newest checkpoint on disk is the

@@ -14,7 +14,7 @@ this pass calls each VJP once, a VJP may also free its saved activations as it u
 The tap's VJP runs once per parameter per backward pass, right after that parameter's gradient is
 complete (autograd sums a node's incoming gradients before calling its VJP), in reverse order of
 use: the last layers first. `set_grad_hook` installs one callable that is called there with the
-sink; capstone.buckets uses it to start the reduce-scatter of a bucket as soon as every parameter
+sink; capstone.parallel.buckets uses it to start the reduce-scatter of a bucket as soon as every parameter
 in it is final, overlapping communication with the rest of the backward pass (as PyTorch DDP does).
 """
 

@@ -97,11 +97,13 @@ def step_collectives(row: dict) -> list[Collective]:
             for e in (row.get("comm") or {}).values() if e.get("ms", 0) > 0]
 
 
-def format_collectives(records: list[Collective]) -> str:
-    lines = [f"{'collective':<15} {'ranks':>5} {'S bytes':>10} {'time ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11} "
-             f"{'sent/rank B':>12}"]
-    for c in records:
-        lines.append(f"{c.name:<15} {c.world:>5} {c.size_bytes:>10} {1e3 * c.seconds:>9.3f} {c.algbw / 1e9:>11.3f} "
+def format_collectives(records: list[Collective], kinds: list[str] | None = None) -> str:
+    """A table of collectives, each row named by its kind (a run's: reduce_scatter, allreduce_stats,
+    ...) when `kinds` is given, else by its op."""
+    lines = [f"{'collective':<18} {'op':<15} {'ranks':>5} {'S bytes':>10} {'time ms':>9} {'algbw GB/s':>11} "
+             f"{'busbw GB/s':>11} {'sent/rank B':>12}"]
+    for c, kind in zip(records, kinds or [c.name for c in records]):
+        lines.append(f"{kind:<18} {c.name:<15} {c.world:>5} {c.size_bytes:>10} {1e3 * c.seconds:>9.3f} {c.algbw / 1e9:>11.3f} "
                      f"{c.busbw / 1e9:>11.3f} {c.ring_bytes_sent_per_rank:>12.0f}")
     return "\n".join(lines)
 
@@ -253,8 +255,8 @@ def format_what_if(w: dict) -> str:
 
 
 # ---- command line ------------------------------------------------------------------------------
-def run_bandwidths(run_dir: str) -> tuple[dict, list[Collective]]:
-    """(summary, one record per kind of collective with the median time over steps 2..) of a finished run."""
+def run_bandwidths(run_dir: str) -> tuple[dict, dict[str, Collective]]:
+    """(summary, kind -> its collective with the median time over steps 2..) of a finished run."""
     run = read_run(run_dir)
     if not run.summary:
         raise FileNotFoundError(f"{run_dir}/summary.json not found: the run has not finished")
@@ -263,8 +265,8 @@ def run_bandwidths(run_dir: str) -> tuple[dict, list[Collective]]:
         if row["step"] >= 2:  # step 1 pays one-off warm-up
             for kind, e in (row.get("comm") or {}).items():
                 by_kind.setdefault(kind, []).append(e)
-    return run.summary, [Collective(es[-1]["op"], es[-1]["bytes"], 1, es[-1]["ranks"],
-                                    statistics.median(e["ms"] for e in es) / 1e3) for es in by_kind.values()]
+    return run.summary, {kind: Collective(es[-1]["op"], es[-1]["bytes"], 1, es[-1]["ranks"],
+                                          statistics.median(e["ms"] for e in es) / 1e3) for kind, es in by_kind.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -289,7 +291,8 @@ def main(argv=None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         n_params, world = summary["padded"], summary["world_size"]
-        print(f"{args.run}: median over steps 2.. of rank 0's timings\n{format_collectives(records)}\n")
+        print(f"{args.run}: median over steps 2.. of rank 0's timings\n"
+              f"{format_collectives(list(records.values()), list(records))}\n")
     precision = PRECISIONS[args.precision]
     print(format_zero_table(zero_table(n_params, world, precision), n_params, world, precision))
     return 0
