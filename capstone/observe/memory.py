@@ -4,7 +4,7 @@ what-if's measured row). P is the padded length of the flat buffer (this rank's 
 slice), N the data-parallel group's size; the shard is P/N elements (`Layout.shard`).
 
     stage 1: params 4P, grads 4P, reduce 4P/N (+4P staging in tree order), optimizer 12P/N, guard 12P/N
-    stage 2: params 4P, grads 4P/N, reduce <= the two largest consecutive buckets in flight
+    stage 2: params 4P, grads 4P/N, reduce <= the two largest buckets sent one after the other
     stage 3: params 4P/N, gathered <= the two largest consecutive groups, grads and reduce as stage 2
 
 The transient terms (`gathered`, `reduce` at stages 2-3) are measured as their peak over the run;
@@ -63,7 +63,7 @@ def formula(run) -> ModelStates:
     elif stage == 1:              # the receive shard, and a staging copy when the sums run in tree order
         reduce = shard + (4 * P if tree_order(dp.size) != list(range(dp.size)) else 0)
     else:
-        reduce = run.reducer.inflight_bound(tcfg.grad_accum > 1)
+        reduce = run.reducer.inflight_bound(tcfg.grad_accum)
     gathered = run.model.gatherer.bound() if stage == 3 else 0
     return ModelStates(row.params_bytes, gathered, row.grads_bytes, reduce, row.optimizer_bytes, row.optimizer_bytes)
 

@@ -128,8 +128,10 @@ class ShardedGradReducer(GradReducer):
         """The shard and the most the reductions have held in flight (over the run)."""
         return self.grad_shard.nbytes + self.peak_inflight
 
-    def inflight_bound(self, accumulating: bool) -> int:
-        """The formula for `peak_inflight`: the largest two consecutive buckets (with gradient
-        accumulation, and their temporaries of the shard)."""
-        sizes = [4 * (b.plan.b - b.plan.a) + accumulating * 4 * b.plan.counts[self.dp.rank] for b in self.buckets]
-        return max([sizes[0]] + [x + y for x, y in zip(sizes, sizes[1:])])
+    def inflight_bound(self, micro_batches: int) -> int:
+        """The formula for `peak_inflight`: the largest two buckets sent one after the other in a
+        step of `micro_batches` (the last of a micro-batch is still in flight when the next one's
+        first is sent; after the first micro-batch, each with its temporary of the shard)."""
+        sent = [4 * (b.plan.b - b.plan.a) + (j > 0) * 4 * b.plan.counts[self.dp.rank]
+                for j in range(micro_batches) for b in self.buckets]
+        return max([sent[0]] + [x + y for x, y in zip(sent, sent[1:])])
