@@ -102,8 +102,8 @@ def test_a_default_run_imports_no_optional_layer(tmp_path):
     # the check can fail: the same probe with --tp 2 and --deterministic loads those layers
     tp = probe("modules", 2, "--steps", "2", "--tp", "2", tmp_path=tmp_path / "tp")
     assert "capstone.parallel.tensor" in tp["modules"]
-    zero3 = probe("modules", 2, "--steps", "2", "--zero-stage", "3", "--recompute", tmp_path=tmp_path / "zero3")
-    assert {"capstone.parallel.zero3", "capstone.model.recompute"} <= set(zero3["modules"])
+    zero3 = probe("modules", 2, "--steps", "2", "--zero-stage", "3", tmp_path=tmp_path / "zero3")
+    assert {"capstone.parallel.zero3", "capstone.parallel.progress"} <= set(zero3["modules"])
 
 
 def test_a_default_step_runs_at_most_2000_lines_of_files(tmp_path):
