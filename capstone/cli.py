@@ -35,6 +35,9 @@ class RunOptions:
     bucket_mb: float = 1.0            # bucket size of the overlapped reduce-scatter
     zero_stage: int = 1               # ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
     recompute: bool = False           # activation checkpointing: each block recomputed in the backward pass
+    pp: int = 1                       # pipeline stages per replica (capstone.parallel.pipeline)
+    pp_schedule: str = "1f1b"         # the order of the micro-batches' forwards and backwards: 1f1b or afab
+    pp_layers: tuple[int, ...] | None = None   # blocks per pipeline stage (None: balanced)
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,16 @@ def _run_flags(p) -> None:
     g.add_argument("--recompute", action="store_true",
                    help="activation checkpointing: keep only each block's input and recompute the block in the "
                         "backward pass (the same gradients, about a third more compute, far less memory)")
+    g.add_argument("--pp", type=int, default=1, metavar="K",
+                   help="pipeline parallelism: the blocks in K contiguous stages on K ranks of the grid's pp axis, "
+                        "the step's --grad-accum micro-batches flowing through them (docs/pipeline.md; default: 1)")
+    g.add_argument("--pp-schedule", choices=("1f1b", "afab"), default="1f1b",
+                   help="the pipeline's order of forwards and backwards: 1f1b (one forward one backward, at most "
+                        "K micro-batches of activations per stage) or afab (all forwards, then all backwards: "
+                        "GPipe) (default: 1f1b)")
+    g.add_argument("--pp-layers", type=_counts, default=None, metavar="N,N,...",
+                   help="blocks per pipeline stage, e.g. 3,3,2 (default: balanced, the first stages taking one "
+                        "more when K does not divide the blocks; fewer on the last stage eases a heavy LM head)")
     g = p.add_argument_group("test hooks (fault injection, not for training)")
     g.add_argument("--stop-after", type=int, default=0, help="checkpoint and stop after this step, as if preempted (0: off)")
     g.add_argument("--sleep-per-step", type=float, default=0.0, help="sleep this many seconds per step")
@@ -175,6 +188,14 @@ def _run_flags(p) -> None:
                    help="multiply the learning rate of step STEP by MULT")
     g.add_argument("--inject-nan", type=_nan, default=None, metavar="STEP[:COUNT]",
                    help="make the gradient NaN at STEP (and the COUNT-1 steps after)")
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected block counts like 3,3,2, got {text!r}") from None
+    return counts
 
 
 def parse(argv=None) -> Settings:

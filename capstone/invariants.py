@@ -74,10 +74,19 @@ def optimizer_memory(per_rank_bytes: list[int], n_params: int, padded: int, worl
             "measured_bytes": per_rank_bytes, "max_deviation_bytes": worst}
 
 
-def memory(rows: list[dict], n_params: int, padded: int, world: int) -> dict:
-    """(c) from every rank's memory row (capstone.observe.memory.row): measured == formula, per buffer."""
+def memory(rows: list[dict], world: int) -> dict:
+    """(c) from every rank's memory row (capstone.observe.memory.row): measured == formula, per
+    buffer; the optimizer's 12 * P / N for each part of the model (a pipeline stage's P is its own)."""
     from capstone.observe.memory import FIELDS
-    result = optimizer_memory([r["optimizer_bytes"] for r in rows], n_params, padded, world)
+    parts: dict = {}
+    for r in rows:
+        parts.setdefault((r["n_params"], r["padded"]), []).append(r["optimizer_bytes"])
+    checks = [optimizer_memory(b, n, p, world) for (n, p), b in parts.items()]
+    result = {**checks[0], "ok": all(c["ok"] for c in checks), "measured_bytes": [r["optimizer_bytes"] for r in rows],
+              "max_deviation_bytes": max(c["max_deviation_bytes"] for c in checks)}
+    if len(checks) > 1:
+        result["parts"] = [{k: c[k] for k in ("expected_bytes", "formula_12P_over_N", "padding_bytes_per_rank")}
+                           for c in checks]
     off = {f: max(abs(r[f + "_bytes"] - r["formula"][f + "_bytes"]) for r in rows) for f in FIELDS}
     totals = [(sum(r[f + "_bytes"] for f in FIELDS), sum(r["formula"][f + "_bytes"] for f in FIELDS)) for r in rows]
     return {**result, "ok": result["ok"] and not any(off.values()), "stage": rows[0]["stage"],
@@ -113,6 +122,17 @@ def failures(results: dict) -> list[str]:
     return lines
 
 
+def _memory_text(c: dict) -> str:
+    parts = c.get("parts", [c])   # a pipeline stage's part of the model has its own P
+    text = (f"optimizer bytes per rank {sorted(set(c['measured_bytes']))} = 12*P/N " +
+            ", ".join(f"{x['formula_12P_over_N']:.1f} + padding {x['padding_bytes_per_rank']:.1f}" for x in parts) +
+            (" (each pipeline stage's)" if len(parts) > 1 else ""))
+    if "stage" in c:
+        text += (f"; model states {c['measured_total_bytes']} bytes per rank (max) = the ZeRO stage-{c['stage']} "
+                 f"formula {c['formula_total_bytes']}")
+    return text
+
+
 def describe(results: dict, world: int) -> list[str]:
     """One line per invariant with its measured values."""
     a, b, c, d = (results[k] for k in ("a_loss_monotone", "b_params_identical", "c_memory", "d_resume_bytes"))
@@ -124,10 +144,7 @@ def describe(results: dict, world: int) -> list[str]:
         f"closest to the limit: {rise}",
         f"(b) {mark[b['ok']]} parameter fingerprint identical on all {world} ranks at {b['steps_checked'] - b['n_mismatches']}"
         f"/{b['steps_checked']} steps",
-        f"(c) {mark[c['ok']]} optimizer bytes per rank {sorted(set(c['measured_bytes']))} = 12*P/N "
-        f"{c['formula_12P_over_N']:.1f} + padding {c['padding_bytes_per_rank']:.1f}" +
-        (f"; model states {c['measured_total_bytes']} bytes per rank (max) = the ZeRO stage-{c['stage']} formula "
-         f"{c['formula_total_bytes']}" if "stage" in c else ""),
+        f"(c) {mark[c['ok']]} {_memory_text(c)}",
         f"(d) {mark[d['ok']]} " + (f"{d['path']}: {d['mismatched_bytes']} bytes differ from the in-memory snapshot"
                                    if "path" in d else d["reason"]),
     ]

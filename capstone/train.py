@@ -122,11 +122,10 @@ def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> i
     """Collective: call on all ranks. The four invariants, the report, summary.json; the exit code."""
     verified = run.ckpt.verify_first()
     mem = run.grid.world.allgather_json(memory.row(run))
-    layout = run.model.layout
     results = {
         "a_loss_monotone": loss_invariant(run, start_step),
         "b_params_identical": invariants.params_identical(run.replicas.mismatches, run.replicas.checked),
-        "c_memory": invariants.memory(mem, layout.n_params, layout.padded, run.grid.dp.size),
+        "c_memory": invariants.memory(mem, run.grid.dp.size),
         "d_resume_bytes": invariants.resume_bytes(verified)}
     failed = invariants.failures(results)
     summary = report.Summary(status if not failed else "failed", run, rows, start_step, results, mem, wall,

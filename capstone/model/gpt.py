@@ -18,12 +18,14 @@ from capstone.model.blocks import ALONE, block, embedding, head_logits, head_los
 from capstone.model.params import Layout, group_shapes
 
 
-def _hidden(t, idx, cfg: ModelConfig, tp=ALONE, layer=block):
-    """Hidden states (B*T, C) after the last block (`layer`) for token ids idx (B, T); t: Layout.groups."""
+def _hidden(t, idx, cfg: ModelConfig, tp=ALONE, layer=block, x=None):
+    """Hidden states (B*T, C) after the blocks (`layer`) in t (Layout.groups: the whole model's, or a
+    pipeline stage's) for token ids idx (B, T), from the embedding or `x` (the previous stage's)."""
     shapes, H = group_shapes(cfg, tp.size), cfg.n_heads // tp.size
-    x = embedding(t["embed"], idx, shapes["embed"])                             # (B*T, C)
-    for i in range(cfg.n_layers):
-        x = layer(x, t[f"h{i}"], idx.shape[1], H, shapes[f"h{i}"], tp)           # (B*T, C)
+    if x is None:
+        x = embedding(t["embed"], idx, shapes["embed"])                         # (B*T, C)
+    for name in (g for g in t if g not in ("embed", "head")):                   # the blocks, in order
+        x = layer(x, t[name], idx.shape[1], H, shapes[name], tp)               # (B*T, C)
     return x
 
 

@@ -24,6 +24,7 @@ BUS_FACTORS = {
     "reduce_scatterv": lambda n: (n - 1) / n,   # with per-rank counts (ZeRO-2's groups): S is what they sum to
     "allgatherv": lambda n: (n - 1) / n,        # (ZeRO-3's gathered groups)
     "broadcast": lambda n: 1.0,
+    "p2p": lambda n: 1.0,                      # a pipeline's messages between neighbouring stages (S: their bytes)
     "reduce": lambda n: 1.0,
 }
 PER_RANK_COUNT = ("reduce_scatter", "allgather", "alltoall")  # ops whose buffer is n equal per-rank blocks

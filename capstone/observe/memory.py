@@ -70,5 +70,7 @@ def formula(run) -> ModelStates:
 
 def row(run) -> dict:
     """This rank's memory row for summary.json: measured bytes, the formula's, and its peak RSS."""
-    return {"rank": run.grid.world.rank, "stage": run.opts.zero_stage, **measured(run).row(),
+    layout = run.model.layout
+    return {"rank": run.grid.world.rank, "stage": run.opts.zero_stage, "n_params": layout.n_params,
+            "padded": layout.padded, **measured(run).row(),
             "formula": formula(run).row(), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
