@@ -74,7 +74,9 @@ def worker(argv: list[str]) -> int:
         print("RESULT " + json.dumps({k: max(e[k] for e in every) for k in ("states", "formula", "traced_peak",
                                                                             "activations", "rss_peak", "step_ms")}
                                      | {"rows": every[0]["rows"], "formula_rows": every[0]["formula_rows"],
-                                        "n_params": every[0]["n_params"]}), flush=True)
+                                        "n_params": every[0]["n_params"],
+                                        "per_rank": [{k: e[k] for k in ("states", "traced_peak", "activations",
+                                                                        "rss_peak")} for e in every]}), flush=True)
     return 0
 
 
