@@ -20,7 +20,7 @@ import pytest
 import composition as mx
 from conftest import ROOT, mpi_env, step_rows
 
-ROWS = mx.product() if os.environ.get("CAPSTONE_MATRIX") == "full" else mx.pairs(int(os.environ.get("CAPSTONE_MATRIX_SEED", 25)))
+ROWS = mx.full() if os.environ.get("CAPSTONE_MATRIX") == "full" else mx.pairs(int(os.environ.get("CAPSTONE_MATRIX_SEED", 25)))
 KEYS = ("loss", "grad_norm", "eval_loss", "param_norm")
 RTOL = 1e-5
 
