@@ -36,7 +36,7 @@ class RunOptions:
     zero_stage: int = 1               # ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
     recompute: bool = False           # activation checkpointing: each block recomputed in the backward pass
     pp: int = 1                       # pipeline stages per replica (capstone.parallel.pipeline)
-    pp_schedule: str = "1f1b"         # the order of the micro-batches' forwards and backwards: 1f1b or afab
+    pp_schedule: str | None = None    # the order of the micro-batches' forwards and backwards (None: 1f1b)
     pp_layers: tuple[int, ...] | None = None   # blocks per pipeline stage (None: balanced)
 
 
@@ -174,7 +174,7 @@ def _run_flags(p) -> None:
     g.add_argument("--pp", type=int, default=1, metavar="K",
                    help="pipeline parallelism: the blocks in K contiguous stages on K ranks of the grid's pp axis, "
                         "the step's --grad-accum micro-batches flowing through them (docs/pipeline.md; default: 1)")
-    g.add_argument("--pp-schedule", choices=("1f1b", "afab"), default="1f1b",
+    g.add_argument("--pp-schedule", choices=("1f1b", "afab"), default=None,
                    help="the pipeline's order of forwards and backwards: 1f1b (one forward one backward, at most "
                         "K micro-batches of activations per stage) or afab (all forwards, then all backwards: "
                         "GPipe) (default: 1f1b)")

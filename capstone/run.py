@@ -88,8 +88,9 @@ def check_modes(world: int, settings: Settings) -> None:
     grids.check(world, opts.tp, opts.pp, mcfg)
     if opts.pp > 1:
         _check_pipeline(settings)
-    elif opts.pp_layers is not None:
-        raise ConfigError("--pp-layers gives the blocks of each pipeline stage: it needs --pp K > 1.")
+    elif opts.pp_layers is not None or opts.pp_schedule is not None:
+        raise ConfigError(f"{'--pp-layers' if opts.pp_layers is not None else '--pp-schedule'} is about pipeline "
+                          f"stages: it needs --pp K > 1 (docs/pipeline.md).")
     if tcfg.deterministic and opts.tp > 1:
         raise ConfigError(f"--deterministic is not supported with --tp {opts.tp}: its fixed-order reduction and "
                           f"held-out blocks cover data parallelism only. Drop one of them (docs/composition.md).")
@@ -192,7 +193,7 @@ def build(world: Comm, settings: Settings, out: str, hooks: Hooks | None = None)
     scale = 1.0 / (identity.global_batch * mcfg.seq_len)
     schedule = Sequential(model, reducer, hooks, scale)
     if grid.pp.size > 1:
-        schedule = pipeline.Pipeline(model, reducer, hooks, scale, opts.pp_schedule)
+        schedule = pipeline.Pipeline(model, reducer, hooks, scale, opts.pp_schedule or "1f1b")
     return Run(grid, mcfg, tcfg, opts, out, model, opt, reducer, schedule, data, heldout, guard, cadence, ckpt,
                state, replicas, hooks, batch, identity.global_batch, full.n_params)
 

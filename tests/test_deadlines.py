@@ -148,8 +148,9 @@ def assert_named(rc: int, text: str, ended: float, what: str, step, timeout: flo
     ("allgather", (), "allgather of the updated parameters"),
     ("reduce_scatter", ("--zero-stage", "2", "--bucket-mb", "0.01"), "reduce-scatter of a gradient bucket (ZeRO-2)"),
     ("allgather_params", ("--zero-stage", "3"), "allgather of the parameters of embed (ZeRO-3)"),
+    ("send", ("--pp", "2", "--grad-accum", "2"), "pipeline receive of micro-batch 0's gradient from stage 1"),
 ], ids=["one-shot-reduce", "bucketed-reduce", "deterministic-exchange", "stats-allreduce", "eval-allreduce",
-        "parameter-allgather", "zero2-progressed-reduce", "zero3-prefetched-gather"])
+        "parameter-allgather", "zero2-progressed-reduce", "zero3-prefetched-gather", "pipeline-message"])
 def test_a_rank_stopped_before_a_collective_ends_the_job(tmp_path, kind, flags, what):
     """Rank 1 stops itself (SIGSTOP) at step 3 right before it would take part in the collective;
     the others wait in it until the deadline, which names it and the step; the last checkpoint
