@@ -33,6 +33,9 @@ class RunOptions:
     collective_timeout: float = 0.0   # seconds; 0: automatic (capstone.deadline)
     overlap: bool = True              # reduce-scatter in buckets during the backward pass
     bucket_mb: float = 1.0            # bucket size of the overlapped reduce-scatter
+    inject_grad_sign: tuple[int, int] | None = None   # test hook: negate the gradient from STEP for COUNT steps
+    inject_no_update: tuple[int, int] | None = None   # test hook: zero the gradient from STEP for COUNT steps
+    init_from: str | None = None      # start a new run from these weights (capstone.finetune)
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                        ("max_rollbacks", "stop with an error after this many triggers without an accepted update")):
         _flag(g, name, text)
     _run_flags(p)
+    _start_flags(p)
     return p
 
 
@@ -166,6 +170,29 @@ def _run_flags(p) -> None:
                    help="multiply the learning rate of step STEP by MULT")
     g.add_argument("--inject-nan", type=_nan, default=None, metavar="STEP[:COUNT]",
                    help="make the gradient NaN at STEP (and the COUNT-1 steps after)")
+
+
+def _from_step(text: str) -> tuple[int, int]:
+    step, _, count = text.partition(":")
+    try:
+        return int(step), int(count or 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected STEP or STEP:COUNT like 5 or 5:3, got {text!r}") from None
+
+
+def _start_flags(p) -> None:
+    """Fine-tuning and the (a) test hook (issue 28), in their own groups."""
+    g = p.add_argument_group("fine-tuning")
+    g.add_argument("--init-from", default=None, metavar="CKPT",
+                   help="start a new run (fresh optimizer, schedule and step count) from the weights of a capstone "
+                        "checkpoint (a ckpt-*.h5 file or a run directory) or of an export (.safetensors); the model "
+                        "settings come from it, --data may differ if its vocabulary is the same (docs/finetune.md)")
+    g = p.add_argument_group("test hooks for invariant (a)")
+    g.add_argument("--inject-grad-sign", type=_from_step, default=None, metavar="STEP[:COUNT]",
+                   help="negate the summed gradient from step STEP on (COUNT steps; default: to the end)")
+    g.add_argument("--inject-no-update", type=_from_step, default=None, metavar="STEP[:COUNT]",
+                   help="zero the summed gradient before the optimizer from step STEP on (COUNT steps; default: "
+                        "to the end): from step 1, no update is ever applied")
 
 
 def parse(argv=None) -> Settings:

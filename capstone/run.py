@@ -170,9 +170,10 @@ def _hooks(world: Comm, opts: RunOptions) -> Hooks:
     """The test seam: fault injection when a test asks for it (capstone.faults), else nothing."""
     hooks = Hooks()
     if os.environ.get("CAPSTONE_FAULT") or os.environ.get("CAPSTONE_FAULT_PIDS") or opts.inject_lr_spike \
-            or opts.inject_nan or opts.sleep_per_step:
+            or opts.inject_nan or opts.sleep_per_step or opts.inject_grad_sign or opts.inject_no_update:
         from capstone.faults import Faults
-        hooks = Faults(world.rank, opts.inject_lr_spike, opts.inject_nan, opts.sleep_per_step)
+        hooks = Faults(world.rank, opts.inject_lr_spike, opts.inject_nan, opts.sleep_per_step, opts.inject_grad_sign,
+                       opts.inject_no_update)
     world.hooks = hooks   # every collective is a hook point (capstone.parallel.comm)
     return hooks
 

@@ -61,6 +61,7 @@ def train_step(run: Run, s: int) -> StepResult:
         losses = run.schedule.forward_backward(batches, s)
     with timer("reduce"):
         stats = run.reducer.finish(losses, Flags(stop.requested(), run.cadence.clock_due()))
+        run.hooks.reduced(s, run.reducer.grad_shard)
     r = StepResult(s, stats.loss, stats.norm, run.hooks.learning_rate(s, lr.at_step(s, tcfg)),
                    (state.cursor, state.cursor + run.global_batch), run.cadence.due(s, stats.flags))
     r.rollback = run.guard.batch_verdict(r.loss, r.grad_norm)                         # guard: the batch
@@ -140,14 +141,16 @@ def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> i
 
 
 def loss_invariant(run: Run, start_step: int) -> dict:
-    """(a) on this segment's evaluation points, from its baseline (the start, or the resumed state)."""
+    """(a) on this segment's evaluation points, from its baseline (the start, or the resumed state), and
+    its accepted steps' training losses."""
     state, tcfg = run.state, run.tcfg
     first = (start_step, state.eval_start if start_step == 0 else run.segment_start[0])
     points = [first] + [(step, held) for step, _, held in state.losses if held is not None]
     settle = max(tcfg.warmup_steps, -(-tcfg.steps // 10))
     best = state.eval_start if start_step == 0 else run.segment_start[1]
-    return invariants.loss_monotone(points, tcfg.loss_tol, tcfg.loss_tol_rel, settle, state.eval_start, best,
-                                    fresh=start_step == 0)
+    return invariants.learns(points, [(step, loss) for step, loss, _ in state.losses], tcfg.loss_tol,
+                             tcfg.loss_tol_rel, settle, state.eval_start, best, fresh=start_step == 0,
+                             run_best=state.best_eval, trend_settle=-(-tcfg.steps // 10))
 
 
 def main(argv=None) -> None:
