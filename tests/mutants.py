@@ -162,6 +162,16 @@ MUTANTS = [
            "allowed = tol + rel * (start - best)", "allowed = tol + rel * start",
            ("tests/test_invariants.py",), "(a) allows a rise in proportion to the loss, not to the progress"),
 
+    Mutant("invariants/trend-against-the-previous-block-only", "capstone/invariants.py",
+           "        low = min(low, block, key=lambda b: b[2])\n", "        low = block\n",
+           ("tests/test_learning.py::test_trend_compares_with_the_lowest_earlier_block",),
+           "(a) compares each block of the training loss with the one before only: a slow rise passes"),
+    Mutant("invariants/learnt-judged-on-the-last-point", "capstone/invariants.py",
+           "    lowest = min([h for _, h in evals] + ([run_best] if run_best is not None else []), default=None)\n",
+           "    lowest = evals[-1][1] if evals else None\n",
+           ("tests/test_learning.py::test_invariant_a_table",),
+           "(a) asks the last held-out point, not the best, to be below the start: an overfitting run fails"),
+
     # ---- schedule -------------------------------------------------------------------------------
     Mutant("schedule/cosine-counted-from-step-0", "capstone/lr.py",
            "progress = min(1.0, (step - warmup - 1) / span)", "progress = min(1.0, (step - 1) / span)",
