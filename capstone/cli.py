@@ -46,12 +46,31 @@ class Settings:
     train: TrainConfig
     opts: RunOptions
     explicit: dict   # field name -> value, for the config flags on the command line
+    preset: str | None = None   # --preset NAME, when given
+    deferred: str | None = None  # resuming: why the flags alone make no valid config (judged over the checkpoint's)
 
     def on_top_of(self, model: dict, train: dict) -> "Settings":
         """These settings over a checkpoint's (explicit flags win); raises ConfigError if invalid."""
         m = ModelConfig(**_pick(ModelConfig, {**model, **self.explicit}))
         t = TrainConfig(**_pick(TrainConfig, {**train, **self.explicit}))
         return dataclasses.replace(self, model=m, train=t)
+
+
+def check_preset(settings: Settings, model: dict, train: dict, source: str) -> None:
+    """ConfigError if an explicit --preset sets a value that `source`'s settings (a checkpoint's, on
+    --resume) contradict, unless a flag sets it too: the checkpoint's settings win, so the preset would
+    be ignored. The same command line again (a requeued job) passes."""
+    if settings.preset is None:
+        return
+    saved = {**model, **train}
+    differ = [f"{key} {saved.get(key)!r} there, {value!r} in the preset" for key, value in
+              sorted(PRESETS[settings.preset].items()) if key not in settings.explicit and saved.get(key) != value]
+    if differ:
+        more = f"; and {len(differ) - 5} more" if len(differ) > 5 else ""
+        raise ConfigError(f"--preset {settings.preset} contradicts the settings of {source}: {'; '.join(differ[:5])}"
+                          f"{more}. On "
+                          f"--resume the checkpoint's settings win; drop --preset, or give the settings you want to "
+                          f"change as flags (e.g. --lr 5e-4), which override the checkpoint's.")
 
 
 def _pick(cls, values: dict) -> dict:
@@ -96,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m capstone.train",
                 description="Train the MiniGPT data-parallel with ZeRO-1 and sharded HDF5 checkpoints; run under "
                             "mpirun/srun (any number of ranks). Checks the four invariants and exits non-zero if one fails.")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="reference",
-                   help="named settings (capstone/presets.py); explicit flags override them (default: 'reference')")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="named settings (capstone/presets.py); explicit flags override them; on --resume the "
+                        "checkpoint's settings win and a preset that contradicts them is refused (default: 'reference')")
     g = p.add_argument_group("model")
     for name, text in (("vocab_size", "vocabulary size V (with --data: the data's)"), ("seq_len", "sequence length T"),
                        ("d_model", "model width C"), ("n_heads", "attention heads H (must divide d-model)"),
@@ -198,16 +218,27 @@ def _start_flags(p) -> None:
 def parse(argv=None) -> Settings:
     """Parse and validate; raises ConfigError (with what to do) on bad values, SystemExit on --help."""
     values = vars(build_parser().parse_args(argv))
-    preset = PRESETS[values.pop("preset")]
+    name = values.pop("preset")
+    preset = PRESETS[name or "reference"]
     opts = RunOptions(**_pick(RunOptions, values))
     explicit = {k: v for k, v in values.items() if k not in {f.name for f in dataclasses.fields(RunOptions)}}
     if opts.stop_after < 0 or opts.sleep_per_step < 0 or opts.log_every < 0:
         raise ConfigError("--stop-after, --sleep-per-step and --log-every must be >= 0.")
     if opts.collective_timeout < 0 or not opts.bucket_mb > 0:
         raise ConfigError("--collective-timeout must be >= 0 (0: automatic) and --bucket-mb > 0.")
-    base = {**preset, **explicit}
-    return Settings(ModelConfig(**_pick(ModelConfig, base)), TrainConfig(**_pick(TrainConfig, base)), opts,
-                    {**preset, **explicit} if opts.resume is None else explicit)
+    model, train, deferred = _configs({**preset, **explicit}, opts.resume is not None)
+    return Settings(model, train, opts, {**preset, **explicit} if opts.resume is None else explicit, name, deferred)
+
+
+def _configs(base: dict, resuming: bool) -> tuple[ModelConfig, TrainConfig, str | None]:
+    """The configs of `base`. Resuming, a combination they refuse (e.g. --warmup-steps above the default
+    --steps) is judged later, over the checkpoint's settings (`on_top_of`), or raised if there is none."""
+    try:
+        return ModelConfig(**_pick(ModelConfig, base)), TrainConfig(**_pick(TrainConfig, base)), None
+    except ConfigError as exc:
+        if not resuming:
+            raise
+        return ModelConfig(), TrainConfig(), str(exc)
 
 
 def parse_on_every_rank(argv, rank: int) -> Settings:

@@ -140,6 +140,19 @@ def learns(evals: list, train: list, tol: float, rel: float = 0.0, settle_until:
             "learnt": learnt, "jump": jump, "trend": rising, "rose": rose_from_best(evals, tol, rel, start)}
 
 
+def of_segment(state, tcfg, start_step: int, segment_start: tuple) -> dict:
+    """`learns` on a run segment's RunState: its evaluation points from its baseline (the start, or
+    the state it resumed from, `segment_start` = (held-out loss, best held-out loss) there) and its
+    accepted steps' training losses, with the tolerances and settle window of TrainConfig `tcfg`."""
+    fresh = start_step == 0
+    points = [(start_step, state.eval_start if fresh else segment_start[0])]
+    points += [(step, held) for step, _, held in state.losses if held is not None]
+    settle = max(tcfg.warmup_steps, -(-tcfg.steps // 10))
+    return learns(points, [(step, loss) for step, loss, _ in state.losses], tcfg.loss_tol, tcfg.loss_tol_rel, settle,
+                  state.eval_start, state.eval_start if fresh else segment_start[1], fresh=fresh,
+                  run_best=state.best_eval, trend_settle=-(-tcfg.steps // 10))
+
+
 def rose_from_best(evals: list, tol: float, rel: float, start: float | None) -> dict | None:
     """Where the held-out loss ended above its best point by more than tol + rel x progress, else None."""
     if len(evals) < 2:

@@ -25,7 +25,7 @@ from capstone import checkpoint
 from capstone.checkpoint import files, resume
 from capstone.checkpoint.cadence import Cadence
 from capstone.checkpoint.saver import Checkpointer, RunIdentity
-from capstone.cli import RunOptions, Settings
+from capstone.cli import RunOptions, Settings, check_preset
 from capstone.config import ConfigError, ModelConfig, TrainConfig
 from capstone.data import open_data
 from capstone.data.heldout import HeldOut
@@ -89,6 +89,10 @@ class Run:
         return fingerprint(self.ckpt.view.whole(self.model.params))
 
 
+class RunFinished(ConfigError):
+    """--resume auto found the run at its last step: nothing to do, and that is success (exit 0)."""
+
+
 def check_modes(world: int, settings: Settings) -> None:
     """ConfigError (exit 2) for a combination of flags the product does not run, with the reason."""
     mcfg, tcfg, opts = settings.model, settings.train, settings.opts
@@ -118,8 +122,11 @@ def open_run(world: Comm, settings: Settings) -> Run:
         path = resume.resolve(world, opts.resume, ckpt_dir)
         if path is not None:
             saved = _agreed(world, lambda: checkpoint.read_meta_file(path))
+            check_preset(settings, saved["model_config"], saved["train_config"], path)
             settings = settings.on_top_of(saved["model_config"], saved["train_config"])
             check_modes(world.size, settings)
+        elif settings.deferred:   # --resume auto starting fresh: the flags alone must make a valid run
+            raise ConfigError(settings.deferred)
         elif settings.train.data and "vocab_size" not in settings.explicit:
             vocab = _agreed(world, lambda: load_meta(settings.train.data).vocab_size)
             settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, vocab_size=vocab))
@@ -249,7 +256,13 @@ def _resume(run: Run, path: str, saved: dict) -> None:
     run.state, run.resumed_from = state, path
     run.segment_start = (state.guard.last_eval, state.best_eval)
     if state.step >= run.tcfg.steps:
+        if run.opts.resume == "auto":   # a requeued batch job whose work is done
+            raise RunFinished(f"{path} is at step {state.step}, the last of --steps {run.tcfg.steps}: the run is "
+                              f"finished, nothing to do (summary.json and metrics.jsonl are as they were). Pass "
+                              f"--steps larger than {state.step} to train on.")
         raise ConfigError(f"{path} is at step {state.step} and --steps is {run.tcfg.steps}: nothing left to do. "
                           f"Pass --steps larger than {state.step} to train on.")
     changed = {k: (v, getattr(run.tcfg, k)) for k, v in saved.items() if getattr(run.tcfg, k, v) != v}
+    if meta.get("global_batch", run.global_batch) != run.global_batch:   # batch_size x grad_accum x replicas
+        changed["global batch (sequences per step)"] = (meta["global_batch"], run.global_batch)
     report.resumed(path, state, meta["world_size"], run.grid.world.size, changed, run.grid.world.rank)

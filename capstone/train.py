@@ -21,11 +21,11 @@ from capstone import checkpoint, cli, invariants, lr
 from capstone.checkpoint.cadence import Due
 from capstone.config import ConfigError
 from capstone.guard import DivergenceError
-from capstone.observe import report
+from capstone.observe import outcome, report
 from capstone.observe.timer import PhaseTimer
 from capstone.parallel import launch
 from capstone.parallel.reduce import Flags
-from capstone.run import Run, open_run
+from capstone.run import Run, RunFinished, open_run
 from capstone.runtime import heap, signals, stop
 
 
@@ -103,18 +103,19 @@ def train(run: Run) -> int:
     t_start, status, rows = time.perf_counter(), "completed", []
     start_step = run.state.step
     log = report.StepLog(run, start_step)
-    while run.state.step < run.tcfg.steps:
-        run.state.step += 1
-        r = train_step(run, run.state.step)
-        if r.due.checkpoint:
-            man = run.ckpt.save(run.state, run.opt.state)
-            r.events.append({"event": "checkpoint", "path": man["path"]})
-        rows.append(log.step(r))
-        run.hooks.step_done(r.step)
-        if r.due.stop:
-            status = "preempted"
-            report.stopped(run, r.step, stop.reason())
-            break
+    with outcome.recorded(run, start_step, t_start, log):   # summary.json also on a guard's abort or a timeout
+        while run.state.step < run.tcfg.steps:
+            run.state.step += 1
+            r = train_step(run, run.state.step)
+            if r.due.checkpoint:
+                man = run.ckpt.save(run.state, run.opt.state)
+                r.events.append({"event": "checkpoint", "path": man["path"]})
+            rows.append(log.step(r))
+            run.hooks.step_done(r.step)
+            if r.due.stop:
+                status = "preempted"
+                report.stopped(run, r.step, stop.reason())
+                break
     log.close()
     return finish(run, status, rows, start_step, time.perf_counter() - t_start)
 
@@ -125,7 +126,7 @@ def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> i
     mem = run.grid.world.allgather_json(run.memory_row())
     layout = run.model.layout
     results = {
-        "a_loss_monotone": loss_invariant(run, start_step),
+        "a_loss_monotone": invariants.of_segment(run.state, run.tcfg, start_step, run.segment_start),
         "b_params_identical": invariants.params_identical(run.replicas.mismatches, run.replicas.checked),
         "c_optimizer_memory": invariants.optimizer_memory([m["optimizer_bytes"] for m in mem],
                                                           layout.n_params, layout.padded, run.grid.dp.size),
@@ -140,19 +141,6 @@ def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> i
     return 1 if failed else 0
 
 
-def loss_invariant(run: Run, start_step: int) -> dict:
-    """(a) on this segment's evaluation points, from its baseline (the start, or the resumed state), and
-    its accepted steps' training losses."""
-    state, tcfg = run.state, run.tcfg
-    first = (start_step, state.eval_start if start_step == 0 else run.segment_start[0])
-    points = [first] + [(step, held) for step, _, held in state.losses if held is not None]
-    settle = max(tcfg.warmup_steps, -(-tcfg.steps // 10))
-    best = state.eval_start if start_step == 0 else run.segment_start[1]
-    return invariants.learns(points, [(step, loss) for step, loss, _ in state.losses], tcfg.loss_tol,
-                             tcfg.loss_tol_rel, settle, state.eval_start, best, fresh=start_step == 0,
-                             run_best=state.best_eval, trend_settle=-(-tcfg.steps // 10))
-
-
 def main(argv=None) -> None:
     signals.install()
     world = launch.world()
@@ -161,6 +149,9 @@ def main(argv=None) -> None:
     with launch.fail_fast(world):
         try:
             code = train(open_run(world, settings))
+        except RunFinished as exc:   # --resume auto on a finished run: done (a requeued job's work is)
+            report.say(f"capstone: {exc}", world.rank)
+            code = 0
         except (ConfigError, checkpoint.CheckpointError, DivergenceError) as exc:  # raised on every rank alike
             if world.rank == 0:
                 report.error(f"error: {exc}")
