@@ -201,12 +201,15 @@ def _from_step(text: str) -> tuple[int, int]:
 
 
 def _start_flags(p) -> None:
-    """Fine-tuning and the (a) test hook (issue 28), in their own groups."""
+    """Fine-tuning, the best checkpoint and the (a) test hooks (issue 28), in their own groups."""
     g = p.add_argument_group("fine-tuning")
     g.add_argument("--init-from", default=None, metavar="CKPT",
                    help="start a new run (fresh optimizer, schedule and step count) from the weights of a capstone "
                         "checkpoint (a ckpt-*.h5 file or a run directory) or of an export (.safetensors); the model "
                         "settings come from it, --data may differ if its vocabulary is the same (docs/finetune.md)")
+    g.add_argument("--keep-best", action="store_true", default=argparse.SUPPRESS,
+                   help="also save a checkpoint whenever an evaluation improves the best held-out loss, in "
+                        "OUT/checkpoints/best (the newest best only; apart from --keep-last; default: off)")
     g = p.add_argument_group("test hooks for invariant (a)")
     g.add_argument("--inject-grad-sign", type=_from_step, default=None, metavar="STEP[:COUNT]",
                    help="negate the summed gradient from step STEP on (COUNT steps; default: to the end)")

@@ -74,6 +74,7 @@ class TrainConfig:
     loss_tol: float = 1e-4
     loss_tol_rel: float = 0.05
     deterministic: bool = False    # fixed-order reductions: bit-identical for any ranks x grad_accum (capstone/deterministic.py)
+    keep_best: bool = False        # also checkpoint every new best held-out loss, in checkpoints/best (capstone.checkpoint.best)
 
     def batch_for(self, world: int) -> int:
         """Sequences per rank per micro-batch on `world` ranks (from global_batch when it is set)."""

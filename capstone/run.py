@@ -29,7 +29,7 @@ from capstone.cli import RunOptions, Settings, check_preset
 from capstone.config import ConfigError, ModelConfig, TrainConfig
 from capstone.data import open_data
 from capstone.data.heldout import HeldOut
-from capstone.data.tokens import load_meta
+from capstone.data.tokens import identity, load_meta
 from capstone.guard import Guard
 from capstone.hooks import Hooks
 from capstone.model.fingerprint import fingerprint
@@ -77,6 +77,7 @@ class Run:
     metrics: report.MetricsLog | None = None
     segment_start: tuple = (None, None)    # (held-out loss, best held-out loss) where this segment began
     resumed_from: str | None = None
+    init_from: dict | None = None          # --init-from: the weights this run started from (capstone.finetune)
 
     def memory_row(self) -> dict:
         return {"rank": self.grid.world.rank, "params_bytes": self.model.params.nbytes,
@@ -123,22 +124,41 @@ def open_run(world: Comm, settings: Settings) -> Run:
         if path is not None:
             saved = _agreed(world, lambda: checkpoint.read_meta_file(path))
             check_preset(settings, saved["model_config"], saved["train_config"], path)
+            if opts.init_from:
+                report.say(f"note: resuming from {path}; --init-from starts a run only, it is not used now", world.rank)
             settings = settings.on_top_of(saved["model_config"], saved["train_config"])
             check_modes(world.size, settings)
         elif settings.deferred:   # --resume auto starting fresh: the flags alone must make a valid run
             raise ConfigError(settings.deferred)
+        elif opts.init_from:      # fine-tuning: the source's model and weights (capstone.finetune)
+            source, settings = _init_from(world, settings)
         elif settings.train.data and "vocab_size" not in settings.explicit:
             vocab = _agreed(world, lambda: load_meta(settings.train.data).vocab_size)
             settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, vocab_size=vocab))
         tcfg, dp = settings.train, world.size // opts.tp
         preflight.check_memory(world, settings.model, dataclasses.replace(tcfg, batch_size=tcfg.batch_for(dp)))
         run = build(world, settings, out, hooks)
+        if path is None and opts.init_from:
+            run.init_from = source.describe()
+            source.install(run)
         start(run, path, saved["train_config"] if path is not None else None)
     except (ConfigError, checkpoint.CheckpointError):
         if world.rank == 0:
             claim.undo()
         raise
     return run
+
+
+def _init_from(world: Comm, settings: Settings):
+    """--init-from on a fresh start: (the Source, the settings with its model), the new data's
+    vocabulary checked against the source's (ConfigError/CheckpointError on every rank)."""
+    from capstone import finetune
+    source = finetune.fetch(world, settings.opts.init_from)
+    data = settings.train.data
+    finetune.check_vocabulary(source, _agreed(world, lambda: identity(load_meta(data))) if data else {}, data)
+    settings = dataclasses.replace(settings, model=finetune.model_for(settings, source))
+    check_modes(world.size, settings)
+    return source, settings
 
 
 def build(world: Comm, settings: Settings, out: str, hooks: Hooks | None = None) -> Run:
@@ -216,6 +236,8 @@ def start(run: Run, path: str | None = None, saved_train: dict | None = None) ->
     if world.rank == 0:
         os.makedirs(run.out, exist_ok=True)
     run.ckpt.provenance = provenance.collect(world)   # into summary.json and every checkpoint's metadata
+    if run.init_from is not None:
+        run.ckpt.provenance["init_from"] = run.init_from
     run.metrics = report.MetricsLog(os.path.join(run.out, "metrics.jsonl") if world.rank == 0 else None)
     run.metrics.write({"event": "start", "world": world.size, "grid": run.grid.describe(),
                        "start_step": run.state.step, "resumed_from": run.resumed_from, "time": time.time(),
@@ -254,6 +276,7 @@ def _resume(run: Run, path: str, saved: dict) -> None:
     run.opt.load_state(shard)
     run.guard.state = state.guard
     run.state, run.resumed_from = state, path
+    run.init_from = (meta.get("provenance") or {}).get("init_from")
     run.segment_start = (state.guard.last_eval, state.best_eval)
     if state.step >= run.tcfg.steps:
         if run.opts.resume == "auto":   # a requeued batch job whose work is done

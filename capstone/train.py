@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from capstone import checkpoint, cli, invariants, lr
+from capstone.checkpoint import best
 from capstone.checkpoint.cadence import Due
 from capstone.config import ConfigError
 from capstone.guard import DivergenceError
@@ -110,6 +111,8 @@ def train(run: Run) -> int:
             if r.due.checkpoint:
                 man = run.ckpt.save(run.state, run.opt.state)
                 r.events.append({"event": "checkpoint", "path": man["path"]})
+            if run.tcfg.keep_best and best.improved(run.state, r.step, r.eval_loss):   # --keep-best
+                r.events.append({"event": "best", "path": best.save(run.ckpt, run.state, run.opt.state)["path"]})
             rows.append(log.step(r))
             run.hooks.step_done(r.step)
             if r.due.stop:

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import time
 
+from capstone.checkpoint import best, files
 from capstone.guard import DivergenceError
 from capstone.observe.jsonout import write_json
 from capstone.observe.runlog import parse_lines, step_rows
@@ -17,11 +18,13 @@ from capstone.observe.runlog import parse_lines, step_rows
 
 def held_out(run) -> dict:
     """The held-out losses: at the start, the final one (the current accepted state's, with the step
-    of this segment's last evaluation) and the best one with its step (None: the start)."""
+    of this segment's last evaluation), the best one with its step (None: the start) and, with
+    --keep-best, the checkpoint that holds it."""
     state = run.state
     steps = [step for step, _, held in state.losses if held is not None]
+    kept = files.read_pointer(os.path.join(run.ckpt.directory, best.DIRECTORY)) if run.tcfg.keep_best else None
     return {"start": state.eval_start, "final": state.guard.last_eval, "final_step": steps[-1] if steps else None,
-            "best": state.best_eval, "best_step": state.best_step}
+            "best": state.best_eval, "best_step": state.best_step, "best_checkpoint": kept}
 
 
 @contextlib.contextmanager
