@@ -17,7 +17,7 @@ import statistics
 
 SETTLE_MARGIN = 0.05  # how far above its start the held-out loss may wander while the run settles
 MIN_DROP = 0.01       # (a): the run's best held-out loss must be at least 1% below its start
-JUMP_SIGMAS = 6.0     # (a): a held-out rise this many robust sigmas above the typical move is a jump
+JUMP_SIGMAS = 8.0     # (a): a held-out rise this many robust sigmas above the typical move is a jump
 TREND_SIGMAS = 4.0    # (a): a rise of the smoothed training loss by this many sigmas of its noise fails
 MIN_BLOCK = 5         # (a): steps per block of the smoothed training loss (at least; else a tenth)
 
@@ -83,7 +83,7 @@ def robust_sigma(values: list) -> float:
 def jumps(evals: list, tol: float, rel: float, settle_until: int, start: float, best: float | None) -> dict:
     """(a)'s jump check: each held-out rise beyond loss_monotone's allowance, in robust sigmas of the
     moves between evaluation points above the typical (median) move; above JUMP_SIGMAS is an update
-    that made the model worse at once (lr x 10 for one step: about 20), not noise (1-3)."""
+    that made the model worse at once (lr x 10 for one step: about 20), not noise or overfitting (1-4)."""
     steps = moves(evals, tol, rel, settle_until, start, best)
     rises = [rise for _, rise, _ in steps]
     typical = statistics.median(rises) if rises else 0.0

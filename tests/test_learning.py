@@ -121,7 +121,7 @@ def test_trend_compares_with_the_lowest_earlier_block():
 @pytest.mark.parametrize("seed", range(5))
 def test_pure_noise_passes(seed):
     """Held-out and training losses that are flat plus normal noise, after a real decrease: no jump,
-    no trend (the thresholds are 6 and 4 sigmas: false alarms are rare, not a coin toss)."""
+    no trend (the thresholds are 8 and 4 sigmas: false alarms are rare, not a coin toss)."""
     rng = np.random.default_rng(seed)
     train = [(s, 2.0 + float(rng.normal(0, 0.2))) for s in range(1, 1001)]
     evals = [(0, 4.0)] + [(s, 2.0 + float(rng.normal(0, 0.05))) for s in range(10, 1001, 10)]
