@@ -152,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("spike_factor", "roll back when a loss exceeds this factor times the last accepted one"),
                        ("max_rollbacks", "stop with an error after this many triggers without an accepted update")):
         _flag(g, name, text)
+    _finetune_flags(p)
     _run_flags(p)
-    _start_flags(p)
+    _fault_flags(p)
     return p
 
 
@@ -167,7 +168,7 @@ def _run_flags(p) -> None:
     g.add_argument("--quiet", action="store_true", help="print only the final report")
     g.add_argument("--log-every", type=int, default=0, metavar="K",
                    help="console: 1 prints the full per-step table; K > 1 prints a short line (smoothed loss, "
-                        "tokens/s, elapsed, ETA) every K steps and every step with an event (0: 1 when --steps "
+                        "tokens/s, elapsed, ETA) every K steps, every step with an event and every evaluation (0: 1 when --steps "
                         "<= 100, else about steps/50)")
     g.add_argument("--tp", type=int, default=1, metavar="K",
                    help="tensor parallelism: K consecutive ranks split each block (Megatron-style) and the "
@@ -200,9 +201,9 @@ def _from_step(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected STEP or STEP:COUNT like 5 or 5:3, got {text!r}") from None
 
 
-def _start_flags(p) -> None:
-    """Fine-tuning, the best checkpoint and the (a) test hooks (issue 28), in their own groups."""
-    g = p.add_argument_group("fine-tuning")
+def _finetune_flags(p) -> None:
+    """Fine-tuning and the best checkpoint (issue 28), in their own group."""
+    g = p.add_argument_group("fine-tuning and the best checkpoint")
     g.add_argument("--init-from", default=None, metavar="CKPT",
                    help="start a new run (fresh optimizer, schedule and step count) from the weights of a capstone "
                         "checkpoint (a ckpt-*.h5 file or a run directory) or of an export (.safetensors); the model "
@@ -210,6 +211,10 @@ def _start_flags(p) -> None:
     g.add_argument("--keep-best", action="store_true", default=argparse.SUPPRESS,
                    help="also save a checkpoint whenever an evaluation improves the best held-out loss, in "
                         "OUT/checkpoints/best (the newest best only; apart from --keep-last; default: off)")
+
+
+def _fault_flags(p) -> None:
+    """The test hooks of invariant (a) (capstone.faults), after the others."""
     g = p.add_argument_group("test hooks for invariant (a)")
     g.add_argument("--inject-grad-sign", type=_from_step, default=None, metavar="STEP[:COUNT]",
                    help="negate the summed gradient from step STEP on (COUNT steps; default: to the end)")
