@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "mpirun/srun (any number of ranks). Checks the four invariants and exits non-zero if one fails.")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="named settings (capstone/presets.py); explicit flags override them; on --resume the "
-                        "checkpoint's settings win and a preset that contradicts them is refused (default: 'reference')")
+                        "checkpoint's settings win and a preset that contradicts them is refused "
+                        "(default: 'reference')")
     g = p.add_argument_group("model")
     for name, text in (("vocab_size", "vocabulary size V (with --data: the data's)"), ("seq_len", "sequence length T"),
                        ("d_model", "model width C"), ("n_heads", "attention heads H (must divide d-model)"),
@@ -168,8 +169,8 @@ def _run_flags(p) -> None:
     g.add_argument("--quiet", action="store_true", help="print only the final report")
     g.add_argument("--log-every", type=int, default=0, metavar="K",
                    help="console: 1 prints the full per-step table; K > 1 prints a short line (smoothed loss, "
-                        "tokens/s, elapsed, ETA) every K steps, every step with an event and every evaluation (0: 1 when --steps "
-                        "<= 100, else about steps/50)")
+                        "tokens/s, elapsed, ETA) every K steps, every step with an event and every evaluation "
+                        "(0: 1 when --steps <= 100, else about steps/50)")
     g.add_argument("--tp", type=int, default=1, metavar="K",
                    help="tensor parallelism: K consecutive ranks split each block (Megatron-style) and the "
                         "ranks / K replicas run ZeRO-1 data parallelism (docs/tensor-parallel.md; default: 1)")

@@ -74,7 +74,7 @@ class TrainConfig:
     loss_tol: float = 1e-4
     loss_tol_rel: float = 0.05
     deterministic: bool = False    # fixed-order reductions: bit-identical for any ranks x grad_accum (capstone/deterministic.py)
-    keep_best: bool = False        # also checkpoint every new best held-out loss, in checkpoints/best (capstone.checkpoint.best)
+    keep_best: bool = False        # also checkpoint each new best held-out loss (capstone.checkpoint.best)
 
     def batch_for(self, world: int) -> int:
         """Sequences per rank per micro-batch on `world` ranks (from global_batch when it is set)."""
@@ -117,6 +117,7 @@ class TrainConfig:
         _require(self.warmup_steps <= self.steps,
                  f"warmup_steps {self.warmup_steps} is longer than steps {self.steps}: the learning rate would still "
                  f"be rising at the last step and never reach its peak lr {self.lr}. Pass --warmup-steps {self.steps} "
-                 f"or fewer (a tenth of the run is common: --warmup-steps {max(1, self.steps // 10)}), or more --steps.")
+                 f"or fewer (a tenth of the run is common: --warmup-steps {max(1, self.steps // 10)}), or more "
+                 f"--steps.")
         _require(self.loss_tol >= 0, f"loss_tol must be >= 0, got {self.loss_tol}.")
         _require(0 <= self.loss_tol_rel < 1, f"loss_tol_rel must be in [0, 1), got {self.loss_tol_rel}.")

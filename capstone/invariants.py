@@ -228,20 +228,22 @@ def learning_failures(a: dict) -> list[str]:
     """(a)'s failure lines (from `learns`): what failed, by how much, what to do."""
     lines, learnt, jump, rising = [], a["learnt"], a["jump"], a["trend"]
     if not learnt["ok"]:
-        drop = "no evaluation after an update" if learnt["drop"] is None else \
-            f"its best held-out loss {learnt['best']:.5f} is {learnt['drop'] / abs(learnt['start']):.2%} below the start"
+        share = None if learnt["drop"] is None else learnt["drop"] / abs(learnt["start"])
+        drop = "no evaluation after an update" if share is None else \
+            f"its best held-out loss {learnt['best']:.5f} is {share:.2%} below the start"
         lines.append(f"(a) loss not decreasing: the run did not learn: {drop} {learnt['start']:.5f} (at least "
                      f"{MIN_DROP:.0%} needed). Raise --lr, train for more --steps, or check that updates are "
                      f"applied (param_norm and grad_norm in metrics.jsonl).")
     if not jump["ok"]:
-        lines.append(f"(a) loss not decreasing: the held-out loss jumped by {jump['rise']:+.5f} at step {jump['at_step']}, "
+        lines.append(f"(a) loss not decreasing: the held-out loss jumped by {jump['rise']:+.5f} at step "
+                     f"{jump['at_step']}, "
                      f"{jump['sigmas']:.1f} robust sigmas of its moves between evaluations (limit {jump['limit']:g}; "
                      f"the strict tolerance allowed {jump['allowed']:.5f}): an update made the model worse at once. "
                      f"Lower --lr or set --clip; metrics.jsonl shows the lr and grad_norm of step {jump['at_step']}.")
     if not rising["ok"]:
         (a0, a1, low), (b0, b1, high) = rising["from"], rising["to"]
-        lines.append(f"(a) loss not decreasing: the training loss rose: its mean over {rising['block']} steps went from "
-                     f"{low:.5f} (steps {a0}-{a1}) to {high:.5f} (steps {b0}-{b1}), {rising['rise']:+.5f} where its "
+        lines.append(f"(a) loss not decreasing: the training loss rose: its mean over {rising['block']} steps "
+                     f"went from {low:.5f} (steps {a0}-{a1}) to {high:.5f} (steps {b0}-{b1}), {rising['rise']:+.5f} where its "
                      f"noise allows {rising['allowed']:.5f}: the model is getting worse on the data it trains on. "
                      f"Lower --lr, set --clip, or check the gradient (its sign, its scale).")
     return lines
@@ -251,7 +253,8 @@ def describe_learning(a: dict, mark: str) -> list[str]:
     """(a)'s report lines: the held-out loss, its best, jumps, the training trend, and a plain note
     when the held-out loss rose from its best while the training loss did not rise."""
     learnt, jump, rising, rose = a["learnt"], a["jump"], a["trend"], a["rose"]
-    best = "-" if learnt["best"] is None else f"{learnt['best']:.5f} ({learnt['drop'] / abs(learnt['start']):.1%} below the start)"
+    best = "-" if learnt["best"] is None else \
+        f"{learnt['best']:.5f} ({learnt['drop'] / abs(learnt['start']):.1%} below the start)"
     lines = [f"(a) {mark} held-out loss {a['first']:.5f} -> {a['last']:.5f} over {a['steps']} evaluations; best {best}"]
     jumped = "no rise beyond the strict tolerance" if jump["at_step"] is None else \
         f"largest rise beyond the strict tolerance {jump['rise']:+.2e} at step {jump['at_step']} = " \
@@ -261,8 +264,8 @@ def describe_learning(a: dict, mark: str) -> list[str]:
         f"{rising['last']:.5f}, largest rise {rising['rise']:+.2e} (noise allows {rising['allowed']:.2e})"
     lines.append(f"           {jumped}; {trend_text}")
     if rose and a["ok"]:
-        lines.append(f"    note: the held-out loss rose from its best {rose['best']:.5f} at step {rose['best_step']} to "
-                     f"{rose['last']:.5f} at step {rose['last_step']} ({rose['rise']:+.5f}) while the training loss did "
-                     f"not rise: overfitting, or noise in the held-out loss. The run is fine; the model of step "
+        lines.append(f"    note: the held-out loss rose from its best {rose['best']:.5f} at step {rose['best_step']} "
+                     f"to {rose['last']:.5f} at step {rose['last_step']} ({rose['rise']:+.5f}) while the training loss "
+                     f"did not rise: overfitting, or noise in the held-out loss. The run is fine; the model of step "
                      f"{rose['best_step']} generalised best (--keep-best keeps such a checkpoint).")
     return lines

