@@ -30,9 +30,14 @@ class RunOptions:
     log_every: int = 0                   # console row every K steps (0: 1 up to 100 steps, else about steps/50)
     tensorboard: str | None = None       # also write TensorBoard scalars to this directory
     tp: int = 1                          # tensor-parallel ranks per replica (capstone/grid.py, capstone/tp.py)
-    collective_timeout: float = 0.0   # seconds; 0: automatic (capstone.deadline)
+    collective_timeout: float = 0.0   # seconds; 0: automatic (capstone.parallel.deadline)
     overlap: bool = True              # reduce-scatter in buckets during the backward pass
     bucket_mb: float = 1.0            # bucket size of the overlapped reduce-scatter
+    zero_stage: int = 1               # ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
+    recompute: bool = False           # activation checkpointing: each block recomputed in the backward pass
+    pp: int = 1                       # pipeline stages per replica (capstone.parallel.pipeline)
+    pp_schedule: str | None = None    # the order of the micro-batches' forwards and backwards (None: 1f1b)
+    pp_layers: tuple[int, ...] | None = None   # blocks per pipeline stage (None: balanced)
     inject_grad_sign: tuple[int, int] | None = None   # test hook: negate the gradient from STEP for COUNT steps
     inject_no_update: tuple[int, int] | None = None   # test hook: zero the gradient from STEP for COUNT steps
     init_from: str | None = None      # start a new run from these weights (capstone.finetune)
@@ -185,6 +190,23 @@ def _run_flags(p) -> None:
                         "buckets started during it")
     g.add_argument("--bucket-mb", type=float, default=1.0, metavar="MB",
                    help="bucket size of the overlapped gradient reduce-scatter (default: 1.0)")
+    g.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=1,
+                   help="ZeRO over the data-parallel group: 1 shards the optimizer state, 2 also the gradients "
+                        "(reduced into the shard as the backward makes them), 3 also the parameters (gathered "
+                        "block by block, one ahead) (docs/performance.md; default: 1)")
+    g.add_argument("--recompute", action="store_true",
+                   help="activation checkpointing: keep only each block's input and recompute the block in the "
+                        "backward pass (the same gradients, about a third more compute, far less memory)")
+    g.add_argument("--pp", type=int, default=1, metavar="K",
+                   help="pipeline parallelism: the blocks in K contiguous stages on K ranks of the grid's pp axis, "
+                        "the step's --grad-accum micro-batches flowing through them (docs/pipeline.md; default: 1)")
+    g.add_argument("--pp-schedule", choices=("1f1b", "afab"), default=None,
+                   help="the pipeline's order of forwards and backwards: 1f1b (one forward one backward, at most "
+                        "K micro-batches of activations per stage) or afab (all forwards, then all backwards: "
+                        "GPipe) (default: 1f1b)")
+    g.add_argument("--pp-layers", type=_counts, default=None, metavar="N,N,...",
+                   help="blocks per pipeline stage, e.g. 3,3,2 (default: balanced, the first stages taking one "
+                        "more when K does not divide the blocks; fewer on the last stage eases a heavy LM head)")
     g = p.add_argument_group("test hooks (fault injection, not for training)")
     g.add_argument("--stop-after", type=int, default=0, help="checkpoint and stop after this step, as if preempted (0: off)")
     g.add_argument("--sleep-per-step", type=float, default=0.0, help="sleep this many seconds per step")
@@ -222,6 +244,14 @@ def _fault_flags(p) -> None:
     g.add_argument("--inject-no-update", type=_from_step, default=None, metavar="STEP[:COUNT]",
                    help="zero the summed gradient before the optimizer from step STEP on (COUNT steps; default: "
                         "to the end): from step 1, no update is ever applied")
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected block counts like 3,3,2, got {text!r}") from None
+    return counts
 
 
 def parse(argv=None) -> Settings:

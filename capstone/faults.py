@@ -97,7 +97,8 @@ class Faults(Hooks):
 
     def gradients(self, step: int, micro: int, grads) -> None:
         """--inject-nan: rank 0's gradient NaN on the steps it names (after the first micro-batch)."""
-        if self.nan is not None and self.nan[0] <= step < self.nan[0] + self.nan[1] and self.rank == 0 and micro == 0:
+        if grads is not None and self.nan is not None and self.nan[0] <= step < self.nan[0] + self.nan[1] \
+                and self.rank == 0 and micro == 0:
             grads[0] = float("nan")
 
     def reduced(self, step: int, grad_shard) -> None:

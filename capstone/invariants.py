@@ -6,7 +6,9 @@
     noise) is reported plainly, not failed. `loss_monotone`, the strict point-to-point check, is
     reported alongside and gives the tolerance a jump must also exceed;
 (b) every rank holds the same parameters at every step (norm and digest: sha256 on evaluation steps);
-(c) optimizer bytes per rank equal 12 * P / N, up to the padding of the flat buffer;
+(c) every rank's model-state bytes (parameters, gradients, optimizer state, the buffers of the
+    gradient reduction and of the ZeRO-3 gathers) equal its ZeRO stage's formula
+    (capstone.observe.memory), the optimizer's 12 * P / N up to the padding of the flat buffer;
 (d) the first checkpoint of the run reloads byte-equal to the in-memory snapshot taken when saving.
 """
 
@@ -182,6 +184,26 @@ def optimizer_memory(per_rank_bytes: list[int], n_params: int, padded: int, worl
             "measured_bytes": per_rank_bytes, "max_deviation_bytes": worst}
 
 
+def memory(rows: list[dict], world: int) -> dict:
+    """(c) from every rank's memory row (capstone.observe.memory.row): measured == formula, per
+    buffer; the optimizer's 12 * P / N for each part of the model (a pipeline stage's P is its own)."""
+    from capstone.observe.memory import FIELDS
+    parts: dict = {}
+    for r in rows:
+        parts.setdefault((r["n_params"], r["padded"]), []).append(r["optimizer_bytes"])
+    checks = [optimizer_memory(b, n, p, world) for (n, p), b in parts.items()]
+    result = {**checks[0], "ok": all(c["ok"] for c in checks), "measured_bytes": [r["optimizer_bytes"] for r in rows],
+              "max_deviation_bytes": max(c["max_deviation_bytes"] for c in checks)}
+    if len(checks) > 1:
+        result["parts"] = [{k: c[k] for k in ("expected_bytes", "formula_12P_over_N", "padding_bytes_per_rank")}
+                           for c in checks]
+    off = {f: max(abs(r[f + "_bytes"] - r["formula"][f + "_bytes"]) for r in rows) for f in FIELDS}
+    totals = [(sum(r[f + "_bytes"] for f in FIELDS), sum(r["formula"][f + "_bytes"] for f in FIELDS)) for r in rows]
+    return {**result, "ok": result["ok"] and not any(off.values()), "stage": rows[0]["stage"],
+            "deviation_bytes": off, "measured_total_bytes": max(t[0] for t in totals),
+            "formula_total_bytes": max(t[1] for t in totals)}
+
+
 def resume_bytes(result: dict | None) -> dict:
     """(d) from checkpoint.verify_snapshot."""
     if result is None:
@@ -193,7 +215,7 @@ def resume_bytes(result: dict | None) -> dict:
 def failures(results: dict) -> list[str]:
     """One line per violated invariant, saying which and by how much."""
     lines = []
-    a, b, c, d = (results[k] for k in ("a_loss_monotone", "b_params_identical", "c_optimizer_memory", "d_resume_bytes"))
+    a, b, c, d = (results[k] for k in ("a_loss_monotone", "b_params_identical", "c_memory", "d_resume_bytes"))
     if not a["ok"]:
         lines += learning_failures(a) if "learnt" in a else [
             f"(a) loss not decreasing: rose by {a['max_increase']} at step {a['at_step']} where "
@@ -203,22 +225,34 @@ def failures(results: dict) -> list[str]:
         lines.append(f"(b) parameters differ across ranks at {b['n_mismatches']} of {b['steps_checked']} steps: {b['mismatches']}")
     if not c["ok"]:
         lines.append(f"(c) optimizer bytes {c['measured_bytes']} != 12*padded/N = {c['expected_bytes']} "
-                     f"(off by up to {c['max_deviation_bytes']} bytes)")
+                     f"(off by up to {c['max_deviation_bytes']} bytes)" + "".join(
+                         f"; {k} off the stage-{c['stage']} formula by up to {v} bytes"
+                         for k, v in c.get("deviation_bytes", {}).items() if v))
     if not d["ok"]:
         lines.append(f"(d) checkpoint reload not byte-equal: {d.get('mismatched_bytes')} bytes differ; {d.get('errors') or d.get('reason')}")
     return lines
 
 
+def _memory_text(c: dict) -> str:
+    parts = c.get("parts", [c])   # a pipeline stage's part of the model has its own P
+    text = (f"optimizer bytes per rank {sorted(set(c['measured_bytes']))} = 12*P/N " +
+            ", ".join(f"{x['formula_12P_over_N']:.1f} + padding {x['padding_bytes_per_rank']:.1f}" for x in parts) +
+            (" (each pipeline stage's)" if len(parts) > 1 else ""))
+    if "stage" in c:
+        text += (f"; model states {c['measured_total_bytes']} bytes per rank (max) = the ZeRO stage-{c['stage']} "
+                 f"formula {c['formula_total_bytes']}")
+    return text
+
+
 def describe(results: dict, world: int) -> list[str]:
     """One line per invariant with its measured values."""
-    a, b, c, d = (results[k] for k in ("a_loss_monotone", "b_params_identical", "c_optimizer_memory", "d_resume_bytes"))
+    a, b, c, d = (results[k] for k in ("a_loss_monotone", "b_params_identical", "c_memory", "d_resume_bytes"))
     mark = {True: "ok    ", False: "FAILED"}
     return [
         *describe_learning(a, mark[a["ok"]]),
         f"(b) {mark[b['ok']]} parameter fingerprint identical on all {world} ranks at {b['steps_checked'] - b['n_mismatches']}"
         f"/{b['steps_checked']} steps",
-        f"(c) {mark[c['ok']]} optimizer bytes per rank {sorted(set(c['measured_bytes']))} = 12*P/N "
-        f"{c['formula_12P_over_N']:.1f} + padding {c['padding_bytes_per_rank']:.1f}",
+        f"(c) {mark[c['ok']]} {_memory_text(c)}",
         f"(d) {mark[d['ok']]} " + (f"{d['path']}: {d['mismatched_bytes']} bytes differ from the in-memory snapshot"
                                    if "path" in d else d["reason"]),
     ]

@@ -22,7 +22,7 @@ from capstone.checkpoint import best
 from capstone.checkpoint.cadence import Due
 from capstone.config import ConfigError
 from capstone.guard import DivergenceError
-from capstone.observe import outcome, report
+from capstone.observe import memory, outcome, report
 from capstone.observe.timer import PhaseTimer
 from capstone.parallel import launch
 from capstone.parallel.reduce import Flags
@@ -126,13 +126,11 @@ def train(run: Run) -> int:
 def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> int:
     """Collective: call on all ranks. The four invariants, the report, summary.json; the exit code."""
     verified = run.ckpt.verify_first()
-    mem = run.grid.world.allgather_json(run.memory_row())
-    layout = run.model.layout
+    mem = run.grid.world.allgather_json(memory.row(run))
     results = {
         "a_loss_monotone": invariants.of_segment(run.state, run.tcfg, start_step, run.segment_start),
         "b_params_identical": invariants.params_identical(run.replicas.mismatches, run.replicas.checked),
-        "c_optimizer_memory": invariants.optimizer_memory([m["optimizer_bytes"] for m in mem],
-                                                          layout.n_params, layout.padded, run.grid.dp.size),
+        "c_memory": invariants.memory(mem, run.grid.dp.size),
         "d_resume_bytes": invariants.resume_bytes(verified)}
     failed = invariants.failures(results)
     summary = report.Summary(status if not failed else "failed", run, rows, start_step, results, mem, wall,

@@ -3,32 +3,40 @@
 A row is one value per axis. `refusal(row)` is the product's own rule for the combinations it does
 not run (they must exit 2 at start with that reason); every other row must train, pass its
 invariants, and match the 1-rank run of the same global batch and injections step by step.
-`pairs(seed)` is a seeded all-pairs selection (every pair of values of two axes in at least one
-row; a pair the product refuses in a refused row), `product()` every row. Not a test module:
-tests/test_composition.py runs the rows; scripts/composition-matrix runs them all.
+`pairs(seed)` is a seeded all-pairs selection (every pair of values of two axes that the product
+runs together in at least one row it runs; each kind of refusal in one row refused for it alone),
+`full()` every row the product runs and one row per reason it refuses, `product()` every row. Not a
+test module: tests/test_composition.py runs the rows; scripts/composition-matrix runs them all.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
+import re
 from dataclasses import dataclass
 
-GLOBAL = 48          # sequences per step: divisible by every data-parallel size x accumulation
+GLOBAL = 96          # sequences per step: divisible by every data-parallel size x accumulation
 STEPS = 8
 STOP_AT = 4          # the stopped rows stop here and resume on another grid
 NAN_STEP, SPIKE_STEP = 3, 6
-# the reference model with buckets small enough for several of them (6 at 0.02 MB), healthy settings
-COMMON = ("--steps", STEPS, "--global-batch", GLOBAL, "--ckpt-every", STOP_AT, "--bucket-mb", "0.02", "--quiet")
+# the reference model with 4 blocks (room for 4 pipeline stages) and buckets small enough for several
+# of them, healthy settings
+COMMON = ("--steps", STEPS, "--global-batch", GLOBAL, "--ckpt-every", STOP_AT, "--bucket-mb", "0.02", "--n-layers", 4,
+          "--quiet")
 
 AXES = {
-    "world": (1, 2, 3, 4),
+    "world": (1, 2, 3, 4, 8),
     "tp": (1, 2),
     "accum": (1, 2, 4),
     "overlap": (True, False),
     "det": (False, True),
     "inject": ("clean", "nan", "spike"),
     "resume": (False, True),
+    "zero": (1, 2, 3),
+    "recompute": (False, True),
+    "pp": ("off", "2:1f1b", "2:afab", "4:1f1b", "4:afab"),    # pipeline stages and schedule
 }
 
 
@@ -41,32 +49,47 @@ class Row:
     det: bool
     inject: str
     resume: bool
+    zero: int = 1
+    recompute: bool = False
+    pp: str = "off"
+
+    @property
+    def stages(self) -> int:
+        return 1 if self.pp == "off" else int(self.pp.split(":")[0])
 
     @property
     def name(self) -> str:
         return (f"n{self.world}-tp{self.tp}-acc{self.accum}-{'overlap' if self.overlap else 'no-overlap'}-"
-                f"{'det' if self.det else 'default'}-{self.inject}" + (f"-stop{STOP_AT}-resume-{self.resumed_on()}"
-                                                                       if self.resume else ""))
+                f"{'det' if self.det else 'default'}-{self.inject}-zero{self.zero}"
+                + ("-recompute" if self.recompute else "") + ("" if self.pp == "off" else f"-pp{self.pp.replace(':', '-')}")
+                + (f"-stop{STOP_AT}-resume-{self.resumed_on()}" if self.resume else ""))
 
     def flags(self) -> list:
         """The training flags of this row (without --out and --resume)."""
         flags = [*COMMON, "--tp", self.tp, "--grad-accum", self.accum]
         flags += [] if self.overlap else ["--no-overlap"]
         flags += ["--deterministic"] if self.det else []
+        flags += ["--zero-stage", self.zero] + (["--recompute"] if self.recompute else [])
+        flags += [] if self.pp == "off" else ["--pp", self.stages, "--pp-schedule", self.pp.split(":")[1]]
         flags += {"clean": [], "nan": ["--inject-nan", NAN_STEP], "spike": ["--inject-lr-spike", f"{SPIKE_STEP}:1000"]}[
             self.inject]
         return [str(f) for f in flags]
 
     def resumed_on(self) -> str:
         """The other grid a stopped row resumes on: another world size (with the same micro-batch,
-        so that a deterministic row stays bit-identical), tensor parallelism kept where it fits."""
+        so that a deterministic row stays bit-identical), tensor parallelism kept where it fits,
+        and another ZeRO stage (1 after 2 or 3; 3 after 1 where the row's modes allow it)."""
+        again = self.resumed()
+        return (f"n{again.world}-tp{again.tp}-acc{again.accum}-zero{again.zero}"
+                + ("" if again.pp == "off" else f"-pp{again.stages}"))
+
+    def resumed(self) -> "Row":
+        """The row of the resumed launch (its flags; `resume` False)."""
         world, accum = other_layout(self.world, self.accum)
         tp = self.tp if world % self.tp == 0 else 1
-        return f"n{world}-tp{tp}-acc{accum}"
-
-    def resume_grid(self) -> tuple[int, int, int]:
-        world, accum = other_layout(self.world, self.accum)
-        return world, (self.tp if world % self.tp == 0 else 1), accum
+        pp = self.pp if world % (tp * self.stages) == 0 else "off"
+        zero = 1 if self.zero > 1 or self.det or not self.overlap or pp != "off" else 3
+        return dataclasses.replace(self, world=world, tp=tp, accum=accum, zero=zero, pp=pp, resume=False)
 
 
 def other_layout(world: int, accum: int) -> tuple[int, int]:
@@ -79,11 +102,19 @@ def other_layout(world: int, accum: int) -> tuple[int, int]:
 
 def reasons(row: Row) -> list[str]:
     """Why the product refuses this row at start (exit 2), in the order it checks; [] if it runs it."""
-    found = []
-    if row.world % row.tp:
-        found.append(f"--tp {row.tp} x --pp 1 = {row.tp} does not divide the {row.world} ranks")
+    found, k = [], row.stages
+    if row.world % (row.tp * k):
+        found.append(f"--tp {row.tp} x --pp {k} = {row.tp * k} does not divide the {row.world} ranks")
+    if k > 1 and row.det:
+        found.append(f"--deterministic is not supported with --pp {k}")
+    if k > 1 and row.zero > 1:
+        found.append(f"--zero-stage {row.zero} is not supported with --pp {k}")
     if row.det and row.tp > 1:
         found.append(f"--deterministic is not supported with --tp {row.tp}")
+    if row.det and row.zero > 1:
+        found.append(f"--deterministic is not supported with --zero-stage {row.zero}")
+    if not row.overlap and row.zero > 1:
+        found.append(f"--no-overlap is not supported with --zero-stage {row.zero}")
     return found
 
 
@@ -101,34 +132,50 @@ def _pairs_of(row: Row) -> set:
     return {(a, b) for a, b in itertools.combinations(items, 2)}
 
 
+def full() -> list[Row]:
+    """Every row the product runs, and for each reason it refuses rows for, one row refused for it alone."""
+    everything, shown, rows = product(), set(), []
+    for r in everything:
+        found = reasons(r)
+        if not found or len(found) == 1 and found[0] not in shown:
+            rows.append(r)
+            shown.update(found)
+    return rows
+
+
+def kind(reason: str) -> str:
+    """A refusal's rule, whatever the numbers ("--tp N x --pp N = N does not divide the N ranks")."""
+    return re.sub(r"\d+", "N", reason)
+
+
 def pairs(seed: int = 25) -> list[Row]:
     """A seeded greedy all-pairs selection: rows are added, best first, until every pair of values
-    is in a row the product runs, or (for a pair it never runs) in a refused row."""
+    the product runs together is in a row it runs, and every rule by which it refuses a row is
+    shown by a row refused for that reason alone (`product()` has every refused row)."""
     everything = product()
-    runnable = set().union(*(_pairs_of(r) for r in everything if refusal(r) is None))
-    wanted = set().union(*(_pairs_of(r) for r in everything))
-    rng, chosen, left = random.Random(seed), [], set(wanted)
+    left = set().union(*(_pairs_of(r) for r in everything if not reasons(r)))
+    left |= {kind(x) for r in everything for x in reasons(r)}
+    rng, chosen = random.Random(seed), []
     while left:
         candidates = rng.sample(everything, min(len(everything), 300))
 
-        def gain(r):   # a refused row counts for the pairs it is refused for, and only with one reason
-            covered = _pairs_of(r) & left
-            return len(covered) if not reasons(r) else len(covered - runnable) if len(reasons(r)) == 1 else 0
-        best = max(candidates, key=gain)
-        if gain(best) == 0:   # the sample missed the few rows left: take one that covers a pair
-            best = next(r for r in everything if gain(r) > 0)
+        def covers(r):   # a refused row covers its rule, if it is refused for that one reason
+            found = reasons(r)
+            return _pairs_of(r) & left if not found else {kind(found[0])} & left if len(found) == 1 else set()
+        best = max(candidates, key=lambda r: len(covers(r)))
+        if not covers(best):   # the sample missed the few rows left: take one that covers something
+            best = next(r for r in everything if covers(r))
         chosen.append(best)
-        covered = _pairs_of(best) & left
-        left -= covered if not reasons(best) else covered - runnable
+        left -= covers(best)
     return chosen
 
 
 if __name__ == "__main__":   # python tests/composition.py [--full]: the rows, and the refusals with their reasons
     import sys
-    rows = product() if "--full" in sys.argv else pairs()
-    print(f"{len(rows)} rows ({'every row' if '--full' in sys.argv else 'seeded all-pairs, seed 25'}):")
+    rows = full() if "--full" in sys.argv else pairs()
+    print(f"{len(rows)} rows ({'every row run, one per refusal' if '--full' in sys.argv else 'seeded all-pairs, seed 25'}):")
     for r in rows:
-        print(f"  {r.name:<62} {refusal(r) or 'runs: matches the 1-rank run'}")
+        print(f"  {r.name:<84} {refusal(r) or 'runs: matches the 1-rank run'}")
     refused = [r for r in product() if reasons(r)]
     print(f"\nthe product refuses {len(refused)} of {len(product())} rows, for these reasons:")
     for reason in sorted({x for r in refused for x in reasons(r)}):

@@ -1,6 +1,8 @@
 """capstone.observe.accounting: nccl-tests byte counts and bandwidths, the ZeRO what-if table (closed form,
 the ZeRO paper's own numbers) and a real run's measured memory against it."""
 
+import re
+
 import pytest
 
 from capstone.observe import accounting as acc
@@ -103,7 +105,9 @@ def test_a_real_run_measures_what_stage_1_predicts(tmp_path, capsys):
     stage1 = acc.zero_row(1, padded, world)
     for m in s["memory"]["per_rank"]:
         assert m["params_bytes"] == stage1.params_bytes and m["optimizer_bytes"] == stage1.optimizer_bytes
-        assert m["grads_bytes"] == stage1.grads_bytes + 4 * padded // world  # + the reduce-scatter receive shard
+        assert m["grads_bytes"] == stage1.grads_bytes and m["reduce_bytes"] == 4 * padded // world  # the receive shard
+        assert {k: m["formula"][k] for k in m["formula"]} == {k: m[k] for k in m["formula"]}
     assert acc.main(["--run", str(out)]) == 0
     text = capsys.readouterr().out
     assert "reduce_scatter" in text and "allgather" in text and f"P={padded} parameters on N=2" in text
+    assert re.search(r"^allreduce_stats\s+allreduce\s", text, re.M), text   # rows named by kind, then op

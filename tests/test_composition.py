@@ -20,7 +20,7 @@ import pytest
 import composition as mx
 from conftest import ROOT, mpi_env, step_rows
 
-ROWS = mx.product() if os.environ.get("CAPSTONE_MATRIX") == "full" else mx.pairs(int(os.environ.get("CAPSTONE_MATRIX_SEED", 25)))
+ROWS = mx.full() if os.environ.get("CAPSTONE_MATRIX") == "full" else mx.pairs(int(os.environ.get("CAPSTONE_MATRIX_SEED", 25)))
 KEYS = ("loss", "grad_norm", "eval_loss", "param_norm")
 RTOL = 1e-5
 
@@ -48,10 +48,9 @@ def commands(row: mx.Row, out) -> list[list[str]]:
     """The launches of a row: one, or a stop at STOP_AT and a resume on the row's other grid."""
     if not row.resume:
         return [command(row.world, out, row.flags())]
-    world, tp, accum = row.resume_grid()
-    again = mx.Row(world, tp, accum, row.overlap, row.det, row.inject, False)
+    again = row.resumed()
     return [command(row.world, out, [*row.flags(), "--stop-after", mx.STOP_AT]),
-            command(world, out, [*again.flags(), "--resume", "latest"])]
+            command(again.world, out, [*again.flags(), "--resume", "latest"])]
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +99,7 @@ def test_row(row, references, tmp_path):
     if row.det:   # bit-identical to another layout of the same per-rank micro-batch
         world, accum = mx.other_layout(row.world, row.accum)
         if world * accum == row.world * row.accum:
-            partner = mx.Row(world, 1, accum, not row.overlap, True, row.inject, False)
+            partner = mx.Row(world, 1, accum, not row.overlap, True, row.inject, False, 1, not row.recompute)
             pcmds = commands(partner, tmp_path / "partner")
             res = launch(pcmds)[-1]
             assert res.returncode == 0, res.stdout + res.stderr

@@ -1,6 +1,6 @@
-"""No collective hangs forever: a silent rank ends the job at --collective-timeout (capstone.deadline).
+"""No collective hangs forever: a silent rank ends the job at --collective-timeout (capstone.parallel.deadline).
 
-Run serially (the tests start their own 4-rank jobs): python -m pytest -q tests/test_timeout.py
+Run serially (the tests start their own 4-rank jobs): python -m pytest -q tests/test_deadlines.py
 The fault `CAPSTONE_FAULT=stall:<rank>:<step>[:<save point>]` makes one rank sleep 60 s, silent,
 like a hung or unreachable node. The other ranks must print the one-line message and abort: the
 job exits non-zero within the timeout plus a few seconds, and the newest checkpoint on disk is the
@@ -146,8 +146,11 @@ def assert_named(rc: int, text: str, ended: float, what: str, step, timeout: flo
     ("allreduce_stats", (), "allreduce of the gradient norm and loss"),
     ("allreduce_eval", (), "allreduce of the held-out loss"),
     ("allgather", (), "allgather of the updated parameters"),
+    ("reduce_scatter", ("--zero-stage", "2", "--bucket-mb", "0.01"), "reduce-scatter of a gradient bucket (ZeRO-2)"),
+    ("allgather_params", ("--zero-stage", "3"), "allgather of the parameters of embed (ZeRO-3)"),
+    ("send", ("--pp", "2", "--grad-accum", "2"), "pipeline receive of micro-batch 0's gradient from stage 1"),
 ], ids=["one-shot-reduce", "bucketed-reduce", "deterministic-exchange", "stats-allreduce", "eval-allreduce",
-        "parameter-allgather"])
+        "parameter-allgather", "zero2-progressed-reduce", "zero3-prefetched-gather", "pipeline-message"])
 def test_a_rank_stopped_before_a_collective_ends_the_job(tmp_path, kind, flags, what):
     """Rank 1 stops itself (SIGSTOP) at step 3 right before it would take part in the collective;
     the others wait in it until the deadline, which names it and the step; the last checkpoint

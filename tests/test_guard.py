@@ -246,7 +246,7 @@ def test_a_violated_invariant_fails_the_run(tmp_path):
     assert "INVARIANT VIOLATED" in res.stdout and "(a) loss not decreasing" in res.stdout and "at step 12" in res.stdout
     s = summary(out)
     assert s["status"] == "failed" and not s["invariants"]["a_loss_monotone"]["ok"]
-    assert all(s["invariants"][k]["ok"] for k in ("b_params_identical", "c_optimizer_memory", "d_resume_bytes"))
+    assert all(s["invariants"][k]["ok"] for k in ("b_params_identical", "c_memory", "d_resume_bytes"))
 
 
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])

@@ -81,6 +81,6 @@ def test_resume_bytes_and_failure_lines():
     d = invariants.resume_bytes({"ok": False, "path": "x.h5", "mismatched_bytes": 7, "errors": []})
     results = {"a_loss_monotone": invariants.loss_monotone([(0, 1.0), (1, 0.5)], 1e-4),
                "b_params_identical": invariants.params_identical([], 2),
-               "c_optimizer_memory": invariants.optimizer_memory([48], 4, 4), "d_resume_bytes": d}
+               "c_memory": invariants.optimizer_memory([48], 4, 4), "d_resume_bytes": d}
     lines = invariants.failures(results)
     assert len(lines) == 1 and lines[0].startswith("(d)") and "7 bytes differ" in lines[0]

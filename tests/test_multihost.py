@@ -328,7 +328,7 @@ def test_cut_link_lingering_plain_mpirun_ended_by_scripts_launch(fresh, tmp_path
     ended, text = time.monotonic() - t0, log.read_text()
     print(f"cut h2 under scripts/launch: ended in {ended:.1f} s, exit {rc}")
     assert rc != 0 and "the job step is still running" in text, text[-4000:]
-    assert "rerun the same mpirun command with --resume auto" in text and "sbatch" not in text
+    assert "rerun the same mpirun command with --resume auto" in text and "sbatch <this script>" not in text
     assert not fresh.wait_no_processes(["h1"], timeout=10), "processes left on h1"
 
 

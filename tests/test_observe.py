@@ -141,7 +141,8 @@ def check_what_if(out, world: int) -> None:
     assert m["params_bytes"] == stage1["params_bytes"] and m["optimizer_bytes"] == stage1["optimizer_bytes"]
     staging = 4 * P if world in (4, 8) else 0   # the bit-reversed reduce-scatter's copy (capstone.parallel.buckets)
     assert m["reduce_bytes"] == 4 * P // world + staging
-    assert m["grads_bytes"] == stage1["grads_bytes"] + m["reduce_bytes"]
+    assert m["grads_bytes"] == stage1["grads_bytes"] and m["stage"] == 1
+    assert w["formula"] == {k: m[k] for k in w["formula"]} and "reduce_bytes" in w["formula"]
 
 
 def test_reference_collectives_and_what_if(reference):

@@ -32,15 +32,17 @@ def find_rank_pid(tag: str, rank: int, timeout: float = 30) -> int:
 
 
 @pytest.mark.parametrize("sig, rank, mode", [(signal.SIGUSR1, 2, ()), (signal.SIGTERM, 1, ()),
-                                             (signal.SIGUSR1, 1, ("--deterministic",))],
-                         ids=["usr1", "term", "usr1-deterministic"])
+                                             (signal.SIGUSR1, 1, ("--deterministic",)),
+                                             (signal.SIGUSR1, 2, ("--pp", "2", "--grad-accum", "2"))],
+                         ids=["usr1", "term", "usr1-deterministic", "usr1-pipeline"])
 def test_a_signal_to_one_rank_stops_every_rank_at_a_step_boundary(tmp_path, sig, rank, mode):
     """SIGUSR1 or SIGTERM delivered to ONE rank (not rank 0, not through mpirun), in the default and
-    the deterministic mode (its own reduction carries the flags): all ranks agree to checkpoint at
-    the next step, the run ends 'preempted' with exit 0 (catches: a stop request honoured on rank 0
-    only, SIGTERM not handled, or a mode that drops the agreed flag)."""
+    the deterministic mode (its own reduction carries the flags) and a pipeline (rank 2: stage 0
+    of the second replica): all ranks agree to checkpoint at the next step, the run ends
+    'preempted' with exit 0 (catches: a stop request honoured on rank 0 only, SIGTERM not
+    handled, or a mode that drops the agreed flag)."""
     out, tag = tmp_path / "run", uuid.uuid4().hex
-    cmd = ["mpirun", "-n", "3", "--oversubscribe", sys.executable, "-m", "capstone.train", "--out", str(out),
+    cmd = ["mpirun", "-n", "4" if "--pp" in mode else "3", "--oversubscribe", sys.executable, "-m", "capstone.train", "--out", str(out),
            "--steps", "40", "--ckpt-every", "0", "--sleep-per-step", "0.2", *mode]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**mpi_env(), "CAPSTONE_TEST_TAG": tag}, cwd=ROOT)
@@ -62,12 +64,6 @@ def test_a_signal_to_one_rank_stops_every_rank_at_a_step_boundary(tmp_path, sig,
     assert [c["step"] for c in s["checkpoints"]] == [s["final_step"]]
     assert files.read_pointer(str(out / "checkpoints")).endswith(files.final_name(s["final_step"]))
     assert f"stopped at step {s['final_step']}" in stdout
-
-
-
-
-
-
 
 
 def verify(path):

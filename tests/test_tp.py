@@ -92,7 +92,7 @@ def test_tp_grid_equals_the_one_rank_run(tmp_path, one_rank, n, k):
     assert step_rows(out, "samples") == step_rows(one_rank, "samples")
     master, meta = final_master(out)
     if k > 1:
-        assert meta["tensor_parallel"]["tp"] == k and meta["tensor_parallel"]["dp"] == n // k
+        assert meta["model_parallel"]["tp"] == k and meta["model_parallel"]["dp"] == n // k
         assert s["final_param_fingerprint"] == list(fingerprint(master)), "the whole model's, not one slice's"
         assert_tp_comm(out, k, GLOBAL // (n // k), n // k)
 

@@ -18,9 +18,9 @@ def test_reference_run_holds_all_invariants(tmp_path, n):
     s = summary(out)
     assert s["status"] == "completed" and s["final_step"] == 20 and s["world_size"] == n
     assert {k: v["ok"] for k, v in s["invariants"].items()} == {
-        "a_loss_monotone": True, "b_params_identical": True, "c_optimizer_memory": True, "d_resume_bytes": True}
+        "a_loss_monotone": True, "b_params_identical": True, "c_memory": True, "d_resume_bytes": True}
     assert s["invariants"]["b_params_identical"]["steps_checked"] == 20
-    assert s["invariants"]["c_optimizer_memory"]["measured_bytes"] == [12 * s["padded"] // n] * n
+    assert s["invariants"]["c_memory"]["measured_bytes"] == [12 * s["padded"] // n] * n
     losses = [x[1] for x in s["losses"]]
     assert len(losses) == 20 and losses[-1] < losses[0] - 0.5
     assert "resume verified" in res.stdout

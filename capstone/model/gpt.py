@@ -18,12 +18,14 @@ from capstone.model.blocks import ALONE, block, embedding, head_logits, head_los
 from capstone.model.params import Layout, group_shapes
 
 
-def _hidden(t, idx, cfg: ModelConfig, tp=ALONE):
-    """Hidden states (B*T, C) after the last block for token ids idx (B, T); t: Layout.groups."""
+def _hidden(t, idx, cfg: ModelConfig, tp=ALONE, layer=block, x=None):
+    """Hidden states (B*T, C) after the blocks (`layer`) in t (Layout.groups: the whole model's, or a
+    pipeline stage's) for token ids idx (B, T), from the embedding or `x` (the previous stage's)."""
     shapes, H = group_shapes(cfg, tp.size), cfg.n_heads // tp.size
-    x = embedding(t["embed"], idx, shapes["embed"])                             # (B*T, C)
-    for i in range(cfg.n_layers):
-        x = block(x, t[f"h{i}"], idx.shape[1], H, shapes[f"h{i}"], tp)           # (B*T, C)
+    if x is None:
+        x = embedding(t["embed"], idx, shapes["embed"])                         # (B*T, C)
+    for name in (g for g in t if g not in ("embed", "head")):                   # the blocks, in order
+        x = layer(x, t[name], idx.shape[1], H, shapes[name], tp)               # (B*T, C)
     return x
 
 
@@ -32,9 +34,9 @@ def logits(t, idx, cfg: ModelConfig, tp=ALONE):
     return head_logits(_hidden(t, idx, cfg, tp), t["head"], group_shapes(cfg, tp.size)["head"])[0]
 
 
-def loss_sum(t, idx, targets, cfg: ModelConfig, scale: float = 1.0, tp=ALONE):
+def loss_sum(t, idx, targets, cfg: ModelConfig, scale: float = 1.0, tp=ALONE, layer=block):
     """scale * (sum over the B*T positions of the softmax cross-entropy). idx, targets (B, T)."""
-    x = _hidden(t, idx, cfg, tp)
+    x = _hidden(t, idx, cfg, tp, layer)
     return head_loss(x, t["head"], targets.reshape(-1), group_shapes(cfg, tp.size)["head"]) * scale
 
 
@@ -50,21 +52,30 @@ class Model:
     float32 buffers of `layout`, with named views (`p`, `g`) and the group views the model
     computes with (`groups`, `grad_groups`)."""
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, params: np.ndarray, tp=ALONE):
-        self.cfg, self.layout, self.tp = cfg, layout, tp
-        self.params, self.grads = params, layout.zeros()
-        self.p, self.g = layout.views(self.params), layout.views(self.grads)
-        self.groups, self.grad_groups = layout.groups(self.params), layout.groups(self.grads)
+    def __init__(self, cfg: ModelConfig, layout: Layout, params: np.ndarray, tp=ALONE, recompute: bool = False,
+                 grads: bool = True):
+        """`grads` False (ZeRO-2): no gradient buffer; each group's gradient goes to the grad hook."""
+        self.cfg, self.layout, self.tp, self.layer = cfg, layout, tp, block
+        if recompute:
+            from capstone.model import recompute as checkpointed
+            self.layer = checkpointed.block
+        self.params, self.grads = params, layout.zeros() if grads else None
+        self.p, self.groups = layout.views(self.params), layout.groups(self.params)
+        self.g, self.grad_groups = (layout.views(self.grads), layout.groups(self.grads)) if grads else (None, None)
 
     def micro_batch(self, x: np.ndarray, y: np.ndarray, scale: float, fresh: bool) -> float:
         """Gradient of scale * (summed loss of one micro-batch) added into `grads` (`fresh`: written
         over whatever they held); returns that loss."""
         return value_and_grad_into(loss_sum, self.groups, self.grad_groups, x, y, self.cfg, scale, self.tp,
-                                   fresh=fresh)
+                                   self.layer, fresh=fresh)
 
     def forward_backward(self, batches, scale: float) -> float:
         """Gradient of scale * (summed loss over every (x, y) in `batches`) into `grads`; returns that loss."""
         return sum(self.micro_batch(x, y, scale, fresh=j == 0) for j, (x, y) in enumerate(batches))
+
+    def whole(self) -> np.ndarray:
+        """The flat parameter buffer (this rank's slice of the model under tensor parallelism)."""
+        return self.params
 
     def loss(self, x: np.ndarray, y: np.ndarray, scale: float) -> float:
         """scale * summed loss of one batch, forward only (no graph is built)."""

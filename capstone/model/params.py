@@ -72,12 +72,15 @@ class Layout:
     world: int
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, world: int, tp: int = 1) -> "Layout":
-        """The layout of a (tensor-parallel rank's part of the) model, padded for `world` ranks."""
+    def for_model(cls, cfg: ModelConfig, world: int, tp: int = 1, groups: tuple | None = None) -> "Layout":
+        """The layout of a (tensor-parallel rank's part of the) model, padded for `world` ranks;
+        `groups`: only these parameter groups (a pipeline stage's), named as in the whole model."""
         if world < 1:
             raise ValueError(f"world size must be >= 1, got {world}")
         entries, offset = [], 0
         for name, shape in param_shapes(cfg, tp):
+            if groups is not None and group_of(name) not in groups:
+                continue
             entries.append((name, tuple(shape), offset))
             offset += math.prod(shape)
         return cls(tuple(entries), offset, world)

@@ -21,7 +21,10 @@ BUS_FACTORS = {
     "reduce_scatter": lambda n: (n - 1) / n,
     "allgather": lambda n: (n - 1) / n,
     "alltoall": lambda n: (n - 1) / n,
+    "reduce_scatterv": lambda n: (n - 1) / n,   # with per-rank counts (ZeRO-2's groups): S is what they sum to
+    "allgatherv": lambda n: (n - 1) / n,        # (ZeRO-3's gathered groups)
     "broadcast": lambda n: 1.0,
+    "p2p": lambda n: 1.0,                      # a pipeline's messages between neighbouring stages (S: their bytes)
     "reduce": lambda n: 1.0,
 }
 PER_RANK_COUNT = ("reduce_scatter", "allgather", "alltoall")  # ops whose buffer is n equal per-rank blocks
@@ -95,11 +98,13 @@ def step_collectives(row: dict) -> list[Collective]:
             for e in (row.get("comm") or {}).values() if e.get("ms", 0) > 0]
 
 
-def format_collectives(records: list[Collective]) -> str:
-    lines = [f"{'collective':<15} {'ranks':>5} {'S bytes':>10} {'time ms':>9} {'algbw GB/s':>11} {'busbw GB/s':>11} "
-             f"{'sent/rank B':>12}"]
-    for c in records:
-        lines.append(f"{c.name:<15} {c.world:>5} {c.size_bytes:>10} {1e3 * c.seconds:>9.3f} {c.algbw / 1e9:>11.3f} "
+def format_collectives(records: list[Collective], kinds: list[str] | None = None) -> str:
+    """A table of collectives, each row named by its kind (a run's: reduce_scatter, allreduce_stats,
+    ...) when `kinds` is given, else by its op."""
+    lines = [f"{'collective':<18} {'op':<15} {'ranks':>5} {'S bytes':>10} {'time ms':>9} {'algbw GB/s':>11} "
+             f"{'busbw GB/s':>11} {'sent/rank B':>12}"]
+    for c, kind in zip(records, kinds or [c.name for c in records]):
+        lines.append(f"{kind:<18} {c.name:<15} {c.world:>5} {c.size_bytes:>10} {1e3 * c.seconds:>9.3f} {c.algbw / 1e9:>11.3f} "
                      f"{c.busbw / 1e9:>11.3f} {c.ring_bytes_sent_per_rank:>12.0f}")
     return "\n".join(lines)
 
@@ -111,7 +116,8 @@ def step_comm(traffic: dict) -> dict:
     per kind of collective its op, S bytes summed over its calls, the bytes a ring sends per rank,
     the milliseconds spent waiting for it, the bandwidths, its calls and the ranks of its group."""
     return {kind: {**comm_entry(Collective(t.op, t.bytes, 1, t.ranks, t.seconds)), "calls": t.calls,
-                   "ranks": t.ranks} for kind, t in traffic.items()}
+                   "ranks": t.ranks, **({"hidden_ms": 1e3 * t.hidden} if t.hidden else {})}
+            for kind, t in traffic.items()}
 
 
 def comm_entry(c: Collective) -> dict:
@@ -136,16 +142,23 @@ def comm_summary(rows: list[dict], skip_first: bool = True) -> dict:
             entry["median_ms"] = entry.pop("ms")
             out[name] = {**entry, "steps": sum(name in r["comm"] for r in rows), "timed_steps": len(times),
                          "calls": last["calls"], "ranks": last["ranks"]}
+            hidden = [r["comm"][name].get("hidden_ms", 0.0) for r in timed if name in r["comm"]]
+            if any(hidden):   # a prefetched or progressed collective: the time it ran behind compute
+                out[name]["median_hidden_ms"] = statistics.median(hidden)
     return out
 
 
 def format_comm_summary(comm: dict) -> str:
-    lines = [f"{'collective':<16} {'op':<14} {'bytes':>10} {'median ms':>9} {'algbw GB/s':>10} {'busbw GB/s':>10} "
-             f"{'steps':>6}"]
+    """The table: median ms is the time the step waited (exposed); hidden ms, where a collective ran
+    behind compute (ZeRO-2/3's progressed reductions and prefetched gathers), the time it overlapped."""
+    hidden = any("median_hidden_ms" in e for e in comm.values())
+    lines = [f"{'collective':<16} {'op':<18} {'bytes':>10} {'median ms':>9} {'algbw GB/s':>10} {'busbw GB/s':>10} "
+             f"{'steps':>6}" + (f" {'hidden ms':>9}" if hidden else "")]
     for name, e in comm.items():
         op = e["op"] + (f" x{e['calls']}" if e.get("calls", 1) > 1 else "")   # several calls in a step, summed
-        lines.append(f"{name:<16} {op:<14} {e['bytes']:>10} {e['median_ms']:>9.3f} {e['algbw_GBps']:>10.4g} "
-                     f"{e['busbw_GBps']:>10.4g} {e['steps']:>6}")
+        lines.append(f"{name:<16} {op:<18} {e['bytes']:>10} {e['median_ms']:>9.3f} {e['algbw_GBps']:>10.4g} "
+                     f"{e['busbw_GBps']:>10.4g} {e['steps']:>6}"
+                     + (f" {e.get('median_hidden_ms', 0.0):>9.3f}" if hidden else ""))
     return "\n".join(lines)
 
 
@@ -212,34 +225,39 @@ def format_zero_table(rows: list[ZeroRow], n_params: int, world: int, precision:
 
 def what_if(n_params: int, padded: int, world: int, memory: list[dict], precision: Precision = FP32) -> dict:
     """summary.json's "zero_what_if": the table for P = `padded` (the live flat buffer) on `world`
-    ranks beside what the run measured per rank (max over ranks; its grads_bytes adds the buffers of
-    the gradient reduction: the 4P/N shard it receives into, and its staging copy if it has one)."""
+    ranks, and beside it what the run measured per rank at its own stage (max over ranks) with that
+    stage's formula (capstone.observe.memory): the buffers of the gradient reduction (`reduce_bytes`)
+    and of the ZeRO-3 gathers (`gathered_bytes`) are counted apart from the table's three terms."""
     p = precision
-    keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "reduce_bytes")
+    keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "reduce_bytes", "gathered_bytes")
     measured = {k: max(m.get(k, 0) for m in memory) for k in keys} if memory else {}
+    formula = {k: max(m["formula"].get(k, 0) for m in memory) for k in keys} if memory and "formula" in memory[0] else {}
     return {"precision": p.name, "bytes_per_param": {"params": p.param, "grads": p.grad, "optimizer": p.optimizer},
             "n_params": n_params, "P": padded, "world": world,
             "stages": [{"stage": r.stage, "sharded": STAGES[r.stage], "params_bytes": r.params_bytes,
                         "grads_bytes": r.grads_bytes, "optimizer_bytes": r.optimizer_bytes,
                         "total_bytes": r.total_bytes} for r in zero_table(padded, world, precision)],
-            "measured": {"stage": 1, **measured, "grads_receive_shard_bytes": p.grad * -(-padded // world)}}
+            "measured": {"stage": memory[0].get("stage", 1) if memory else 1, **measured},
+            "formula": formula}
 
 
 def format_what_if(w: dict) -> str:
-    """The what-if table and the measured stage-1 row under it."""
+    """The what-if table, and under it the running stage: measured (max over ranks) and its formula."""
     text = format_zero_table(zero_table(w["P"], w["world"], PRECISIONS[w["precision"]]), w["P"], w["world"],
                              PRECISIONS[w["precision"]])
-    m = w["measured"]
-    if "params_bytes" in m:
-        total = m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"]
-        text += (f"\n{'1':<5} {'measured (max over ranks)':<26} {m['params_bytes']:>12} {m['grads_bytes']:>12} "
-                 f"{m['optimizer_bytes']:>12} {total:>12}  (grads + {m['reduce_bytes']} of the reduction)")
+    stage = w["measured"]["stage"]
+    for label, m in ((f"measured (max over ranks)", w["measured"]), (f"formula of stage {stage}", w.get("formula"))):
+        if m and "params_bytes" in m:
+            total = m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"]
+            text += (f"\n{stage:<5} {label:<26} {m['params_bytes']:>12} {m['grads_bytes']:>12} "
+                     f"{m['optimizer_bytes']:>12} {total:>12}  (+ reduction {m['reduce_bytes']}"
+                     + (f", gathered {m['gathered_bytes']}" if m.get("gathered_bytes") else "") + ")")
     return text
 
 
 # ---- command line ------------------------------------------------------------------------------
-def run_bandwidths(run_dir: str) -> tuple[dict, list[Collective]]:
-    """(summary, one record per kind of collective with the median time over steps 2..) of a finished run."""
+def run_bandwidths(run_dir: str) -> tuple[dict, dict[str, Collective]]:
+    """(summary, kind -> its collective with the median time over steps 2..) of a finished run."""
     run = read_run(run_dir)
     if not run.summary:
         raise FileNotFoundError(f"{run_dir}/summary.json not found: the run has not finished")
@@ -248,8 +266,8 @@ def run_bandwidths(run_dir: str) -> tuple[dict, list[Collective]]:
         if row["step"] >= 2:  # step 1 pays one-off warm-up
             for kind, e in (row.get("comm") or {}).items():
                 by_kind.setdefault(kind, []).append(e)
-    return run.summary, [Collective(es[-1]["op"], es[-1]["bytes"], 1, es[-1]["ranks"],
-                                    statistics.median(e["ms"] for e in es) / 1e3) for es in by_kind.values()]
+    return run.summary, {kind: Collective(es[-1]["op"], es[-1]["bytes"], 1, es[-1]["ranks"],
+                                          statistics.median(e["ms"] for e in es) / 1e3) for kind, es in by_kind.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -274,7 +292,8 @@ def main(argv=None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         n_params, world = summary["padded"], summary["world_size"]
-        print(f"{args.run}: median over steps 2.. of rank 0's timings\n{format_collectives(records)}\n")
+        print(f"{args.run}: median over steps 2.. of rank 0's timings\n"
+              f"{format_collectives(list(records.values()), list(records))}\n")
     precision = PRECISIONS[args.precision]
     print(format_zero_table(zero_table(n_params, world, precision), n_params, world, precision))
     return 0

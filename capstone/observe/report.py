@@ -169,22 +169,29 @@ def step_row(m: dict) -> str:
 
 
 def memory_table(rows: list[dict]) -> str:
-    """Per-rank memory rows plus max and mean across ranks (bytes, peak RSS in MiB)."""
-    keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "guard_bytes", "peak_rss_bytes")
-    lines = [f"{'rank':>6} {'params':>10} {'grads':>10} {'optimizer':>10} {'guard':>10} {'peak_rss_MiB':>13}"]
+    """Per-rank memory rows (capstone.observe.memory), max and mean across ranks, and the formula of
+    the run's ZeRO stage (bytes; peak RSS in MiB)."""
+    keys = ("params_bytes", "gathered_bytes", "grads_bytes", "reduce_bytes", "optimizer_bytes", "guard_bytes")
+    lines = [f"{'rank':>8} {'params':>10} {'gathered':>10} {'grads':>10} {'reduce':>10} {'optimizer':>10} "
+             f"{'guard':>10} {'total':>11} {'peak_rss_MiB':>13}"]
 
-    def fmt(label, vals):
-        return (f"{label:>6} " + " ".join(f"{v:>10.0f}" for v in vals[:4]) + f" {vals[4] / MIB:>13.1f}")
+    def fmt(label, vals, rss):
+        return (f"{label:>8} " + " ".join(f"{v:>10.0f}" for v in vals) + f" {sum(vals):>11.0f}"
+                + (f" {rss / MIB:>13.1f}" if rss is not None else ""))
 
     for r in rows:
-        lines.append(fmt(str(r["rank"]), [r[k] for k in keys]))
-    lines.append(fmt("max", [max(r[k] for r in rows) for k in keys]))
-    lines.append(fmt("mean", [sum(r[k] for r in rows) / len(rows) for k in keys]))
+        lines.append(fmt(str(r["rank"]), [r.get(k, 0) for k in keys], r["peak_rss_bytes"]))
+    lines.append(fmt("max", [max(r.get(k, 0) for r in rows) for k in keys], max(r["peak_rss_bytes"] for r in rows)))
+    lines.append(fmt("mean", [sum(r.get(k, 0) for r in rows) / len(rows) for k in keys],
+                     sum(r["peak_rss_bytes"] for r in rows) / len(rows)))
+    if "formula" in rows[0]:
+        lines.append(fmt(f"stage {rows[0]['stage']}", [max(r["formula"][k] for r in rows) for k in keys], None)
+                     + "  the formula (max over ranks; capstone.observe.memory)")
     return "\n".join(lines)
 
 
 def aggregate(rows: list[dict]) -> dict:
-    keys = [k for k in rows[0] if k != "rank"]
+    keys = [k for k in rows[0] if k not in ("rank", "stage") and isinstance(rows[0][k], (int, float))]
     return {"max": {k: max(r[k] for r in rows) for k in keys}, "mean": {k: sum(r[k] for r in rows) / len(rows) for k in keys}}
 
 

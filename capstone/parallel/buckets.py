@@ -82,7 +82,7 @@ class BucketReducer(GradReducer):
         if len(self.buckets) > 1:
             backward.set_grad_hook(self._on_grad)
 
-    def _on_grad(self, sink: np.ndarray) -> None:
+    def _on_grad(self, name: str, sink: np.ndarray) -> None:
         """The hook: the gradients of the parameters in `sink` (one or a group) are final for this
         micro-batch."""
         start = (sink.__array_interface__["data"][0] - self.base) // self.itemsize

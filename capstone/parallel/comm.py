@@ -4,8 +4,8 @@ Each collective is issued non-blocking and waited on with the run's `Deadline`, 
 stopped peer ends the job with one line that names the collective instead of a hang; what MPI or
 HDF5 offers only blocking (a `Split`, a parallel-HDF5 open/write/close) runs under the deadline's
 watchdog (`blocking`). Buffers only: the buffer collectives are named as mpi4py's uppercase
-(buffer, never pickle) methods they wrap, `Allreduce`, `Allgather`, ...; small values go as JSON
-(capstone.parallel.values). Each wait is counted in `traffic` by kind (bytes as nccl-tests count
+(buffer, never pickle) methods they wrap, `Allreduce`, `Allgather`, ...; the optional modes'
+exchanges are in capstone.parallel.exchanges, small values go as JSON (capstone.parallel.values). Each wait is counted in `traffic` by kind (bytes as nccl-tests count
 them, the seconds spent waiting, calls) for the step's accounting. A communicator of one rank (`MPI.COMM_SELF`,
 e.g. the tensor-parallel group without tensor parallelism) skips its reductions: one code path.
 No other module of capstone holds an MPI communicator (tests/test_architecture.py checks it).
@@ -25,6 +25,7 @@ from mpi4py import MPI
 from capstone.hooks import NONE
 from capstone.parallel import timeout
 from capstone.parallel.deadline import Deadline
+from capstone.parallel.exchanges import Exchanges
 from capstone.parallel.values import JsonValues
 
 
@@ -38,9 +39,10 @@ class Traffic:
     bytes: int = 0
     seconds: float = 0.0
     calls: int = 0
+    hidden: float = 0.0   # seconds it ran behind compute (a prefetch), besides the `seconds` waited for it
 
 
-class Comm(JsonValues):
+class Comm(Exchanges, JsonValues):
     """Rank, size and deadline-bound collectives of one MPI communicator."""
 
     def __init__(self, mpi_comm, deadline: Deadline | None = None, traffic: dict | None = None, hooks=NONE):
@@ -70,9 +72,12 @@ class Comm(JsonValues):
         t0 = time.perf_counter()
         self.deadline.wait(requests, what)
         if kind is not None:
-            t = self.traffic.setdefault(kind, Traffic(op or kind, self.size))
-            t.bytes, t.seconds = t.bytes + nbytes, t.seconds + time.perf_counter() - t0
-            t.calls += len(requests)
+            self.count(kind, op or kind, nbytes, time.perf_counter() - t0, len(requests))
+
+    def count(self, kind: str, op: str, nbytes: int, seconds: float, calls: int = 1, hidden: float = 0.0) -> None:
+        """Add collectives of `kind` to this step's traffic."""
+        t = self.traffic.setdefault(kind, Traffic(op, self.size))
+        t.bytes, t.seconds, t.calls, t.hidden = t.bytes + nbytes, t.seconds + seconds, t.calls + calls, t.hidden + hidden
 
     # ---- buffer collectives: blocking for the caller, non-blocking for MPI ----------------------
     def Allreduce(self, buf: np.ndarray, what: str, kind: str = "allreduce") -> np.ndarray:
@@ -94,27 +99,11 @@ class Comm(JsonValues):
             self.hooks.at(kind or "broadcast")
             self.wait(self.mpi.Ibcast(buf, root=root), what, kind, "broadcast", buf.nbytes)
 
-    def Alltoall(self, send: np.ndarray, recv: np.ndarray, what: str, kind: str = "alltoall") -> None:
-        self.hooks.at(kind)
-        self.wait(self.mpi.Ialltoall(send, recv), what, kind, "alltoall", send.nbytes)
-
-    def Allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int], what: str) -> None:
-        self.wait(self.mpi.Iallgatherv(send, [recv, counts]), what)
-
     def Ireduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int]):
         """Start summing `send` over the group, rank r receiving its counts[r] values into `recv`;
         `wait` for the request (or `Test` it to drive progress)."""
         self.hooks.at("reduce_scatter")
         return self.mpi.Ireduce_scatter(send, recv, counts, op=MPI.SUM)
-
-    def Isend(self, buf: np.ndarray, dest: int, tag: int):
-        return self.mpi.Isend(buf, dest=dest, tag=tag)
-
-    def Irecv(self, buf: np.ndarray, source: int, tag: int):
-        return self.mpi.Irecv(buf, source=source, tag=tag)
-
-    def Barrier(self, what: str = "barrier") -> None:
-        self.wait(self.mpi.Ibarrier(), what)
 
     # ---- small values ---------------------------------------------------------------------------
     def sum(self, values, what: str = "allreduce (sums)", kind: str | None = None) -> list[float]:

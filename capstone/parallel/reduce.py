@@ -52,14 +52,15 @@ class GradReducer:
 
     accumulates = True   # micro-batch gradients add up in the flat buffer (else each is reduced alone)
 
-    def __init__(self, grid, layout: Layout, grads: np.ndarray, loss_weight: float = 1.0):
+    def __init__(self, grid, layout: Layout, grads: np.ndarray | None, loss_weight: float = 1.0):
+        """`grads`: the flat gradient buffer the backward pass lands in (None: ZeRO-2/3 keep none)."""
         if layout.world != grid.dp.size:
             raise ValueError(f"layout is padded for {layout.world} ranks but the data-parallel group has {grid.dp.size}")
-        if grads.dtype != DTYPE or grads.shape != (layout.padded,) or not grads.flags.c_contiguous:
+        if grads is not None and (grads.dtype != DTYPE or grads.shape != (layout.padded,) or not grads.flags.c_contiguous):
             raise ValueError(f"grads must be a contiguous float32 buffer of length {layout.padded}")
         self.world, self.dp, self.layout, self.grads = grid.world, grid.dp, layout, grads
         lo, hi = layout.shard_range(grid.dp.rank)
-        self.grad_shard = np.empty(hi - lo, dtype=DTYPE)
+        self.grad_shard = np.zeros(hi - lo, dtype=DTYPE)
         self.norm_weight = None          # None: every element counts in the norm; tensor parallelism: ones and zeros
         if grid.tp.size > 1:
             from capstone.parallel import tensor

@@ -69,19 +69,23 @@ class ZeroAdam:
         """Collective: call on all ranks of `dp`. Broadcasts its rank 0's parameters (DDP-style, once)."""
         if layout.world != dp.size:
             raise ValueError(f"layout is padded for {layout.world} ranks but the data-parallel group has {dp.size}")
-        if params.dtype != DTYPE or params.shape != (layout.padded,) or not params.flags.c_contiguous:
-            raise ValueError(f"params must be a contiguous float32 buffer of length {layout.padded}")
         self.dp, self.layout, self.params = dp, layout, params
         self.lo, self.hi = layout.shard_range(dp.rank)
         self.beta1, self.beta2, self.eps, self.weight_decay = float(betas[0]), float(betas[1]), float(eps), float(weight_decay)
         self.clip = float(clip)   # the global gradient norm is clipped to this (0: off)
-        dp.Bcast(params, "broadcast of the initial parameters")
-        master = params[self.lo:self.hi].copy()
+        master = self._adopt(params)
         self.state = ShardState(master, np.zeros_like(master), np.zeros_like(master))
         self.before = ShardState(*(np.zeros_like(master) for _ in ROWS))  # the state before the last apply
         self.revertible = False                                            # `before` may be restored
         self.no_decay = no_decay_runs(layout, self.lo, self.hi, ADAM_CHUNK) if weight_decay > 0 else None
         self._scratch = np.empty((2, ADAM_CHUNK), dtype=np.float32)
+
+    def _adopt(self, params: np.ndarray) -> np.ndarray:
+        """Check `params`, make it the same on every rank and return a copy of this rank's shard."""
+        if params.dtype != DTYPE or params.shape != (self.layout.padded,) or not params.flags.c_contiguous:
+            raise ValueError(f"params must be a contiguous float32 buffer of length {self.layout.padded}")
+        self.dp.Bcast(params, "broadcast of the initial parameters")
+        return params[self.lo:self.hi].copy()
 
     def optimizer_nbytes(self) -> int:
         """Bytes of optimizer state held by this rank: fp32 master + Adam m + Adam v."""

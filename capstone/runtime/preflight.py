@@ -23,13 +23,29 @@ from capstone.runtime import lock
 MIB = 1 << 20
 
 
-def activation_bytes(mcfg, tcfg) -> int:
+def activation_bytes(mcfg, tcfg, recompute: bool = False, layers: int | None = None) -> int:
     """Peak bytes of one micro-batch's forward+backward graph on one rank (autograd keeps every
     intermediate). Calibrated on measured peak RSS (float32; per position about 26 C floats per
-    layer, 4 H T for attention, 4 V + 4 C for the head), within ~10% above the measurements."""
-    c, t, h, v, n_layers = mcfg.d_model, mcfg.seq_len, mcfg.n_heads, mcfg.vocab_size, mcfg.n_layers
-    per_position = 4 * (n_layers * (26 * c + 4 * h * t) + 4 * v + 4 * c)
+    layer, 4 H T for attention, 4 V + 4 C for the head), within ~10% above the measurements.
+    `recompute`: the forward keeps each block's input (C floats), the backward one block's activations.
+    `layers`: the blocks of this rank's pipeline stage (None: all)."""
+    c, t, h, v = mcfg.d_model, mcfg.seq_len, mcfg.n_heads, mcfg.vocab_size
+    n_layers = mcfg.n_layers if layers is None else layers
+    block = 26 * c + 4 * h * t
+    per_position = 4 * ((n_layers * c + block if recompute else n_layers * block) + 4 * v + 4 * c)
     return tcfg.batch_size * t * per_position
+
+
+def model_state_bytes(mcfg, dp: int, tp: int, stage: int, groups: tuple | None = None) -> int:
+    """Bytes of the model's state on one rank at ZeRO `stage` (capstone.observe.memory's formula,
+    with two of the largest parameter groups for what is in flight); `groups`: a pipeline stage's."""
+    from capstone.model.params import Layout
+    from capstone.observe.accounting import zero_row
+    layout = Layout.for_model(mcfg, dp, tp, groups)
+    group = 4 * max(b - a for a, b in layout.group_ranges().values())
+    row = zero_row(stage, layout.padded, dp)
+    reduce = 4 * layout.shard + 4 * layout.padded if stage == 1 else 2 * group     # receive shard + staging
+    return row.total_bytes + row.optimizer_bytes + reduce + (2 * group if stage == 3 else 0)
 
 
 def available_bytes() -> tuple[int | None, str]:
@@ -78,17 +94,34 @@ def _cgroup_files(controllers: str, path: str) -> list[tuple[str, str, str]]:
     return []
 
 
-def check_memory(comm, mcfg, tcfg) -> None:
-    """Collective. ConfigError on every rank if a step's activations do not fit on some node."""
-    need = activation_bytes(mcfg, tcfg)
+def _per_rank(mcfg, tcfg, opts, world: int) -> tuple[int, int]:
+    """(activations, model states) of the heaviest rank: with --pp, the largest stage holding the
+    micro-batches its schedule keeps in flight (1f1b: up to K of them; afab: all)."""
+    dp = world // (opts.tp * opts.pp)
+    if opts.pp == 1:
+        return activation_bytes(mcfg, tcfg, opts.recompute), model_state_bytes(mcfg, dp, opts.tp, opts.zero_stage)
+    from capstone.parallel.pipeline import stage_groups
+    stages = stage_groups(mcfg.n_layers, opts.pp, opts.pp_layers)
+    in_flight = tcfg.grad_accum if opts.pp_schedule == "afab" else min(opts.pp, tcfg.grad_accum)
+    layers = max(sum(g not in ("embed", "head") for g in groups) for groups in stages)
+    return (in_flight * activation_bytes(mcfg, tcfg, opts.recompute, layers),
+            max(model_state_bytes(mcfg, dp, opts.tp, opts.zero_stage, groups) for groups in stages))
+
+
+def check_memory(comm, mcfg, tcfg, opts) -> None:
+    """Collective. ConfigError on every rank if a step's model states and activations do not fit on some node."""
+    acts, states = _per_rank(mcfg, tcfg, opts, comm.size)
+    need = acts + states
     local = comm.node_size()
     avail, source = available_bytes()
     error = None
     if avail is not None and need * local > avail:
-        error = (f"--batch-size {tcfg.batch_size} needs about {need / MIB:.0f} MiB of activation memory per rank "
-                 f"({local} ranks on {socket.gethostname()}: {need * local / MIB:.0f} MiB), but only "
-                 f"{avail / MIB:.0f} MiB is available ({source}); the kernel would kill the run in its first step. "
-                 f"Lower --batch-size (raise --grad-accum to keep the global batch), or run fewer ranks per node.")
+        error = (f"--batch-size {tcfg.batch_size} needs about {need / MIB:.0f} MiB per rank ({acts / MIB:.0f} MiB "
+                 f"of activations{' with --recompute' if opts.recompute else ''}, {states / MIB:.0f} MiB of model "
+                 f"states at --zero-stage {opts.zero_stage}; {local} ranks on {socket.gethostname()}: "
+                 f"{need * local / MIB:.0f} MiB), but only {avail / MIB:.0f} MiB is available ({source}); the kernel "
+                 f"would kill the run in its first step. Lower --batch-size (raise --grad-accum to keep the global "
+                 f"batch), add --recompute, raise --zero-stage, or run fewer ranks per node.")
     errors = [e for e in comm.allgather_json(error) if e]
     if errors:
         raise ConfigError(errors[0])

@@ -14,6 +14,7 @@ from capstone.model.gpt import loss_and_grad, loss_sum
 from capstone.model.params import Layout, init_params
 from capstone.parallel import grid as grids
 from capstone.parallel import tensor as tp
+from capstone.parallel.canonical import Canonical
 from capstone.parallel.comm import Comm
 from capstone.parallel.grid import Grid
 from capstone.parallel.zero import ShardState
@@ -119,7 +120,7 @@ def test_slice_layout_and_reassembly(k):
     w_full, w_mine = full_layout.views(full)["h0.attn.c_attn.w"], lay.views(mine)["h0.attn.c_attn.w"]
     for j in range(3):
         assert np.array_equal(w_mine[:, j * C // k:j * C // k + D], w_full[:, j * C + h0 * D:j * C + (h0 + 1) * D])
-    view = tp.Canonical(g, CFG, lay, Layout.for_model(CFG, WORLD))
+    view = Canonical(g, CFG, lay, Layout.for_model(CFG, WORLD), [None])
     assert np.array_equal(view.whole(mine), full[:full_layout.n_params])
     counts = np.zeros(full_layout.n_params, dtype=np.int64)   # every full position owned by one TP rank
     for t in range(k):
@@ -133,7 +134,7 @@ def _checkpointer(k, directory):
     lay, full = Layout.for_model(CFG, g.dp.size, k), Layout.for_model(CFG, WORLD)
     identity = RunIdentity(CFG, TrainConfig(), {"test": 1}, 16)
     return g, lay, Checkpointer(g.world, directory, full, identity, Cadence(identity.train, g.world.rank),
-                                tp.Canonical(g, CFG, lay, full))
+                                Canonical(g, CFG, lay, full, [None]))
 
 
 def _my_shard(g, lay, full):

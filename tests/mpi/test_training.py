@@ -125,7 +125,7 @@ def test_one_rank_with_other_parameters_fails_the_run(world, shared_tmp):
     assert not b["ok"] and b["n_mismatches"] == 1 and b["mismatches"][0]["step"] == 2, b
     fps = b["mismatches"][0]["fingerprints"]
     assert len({str(x) for x in fps[:-1]}) == 1 and fps[-1] != fps[0]
-    assert all(s["invariants"][k]["ok"] for k in ("a_loss_monotone", "c_optimizer_memory", "d_resume_bytes"))
+    assert all(s["invariants"][k]["ok"] for k in ("a_loss_monotone", "c_memory", "d_resume_bytes"))
 
 
 @pytest.mark.parametrize("factor, reason", [(float("inf"), "loss_nonfinite"), (100.0, "loss_spike")])

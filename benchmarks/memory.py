@@ -1,0 +1,179 @@
+"""Memory of ZeRO stages 1/2/3 with and without --recompute, measured against the formulas.
+
+  python -m benchmarks.memory table   [--preset large] [--ranks 4] [--steps 4] [--repeats 1] [-- FLAGS]
+  python -m benchmarks.memory largest [--ranks 4] [--limit-mib 1024] [-- FLAGS]
+  python -m benchmarks.memory worker  (under mpirun: one setting, prints JSON)
+
+`table`: per setting, model-state bytes per rank as the run holds them (capstone.observe.memory)
+and as the stage's formula says, the peak of bytes allocated during one step (tracemalloc, which
+NumPy reports to; the model states allocated before it counted too), the activation part of it,
+the peak RSS per rank (VmHWM), and the median step time relative to stage 1 (a separate launch
+without tracemalloc, settings interleaved). `largest`: per setting, the most layers at d_model 512
+(the `large` batch and sequence length) whose peak RSS per rank stays within the limit, found by
+launching real runs (the guard's undo state and everything else a run holds included).
+docs/performance.md shows the output and says which stage to choose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SETTINGS = [(1, False), (2, False), (3, False), (1, True), (2, True), (3, True)]   # (stage, recompute)
+MIB = 1 << 20
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+
+def worker(argv: list[str]) -> int:
+    """One setting on the ranks of this mpirun: `--trace` measures allocations, else step times."""
+    import tracemalloc
+    trace = "--trace" in argv
+    flags = [a for a in argv if a != "--trace"]
+    if trace:
+        tracemalloc.start()
+    from capstone import cli
+    from capstone import run as runs
+    from capstone import train
+    from capstone.observe import memory
+    from capstone.parallel import launch
+    world = launch.world()
+    settings = cli.parse_on_every_rank(flags, world.rank)
+    run = runs.open_run(world, settings)
+    steps, times, peak, activations = settings.train.steps, [], 0, 0
+    finish = run.reducer.finish
+
+    def after_backward(*args):   # the peak of the forward and backward passes, above what the step began with
+        nonlocal activations
+        activations = max(activations, tracemalloc.get_traced_memory()[1] - start) if trace else 0
+        return finish(*args)
+    run.reducer.finish = after_backward
+    for s in range(1, steps + 1):
+        if trace:
+            tracemalloc.reset_peak()
+            start = tracemalloc.get_traced_memory()[0]
+        r = train.train_step(run, s)
+        times.append(r.ms["step"])
+        if trace:
+            peak = max(peak, tracemalloc.get_traced_memory()[1])
+    held, want = memory.measured(run), memory.formula(run)
+    mine = {"states": held.total, "formula": want.total, "rows": held.row(), "formula_rows": want.row(),
+            "traced_peak": peak, "activations": activations, "rss_peak": _status_kib("VmHWM") * 1024, "step_ms": statistics.median(times[1:] or times),
+            "n_params": run.n_params}
+    every = world.allgather_json(mine)
+    if world.rank == 0:
+        print("RESULT " + json.dumps({k: max(e[k] for e in every) for k in ("states", "formula", "traced_peak",
+                                                                            "activations", "rss_peak", "step_ms")}
+                                     | {"rows": every[0]["rows"], "formula_rows": every[0]["formula_rows"],
+                                        "n_params": every[0]["n_params"],
+                                        "per_rank": [{k: e[k] for k in ("states", "traced_peak", "activations",
+                                                                        "rss_peak")} for e in every]}), flush=True)
+    return 0
+
+
+def launch(ranks: int, flags: list, trace: bool = False, timeout: float = 3600) -> dict:
+    """One setting under mpirun; its RESULT (max over ranks)."""
+    out = tempfile.mkdtemp(prefix="capstone-memory-")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    cmd = ["mpirun", "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "benchmarks.memory", "worker",
+           "--out", os.path.join(out, "run"), "--eval-every", "100000", "--ckpt-every", "0", "--ckpt-every-minutes", "0",
+           "--quiet", *map(str, flags)] + (["--trace"] if trace else [])
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
+    if res.returncode != 0 or not lines:
+        raise SystemExit(f"{' '.join(cmd)} failed (exit {res.returncode}):\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def setting_flags(stage: int, recompute: bool) -> list[str]:
+    return ["--zero-stage", str(stage)] + (["--recompute"] if recompute else [])
+
+
+def name(stage: int, recompute: bool) -> str:
+    return f"stage {stage}" + (" + recompute" if recompute else "")
+
+
+def table(args) -> None:
+    base = ["--preset", args.preset, "--steps", args.steps, *args.extra]
+    traced = {st: launch(args.ranks, [*base, "--steps", 3, *setting_flags(*st)], trace=True) for st in SETTINGS}
+    times: dict = {st: [] for st in SETTINGS}
+    for rep in range(args.repeats):
+        for st in SETTINGS if rep % 2 == 0 else SETTINGS[::-1]:
+            times[st].append(launch(args.ranks, [*base, *setting_flags(*st)]))
+    one = statistics.median(t["step_ms"] for t in times[(1, False)])
+    print(f"{args.preset} on {args.ranks} ranks ({' '.join(map(str, args.extra)) or 'preset flags'}), "
+          f"{traced[(1, False)]['n_params']} parameters; MiB per rank (max over ranks)")
+    print(f"{'setting':<22} {'states':>8} {'formula':>8} {'dev':>6} {'traced peak':>12} {'activations':>12} "
+          f"{'peak RSS':>9} {'step ms':>8} {'vs stage 1':>10}")
+    for st in SETTINGS:
+        t, ms = traced[st], statistics.median(x["step_ms"] for x in times[st])
+        rss = max(x["rss_peak"] for x in times[st])
+        print(f"{name(*st):<22} {t['states'] / MIB:>8.1f} {t['formula'] / MIB:>8.1f} "
+              f"{100 * (t['states'] - t['formula']) / t['formula']:>5.2f}% {t['traced_peak'] / MIB:>12.1f} "
+              f"{t['activations'] / MIB:>12.1f} {rss / MIB:>9.1f} {ms:>8.1f} {ms / one:>10.3f}")
+    print("states: params + gathered + grads + reduce + optimizer + guard as held (capstone.observe.memory); "
+          "activations: the traced peak of the forward and backward passes above what the step began with")
+
+
+def largest(args) -> None:
+    """Per setting, the most layers at d512 within the limit (doubling, then bisection)."""
+    base = ["--preset", "large", "--steps", 2, *args.extra]
+    limit = args.limit_mib * MIB
+    print(f"largest model at d_model 512, seq 256, batch 8 per rank on {args.ranks} ranks with peak RSS <= "
+          f"{args.limit_mib} MiB per rank")
+    found = {}
+    for st in SETTINGS:
+        fits, too_big, seen = 0, None, {}
+
+        def probe(layers):
+            seen[layers] = launch(args.ranks, [*base, "--n-layers", layers, *setting_flags(*st)])
+            return seen[layers]["rss_peak"] <= limit
+        layers = 1
+        while too_big is None:
+            if probe(layers):
+                fits, layers = layers, layers * 2
+            else:
+                too_big = layers
+        while too_big - fits > 1:
+            mid = (fits + too_big) // 2
+            fits, too_big = (mid, too_big) if probe(mid) else (fits, mid)
+        found[st] = (fits, seen.get(fits))
+        r = seen.get(fits)
+        print(f"  {name(*st):<22} {fits:>3} layers  {r['n_params'] / 1e6 if r else 0:>7.1f} M parameters  "
+              f"peak RSS {r['rss_peak'] / MIB if r else 0:>7.1f} MiB  ({too_big} layers: "
+              f"{seen[too_big]['rss_peak'] / MIB:.1f} MiB)", flush=True)
+    a, b = found[(1, False)][1], found[(3, True)][1]
+    if a and b:
+        print(f"stage 3 + recompute trains {b['n_params'] / a['n_params']:.2f}x the parameters of stage 1 "
+              f"in the same {args.limit_mib} MiB per rank")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["worker"]:
+        return worker(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("what", choices=("table", "largest"))
+    p.add_argument("--preset", default="large", help="table: the model and batch")
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--steps", type=int, default=4, help="table: timed steps per launch (the first is not timed)")
+    p.add_argument("--repeats", type=int, default=1, help="table: timed launches per setting, interleaved")
+    p.add_argument("--limit-mib", type=int, default=1024, help="largest: peak RSS per rank")
+    args, extra = p.parse_known_args(argv)   # the rest: more training flags (after --)
+    args.extra = [a for a in extra if a != "--"]
+    (table if args.what == "table" else largest)(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Model-state memory per rank: what a run's buffers hold, measured from the arrays themselves, and
+what the formula of its ZeRO stage says they should hold (invariant (c), the memory table, the
+what-if's measured row). P is the padded length of the flat buffer (this rank's tensor-parallel
+slice), N the data-parallel group's size; the shard is P/N elements (`Layout.shard`).
+
+    stage 1: params 4P, grads 4P, reduce 4P/N (+4P staging in tree order), optimizer 12P/N, guard 12P/N
+    stage 2: params 4P, grads 4P/N, reduce <= the two largest buckets sent one after the other
+    stage 3: params 4P/N, gathered <= the two largest consecutive groups, grads and reduce as stage 2
+
+The transient terms (`gathered`, `reduce` at stages 2-3) are measured as their peak over the run;
+the formula's is the layout's (two consecutive groups or buckets), which the double-buffered
+gather and reduction reach exactly whenever they run.
+"""
+
+from __future__ import annotations
+
+import resource
+from dataclasses import asdict, dataclass
+
+from capstone.observe.accounting import zero_row
+from capstone.parallel.bucket_plan import tree_order
+
+FIELDS = ("params", "gathered", "grads", "reduce", "optimizer", "guard")
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes one rank holds (or should hold) for the model, per buffer (see the module)."""
+
+    params: int      # the parameters kept across the step (all of them, or the shard at stage 3)
+    gathered: int    # stage 3: the most gathered parameter groups held at once
+    grads: int       # the gradient kept across the step (the flat buffer, or the shard at stages 2-3)
+    reduce: int      # the reduction's own buffers (receive shard, staging, buckets in flight, rows)
+    optimizer: int   # fp32 master, Adam m and v of the shard
+    guard: int       # the optimizer state before the last update (the guard's exact undo)
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f) for f in FIELDS)
+
+    def row(self, suffix: str = "_bytes") -> dict:
+        return {k + suffix: v for k, v in asdict(self).items()}
+
+
+def measured(run) -> ModelStates:
+    """From the arrays the run holds now (the transient terms: their peak over the run)."""
+    model, reducer, opt = run.model, run.reducer, run.opt
+    gatherer = getattr(model, "gatherer", None)
+    own_grads = model.grads is not None
+    grads = model.grads.nbytes if own_grads else reducer.grad_shard.nbytes
+    return ModelStates(model.params.nbytes, gatherer.peak if gatherer is not None else 0, grads,
+                       reducer.nbytes() - (0 if own_grads else reducer.grad_shard.nbytes),
+                       opt.state.nbytes, opt.before.nbytes)
+
+
+def formula(run) -> ModelStates:
+    """What the stage's formula says this rank holds (see the module)."""
+    layout, stage, dp, tcfg = run.model.layout, run.opts.zero_stage, run.grid.dp, run.tcfg
+    P, shard = layout.padded, 4 * layout.shard
+    row = zero_row(stage, P, dp.size)
+    if tcfg.deterministic:        # the received rows of every micro-batch, and the shard they sum into
+        reduce = 4 * tcfg.grad_accum * dp.size * layout.shard + shard
+    elif stage == 1:              # the receive shard, and a staging copy when the sums run in tree order
+        reduce = shard + (4 * P if tree_order(dp.size) != list(range(dp.size)) else 0)
+    else:
+        reduce = run.reducer.inflight_bound(tcfg.grad_accum)
+    gathered = run.model.gatherer.bound() if stage == 3 else 0
+    return ModelStates(row.params_bytes, gathered, row.grads_bytes, reduce, row.optimizer_bytes, row.optimizer_bytes)
+
+
+def row(run) -> dict:
+    """This rank's memory row for summary.json: measured bytes, the formula's, and its peak RSS."""
+    layout = run.model.layout
+    return {"rank": run.grid.world.rank, "stage": run.opts.zero_stage, "n_params": layout.n_params,
+            "padded": layout.padded, **measured(run).row(),
+            "formula": formula(run).row(), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

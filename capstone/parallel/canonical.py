@@ -1,0 +1,72 @@
+"""Checkpoints of a model-parallel run in the canonical 1-rank layout (imported when --tp or --pp > 1).
+
+A rank of a replica's model-parallel group (pipeline stage p, tensor-parallel rank t: mp rank
+p * tp + t) holds a part of the model: its stage's parameter groups, each sliced by tensor
+parallelism (capstone.parallel.tensor.positions maps its elements to the 1-rank buffer).
+Checkpoints hold the canonical 1-rank vectors sharded over the world ranks (the file format of any
+data-parallel run), so they restore on any grid: `Canonical` converts this rank's optimizer shard
+to and from that on save and load, and assembles the whole model for fingerprints.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from capstone.model.params import DTYPE, Layout
+from capstone.parallel import tensor
+from capstone.parallel.zero import ShardState
+
+
+class Canonical:
+    """Converts this rank's optimizer shard (of its part, sharded over its data-parallel group) to
+    and from its shard of the canonical 1-rank vectors over the world."""
+
+    def __init__(self, grid, cfg, layout: Layout, full_layout: Layout, stage_groups: list[tuple]):
+        """`stage_groups[p]`: the parameter groups of pipeline stage p (one entry: the whole model)."""
+        self.grid, self.layout, self.full = grid, layout, full_layout
+        tp = grid.tp.size
+        self.maps = [tensor.positions(cfg, tp, t, groups) for groups in stage_groups for t in range(tp)]
+        self.width = max(len(idx) for idx, _ in self.maps)   # the largest part (stages may differ)
+
+    def _assemble(self, rows: np.ndarray) -> np.ndarray:
+        """Collective over the model-parallel group: (k, full.padded) canonical rows from every
+        part's (k, n) rows."""
+        k = rows.shape[0]
+        mine = np.zeros((k, self.width), dtype=DTYPE)
+        mine[:, :rows.shape[1]] = rows
+        parts = np.empty((self.grid.mp.size, k, self.width), dtype=DTYPE)
+        self.grid.mp.Allgather(parts, "checkpoint: allgather of the model-parallel parts", send=mine)
+        full = np.zeros((k, self.full.padded), dtype=DTYPE)
+        for m, (idx, owned) in enumerate(self.maps):
+            full[:, idx[owned]] = parts[m][:, :len(idx)][:, owned]
+        return full
+
+    def to_stored(self, shard: ShardState) -> ShardState:
+        """Collective. This rank's world shard of the full master/m/v."""
+        g, n = self.grid, self.layout.n_params
+        rows = np.ascontiguousarray(np.stack(shard.rows()))                    # (3, dp shard)
+        got = np.empty((g.dp.size,) + rows.shape, dtype=DTYPE)
+        g.dp.Allgather(got, "checkpoint: allgather of the optimizer shards", send=rows)
+        full = self._assemble(got.transpose(1, 0, 2).reshape(3, -1)[:, :n])
+        lo, hi = self.full.shard_range(g.world.rank)
+        return ShardState(*(full[i, lo:hi].copy() for i in range(3)), t=shard.t)
+
+    def from_stored(self, shard: ShardState) -> ShardState:
+        """Collective. This rank's (part, data-parallel shard) state from its world shard."""
+        g, sl = self.grid, self.layout
+        rows = np.ascontiguousarray(np.stack(shard.rows()))
+        got = np.empty((g.world.size,) + rows.shape, dtype=DTYPE)
+        g.world.Allgather(got, "checkpoint: allgather of the stored shards", send=rows)
+        full = got.transpose(1, 0, 2).reshape(3, -1)
+        mine = np.zeros((3, sl.padded), dtype=DTYPE)
+        mine[:, :sl.n_params] = full[:, self.maps[g.mp.rank][0]]
+        lo, hi = sl.shard_range(g.dp.rank)
+        return ShardState(*(mine[i, lo:hi].copy() for i in range(3)), t=shard.t)
+
+    def whole(self, params: np.ndarray) -> np.ndarray:
+        """Collective over the model-parallel group: the full 1-rank parameter vector (unpadded)."""
+        return self._assemble(params[None, :self.layout.n_params])[0, :self.full.n_params]
+
+    def describe(self) -> dict:
+        return {"model_parallel": {**self.grid.describe(), "stored": "canonical 1-rank layout, sharded over "
+                                   "the world ranks; re-sliced on load"}}

@@ -1,0 +1,175 @@
+"""Pipeline parallelism (--pp K, imported only then): the model's blocks in K contiguous stages.
+
+Stage p of K holds blocks `stage_layers` (balanced by layers; when K does not divide L the first
+stages take one more, so the last stage, which also holds the final LayerNorm and the LM head,
+has the fewer; --pp-layers gives the counts explicitly), the embedding with stage 0 and the head
+with stage K-1. A pipeline group is the K ranks of the grid's pp axis; each stage's parameters
+are sharded over its own data-parallel group (ZeRO-1) and checkpointed in the canonical 1-rank
+layout (capstone.parallel.canonical).
+
+A step's micro-batches (--grad-accum m of them) go through the stages in the order of a
+schedule (`order`): all forwards then all backwards (afab, GPipe's), or one forward one backward
+(1f1b, as in Megatron-LM: stage p runs K-p-1 warm-up forwards, then alternates, so it holds the
+activations of at most K-p micro-batches where afab holds m). Activations go forward and their
+gradients backward between neighbouring stages as non-blocking point-to-point messages on the pp
+communicator, each wait under the run's deadline. Each rank records when it computed what
+(`events`, for the timeline picture and the bubble fraction, whose theory is (K-1)/(m+K-1)).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from autograd import make_vjp
+from autograd.extend import defvjp, primitive, vspace
+
+from capstone.config import ConfigError
+from capstone.model import backward, gpt
+from capstone.model.blocks import head_loss
+from capstone.model.params import DTYPE, group_shapes
+
+EVAL_TAG = 30000   # the held-out evaluation's activations (training uses 2j forward, 2j+1 backward)
+
+
+def stage_layers(n_layers: int, pp: int, counts: tuple[int, ...] | None = None) -> list[range]:
+    """The blocks of each stage: `counts` if given, else balanced with the remainder on the first stages."""
+    if counts is None:
+        counts = tuple(n_layers // pp + (p < n_layers % pp) for p in range(pp))
+    if len(counts) != pp or sum(counts) != n_layers or min(counts) < 1:
+        raise ConfigError(f"--pp-layers {','.join(map(str, counts))} must give {pp} positive block counts (one per "
+                          f"stage) that add up to the model's {n_layers} blocks, e.g. "
+                          f"{','.join(str(n_layers // pp + (p < n_layers % pp)) for p in range(pp))}.")
+    starts = np.cumsum((0,) + tuple(counts))
+    return [range(starts[p], starts[p + 1]) for p in range(pp)]
+
+
+def stage_groups(n_layers: int, pp: int, counts: tuple[int, ...] | None = None) -> list[tuple[str, ...]]:
+    """The parameter groups of each stage (capstone.model.params.group_of names)."""
+    ranges = stage_layers(n_layers, pp, counts)
+    return [(("embed",) if p == 0 else ()) + tuple(f"h{i}" for i in r) + (("head",) if p == pp - 1 else ())
+            for p, r in enumerate(ranges)]
+
+
+def order(schedule: str, p: int, K: int, m: int) -> list[tuple[str, int]]:
+    """Stage p's sequence of ("F", j) forwards and ("B", j) backwards of micro-batches 0..m-1."""
+    if schedule == "afab":   # GPipe: every forward, then the backwards from the last micro-batch
+        return [("F", j) for j in range(m)] + [("B", j) for j in reversed(range(m))]
+    warm = min(K - p - 1, m)
+    seq = [("F", j) for j in range(warm)]
+    for j in range(m - warm):
+        seq += [("F", warm + j), ("B", j)]
+    return seq + [("B", j) for j in range(m - warm, m)]
+
+
+@primitive
+def _received(anchor, x, holder):
+    """Forward: the previous stage's activations x. Backward: their gradient into `holder`."""
+    return x
+
+
+defvjp(_received, lambda ans, anchor, x, holder: lambda g: (holder.append(g), np.zeros(()))[1], None, None)
+
+
+class StageModel(gpt.Model):
+    """A pipeline stage's part of the model (`layout` holds its groups), with the messages between
+    stages; `loss` (the held-out evaluation) runs the whole pipeline forward."""
+
+    def __init__(self, cfg, layout, params, tp, recompute: bool, pp):
+        super().__init__(cfg, layout, params, tp, recompute)
+        self.pp, self.p, self.K = pp, pp.rank, pp.size
+        self.sends, self.events = [], []          # (request, buffer) in flight; (kind, j, t0, t1)
+
+    def _part(self, t, x, y, x_in, scale):
+        """This stage's function: hidden states out, or (last stage) the scaled summed loss."""
+        h = gpt._hidden(t, x, self.cfg, self.tp, self.layer, x_in)             # (B*T, C)
+        if self.p < self.K - 1:
+            return h
+        return head_loss(h, t["head"], y.reshape(-1), group_shapes(self.cfg, self.tp.size)["head"]) * scale
+
+    def _recv(self, shape, peer: int, tag: int, what: str) -> np.ndarray:
+        buf = np.empty(shape, dtype=DTYPE)
+        self.pp.wait(self.pp.Irecv(buf, peer, tag), f"pipeline receive of {what} from stage {peer}",
+                     "pipeline_recv", "p2p", buf.nbytes)
+        return buf
+
+    def _send(self, a, peer: int, tag: int) -> None:
+        a = np.ascontiguousarray(a, dtype=DTYPE)
+        self.sends.append((self.pp.Isend(a, peer, tag), a))
+
+    def drain(self) -> None:
+        """Wait for this stage's sends (under the deadline)."""
+        if self.sends:
+            self.pp.wait([r for r, _ in self.sends], "pipeline sends to the neighbouring stages", "pipeline_send",
+                         "p2p", sum(a.nbytes for _, a in self.sends))
+        self.sends = []
+
+    def forward(self, j: int, x, y, scale: float):
+        """Micro-batch j's forward on this stage, its graph kept for `backward`; returns (pending, loss)."""
+        C = self.cfg.d_model
+        x_in = None if self.p == 0 else self._recv((x.size, C), self.p - 1, 2 * j, f"micro-batch {j}'s activations")
+        t0, holder, sinks = time.perf_counter(), [], self.grad_groups
+
+        def f(anchor):
+            t = {g: backward._tap(anchor, a, sinks[g], g) for g, a in self.groups.items()}
+            return self._part(t, x, y, None if x_in is None else _received(anchor, x_in, holder), scale)
+        vjp, out = make_vjp(f)(0.0)
+        self.events.append(("F", j, t0, time.perf_counter()))
+        if self.p < self.K - 1:
+            self._send(out, self.p + 1, 2 * j)
+            return (vjp, holder, out.shape), 0.0
+        return (vjp, holder, vspace(out).ones()), float(out)
+
+    def backward(self, j: int, pending) -> None:
+        """Micro-batch j's backward on this stage: its parameters' gradients added to `grads`."""
+        vjp, holder, shape = pending        # shape: of the activations sent on (the last stage: d loss / d loss)
+        g = shape if self.p == self.K - 1 else self._recv(shape, self.p + 1, 2 * j + 1, f"micro-batch {j}'s gradient")
+        t0 = time.perf_counter()
+        with backward.training_pass():
+            vjp(g)
+        self.events.append(("B", j, t0, time.perf_counter()))
+        if self.p > 0:
+            self._send(holder[0], self.p - 1, 2 * j + 1)
+
+    def loss(self, x, y, scale: float) -> float:
+        """Forward only through the pipeline: the last stage's scaled summed loss (0 on the others)."""
+        x_in = None if self.p == 0 else self._recv((x.size, self.cfg.d_model), self.p - 1, EVAL_TAG,
+                                                   "held-out activations")
+        out = self._part(self.groups, x, y, x_in, scale)
+        if self.p == self.K - 1:
+            return float(out)
+        self._send(out, self.p + 1, EVAL_TAG)
+        self.drain()
+        return 0.0
+
+
+class Pipeline:
+    """The step's micro-batches through the stages in a schedule's order (Sequential's interface)."""
+
+    def __init__(self, model: StageModel, reducer, hooks, scale: float, schedule: str):
+        if not reducer.accumulates:
+            raise ValueError("the pipeline accumulates micro-batch gradients in the flat buffer")
+        self.model, self.reducer, self.hooks, self.scale, self.schedule = model, reducer, hooks, scale, schedule
+        self.span = (0.0, 0.0)   # the last step's forward_backward, perf_counter seconds
+
+    def forward_backward(self, batches: list, step: int) -> list[float]:
+        """Collective over the pipeline group. Every micro-batch's loss (0 except on the last stage)."""
+        m, t0 = len(batches), time.perf_counter()
+        self.reducer.start(m)
+        self.model.grads.fill(0.0)
+        self.model.events, pending, losses = [], {}, [0.0] * m
+        for kind, j in order(self.schedule, self.model.p, self.model.K, m):
+            if kind == "F":
+                pending[j], losses[j] = self.model.forward(j, *batches[j], self.scale)
+            else:
+                self.model.backward(j, pending.pop(j))
+                self.hooks.gradients(step, j, self.model.grads)
+                self.reducer.after_backward(j)
+        self.model.drain()
+        self.span = (t0, time.perf_counter())
+        return losses
+
+    def bubble(self) -> float:
+        """This rank's idle fraction of the last step's forward_backward (stage 0's is the pipeline's)."""
+        busy = sum(t1 - t0 for _, _, t0, t1 in self.model.events)
+        return 1.0 - busy / max(self.span[1] - self.span[0], 1e-12)

@@ -1,0 +1,68 @@
+"""A thread that drives this rank's prefetched collectives while NumPy computes.
+
+Open MPI advances a non-blocking collective only inside MPI calls, and a layer's forward or
+backward makes none: a gather started before a block computes would otherwise still be waiting
+when the block is done. This thread tests the requests it is given (MPI_THREAD_MULTIPLE; NumPy
+releases the GIL in its loops and BLAS) and marks each done, with the time it completed; only this
+thread touches a request once it is submitted. The main thread waits on the mark, under the run's
+deadline (`wait`), and learns how much of the collective it had to wait for (exposed) and how
+much ran behind its compute (hidden).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+POLL_S = 5e-5   # between two rounds of tests while something is pending
+
+
+class Ticket:
+    """One submitted request: done when it completes, `started` and `completed` (perf_counter)."""
+
+    def __init__(self, request, buffers):
+        self.request, self.buffers = request, buffers    # buffers stay alive until completion
+        self.started, self.completed = time.perf_counter(), None
+        self.done = threading.Event()
+
+
+class Progress:
+    def __init__(self):
+        self.cv = threading.Condition()
+        self.pending: list[Ticket] = []
+        threading.Thread(target=self._run, name="collective-progress", daemon=True).start()
+
+    def submit(self, request, *buffers) -> Ticket:
+        ticket = Ticket(request, buffers)
+        with self.cv:
+            self.pending.append(ticket)
+            self.cv.notify()
+        return ticket
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.pending:
+                    self.cv.wait()
+                tickets = list(self.pending)
+            finished = [t for t in tickets if t.request.Test()]
+            now = time.perf_counter()
+            with self.cv:
+                for t in finished:
+                    self.pending.remove(t)
+            for t in finished:
+                t.completed = now
+                t.done.set()
+            if not finished:
+                time.sleep(POLL_S)
+
+    @staticmethod
+    def wait(ticket: Ticket, deadline, what: str) -> float:
+        """Wait for `ticket` (ending the job at the deadline); returns the seconds waited."""
+        t0 = time.perf_counter()
+        limit = deadline.seconds
+        while not ticket.done.wait(0.01):
+            if time.perf_counter() - t0 >= limit:
+                from capstone.parallel import timeout
+                timeout.expire(deadline, what, time.perf_counter() - t0)
+        return time.perf_counter() - t0

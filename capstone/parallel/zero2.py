@@ -1,0 +1,137 @@
+"""ZeRO-2: the gradient is sharded too. No flat gradient buffer: each parameter group's gradient
+goes, as the backward pass makes it, into a non-blocking reduce-scatter over the data-parallel
+group, which sums it into this rank's shard (`grad_shard`); the gradient is freed when it is done.
+
+A group (the embedding, a block, the head) is a contiguous range [a, b) of the flat layout; rank r
+receives its overlap with [r*shard, (r+1)*shard), as the buckets of capstone.parallel.buckets do.
+Groups smaller than --bucket-mb are staged together, in the order the backward pass makes them,
+until their bucket is at least that long (DeepSpeed's reduce bucket); a larger group goes alone.
+One reduction is in flight while the backward pass makes the next bucket (double buffering),
+progressed by capstone.parallel.progress's thread: a rank holds its shard and at most two buckets
+(`inflight_bound`), not the whole gradient. With gradient accumulation every micro-batch is
+reduced on its own: the first is received straight into the shard, the later ones into small
+temporaries added to it (so each element is the sum over micro-batches of the sums over ranks:
+the same numbers as ZeRO-1 summing micro-batches first, to float32 rounding).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from capstone.model import backward
+from capstone.model.params import DTYPE, Layout
+from capstone.parallel.progress import Progress
+from capstone.parallel.reduce import Flags, GradReducer, GradStats
+
+
+class GroupPlan:
+    """Where a parameter group's gradient goes: its range, the counts per rank, this rank's slice."""
+
+    def __init__(self, a: int, b: int, layout: Layout, rank: int):
+        self.a, self.b = a, b
+        pieces = [(max(a, lo), min(b, hi)) for lo, hi in map(layout.shard_range, range(layout.world))]
+        self.counts = [max(0, hi - lo) for lo, hi in pieces]
+        lo = layout.shard_range(rank)[0]
+        self.recv = slice(max(a, lo) - lo, max(a, lo) - lo + self.counts[rank])
+
+
+class Bucket:
+    """Consecutive groups reduced together: their range, names, and the staging buffer filling up."""
+
+    def __init__(self, names: list[str], ranges: dict, layout: Layout, rank: int):
+        self.names, self.ranges = names, ranges
+        self.plan = GroupPlan(min(ranges[n][0] for n in names), max(ranges[n][1] for n in names), layout, rank)
+        self.staging, self.arrived = None, 0
+
+    def add(self, name: str, g: np.ndarray):
+        """Stage group `name`'s gradient; returns the bucket's whole gradient once every group is in."""
+        if len(self.names) == 1:
+            return g.reshape(-1)
+        if self.staging is None:
+            self.staging = np.empty(self.plan.b - self.plan.a, dtype=DTYPE)
+        a, b = self.ranges[name]
+        self.staging[a - self.plan.a:b - self.plan.a] = g.reshape(-1)
+        self.arrived += 1
+        if self.arrived < len(self.names):
+            return None
+        send, self.staging, self.arrived = self.staging, None, 0
+        return send
+
+
+def buckets(layout: Layout, bucket_floats: int, rank: int) -> list[Bucket]:
+    """The groups in backward order (the head first), merged until a bucket is at least `bucket_floats`."""
+    ranges, out, names = layout.group_ranges(), [], []
+    for name in reversed(list(ranges)):
+        names.append(name)
+        if sum(ranges[n][1] - ranges[n][0] for n in names) >= bucket_floats or name == next(iter(ranges)):
+            out.append(Bucket(names, ranges, layout, rank))
+            names = []
+    return out
+
+
+class ShardedGradReducer(GradReducer):
+    """Reduce each bucket of groups' gradient into the shard as it is made (see the module)."""
+
+    accumulates = False   # nothing accumulates in a flat buffer: there is none
+
+    def __init__(self, grid, layout: Layout, bucket_floats: int, progress: Progress, loss_weight: float = 1.0):
+        super().__init__(grid, layout, None, loss_weight)
+        self.buckets, self.progress = buckets(layout, bucket_floats, grid.dp.rank), progress
+        self.bucket_of = {name: bucket for bucket in self.buckets for name in bucket.names}
+        self.inflight: collections.deque = collections.deque()   # (ticket, send, into, plan, first)
+        self.first, self.peak_inflight = True, 0
+
+    def start(self, micro_batches: int) -> None:
+        self.first = True
+        backward.set_grad_hook(self.reduce_group)
+
+    def reduce_group(self, name: str, g: np.ndarray) -> None:
+        """Stage group `name`'s gradient `g` (this micro-batch's); a full bucket starts summing into
+        the shard once the reduction before it is done."""
+        bucket = self.bucket_of[name]
+        send = bucket.add(name, g)
+        if send is None:
+            return
+        plan = bucket.plan
+        into = self.grad_shard[plan.recv] if self.first else np.empty(plan.recv.stop - plan.recv.start, DTYPE)
+        held = send.nbytes + (0 if self.first else into.nbytes)
+        self.peak_inflight = max(self.peak_inflight, held + sum(i[1].nbytes + (not i[4]) * i[2].nbytes
+                                                                for i in self.inflight))
+        self._drain(keep=0)
+        request = self.dp.Ireduce_scatter(np.ascontiguousarray(send, dtype=DTYPE), into, plan.counts)
+        self.inflight.append((self.progress.submit(request, send, into), send, into, plan, self.first))
+
+    def _drain(self, keep: int) -> None:
+        """Finish the reductions in flight, oldest first, until `keep` remain."""
+        while len(self.inflight) > keep:
+            ticket, send, into, plan, first = self.inflight.popleft()
+            waited = Progress.wait(ticket, self.dp.deadline, "reduce-scatter of a gradient bucket (ZeRO-2)")
+            self.dp.count("reduce_scatter", "reduce_scatterv", send.nbytes, waited, 1,
+                          max(0.0, ticket.completed - ticket.started - waited))
+            if not first:
+                np.add(self.grad_shard[plan.recv], into, out=self.grad_shard[plan.recv])
+
+    def after_backward(self, micro: int) -> None:
+        self.first = False
+
+    def finish(self, losses: list[float], flags: Flags) -> GradStats:
+        """Wait for the reduction still in flight, then the step's small allreduce."""
+        if backward._grad_hook == self.reduce_group:
+            backward.set_grad_hook(None)
+        self._drain(keep=0)
+        self.dp.hooks.gradients(self.dp.hooks.step, 0, self.grad_shard)   # --inject-nan (a test seam)
+        return self.stats(sum(losses), flags)
+
+    def nbytes(self) -> int:
+        """The shard and the most the reductions have held in flight (over the run)."""
+        return self.grad_shard.nbytes + self.peak_inflight
+
+    def inflight_bound(self, micro_batches: int) -> int:
+        """The formula for `peak_inflight`: the largest two buckets sent one after the other in a
+        step of `micro_batches` (the last of a micro-batch is still in flight when the next one's
+        first is sent; after the first micro-batch, each with its temporary of the shard)."""
+        sent = [4 * (b.plan.b - b.plan.a) + (j > 0) * 4 * b.plan.counts[self.dp.rank]
+                for j in range(micro_batches) for b in self.buckets]
+        return max([sent[0]] + [x + y for x, y in zip(sent, sent[1:])])
