@@ -154,8 +154,7 @@ def check_vocabulary(source: Source, data: dict, data_dir: str) -> None:
 def install(source: Source, run) -> None:
     """Collective: the source's weights as this rank's optimizer shard (master), Adam's m and v zero
     at step 0, and the parameters published: through the checkpoints' canonical view, so any grid."""
-    world = run.grid.world
-    full = Layout.for_model(run.mcfg, world.size)
+    world, full = run.grid.world, run.ckpt.layout     # the canonical vectors' layout, sharded over the world
     flat = np.zeros(full.padded, dtype=np.float32)
     flat[:source.params.size] = source.params
     lo, hi = full.shard_range(world.rank)
