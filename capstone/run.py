@@ -126,9 +126,10 @@ def _check_pipeline(settings: Settings) -> None:
                           f"(docs/composition.md).")
 
 
-def open_run(world: Comm, settings: Settings) -> Run:
+def open_run(world: Comm, settings: Settings) -> Run | None:
     """Collective: call on all ranks. Decide fresh or resumed (the checkpoint's settings under the
-    explicit flags), build every piece, restore the checkpoint or measure the starting loss."""
+    explicit flags), build every piece, restore the checkpoint or measure the starting loss. None
+    (after one line) when --resume auto finds the run finished: nothing to do."""
     opts = settings.opts
     world.deadline.set_timeout(opts.collective_timeout)
     hooks = _hooks(world, opts)
@@ -165,9 +166,12 @@ def open_run(world: Comm, settings: Settings) -> Run:
             run.init_from = source.describe()
             source.install(run)
         start(run, path, saved["train_config"] if path is not None else None)
-    except (ConfigError, checkpoint.CheckpointError):
+    except (ConfigError, checkpoint.CheckpointError) as exc:
         if world.rank == 0:
             claim.undo()
+        if isinstance(exc, RunFinished):   # a requeued batch job whose work is done
+            report.say(f"capstone: {exc}", world.rank)
+            return None
         raise
     return run
 

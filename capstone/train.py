@@ -26,7 +26,7 @@ from capstone.observe import memory, outcome, report
 from capstone.observe.timer import PhaseTimer
 from capstone.parallel import launch
 from capstone.parallel.reduce import Flags
-from capstone.run import Run, RunFinished, open_run
+from capstone.run import Run, open_run
 from capstone.runtime import heap, signals, stop
 
 
@@ -111,8 +111,7 @@ def train(run: Run) -> int:
             if r.due.checkpoint:
                 man = run.ckpt.save(run.state, run.opt.state)
                 r.events.append({"event": "checkpoint", "path": man["path"]})
-            if run.tcfg.keep_best and best.improved(run.state, r.step, r.eval_loss):   # --keep-best
-                r.events.append({"event": "best", "path": best.save(run.ckpt, run.state, run.opt.state)["path"]})
+            best.keep(run, r)   # --keep-best
             rows.append(log.step(r))
             run.hooks.step_done(r.step)
             if r.due.stop:
@@ -149,10 +148,8 @@ def main(argv=None) -> None:
     heap.keep_freed_memory()
     with launch.fail_fast(world):
         try:
-            code = train(open_run(world, settings))
-        except RunFinished as exc:   # --resume auto on a finished run: done (a requeued job's work is)
-            report.say(f"capstone: {exc}", world.rank)
-            code = 0
+            run = open_run(world, settings)   # None: --resume auto found the run finished (exit 0)
+            code = train(run) if run is not None else 0
         except (ConfigError, checkpoint.CheckpointError, DivergenceError) as exc:  # raised on every rank alike
             if world.rank == 0:
                 report.error(f"error: {exc}")

@@ -23,6 +23,12 @@ def improved(state, step: int, eval_loss: float | None) -> bool:
     return eval_loss is not None and state.best_step == step
 
 
+def keep(run, r) -> None:
+    """Collective. With --keep-best, checkpoint step result `r` if it set a new best (an event says so)."""
+    if run.tcfg.keep_best and improved(run.state, r.step, r.eval_loss):
+        r.events.append({"event": "best", "path": save(run.ckpt, run.state, run.opt.state)["path"]})
+
+
 def save(ckpt, state, shard) -> dict:
     """Collective: checkpoint `state` into OUT/checkpoints/best, keeping only it; returns its manifest
     (with "held_out", the best loss)."""

@@ -44,7 +44,6 @@ class Deadline:
         self.record: str | None = None   # where a timeout is recorded (JSON), if set
         self.spin_s = spin_s             # how long a wait spins before it sleeps (see dedicated_cores)
         self.watchdog = None             # the watchdog process, started on first use (capstone.parallel.timeout)
-        self.on_expire = None            # called with the record before a timeout ends the job (or None)
 
     def set_timeout(self, seconds: float) -> None:
         if seconds < 0:
