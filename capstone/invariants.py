@@ -22,6 +22,7 @@ MIN_DROP = 0.01       # (a): the run's best held-out loss must be at least 1% be
 JUMP_SIGMAS = 8.0     # (a): a held-out rise this many robust sigmas above the typical move is a jump
 TREND_SIGMAS = 4.0    # (a): a rise of the smoothed training loss by this many sigmas of its noise fails
 MIN_BLOCK = 5         # (a): steps per block of the smoothed training loss (at least; else a tenth)
+SIZE_FLOOR = 0.25     # (a): the spread of the held-out moves is taken as at least this x their typical size
 
 
 class ReplicaCheck:
@@ -89,7 +90,8 @@ def jumps(evals: list, tol: float, rel: float, settle_until: int, start: float, 
     steps = moves(evals, tol, rel, settle_until, start, best)
     rises = [rise for _, rise, _ in steps]
     typical = statistics.median(rises) if rises else 0.0
-    sigma = max(robust_sigma(rises), tol, 1e-12)
+    size = statistics.median(abs(r) for r in rises) if rises else 0.0   # a few equal moves have no spread:
+    sigma = max(robust_sigma(rises), SIZE_FLOOR * size, tol, 1e-12)     # then a quarter of their size
     worst = {"sigmas": 0.0, "at_step": None, "rise": None, "allowed": None}
     for step, rise, allowed in steps:
         z = (rise - typical) / sigma

@@ -109,6 +109,15 @@ def test_learns_on_made_up_curves():
     assert not r["ok"] and not r["trend"]["ok"] and r["jump"]["ok"] and r["learnt"]["ok"]
 
 
+def test_a_few_equal_moves_do_not_make_every_rise_a_jump():
+    """Moves of -0.1, -0.1 then +0.05: their spread is 0, so half a move back up would be infinitely many
+    sigmas; the spread is taken as at least a quarter of the typical move (z = 6, under the limit)."""
+    j = invariants.jumps([(0, 4.0), (1, 3.9), (2, 3.8), (3, 3.85)], 1e-4, 0.05, 0, 4.0, None)
+    assert j["ok"] and j["at_step"] == 3 and j["sigmas"] == pytest.approx(6.0, rel=1e-6)
+    bad = invariants.jumps([(0, 4.0), (1, 3.9), (2, 3.8), (3, 4.1)], 1e-4, 0.05, 0, 4.0, None)
+    assert not bad["ok"] and bad["sigmas"] == pytest.approx(16.0, rel=1e-6)
+
+
 def test_trend_compares_with_the_lowest_earlier_block():
     """A slow rise, each block only a little above the one before, is a rise: blocks of 5 steps,
     each 0.02 above the last (noise 0.01 per step allows about 0.03 between two blocks)."""
