@@ -40,7 +40,7 @@ def step_ms(code: str, out: str, ranks: int, preset: str, steps: int, extra: lis
     pin = ["taskset", "-c", "0"] if ranks == 1 and shutil.which("taskset") else []
     cmd = [*pin, "mpirun", "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "capstone.train", "--out", out,
            "--preset", preset, "--steps", str(steps), "--eval-every", str(10 * steps), "--ckpt-every", "0",
-           "--ckpt-every-minutes", "0", "--quiet", *extra]
+           "--ckpt-every-minutes", "0", "--warmup-steps", "0", "--quiet", *extra]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=code)
     if res.returncode not in (0, 1):   # 1: an invariant of a short run; the timings are still there
         raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}")

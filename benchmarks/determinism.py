@@ -70,7 +70,8 @@ def runs(world, args) -> None:
     """Collective. Step time of default vs --deterministic training runs, reference and medium."""
     tmp = world.bcast_json(tempfile.mkdtemp(prefix="capstone-det-bench-") if world.rank == 0 else None)
     sizes = [("reference", ["--steps", str(args.reference_steps)]),
-             ("medium", ["--preset", "medium", "--steps", str(args.medium_steps), "--eval-every", "1000"])]
+             ("medium", ["--preset", "medium", "--steps", str(args.medium_steps), "--eval-every", "1000",
+                         "--warmup-steps", "0"])]
     common = ["--quiet", "--ckpt-every", "0", "--ckpt-every-minutes", "0"]
     modes = ("default", "deterministic")
     rows = {(name, mode): [] for name, _ in sizes for mode in modes}

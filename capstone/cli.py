@@ -38,6 +38,9 @@ class RunOptions:
     pp: int = 1                       # pipeline stages per replica (capstone.parallel.pipeline)
     pp_schedule: str | None = None    # the order of the micro-batches' forwards and backwards (None: 1f1b)
     pp_layers: tuple[int, ...] | None = None   # blocks per pipeline stage (None: balanced)
+    inject_grad_sign: tuple[int, int] | None = None   # test hook: negate the gradient from STEP for COUNT steps
+    inject_no_update: tuple[int, int] | None = None   # test hook: zero the gradient from STEP for COUNT steps
+    init_from: str | None = None      # start a new run from these weights (capstone.finetune)
 
 
 @dataclass(frozen=True)
@@ -48,12 +51,31 @@ class Settings:
     train: TrainConfig
     opts: RunOptions
     explicit: dict   # field name -> value, for the config flags on the command line
+    preset: str | None = None   # --preset NAME, when given
+    deferred: str | None = None  # resuming: why the flags alone make no valid config (judged over the checkpoint's)
 
     def on_top_of(self, model: dict, train: dict) -> "Settings":
         """These settings over a checkpoint's (explicit flags win); raises ConfigError if invalid."""
         m = ModelConfig(**_pick(ModelConfig, {**model, **self.explicit}))
         t = TrainConfig(**_pick(TrainConfig, {**train, **self.explicit}))
         return dataclasses.replace(self, model=m, train=t)
+
+
+def check_preset(settings: Settings, model: dict, train: dict, source: str) -> None:
+    """ConfigError if an explicit --preset sets a value that `source`'s settings (a checkpoint's, on
+    --resume) contradict, unless a flag sets it too: the checkpoint's settings win, so the preset would
+    be ignored. The same command line again (a requeued job) passes."""
+    if settings.preset is None:
+        return
+    saved = {**model, **train}
+    differ = [f"{key} {saved.get(key)!r} there, {value!r} in the preset" for key, value in
+              sorted(PRESETS[settings.preset].items()) if key not in settings.explicit and saved.get(key) != value]
+    if differ:
+        more = f"; and {len(differ) - 5} more" if len(differ) > 5 else ""
+        raise ConfigError(f"--preset {settings.preset} contradicts the settings of {source}: {'; '.join(differ[:5])}"
+                          f"{more}. On "
+                          f"--resume the checkpoint's settings win; drop --preset, or give the settings you want to "
+                          f"change as flags (e.g. --lr 5e-4), which override the checkpoint's.")
 
 
 def _pick(cls, values: dict) -> dict:
@@ -98,8 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m capstone.train",
                 description="Train the MiniGPT data-parallel with ZeRO-1 and sharded HDF5 checkpoints; run under "
                             "mpirun/srun (any number of ranks). Checks the four invariants and exits non-zero if one fails.")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="reference",
-                   help="named settings (capstone/presets.py); explicit flags override them (default: 'reference')")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="named settings (capstone/presets.py); explicit flags override them; on --resume the "
+                        "checkpoint's settings win and a preset that contradicts them is refused "
+                        "(default: 'reference')")
     g = p.add_argument_group("model")
     for name, text in (("vocab_size", "vocabulary size V (with --data: the data's)"), ("seq_len", "sequence length T"),
                        ("d_model", "model width C"), ("n_heads", "attention heads H (must divide d-model)"),
@@ -134,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                        ("spike_factor", "roll back when a loss exceeds this factor times the last accepted one"),
                        ("max_rollbacks", "stop with an error after this many triggers without an accepted update")):
         _flag(g, name, text)
+    _finetune_flags(p)
     _run_flags(p)
+    _fault_flags(p)
     return p
 
 
@@ -148,8 +174,8 @@ def _run_flags(p) -> None:
     g.add_argument("--quiet", action="store_true", help="print only the final report")
     g.add_argument("--log-every", type=int, default=0, metavar="K",
                    help="console: 1 prints the full per-step table; K > 1 prints a short line (smoothed loss, "
-                        "tokens/s, elapsed, ETA) every K steps and every step with an event (0: 1 when --steps "
-                        "<= 100, else about steps/50)")
+                        "tokens/s, elapsed, ETA) every K steps, every step with an event and every evaluation "
+                        "(0: 1 when --steps <= 100, else about steps/50)")
     g.add_argument("--tp", type=int, default=1, metavar="K",
                    help="tensor parallelism: K consecutive ranks split each block (Megatron-style) and the "
                         "ranks / K replicas run ZeRO-1 data parallelism (docs/tensor-parallel.md; default: 1)")
@@ -190,6 +216,36 @@ def _run_flags(p) -> None:
                    help="make the gradient NaN at STEP (and the COUNT-1 steps after)")
 
 
+def _from_step(text: str) -> tuple[int, int]:
+    step, _, count = text.partition(":")
+    try:
+        return int(step), int(count or 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected STEP or STEP:COUNT like 5 or 5:3, got {text!r}") from None
+
+
+def _finetune_flags(p) -> None:
+    """Fine-tuning and the best checkpoint (issue 28), in their own group."""
+    g = p.add_argument_group("fine-tuning and the best checkpoint")
+    g.add_argument("--init-from", default=None, metavar="CKPT",
+                   help="start a new run (fresh optimizer, schedule and step count) from the weights of a capstone "
+                        "checkpoint (a ckpt-*.h5 file or a run directory) or of an export (.safetensors); the model "
+                        "settings come from it, --data may differ if its vocabulary is the same (docs/finetune.md)")
+    g.add_argument("--keep-best", action="store_true", default=argparse.SUPPRESS,
+                   help="also save a checkpoint whenever an evaluation improves the best held-out loss, in "
+                        "OUT/checkpoints/best (the newest best only; apart from --keep-last; default: off)")
+
+
+def _fault_flags(p) -> None:
+    """The test hooks of invariant (a) (capstone.faults), after the others."""
+    g = p.add_argument_group("test hooks for invariant (a)")
+    g.add_argument("--inject-grad-sign", type=_from_step, default=None, metavar="STEP[:COUNT]",
+                   help="negate the summed gradient from step STEP on (COUNT steps; default: to the end)")
+    g.add_argument("--inject-no-update", type=_from_step, default=None, metavar="STEP[:COUNT]",
+                   help="zero the summed gradient before the optimizer from step STEP on (COUNT steps; default: "
+                        "to the end): from step 1, no update is ever applied")
+
+
 def _counts(text: str) -> tuple[int, ...]:
     try:
         counts = tuple(int(x) for x in text.split(","))
@@ -201,16 +257,27 @@ def _counts(text: str) -> tuple[int, ...]:
 def parse(argv=None) -> Settings:
     """Parse and validate; raises ConfigError (with what to do) on bad values, SystemExit on --help."""
     values = vars(build_parser().parse_args(argv))
-    preset = PRESETS[values.pop("preset")]
+    name = values.pop("preset")
+    preset = PRESETS[name or "reference"]
     opts = RunOptions(**_pick(RunOptions, values))
     explicit = {k: v for k, v in values.items() if k not in {f.name for f in dataclasses.fields(RunOptions)}}
     if opts.stop_after < 0 or opts.sleep_per_step < 0 or opts.log_every < 0:
         raise ConfigError("--stop-after, --sleep-per-step and --log-every must be >= 0.")
     if opts.collective_timeout < 0 or not opts.bucket_mb > 0:
         raise ConfigError("--collective-timeout must be >= 0 (0: automatic) and --bucket-mb > 0.")
-    base = {**preset, **explicit}
-    return Settings(ModelConfig(**_pick(ModelConfig, base)), TrainConfig(**_pick(TrainConfig, base)), opts,
-                    {**preset, **explicit} if opts.resume is None else explicit)
+    model, train, deferred = _configs({**preset, **explicit}, opts.resume is not None)
+    return Settings(model, train, opts, {**preset, **explicit} if opts.resume is None else explicit, name, deferred)
+
+
+def _configs(base: dict, resuming: bool) -> tuple[ModelConfig, TrainConfig, str | None]:
+    """The configs of `base`. Resuming, a combination they refuse (e.g. --warmup-steps above the default
+    --steps) is judged later, over the checkpoint's settings (`on_top_of`), or raised if there is none."""
+    try:
+        return ModelConfig(**_pick(ModelConfig, base)), TrainConfig(**_pick(TrainConfig, base)), None
+    except ConfigError as exc:
+        if not resuming:
+            raise
+        return ModelConfig(), TrainConfig(), str(exc)
 
 
 def parse_on_every_rank(argv, rank: int) -> Settings:

@@ -74,6 +74,7 @@ class TrainConfig:
     loss_tol: float = 1e-4
     loss_tol_rel: float = 0.05
     deterministic: bool = False    # fixed-order reductions: bit-identical for any ranks x grad_accum (capstone/deterministic.py)
+    keep_best: bool = False        # also checkpoint each new best held-out loss (capstone.checkpoint.best)
 
     def batch_for(self, world: int) -> int:
         """Sequences per rank per micro-batch on `world` ranks (from global_batch when it is set)."""
@@ -113,5 +114,10 @@ class TrainConfig:
         _require(self.clip >= 0, f"clip must be >= 0 (0 disables clipping), got {self.clip}.")
         _require(self.ckpt_every_minutes >= 0, f"ckpt_every_minutes must be >= 0, got {self.ckpt_every_minutes}.")
         _require(self.spike_factor > 1, f"spike_factor must be > 1, got {self.spike_factor}; the default is 2.")
+        _require(self.warmup_steps <= self.steps,
+                 f"warmup_steps {self.warmup_steps} is longer than steps {self.steps}: the learning rate would still "
+                 f"be rising at the last step and never reach its peak lr {self.lr}. Pass --warmup-steps {self.steps} "
+                 f"or fewer (a tenth of the run is common: --warmup-steps {max(1, self.steps // 10)}), or more "
+                 f"--steps.")
         _require(self.loss_tol >= 0, f"loss_tol must be >= 0, got {self.loss_tol}.")
         _require(0 <= self.loss_tol_rel < 1, f"loss_tol_rel must be in [0, 1), got {self.loss_tol_rel}.")

@@ -15,7 +15,9 @@ A hook point is "step" (the default), a collective's kind ("reduce_scatter", "al
 ("save.before_data", ...); step 0 is start-up. CAPSTONE_FAULT_PIDS=DIR makes every rank write its
 pid to DIR/<rank> first, so a test can kill a stopped rank. CAPSTONE_FAULT_RESTART=N limits the
 fault to the launch of a Slurm job whose SLURM_RESTART_COUNT is N. The flags --inject-lr-spike
-STEP:MULT, --inject-nan STEP[:COUNT] and --sleep-per-step exercise the divergence guard and stops.
+STEP:MULT, --inject-nan STEP[:COUNT] and --sleep-per-step exercise the divergence guard and stops;
+--inject-grad-sign and --inject-no-update STEP[:COUNT] (a gradient of the wrong sign; none reaching
+the optimizer) exercise invariant (a).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import os
 import signal
 import sys
 import time
+
+import numpy as np
 
 from capstone.hooks import Hooks
 
@@ -53,8 +57,10 @@ def parse(spec: str) -> tuple[str, int, int | None, str]:
 class Faults(Hooks):
     """The hooks of a test run: CAPSTONE_FAULT on this rank, and the --inject-* flags."""
 
-    def __init__(self, rank: int, lr_spike=None, nan=None, sleep_per_step: float = 0.0):
+    def __init__(self, rank: int, lr_spike=None, nan=None, sleep_per_step: float = 0.0, grad_sign=None,
+                 no_update=None):
         self.rank, self.lr_spike, self.nan, self.sleep = rank, lr_spike, nan, sleep_per_step
+        self.grad_sign, self.no_update = grad_sign, no_update
         spec = os.environ.get("CAPSTONE_FAULT", "")
         only = os.environ.get("CAPSTONE_FAULT_RESTART")   # a Slurm job's launch: the fault fires in that one only
         active = spec and (only is None or only == os.environ.get("SLURM_RESTART_COUNT", "0"))
@@ -95,6 +101,16 @@ class Faults(Hooks):
                 and self.rank == 0 and micro == 0:
             grads[0] = float("nan")
 
+    def reduced(self, step: int, grad_shard) -> None:
+        """--inject-grad-sign STEP[:COUNT]: every rank's shard of the summed gradient negated, as a sign
+        error in the backward pass would; --inject-no-update: zeroed, as if the gradient never reached
+        the optimizer (Adam's update is then 0). From STEP on, COUNT steps (0: to the end); the logged
+        gradient norm is the true one."""
+        if _in(step, self.grad_sign):
+            np.negative(grad_shard, out=grad_shard)
+        if _in(step, self.no_update):
+            grad_shard.fill(0.0)
+
     def learning_rate(self, step: int, lr: float) -> float:
         return lr * self.lr_spike[1] if self.lr_spike is not None and self.lr_spike[0] == step else lr
 
@@ -109,6 +125,11 @@ class Faults(Hooks):
             time.sleep(self.sleep)
 
 
+def _in(step: int, span: tuple[int, int] | None) -> bool:
+    """Whether `step` is in (FROM, COUNT): FROM <= step < FROM + COUNT (COUNT 0: no end)."""
+    return span is not None and step >= span[0] and (not span[1] or step < span[0] + span[1])
+
+
 def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -116,4 +137,4 @@ def say(text: str) -> None:
 def wanted(opts) -> bool:
     """Whether a run needs `Faults` (else the plain `Hooks`)."""
     return bool(os.environ.get("CAPSTONE_FAULT") or os.environ.get("CAPSTONE_FAULT_PIDS") or opts.inject_lr_spike
-                or opts.inject_nan or opts.sleep_per_step)
+                or opts.inject_nan or opts.sleep_per_step or opts.inject_grad_sign or opts.inject_no_update)

@@ -9,6 +9,7 @@ The run calls:
                                "allreduce_stats", "tp_allreduce", ...), and the checkpoint's crash
                                points ("save.before_data", "publish.between_renames", ...)
   gradients(step, micro, g)    after micro-batch `micro`'s backward, on the flat gradient buffer
+  reduced(step, grad_shard)    after the reduction, on this rank's shard of the summed gradient
   learning_rate(step, lr)      the learning rate the update will use
   parameters(step, params)     after the step's update, on the flat parameter buffer
   step_done(step)              at the end of the step
@@ -27,6 +28,9 @@ class Hooks:
             self.step = step
 
     def gradients(self, step: int, micro: int, grads) -> None:
+        pass
+
+    def reduced(self, step: int, grad_shard) -> None:
         pass
 
     def learning_rate(self, step: int, lr: float) -> float:

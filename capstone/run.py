@@ -24,11 +24,11 @@ from capstone import checkpoint
 from capstone.checkpoint import files, resume
 from capstone.checkpoint.cadence import Cadence
 from capstone.checkpoint.saver import Checkpointer, RunIdentity
-from capstone.cli import RunOptions, Settings
+from capstone.cli import RunOptions, Settings, check_preset
 from capstone.config import ConfigError, ModelConfig, TrainConfig
 from capstone.data import open_data
 from capstone.data.heldout import HeldOut
-from capstone.data.tokens import load_meta
+from capstone.data.tokens import identity, load_meta
 from capstone.guard import Guard
 from capstone.hooks import Hooks
 from capstone.model.fingerprint import fingerprint
@@ -76,10 +76,15 @@ class Run:
     metrics: report.MetricsLog | None = None
     segment_start: tuple = (None, None)    # (held-out loss, best held-out loss) where this segment began
     resumed_from: str | None = None
+    init_from: dict | None = None          # --init-from: the weights this run started from (capstone.finetune)
 
     def final_fingerprint(self) -> tuple[float, str]:
         """Collective: the fingerprint of the whole model's parameters."""
         return fingerprint(self.ckpt.view.whole(self.model.whole()))
+
+
+class RunFinished(ConfigError):
+    """--resume auto found the run at its last step: nothing to do, and that is success (exit 0)."""
 
 
 def check_modes(world: int, settings: Settings) -> None:
@@ -121,9 +126,10 @@ def _check_pipeline(settings: Settings) -> None:
                           f"(docs/composition.md).")
 
 
-def open_run(world: Comm, settings: Settings) -> Run:
+def open_run(world: Comm, settings: Settings) -> Run | None:
     """Collective: call on all ranks. Decide fresh or resumed (the checkpoint's settings under the
-    explicit flags), build every piece, restore the checkpoint or measure the starting loss."""
+    explicit flags), build every piece, restore the checkpoint or measure the starting loss. None
+    (after one line) when --resume auto finds the run finished: nothing to do."""
     opts = settings.opts
     world.deadline.set_timeout(opts.collective_timeout)
     hooks = _hooks(world, opts)
@@ -141,20 +147,45 @@ def open_run(world: Comm, settings: Settings) -> Run:
         path = resume.resolve(world, opts.resume, ckpt_dir)
         if path is not None:
             saved = _agreed(world, lambda: checkpoint.read_meta_file(path))
+            check_preset(settings, saved["model_config"], saved["train_config"], path)
+            if opts.init_from:
+                report.say(f"note: resuming from {path}; --init-from starts a run only, it is not used now", world.rank)
             settings = settings.on_top_of(saved["model_config"], saved["train_config"])
             check_modes(world.size, settings)
+        elif settings.deferred:   # --resume auto starting fresh: the flags alone must make a valid run
+            raise ConfigError(settings.deferred)
+        elif opts.init_from:      # fine-tuning: the source's model and weights (capstone.finetune)
+            source, settings = _init_from(world, settings)
         elif settings.train.data and "vocab_size" not in settings.explicit:
             vocab = _agreed(world, lambda: load_meta(settings.train.data).vocab_size)
             settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, vocab_size=vocab))
         tcfg, dp = settings.train, world.size // opts.tp
         preflight.check_memory(world, settings.model, dataclasses.replace(tcfg, batch_size=tcfg.batch_for(dp)), opts)
         run = build(world, settings, out, hooks)
+        if path is None and opts.init_from:
+            run.init_from = source.describe()
+            source.install(run)
         start(run, path, saved["train_config"] if path is not None else None)
-    except (ConfigError, checkpoint.CheckpointError):
+    except (ConfigError, checkpoint.CheckpointError) as exc:
         if world.rank == 0:
             claim.undo()
+        if isinstance(exc, RunFinished):   # a requeued batch job whose work is done
+            report.say(f"capstone: {exc}", world.rank)
+            return None
         raise
     return run
+
+
+def _init_from(world: Comm, settings: Settings):
+    """--init-from on a fresh start: (the Source, the settings with its model), the new data's
+    vocabulary checked against the source's (ConfigError/CheckpointError on every rank)."""
+    from capstone import finetune
+    source = finetune.fetch(world, settings.opts.init_from)
+    data = settings.train.data
+    finetune.check_vocabulary(source, _agreed(world, lambda: identity(load_meta(data))) if data else {}, data)
+    settings = dataclasses.replace(settings, model=finetune.model_for(settings, source))
+    check_modes(world.size, settings)
+    return source, settings
 
 
 def build(world: Comm, settings: Settings, out: str, hooks: Hooks | None = None) -> Run:
@@ -202,9 +233,10 @@ def _hooks(world: Comm, opts: RunOptions) -> Hooks:
     """The test seam: fault injection when a test asks for it (capstone.faults), else nothing."""
     hooks = Hooks()
     if os.environ.get("CAPSTONE_FAULT") or os.environ.get("CAPSTONE_FAULT_PIDS") or opts.inject_lr_spike \
-            or opts.inject_nan or opts.sleep_per_step:
+            or opts.inject_nan or opts.sleep_per_step or opts.inject_grad_sign or opts.inject_no_update:
         from capstone.faults import Faults
-        hooks = Faults(world.rank, opts.inject_lr_spike, opts.inject_nan, opts.sleep_per_step)
+        hooks = Faults(world.rank, opts.inject_lr_spike, opts.inject_nan, opts.sleep_per_step, opts.inject_grad_sign,
+                       opts.inject_no_update)
     world.hooks = hooks   # every collective is a hook point (capstone.parallel.comm)
     return hooks
 
@@ -288,6 +320,8 @@ def start(run: Run, path: str | None = None, saved_train: dict | None = None) ->
     if world.rank == 0:
         os.makedirs(run.out, exist_ok=True)
     run.ckpt.provenance = provenance.collect(world)   # into summary.json and every checkpoint's metadata
+    if run.init_from is not None:
+        run.ckpt.provenance["init_from"] = run.init_from
     run.metrics = report.MetricsLog(os.path.join(run.out, "metrics.jsonl") if world.rank == 0 else None)
     run.metrics.write({"event": "start", "world": world.size, "grid": run.grid.describe(),
                        "start_step": run.state.step, "resumed_from": run.resumed_from, "time": time.time(),
@@ -326,9 +360,16 @@ def _resume(run: Run, path: str, saved: dict) -> None:
     run.opt.load_state(shard)
     run.guard.state = state.guard
     run.state, run.resumed_from = state, path
+    run.init_from = (meta.get("provenance") or {}).get("init_from")
     run.segment_start = (state.guard.last_eval, state.best_eval)
     if state.step >= run.tcfg.steps:
+        if run.opts.resume == "auto":   # a requeued batch job whose work is done
+            raise RunFinished(f"{path} is at step {state.step}, the last of --steps {run.tcfg.steps}: the run is "
+                              f"finished, nothing to do (summary.json and metrics.jsonl are as they were). Pass "
+                              f"--steps larger than {state.step} to train on.")
         raise ConfigError(f"{path} is at step {state.step} and --steps is {run.tcfg.steps}: nothing left to do. "
                           f"Pass --steps larger than {state.step} to train on.")
     changed = {k: (v, getattr(run.tcfg, k)) for k, v in saved.items() if getattr(run.tcfg, k, v) != v}
+    if meta.get("global_batch", run.global_batch) != run.global_batch:   # batch_size x grad_accum x replicas
+        changed["global batch (sequences per step)"] = (meta["global_batch"], run.global_batch)
     report.resumed(path, state, meta["world_size"], run.grid.world.size, changed, run.grid.world.rank)

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from capstone import checkpoint, cli, invariants, lr
+from capstone.checkpoint import best
 from capstone.checkpoint.cadence import Due
 from capstone.config import ConfigError
 from capstone.guard import DivergenceError
-from capstone.observe import memory, report
+from capstone.observe import memory, outcome, report
 from capstone.observe.timer import PhaseTimer
 from capstone.parallel import launch
 from capstone.parallel.reduce import Flags
@@ -61,6 +62,7 @@ def train_step(run: Run, s: int) -> StepResult:
         losses = run.schedule.forward_backward(batches, s)
     with timer("reduce"):
         stats = run.reducer.finish(losses, Flags(stop.requested(), run.cadence.clock_due()))
+        run.hooks.reduced(s, run.reducer.grad_shard)
     r = StepResult(s, stats.loss, stats.norm, run.hooks.learning_rate(s, lr.at_step(s, tcfg)),
                    (state.cursor, state.cursor + run.global_batch), run.cadence.due(s, stats.flags))
     r.rollback = run.guard.batch_verdict(r.loss, r.grad_norm)                         # guard: the batch
@@ -102,18 +104,20 @@ def train(run: Run) -> int:
     t_start, status, rows = time.perf_counter(), "completed", []
     start_step = run.state.step
     log = report.StepLog(run, start_step)
-    while run.state.step < run.tcfg.steps:
-        run.state.step += 1
-        r = train_step(run, run.state.step)
-        if r.due.checkpoint:
-            man = run.ckpt.save(run.state, run.opt.state)
-            r.events.append({"event": "checkpoint", "path": man["path"]})
-        rows.append(log.step(r))
-        run.hooks.step_done(r.step)
-        if r.due.stop:
-            status = "preempted"
-            report.stopped(run, r.step, stop.reason())
-            break
+    with outcome.recorded(run, start_step, t_start, log):   # summary.json also on a guard's abort or a timeout
+        while run.state.step < run.tcfg.steps:
+            run.state.step += 1
+            r = train_step(run, run.state.step)
+            if r.due.checkpoint:
+                man = run.ckpt.save(run.state, run.opt.state)
+                r.events.append({"event": "checkpoint", "path": man["path"]})
+            best.keep(run, r)   # --keep-best
+            rows.append(log.step(r))
+            run.hooks.step_done(r.step)
+            if r.due.stop:
+                status = "preempted"
+                report.stopped(run, r.step, stop.reason())
+                break
     log.close()
     return finish(run, status, rows, start_step, time.perf_counter() - t_start)
 
@@ -123,7 +127,7 @@ def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> i
     verified = run.ckpt.verify_first()
     mem = run.grid.world.allgather_json(memory.row(run))
     results = {
-        "a_loss_monotone": loss_invariant(run, start_step),
+        "a_loss_monotone": invariants.of_segment(run.state, run.tcfg, start_step, run.segment_start),
         "b_params_identical": invariants.params_identical(run.replicas.mismatches, run.replicas.checked),
         "c_memory": invariants.memory(mem, run.grid.dp.size),
         "d_resume_bytes": invariants.resume_bytes(verified)}
@@ -137,17 +141,6 @@ def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> i
     return 1 if failed else 0
 
 
-def loss_invariant(run: Run, start_step: int) -> dict:
-    """(a) on this segment's evaluation points, from its baseline (the start, or the resumed state)."""
-    state, tcfg = run.state, run.tcfg
-    first = (start_step, state.eval_start if start_step == 0 else run.segment_start[0])
-    points = [first] + [(step, held) for step, _, held in state.losses if held is not None]
-    settle = max(tcfg.warmup_steps, -(-tcfg.steps // 10))
-    best = state.eval_start if start_step == 0 else run.segment_start[1]
-    return invariants.loss_monotone(points, tcfg.loss_tol, tcfg.loss_tol_rel, settle, state.eval_start, best,
-                                    fresh=start_step == 0)
-
-
 def main(argv=None) -> None:
     signals.install()
     world = launch.world()
@@ -155,7 +148,8 @@ def main(argv=None) -> None:
     heap.keep_freed_memory()
     with launch.fail_fast(world):
         try:
-            code = train(open_run(world, settings))
+            run = open_run(world, settings)   # None: --resume auto found the run finished (exit 0)
+            code = train(run) if run is not None else 0
         except (ConfigError, checkpoint.CheckpointError, DivergenceError) as exc:  # raised on every rank alike
             if world.rank == 0:
                 report.error(f"error: {exc}")

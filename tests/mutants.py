@@ -162,6 +162,32 @@ MUTANTS = [
            "allowed = tol + rel * (start - best)", "allowed = tol + rel * start",
            ("tests/test_invariants.py",), "(a) allows a rise in proportion to the loss, not to the progress"),
 
+    Mutant("invariants/trend-against-the-previous-block-only", "capstone/invariants.py",
+           "        low = min(low, block, key=lambda b: b[2])\n", "        low = block\n",
+           ("tests/test_learning.py::test_trend_compares_with_the_lowest_earlier_block",),
+           "(a) compares each block of the training loss with the one before only: a slow rise passes"),
+    Mutant("invariants/learnt-judged-on-the-last-point", "capstone/invariants.py",
+           "    lowest = min([h for _, h in evals] + ([run_best] if run_best is not None else []), default=None)\n",
+           "    lowest = evals[-1][1] if evals else None\n",
+           ("tests/test_learning.py::test_invariant_a_table",),
+           "(a) asks the last held-out point, not the best, to be below the start: an overfitting run fails"),
+
+    # ---- fine-tuning and the best checkpoint (issue 28) ------------------------------------------
+    Mutant("init-from/weights-not-broadcast", "capstone/finetune.py",
+           '    world.Bcast(params, "broadcast of the --init-from weights")\n', "",
+           ("tests/test_finetune.py::test_init_from_starts_from_the_weights_with_a_fresh_optimizer",),
+           "--init-from: rank 0 reads the weights and the other ranks start from uninitialised memory"),
+    Mutant("init-from/adam-state-kept-from-the-source", "capstone/finetune.py",
+           "ShardState(flat[lo:hi].copy(), zeros, zeros.copy(), t=0)",
+           "ShardState(flat[lo:hi].copy(), zeros, zeros.copy(), t=source.step)",
+           ("tests/test_finetune.py::test_init_from_starts_from_the_weights_with_a_fresh_optimizer",),
+           "--init-from: Adam's step count continues from the source's (bias correction of an old run)"),
+    Mutant("keep-best/every-evaluation-is-best", "capstone/checkpoint/best.py",
+           "    return eval_loss is not None and state.best_step == step\n",
+           "    return eval_loss is not None\n",
+           ("tests/test_finetune.py::test_keep_best_keeps_the_best_not_the_last",),
+           "--keep-best saves every evaluation, so checkpoints/best holds the last state, not the best"),
+
     # ---- schedule -------------------------------------------------------------------------------
     Mutant("schedule/cosine-counted-from-step-0", "capstone/lr.py",
            "progress = min(1.0, (step - warmup - 1) / span)", "progress = min(1.0, (step - 1) / span)",

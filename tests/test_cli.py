@@ -10,3 +10,4 @@ def test_help_shows_defaults_and_keeps_test_hooks_apart():
     users, hooks = options.split("\ntest hooks", 1)
     assert "--inject-lr-spike" in hooks and "--stop-after" in hooks and "--inject-nan" in hooks
     assert "--inject" not in users and "--lr LR" in users and "--resume" in users
+    assert "--init-from" in users and "--keep-best" in users and "--inject-grad-sign" in hooks

@@ -50,7 +50,8 @@ def test_console_lines_ema_and_events():
     c = report.Console(every=4, steps=10, start_step=0)
 
     def row(step, loss, accepted=True, events=()):
-        return {"step": step, "loss": loss, "eval_loss": None, "accepted": accepted, "tokens": 64, "events": list(events)}
+        return {"step": step, "loss": loss, "eval_loss": None, "accepted": accepted, "tokens": 64, "events": list(events),
+                "lr": 1e-2}
     got = {s: c.line(row(s, *args)) for s, *args in [(1, 2.0), (2, 4.0), (3, 100.0, False, [{"event": "rollback"}]),
                                                      (4, 4.0), (5, 1.0), (10, 1.0)]}
     assert [s for s, line in got.items() if line] == [1, 3, 4, 10]  # first, an event, every 4th, the last
@@ -61,20 +62,21 @@ def test_console_lines_ema_and_events():
 
 
 def test_long_run_console_stays_short(tmp_path):
-    """200 steps: the default K is 4, so about 50 lines plus the events (checkpoints every 30 steps)."""
+    """200 steps: the default K is 4, so about 50 lines plus the events (checkpoints every 30 steps) and
+    the evaluations (every 10 steps: each is printed, issue 28)."""
     out = tmp_path / "long"
     res = mpirun(1, "--out", out, "--steps", 200, "--ckpt-every", 30, "--eval-every", 10)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = printed_steps(res.stdout)
     ckpts = {30, 60, 90, 120, 150, 180, 200}
-    assert set(lines) == {1} | set(range(4, 201, 4)) | ckpts            # 50 + the first + 4 checkpoints
+    assert set(lines) == {1} | set(range(4, 201, 4)) | ckpts | set(range(10, 201, 10))   # + checkpoints, evaluations
     assert all(lines[s].rstrip().endswith("checkpoint") for s in ckpts)
     assert "loss_ema" in res.stdout and "EMA" in res.stdout
     for s in (40, 200):  # held-out loss where it was measured, "-" elsewhere; elapsed and ETA
-        step, ema, held, rate, elapsed, eta = lines[s].split()[:6]
-        assert held != "-" and float(rate) > 0 and elapsed.endswith("s") and eta.endswith("s")
+        step, ema, held, lr, rate, elapsed, eta = lines[s].split()[:7]
+        assert held != "-" and float(lr) == 1e-2 and float(rate) > 0 and elapsed.endswith("s") and eta.endswith("s")
     assert lines[4].split()[2] == "-"
-    assert len(res.stdout.splitlines()) < 110  # the whole output, final report included
+    assert len(res.stdout.splitlines()) < 120  # the whole output, final report included
 
     rows = step_rows(out)  # every step is still in metrics.jsonl, with the new fields
     assert [r["step"] for r in rows] == list(range(1, 201))
@@ -233,7 +235,7 @@ def has_writer() -> bool:
 def test_tensorboard_without_the_package_says_how_to_install(tmp_path):
     res = mpirun(2, "--out", tmp_path / "tb", "--steps", 2, "--tensorboard", tmp_path / "tb" / "board")
     assert res.returncode == 2 and "pip install tensorboardX" in res.stderr
-    assert "Traceback" not in res.stderr and not (tmp_path / "tb" / "board").exists()
+    assert "Traceback" not in res.stderr and not (tmp_path / "tb").exists(), "no half-made run directory"
 
 
 def read_scalars(directory) -> dict:

@@ -1,7 +1,7 @@
 """Which checkpoint a run starts from: `--resume PATH | latest | auto`, decided once on rank 0.
 
-- no --resume: a fresh run, refused if OUT/checkpoints already holds a checkpoint (nothing is
-  ever overwritten by accident);
+- no --resume: a fresh run, refused if OUT/checkpoints already holds a checkpoint, or OUT an
+  earlier run's metrics.jsonl (nothing is ever overwritten or appended to by accident);
 - latest: the checkpoint `latest` names; if there is no pointer (a save was interrupted before
   its first pointer update), the newest complete `ckpt-*.h5` file; an error if there is none, or
   if its bytes do not match its digest file (the error names it and suggests auto);
@@ -37,7 +37,7 @@ def _plan(want: str | None, ckpt_dir: str) -> dict:
         if complete:
             return {"error": f"{ckpt_dir} already holds checkpoints of an earlier run; continue it with --resume "
                              f"latest, or pass a new --out directory for a fresh run (nothing was changed)."}
-        return {"path": None}
+        return _fresh(os.path.dirname(ckpt_dir))
     try:
         pointed = files.read_pointer(ckpt_dir)
     except ValueError as exc:
@@ -47,6 +47,19 @@ def _plan(want: str | None, ckpt_dir: str) -> dict:
     if want == "latest":
         return _latest(ckpt_dir, pointed, complete)
     return _explicit(want, ckpt_dir, pointed, complete)
+
+
+def _fresh(out: str) -> dict:
+    """A fresh run (no --resume) is refused in a directory holding an earlier run's metrics.jsonl: its
+    steps would be appended to that run's log. (--resume auto starting over keeps appending: a requeued
+    job's launches share one log, each opened by its "start" row, repeated steps flagged.)"""
+    log = os.path.join(out, "metrics.jsonl")
+    if os.path.isfile(log) and os.path.getsize(log) > 0:
+        return {"error": f"{out} holds {os.path.basename(log)} of an earlier run, without a checkpoint to continue "
+                         f"from: a fresh run would append to that log. Pass a new --out for a fresh run, or move "
+                         f"{log} (and summary.json) away first; --resume auto starts that run over in the same log. "
+                         f"Nothing was changed."}
+    return {"path": None}
 
 
 def _latest(ckpt_dir: str, pointed: str | None, complete: list) -> dict:

@@ -66,10 +66,14 @@ class Checkpointer:
         self.snapshot: np.ndarray | None = None   # (rows, shard) of the first save, for invariant (d)
         self.provenance: dict | None = None       # capstone.observe.provenance.collect, set by run.start
 
+    def extra(self, state: RunState) -> dict:
+        """The run's metadata a checkpoint of `state` holds."""
+        return {**self.identity.to_json(), "run": state.to_json(), "provenance": self.provenance,
+                **self.view.describe()}
+
     def save(self, state: RunState, shard: ShardState) -> dict:
         """Collective. Write checkpoint `state.step`; returns its manifest."""
-        extra = {**self.identity.to_json(), "run": state.to_json(), "provenance": self.provenance,
-                 **self.view.describe()}
+        extra = self.extra(state)
         stored = self.view.to_stored(shard)
         protect = [self.manifests[0]["path"]] if self.manifests else []
         man = checkpoint.save(self.comm, self.directory, state.step, stored, self.layout, extra,

@@ -10,7 +10,8 @@ import sys
 import time
 
 from capstone.lr import at_step as lr_at_step
-from capstone.observe import accounting
+from capstone.observe import accounting, outcome
+from capstone.observe.jsonout import jsonable, write_json  # noqa: F401  (report.jsonable, report.write_json)
 from capstone.observe.runlog import number, parse_lines, step_rows
 
 MIB = 1024 * 1024
@@ -103,9 +104,10 @@ def duration(seconds: float) -> str:
 
 class Console:
     """The per-step console of one launch. Every K = 1 steps: the full table (step_row). K > 1: a
-    short line on the first step, every K-th step, the last step and every step with an event
-    (checkpoint, rollback, ...): step, EMA of the accepted steps' training loss, the held-out loss
-    when measured, tokens/s since the previous line, elapsed time and ETA of this launch."""
+    short line on the first step, every K-th step, the last step, every step with an event
+    (checkpoint, rollback, ...) and every evaluation step: step, EMA of the accepted steps' training
+    loss, the held-out loss when measured, the learning rate, tokens/s since the previous line,
+    elapsed time and ETA of this launch."""
 
     def __init__(self, every: int, steps: int, start_step: int):
         self.every, self.steps, self.start_step = every, steps, start_step
@@ -116,9 +118,10 @@ class Console:
         if self.every == 1:
             return step_header()
         return (f"a line every {self.every} steps and at each event; loss_ema: EMA (beta {EMA_BETA}, bias-corrected) "
-                f"of the accepted steps' train loss;\neval_loss: held-out, when measured; tok/s: since the previous "
-                f"line; eta: at this launch's mean step time\n"
-                f"{'step':>7} {'loss_ema':>9} {'eval_loss':>9} {'tok/s':>10} {'elapsed':>8} {'eta':>8}  event")
+                f"of the accepted steps' train loss;\neval_loss: held-out, when measured (every evaluation is "
+                f"printed); lr: the step's learning rate; tok/s: since the previous line; eta: at this launch's mean "
+                f"step time\n{'step':>7} {'loss_ema':>9} {'eval_loss':>9} {'lr':>9} {'tok/s':>10} {'elapsed':>8} "
+                f"{'eta':>8}  event")
 
     def line(self, m: dict) -> str | None:
         """The console line of metrics row `m`, or None when this step is not printed."""
@@ -129,7 +132,8 @@ class Console:
         if self.every == 1:
             return step_row(m)
         step = m["step"]
-        if not (step % self.every == 0 or m["events"] or step == self.steps or step == self.start_step + 1):
+        if not (step % self.every == 0 or m["events"] or step == self.steps or step == self.start_step + 1
+                or m["eval_loss"] is not None):
             return None
         now = time.perf_counter()
         rate, self.tokens, self.last_t = self.tokens / max(now - self.last_t, 1e-9), 0, now
@@ -137,7 +141,8 @@ class Console:
         eta = (self.steps - step) * elapsed / max(step - self.start_step, 1)
         ema = f"{self.ema / (1 - EMA_BETA ** self.n_ema):.5f}" if self.n_ema else "-"
         held = "-" if m["eval_loss"] is None else f"{m['eval_loss']:.5f}"
-        return (f"{step:>7} {ema:>9} {held:>9} {rate:>10.0f} {duration(elapsed):>8} {duration(eta):>8}  "
+        return (f"{step:>7} {ema:>9} {held:>9} {m['lr']:>9.2e} {rate:>10.0f} {duration(elapsed):>8} "
+                f"{duration(eta):>8}  "
                 f"{' '.join(e['event'] for e in m['events'])}")
 
 
@@ -200,17 +205,6 @@ def manifest_text(man: dict) -> str:
     return "\n".join(lines)
 
 
-def jsonable(value):
-    """Floats as JSON can carry them: NaN and infinities become the strings "nan", "inf", "-inf"."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    return value
-
-
 class MetricsLog:
     """Append-only metrics.jsonl (rank 0 writes; one JSON object per line, flushed per step)."""
 
@@ -262,7 +256,8 @@ class Summary:
                 "memory": {"per_rank": self.memory, **aggregate(self.memory)}, "checkpoints": run.ckpt.manifests,
                 "rollbacks": run.state.rollbacks, "wall_seconds": self.wall,
                 "final_param_fingerprint": self.final_fingerprint, "comm": self.comm(),
-                "zero_what_if": self.what_if(), "provenance": getattr(run.ckpt, "provenance", None)}
+                "zero_what_if": self.what_if(), "provenance": getattr(run.ckpt, "provenance", None),
+                "held_out": outcome.held_out(run)}
 
     def comm(self) -> dict:
         """Median time and bandwidths of each collective of this launch's steps (accounting.comm_summary)."""
@@ -305,15 +300,6 @@ def stopped(run, step: int, why: str | None) -> None:
     why = why or ("--stop-after" if step == run.opts.stop_after else "a signal to another rank")
     say(f"stopped at step {step} on {why}: saved checkpoint {path} (check it with "
         f"python -m capstone.checkpoint verify {path}); continue with --out {run.out} --resume latest", run.grid.world.rank)
-
-
-def write_json(path: str, data: dict) -> None:
-    """Write JSON atomically (temporary file + rename)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(jsonable(data), f, indent=2, sort_keys=True, allow_nan=False)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def error(text: str) -> None:

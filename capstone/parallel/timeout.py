@@ -2,8 +2,9 @@
 
 `expire`: this rank prints ONE line (which collective, which step, how long it waited, what to
 do), writes it to the run directory's collective-timeout.json (the batch scripts' watchdog reads
-it) and ends the whole job. `guard(deadline, what)` covers a call MPI or HDF5 offers only blocking
-(a communicator `Split`, a collective parallel-HDF5 open, write or close): this rank's watchdog
+it), calls the deadline's `on_expire` if the run set one (its summary.json) and ends the whole job.
+`guard(deadline, what)` covers a call MPI or HDF5 offers only blocking (a communicator `Split`, a
+collective parallel-HDF5 open, write or close): this rank's watchdog
 process (capstone.parallel.watchdog) prints the same line at the deadline and kills this rank,
 which ends the job.
 """
@@ -43,6 +44,11 @@ def expire(deadline, what: str, waited: float) -> None:
     sys.stdout.flush()
     if deadline.record is not None:
         write_record(deadline.record, record)
+    if getattr(deadline, "on_expire", None) is not None:   # summary.json (capstone.observe.outcome.recorded)
+        try:
+            deadline.on_expire(record)
+        except Exception:   # noqa: BLE001 - best effort: the abort must happen anyway
+            pass
     MPI.COMM_WORLD.Abort(1)
 
 

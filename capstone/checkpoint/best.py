@@ -1,0 +1,39 @@
+"""`--keep-best`: a checkpoint of every new best held-out loss, kept apart from the rotation.
+
+It goes to OUT/checkpoints/best/ckpt-<step>.h5, written and published like every checkpoint (one
+parallel-HDF5 file, its digest file, the atomic `best/latest` pointer), then the older best is
+removed: the directory holds the best state so far. Resume and --keep-last look only at the files
+directly in OUT/checkpoints, so the best one is never resumed or rotated by accident;
+`python -m capstone.checkpoint verify OUT/checkpoints/best` and `python -m capstone.sample
+OUT/checkpoints/best` read it. A best state is always an accepted one (the guard judged the update
+first), and it is measured on evaluation steps only.
+"""
+
+from __future__ import annotations
+
+import os
+
+from capstone import checkpoint
+
+DIRECTORY = "best"
+
+
+def improved(state, step: int, eval_loss: float | None) -> bool:
+    """Whether step `step` set a new best held-out loss (RunState records it when it accepts one)."""
+    return eval_loss is not None and state.best_step == step
+
+
+def keep(run, r) -> None:
+    """Collective. With --keep-best, checkpoint step result `r` if it set a new best (an event says so)."""
+    if run.tcfg.keep_best and improved(run.state, r.step, r.eval_loss):
+        r.events.append({"event": "best", "path": save(run.ckpt, run.state, run.opt.state)["path"]})
+
+
+def save(ckpt, state, shard) -> dict:
+    """Collective: checkpoint `state` into OUT/checkpoints/best, keeping only it; returns its manifest
+    (with "held_out", the best loss)."""
+    directory = os.path.join(ckpt.directory, DIRECTORY)
+    man = checkpoint.save(ckpt.comm, directory, state.step, ckpt.view.to_stored(shard), ckpt.layout,
+                          {**ckpt.extra(state), "best": {"held_out": state.best_eval, "step": state.step}},
+                          keep_last=1, hooks=ckpt.hooks)
+    return {**man, "held_out": state.best_eval}

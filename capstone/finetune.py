@@ -1,0 +1,162 @@
+"""`--init-from SRC`: a new run that starts from another run's weights (fine-tuning).
+
+SRC is a capstone checkpoint (a ckpt-*.h5 file, or a run directory: the checkpoint its `latest`
+names; written on any world size or grid: the master row of its canonical vectors, read and verified
+as `capstone.sample` reads it) or an export (`python -m capstone.export`: safetensors, GPT-2 names).
+Only the weights are taken: Adam's m and v start at zero, the step count, the schedule and the data
+are the new run's. The model's settings are SRC's (a flag that contradicts them is refused), and
+the new data must have SRC's vocabulary (the same tokenizer: `prepare --vocab-from`), so that every
+token id means what it meant in training; the refusal names what differs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from capstone.checkpoint import CheckpointError
+from capstone.config import ConfigError, ModelConfig
+from capstone.data.tokenizer import difference, from_description
+from capstone.model.params import Layout
+from capstone.parallel.zero import ShardState
+
+MODEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+
+
+@dataclass(frozen=True)
+class Source:
+    """The weights a run starts from, and what they were trained on."""
+
+    path: str              # the file read
+    kind: str              # "checkpoint" or "export"
+    step: int              # the step of the run that wrote them
+    model: ModelConfig
+    data: dict             # that run's data identity (capstone.data.open_data; {} if not recorded)
+    params: np.ndarray     # flat float32 parameters of the 1-rank layout (n_params)
+
+    def install(self, run) -> None:
+        install(self, run)
+
+    def describe(self) -> dict:
+        return {"path": os.path.abspath(self.path), "kind": self.kind, "step": self.step,
+                "model_config": dataclasses.asdict(self.model), "data_digest": self.data.get("digest")}
+
+
+def read(target: str) -> Source:
+    """One process: the weights of a checkpoint or an export. CheckpointError for an invalid file,
+    ConfigError for a path that is neither."""
+    from capstone.vocab import SampleError
+    try:
+        if target.endswith(".safetensors"):
+            return _read_export(target)
+        from capstone.sample import load_checkpoint, resolve
+        path = resolve(target)
+        meta, cfg, params = load_checkpoint(path)
+    except SampleError as exc:
+        raise (CheckpointError if exc.code == 1 else ConfigError)(f"--init-from {target}: {exc}") from None
+    return Source(path, "checkpoint", int(meta["step"]), cfg, meta.get("data") or {}, params[:cfg_params(cfg)])
+
+
+def cfg_params(cfg: ModelConfig) -> int:
+    return Layout.for_model(cfg, 1).n_params
+
+
+def _read_export(path: str) -> Source:
+    """An export's tensors back into the flat layout (lm_head.weight transposed back to (in, out))."""
+    from capstone.export import FORMAT, _save_file, gpt2_name
+    _save_file()   # the library, or the install command
+    from safetensors import safe_open
+    if not os.path.isfile(path):
+        raise ConfigError(f"--init-from {path}: no such file; pass a .safetensors file `python -m capstone.export` "
+                          f"wrote, a ckpt-*.h5 file or a run directory.")
+    try:
+        with safe_open(path, framework="numpy") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != FORMAT:
+                raise ConfigError(f"--init-from {path}: not a capstone export (format {meta.get('format')!r}); "
+                                  f"pass a file `python -m capstone.export` wrote.")
+            cfg = ModelConfig(**json.loads(meta["capstone_model_config"]))
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except ConfigError:
+        raise
+    except Exception as exc:   # noqa: BLE001 - safetensors' own SafetensorError, a bad header, bad JSON
+        raise CheckpointError(f"--init-from {path}: unreadable export ({type(exc).__name__}: {exc}); export the "
+                              f"checkpoint again.") from None
+    layout = Layout.for_model(cfg, 1)
+    flat = layout.zeros()
+    for name, view in layout.views(flat).items():
+        got = tensors.pop(gpt2_name(name), None)
+        got = got.T if name == "lm_head.w" and got is not None else got
+        if got is None or got.shape != view.shape:
+            raise CheckpointError(f"--init-from {path}: tensor {gpt2_name(name)} is "
+                                  f"{'missing' if got is None else got.shape}, the model {cfg} needs {view.shape}.")
+        view[...] = got
+    if tensors:
+        raise CheckpointError(f"--init-from {path}: tensors this model does not have: {sorted(tensors)[:5]}.")
+    data = {"tokenizer": json.loads(meta["tokenizer"])} if "tokenizer" in meta else {}
+    return Source(path, "export", int(meta.get("step", 0)), cfg, data, flat[:layout.n_params].copy())
+
+
+def fetch(world, target: str) -> Source:
+    """Collective: rank 0 reads `target`; every rank gets the Source (or the same error)."""
+    source, head = None, None
+    if world.rank == 0:
+        try:
+            source = read(target)
+            head = {"path": source.path, "kind": source.kind, "step": source.step, "data": source.data,
+                    "model": dataclasses.asdict(source.model)}
+        except (ConfigError, CheckpointError) as exc:
+            head = {"error": str(exc), "config": isinstance(exc, ConfigError)}
+    head = world.bcast_json(head)
+    if "error" in head:
+        raise (ConfigError if head["config"] else CheckpointError)(head["error"])
+    cfg = ModelConfig(**head["model"])
+    params = source.params if source is not None else np.empty(cfg_params(cfg), dtype=np.float32)
+    world.Bcast(params, "broadcast of the --init-from weights")
+    return Source(head["path"], head["kind"], head["step"], cfg, head["data"], params)
+
+
+def model_for(settings, source: Source) -> ModelConfig:
+    """The source's model config; ConfigError if a flag (or --preset) asks for another."""
+    want = dataclasses.asdict(source.model)
+    differ = [f"--{k.replace('_', '-')} {settings.explicit[k]} (it has {want[k]})" for k in MODEL_KEYS
+              if k in settings.explicit and settings.explicit[k] != want[k]]
+    if differ:
+        raise ConfigError(f"--init-from {source.path}: the model comes from it, but {', '.join(differ)} asks for "
+                          f"another. Drop those flags (and a --preset that sets them): a fine-tuned model keeps "
+                          f"its shape.")
+    return source.model
+
+
+def check_vocabulary(source: Source, data: dict, data_dir: str) -> None:
+    """ConfigError unless the new data's token ids mean what they meant for the source (`data`: the
+    new run's data identity: capstone.data.dataset.identity, or the synthetic corpus')."""
+    mine, theirs = source.data.get("tokenizer"), data.get("tokenizer")
+    fix = ("Prepare the new text with the source's vocabulary: python -m capstone.prepare TEXT --out DIR "
+           "--vocab-from <the source run's dataset directory>.")
+    if mine is None and theirs is None:
+        return   # both the synthetic corpus: ids are ids
+    if mine is None or theirs is None:
+        which = "the synthetic corpus" if mine is None else f"text ({from_description(mine).kind} tokens)"
+        new = "the synthetic corpus (no --data)" if theirs is None else f"the text of --data {data_dir}"
+        raise ConfigError(f"--init-from {source.path}: it was trained on {which}, this run on {new}: the token ids "
+                          f"would mean other things. " + ("" if theirs is None else fix))
+    diff = difference(from_description(mine), from_description(theirs), ("the --init-from model's", "--data's"))
+    if diff:
+        raise ConfigError(f"--init-from {source.path}: the vocabularies differ: {diff}. The token ids would mean "
+                          f"other characters. {fix}")
+
+
+def install(source: Source, run) -> None:
+    """Collective: the source's weights as this rank's optimizer shard (master), Adam's m and v zero
+    at step 0, and the parameters published: through the checkpoints' canonical view, so any grid."""
+    world, full = run.grid.world, run.ckpt.layout     # the canonical vectors' layout, sharded over the world
+    flat = np.zeros(full.padded, dtype=np.float32)
+    flat[:source.params.size] = source.params
+    lo, hi = full.shard_range(world.rank)
+    zeros = np.zeros(hi - lo, dtype=np.float32)
+    run.opt.load_state(run.ckpt.view.from_stored(ShardState(flat[lo:hi].copy(), zeros, zeros.copy(), t=0)))

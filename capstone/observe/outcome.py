@@ -1,0 +1,70 @@
+"""How a run ended, in summary.json: the held-out losses (start, final, best and its step), and the
+summary of a run that ended before its invariants could be checked (the divergence guard's abort,
+a collective timeout), so that summary.json always says how a run ended.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+
+from capstone.checkpoint import best, files
+from capstone.guard import DivergenceError
+from capstone.observe.jsonout import write_json
+from capstone.observe.runlog import parse_lines, step_rows
+
+
+def held_out(run) -> dict:
+    """The held-out losses: at the start, the final one (the current accepted state's, with the step
+    of this segment's last evaluation), the best one with its step (None: the start) and, with
+    --keep-best, the checkpoint that holds it."""
+    state = run.state
+    steps = [step for step, _, held in state.losses if held is not None]
+    kept = files.read_pointer(os.path.join(run.ckpt.directory, best.DIRECTORY)) if run.tcfg.keep_best else None
+    return {"start": state.eval_start, "final": state.guard.last_eval, "final_step": steps[-1] if steps else None,
+            "best": state.best_eval, "best_step": state.best_step, "best_checkpoint": kept}
+
+
+@contextlib.contextmanager
+def recorded(run, start_step: int, started: float, log):
+    """Around the training loop: a DivergenceError (raised on every rank together) writes summary.json
+    with status "diverged" (rank 0) before it propagates; a collective timeout makes the rank whose
+    wait expired write status "timeout" (best effort: the job is being aborted; any rank may, since
+    every rank holds the same record of the run, and the file is replaced atomically)."""
+    path, deadline = os.path.join(run.out, "summary.json"), run.grid.world.deadline
+    deadline.on_expire = lambda record: write_json(path, ended(run, "timeout", record["collective"], start_step,
+                                                               started, {"timeout": record}))
+    try:
+        yield
+    except DivergenceError as exc:
+        log.close()
+        if run.grid.world.rank == 0:
+            write_json(path, ended(run, "diverged", str(exc), start_step, started))
+        run.metrics.close()
+        raise
+    finally:
+        deadline.on_expire = None
+
+
+def ended(run, status: str, reason: str, start_step: int, started: float, extra: dict | None = None) -> dict:
+    """summary.json of a run that ended with `status` ("diverged", "timeout") before finishing: what
+    it did up to there and why it stopped; no invariant was checked."""
+    return {"status": status, "reason": reason, "world_size": run.grid.world.size, "grid": run.grid.describe(),
+            "model_config": dataclasses.asdict(run.mcfg), "train_config": dataclasses.asdict(run.tcfg),
+            "n_params": run.n_params, "start_step": start_step, "final_step": run.state.step,
+            "resumed_from": run.resumed_from, "losses": [list(x) for x in run.state.losses],
+            "last_step": last_row(run.out), "invariants": None, "checkpoints": run.ckpt.manifests,
+            "rollbacks": run.state.rollbacks, "wall_seconds": time.perf_counter() - started,
+            "provenance": run.ckpt.provenance, "held_out": held_out(run), **(extra or {})}
+
+
+def last_row(out: str) -> dict | None:
+    """The newest step row of OUT/metrics.jsonl (None: none yet)."""
+    try:
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rows = step_rows(parse_lines(f.read())[0])
+    except OSError:
+        return None
+    return rows[-1] if rows else None

@@ -1,0 +1,140 @@
+"""How runs end and what they say (issue 28, 3, 4 and 7): every evaluation on the console with the lr,
+the final and best held-out loss in summary.json, summary.json after the guard's abort and a collective
+timeout, no appending to an earlier run's log, and the settings a resume used to drop or change
+silently (--preset, the global batch, a warmup longer than --steps, --resume auto on a finished run)."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT, mpi_env, mpirun, step_rows, summary
+from test_deadlines import stalled_run
+from test_observe import printed_steps
+
+
+def digest(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def clean_error(res, *words):
+    """Exit 2, one paragraph printed once, no traceback, and the words that say what to do."""
+    assert res.returncode == 2, res.stdout + res.stderr
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert all(w in errors[0] for w in words), errors[0]
+    return errors[0]
+
+
+def test_log_every_prints_every_evaluation_with_the_lr(tmp_path):
+    """--log-every 10 with --eval-every 7: steps 7, 14, 21, 28, 35 used to be missing from the console
+    (issue 28, 3); each line has the lr; summary.json has the final and the best held-out loss."""
+    out = tmp_path / "run"
+    res = mpirun(2, "--out", out, "--steps", 40, "--log-every", 10, "--eval-every", 7, "--ckpt-every", 0,
+                 "--lr-schedule", "cosine", "--min-lr", "1e-3")
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = {s: line.split() for s, line in printed_steps(res.stdout).items()}
+    assert set(lines) == {1, 7, 10, 14, 20, 21, 28, 30, 35, 40}, sorted(lines)
+    assert all(lines[s][2] != "-" for s in (7, 14, 21, 28, 35, 40)) and lines[10][2] == "-"
+    rows = {r["step"]: r for r in step_rows(out)}
+    assert all(float(lines[s][3]) == float(f"{rows[s]['lr']:.2e}") for s in lines), "the lr column"
+    assert float(lines[40][3]) < float(lines[1][3]), "the cosine decays"
+    held = summary(out)["held_out"]
+    evals = {s: r["eval_loss"] for s, r in rows.items() if r["eval_loss"] is not None}
+    best = min(evals, key=evals.get)
+    assert held["final"] == evals[40] and held["final_step"] == 40
+    assert (held["best"], held["best_step"]) == (evals[best], best) and held["start"] > held["best"]
+
+
+def test_the_guards_abort_writes_summary_json(tmp_path):
+    """lr 1e4: every update diverges, the guard stops the run (exit 1); summary.json says so (the plot
+    used to say "running or stopped")."""
+    out = tmp_path / "run"
+    res = mpirun(2, "--out", out, "--lr", "1e4", "--max-rollbacks", "3", timeout=60)
+    assert res.returncode == 1 and res.stderr.count("fired 4 times without progress") == 1
+    s = summary(out)
+    assert s["status"] == "diverged" and "fired 4 times without progress" in s["reason"]
+    assert s["final_step"] == 4 and [r["step"] for r in s["rollbacks"]] == [1, 2, 3] and s["invariants"] is None
+    assert s["held_out"]["best_step"] is None and s["last_step"]["step"] == 3
+    plot = subprocess.run([sys.executable, "-m", "capstone.plot", str(out), "--out", str(tmp_path / "p.png")],
+                          capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=120)
+    assert "status diverged" in plot.stdout + plot.stderr, plot.stdout + plot.stderr
+
+
+def test_a_collective_timeout_writes_summary_json(tmp_path):
+    """Rank 1 stalls at step 3: a rank whose wait expires writes summary.json "timeout" with the record."""
+    out = tmp_path / "stall"
+    rc, text, _ = stalled_run(out, "stall:1:3")
+    assert rc != 0 and "collective timeout" in text
+    s = summary(out)
+    assert s["status"] == "timeout" and s["reason"] == "reduce-scatter of the gradient"
+    assert s["timeout"]["at"] == "step 3" and s["timeout"]["rank"] != 1 and s["final_step"] == 3
+    assert [x[0] for x in s["losses"]] == [1, 2] and s["checkpoints"][-1]["step"] == 2
+
+
+def test_a_fresh_run_does_not_append_to_an_earlier_runs_log(tmp_path):
+    """An earlier run left metrics.jsonl and no checkpoint (here: the guard stopped it): a fresh run there
+    is refused and changes nothing; --resume auto starts that run over in the same log."""
+    out = tmp_path / "run"
+    assert mpirun(2, "--out", out, "--lr", "1e4", timeout=60).returncode == 1
+    before = digest(out / "metrics.jsonl")
+    clean_error(mpirun(2, "--out", out), "metrics.jsonl of an earlier run", "new --out", "Nothing was changed")
+    assert digest(out / "metrics.jsonl") == before and not os.listdir(out / "checkpoints")
+    res = mpirun(2, "--out", out, "--resume", "auto")
+    assert res.returncode == 0, res.stdout + res.stderr
+    starts = [r for r in map(json.loads, open(out / "metrics.jsonl")) if r.get("event") == "start"]
+    assert len(starts) == 2 and summary(out)["status"] == "completed"
+
+
+def test_resume_auto_on_a_finished_run_is_done(tmp_path):
+    """Exit 0 with one line, summary.json and metrics.jsonl untouched; --resume latest keeps its exit 2;
+    the Slurm step (scripts/slurm/step.sh) then ends the batch job with 0, status completed."""
+    out = tmp_path / "run"
+    assert mpirun(2, "--out", out, "--steps", 4).returncode == 0
+    kept = {name: digest(out / name) for name in ("summary.json", "metrics.jsonl")}
+    res = mpirun(2, "--out", out, "--steps", 4, "--resume", "auto")
+    assert res.returncode == 0 and res.stdout.count("the run is finished, nothing to do") == 1, res.stdout + res.stderr
+    assert {name: digest(out / name) for name in kept} == kept
+    clean_error(mpirun(2, "--out", out, "--steps", 4, "--resume", "latest"), "nothing left to do", "--steps larger")
+    script = ('source scripts/slurm/step.sh && run_step "$0" "$1" mpirun -n 2 --oversubscribe "$1" -m capstone.train '
+              '--out "$0" --resume auto --steps 4')
+    step = subprocess.run(["bash", "-c", script, str(out), sys.executable], capture_output=True, text=True,
+                          env=mpi_env(), cwd=ROOT, timeout=120)
+    assert step.returncode == 0 and "summary status: completed" in step.stdout, step.stdout + step.stderr
+    assert {name: digest(out / name) for name in kept} == kept
+
+
+def test_a_changed_global_batch_is_listed_on_resume(tmp_path):
+    """2 ranks x 4 sequences, resumed on 4 ranks: the global batch doubles; it is listed with the other
+    changed settings (it used to change without a word)."""
+    out = tmp_path / "run"
+    assert mpirun(2, "--out", out, "--stop-after", 5).returncode == 0
+    res = mpirun(4, "--out", out, "--resume", "latest", "--steps", 8)
+    assert res.returncode == 0, res.stdout + res.stderr
+    note = [ln for ln in res.stdout.splitlines() if ln.startswith("note: resuming with changed settings")]
+    assert note and "global batch (sequences per step) 8 -> 16" in note[0] and "steps 20 -> 8" in note[0], note
+
+
+def test_a_preset_on_resume_is_refused_when_it_contradicts_the_checkpoint(tmp_path):
+    """--preset used to be dropped without a word on --resume. The same command line again (a requeued
+    job) resumes; a preset that sets other values is refused, naming them."""
+    out = tmp_path / "run"
+    same = ["--preset", "reference", "--lr", "5e-3", "--steps", 6]
+    assert mpirun(2, "--out", out, *same, "--stop-after", 3).returncode == 0
+    res = mpirun(2, "--out", out, *same, "--resume", "latest")
+    assert res.returncode == 0 and summary(out)["train_config"]["lr"] == 5e-3, res.stdout + res.stderr
+    clean_error(mpirun(2, "--out", out, "--preset", "medium", "--steps", 200, "--resume", "latest"),
+                "--preset medium contradicts", "d_model 32 there, 256 in the preset", "drop --preset")
+
+
+def test_a_warmup_longer_than_the_run_is_refused(tmp_path):
+    """It left the lr below its peak for the whole run; refused before anything is written. On resume the
+    warmup is judged against the checkpoint's --steps, not the default 20."""
+    out = tmp_path / "run"
+    clean_error(mpirun(2, "--out", out, "--warmup-steps", 30), "warmup_steps 30 is longer than steps 20",
+                "--warmup-steps 20 or fewer")
+    assert not out.exists()
+    assert mpirun(2, "--out", out, "--steps", 40, "--stop-after", 2).returncode == 0
+    res = mpirun(2, "--out", out, "--resume", "latest", "--warmup-steps", 30, "--stop-after", 3)
+    assert res.returncode == 0 and "warmup_steps 0 -> 30" in res.stdout, res.stdout + res.stderr

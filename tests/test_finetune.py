@@ -1,0 +1,158 @@
+"""Fine-tuning (--init-from a checkpoint or an export, on any grid; prepare --vocab-from) and the best
+checkpoint (--keep-best), end to end on tiny models and texts (a few seconds each)."""
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, mpi_env, mpirun, step_rows, summary
+
+WORDS_A = "the of and to in is that it was for on are as with his they at be this from have or by one".split()
+WORDS_B = "then she so these other into has her two time mother either heart hand boat worth bread stream".split()
+MODEL = ["--d-model", "32", "--n-layers", "2", "--n-heads", "4", "--seq-len", "32"]
+TRAIN = ["--global-batch", "12", "--eval-batches", "2", "--eval-batch-size", "8", "--quiet"]
+
+
+def run_module(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", *map(str, args)], capture_output=True, text=True, env=mpi_env(),
+                          cwd=ROOT, timeout=timeout)
+
+
+def text(path, words, seed, n=900):
+    rng = random.Random(seed)
+    path.write_text(" ".join(rng.choice(words) for _ in range(n)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A model trained on text A (200 steps), its dataset, its export, and text B prepared with A's vocabulary."""
+    tmp = tmp_path_factory.mktemp("finetune")
+    a = text(tmp / "a.txt", WORDS_A, 1)
+    b = text(tmp / "b.txt", WORDS_A[:12] + WORDS_B, 2)   # half of A's words, and new ones
+    assert set("".join(WORDS_B)) <= set("".join(WORDS_A)), "B is written in A's letters"
+    assert run_module("capstone.prepare", a, "--out", tmp / "a").returncode == 0
+    res = run_module("capstone.prepare", b, "--out", tmp / "b", "--vocab-from", tmp / "a")
+    assert res.returncode == 0, res.stderr
+    res = mpirun(2, "--out", tmp / "run", "--data", tmp / "a", *MODEL, *TRAIN, "--steps", 200, "--eval-every", 50,
+                 "--lr", "3e-3")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert run_module("capstone.export", tmp / "run", "--out", tmp / "run.safetensors").returncode == 0
+    return tmp
+
+
+def held_out_loss(ckpt, data_dir, batches=2, size=8) -> float:
+    """The held-out loss of a checkpoint's weights on a dataset's evaluation batches, computed here in one
+    process (the sampler's reader, the model's loss): not through --init-from."""
+    from capstone.data.tokens import TokenData
+    from capstone.model.gpt import loss_sum
+    from capstone.model.params import Layout
+    from capstone.sample import load_checkpoint
+    _, cfg, params = load_checkpoint(str(ckpt))
+    data, groups = TokenData(str(data_dir), cfg.seq_len, 1, 0), Layout.for_model(cfg, 1).groups(params)
+    total = sum(float(loss_sum(groups, *data.val_batch(k, size), cfg)) for k in range(batches))
+    return total / (batches * size * cfg.seq_len)
+
+
+@pytest.mark.parametrize("source, ranks, tp", [("run", 3, 1), ("run.safetensors", 2, 1), ("run", 4, 2)],
+                         ids=["checkpoint-on-3-ranks", "export", "checkpoint-on-tp-2"])
+def test_init_from_starts_from_the_weights_with_a_fresh_optimizer(base, tmp_path, source, ranks, tp):
+    """The new run's starting held-out loss on text B is the source weights' (computed here apart), whatever
+    the source (checkpoint or export) and the grid; the model is the source's; the steps and Adam start at 0."""
+    out = tmp_path / "ft"
+    res = mpirun(ranks, "--out", out, "--init-from", base / source, "--data", base / "b", *TRAIN, "--steps", 6,
+                 "--tp", tp, "--ckpt-every", 2, "--lr", "1e-3")
+    assert res.returncode == 0, res.stdout + res.stderr
+    s, trained = summary(out), summary(base / "run")
+    want = held_out_loss(base / "run" / "checkpoints" / "ckpt-00000200.h5", base / "b")
+    assert s["held_out"]["start"] == pytest.approx(want, rel=1e-5), (s["held_out"], want)
+    assert s["model_config"] == trained["model_config"] and s["start_step"] == 0 and s["final_step"] == 6
+    assert s["provenance"]["init_from"]["step"] == 200
+    assert s["provenance"]["init_from"]["kind"] == ("export" if source.endswith("safetensors") else "checkpoint")
+    info = json.loads(run_module("capstone.checkpoint", "inspect", "--json", out / "checkpoints" / "ckpt-00000002.h5").stdout)
+    assert info["adam_t"] == 2 and info["run"]["step"] == 2, "Adam and the step count restarted at 0"
+
+
+def test_fine_tune_on_another_text_with_keep_best(base, tmp_path):
+    """Text B (half of A's words) with A's vocabulary: the fine-tuned model ends below a fresh model trained
+    as long on B, and --keep-best keeps the best evaluation's state, which verifies and samples."""
+    fresh, ft = tmp_path / "fresh", tmp_path / "ft"
+    steps = ["--steps", 60, "--eval-every", 10, "--lr", "1e-3"]
+    assert mpirun(2, "--out", fresh, "--data", base / "b", *MODEL, *TRAIN, *steps).returncode == 0
+    res = mpirun(2, "--out", ft, "--init-from", base / "run", "--data", base / "b", *TRAIN, *steps, "--keep-best")
+    assert res.returncode == 0, res.stdout + res.stderr
+    s, f = summary(ft)["held_out"], summary(fresh)["held_out"]
+    print(f"\nheld-out on text B after 60 steps: fresh model {f['start']:.4f} -> best {f['best']:.4f}; fine-tuned "
+          f"from A: {s['start']:.4f} -> best {s['best']:.4f} at step {s['best_step']}")
+    assert s["best"] < f["best"] - 0.1 and s["best"] < s["start"]
+    assert summary(ft)["invariants"]["a_loss_monotone"]["ok"]
+    s = summary(ft)
+    evals = {r["step"]: r["eval_loss"] for r in step_rows(ft) if r["eval_loss"] is not None}
+    best_step = min(evals, key=evals.get)
+    kept = ft / "checkpoints" / "best" / f"ckpt-{best_step:08d}.h5"
+    assert s["held_out"]["best_step"] == best_step and s["held_out"]["best_checkpoint"] == str(kept)
+    assert sorted(p.name for p in (ft / "checkpoints" / "best").iterdir()) == [kept.name, kept.name + ".sha256", "latest"]
+    assert run_module("capstone.checkpoint", "verify", ft / "checkpoints" / "best").returncode == 0
+    sample = run_module("capstone.sample", ft / "checkpoints" / "best", "--tokens", 40)
+    assert sample.returncode == 0 and len(sample.stdout) >= 40, sample.stderr
+
+
+def test_keep_best_keeps_the_best_not_the_last(base, tmp_path):
+    """A wider model overfits text A: the best checkpoint is the lowest held-out evaluation, not the last
+    one; the --keep-last 1 rotation and a resume leave it alone."""
+    out = tmp_path / "run"
+    res = mpirun(2, "--out", out, "--data", base / "a", "--d-model", 64, "--n-heads", 4, "--seq-len", 32, *TRAIN,
+                 "--steps", 300, "--eval-every", 25, "--lr", "3e-3", "--keep-best", "--keep-last", 1)
+    assert res.returncode == 0, res.stdout + res.stderr
+    evals = {r["step"]: r["eval_loss"] for r in step_rows(out) if r["eval_loss"] is not None}
+    best_step = min(evals, key=evals.get)
+    assert best_step != 300, f"choose a run whose last evaluation is not its best: {evals}"
+    best_dir = out / "checkpoints" / "best"
+    assert (best_dir / "latest").read_text().strip() == f"ckpt-{best_step:08d}.h5"
+    assert len(list(best_dir.glob("ckpt-*.h5"))) == 1
+    info = json.loads(run_module("capstone.checkpoint", "inspect", "--json", best_dir).stdout)
+    assert info["best"] == {"held_out": evals[best_step], "step": best_step}
+    events = [e["event"] for r in step_rows(out) for e in r["events"]]
+    assert events.count("best") == sum(1 for s, v in evals.items() if v == min(u for t, u in evals.items() if t <= s))
+    res = mpirun(2, "--out", out, "--resume", "latest", "--steps", 302)
+    assert res.returncode == 0 and "resumed from " + str(out / "checkpoints" / "ckpt-00000300.h5") in res.stdout
+
+
+@pytest.mark.parametrize("case", ["other vocabulary", "synthetic to text", "model flag", "no such file",
+                                  "corrupt checkpoint"])
+def test_init_from_refusals(base, tmp_path, case):
+    """Each refusal: one paragraph naming the fix, exit 2 (1 for a corrupt checkpoint), no run directory."""
+    out = tmp_path / "ft"
+    args = {"other vocabulary": ["--init-from", base / "run", "--data", tmp_path / "own"],
+            "synthetic to text": ["--init-from", tmp_path / "synthetic", "--data", base / "a"],
+            "model flag": ["--init-from", base / "run", "--data", base / "a", "--d-model", "64"],
+            "no such file": ["--init-from", tmp_path / "nothing.safetensors"],
+            "corrupt checkpoint": ["--init-from", tmp_path / "bad.h5"]}[case]
+    if case == "other vocabulary":
+        assert run_module("capstone.prepare", base / "b.txt", "--out", tmp_path / "own").returncode == 0
+    if case == "synthetic to text":
+        assert mpirun(2, "--out", tmp_path / "synthetic", "--steps", 2).returncode == 0
+    if case == "corrupt checkpoint":
+        data = bytearray((base / "run" / "checkpoints" / "ckpt-00000200.h5").read_bytes())
+        data[len(data) // 2] ^= 1
+        (tmp_path / "bad.h5").write_bytes(bytes(data))
+        (tmp_path / "bad.h5.sha256").write_text(
+            (base / "run" / "checkpoints" / "ckpt-00000200.h5.sha256").read_text())
+    res = mpirun(2, "--out", out, *args, *TRAIN)
+    want = {"other vocabulary": "the vocabularies differ", "synthetic to text": "trained on the synthetic corpus",
+            "model flag": "--d-model 64 (it has 32)", "no such file": "no such file",
+            "corrupt checkpoint": "not a valid checkpoint"}[case]
+    assert res.returncode == (1 if case == "corrupt checkpoint" else 2), res.stdout + res.stderr
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and want in errors[0] and "Traceback" not in res.stderr, res.stderr
+    assert not out.exists(), "a refused start leaves nothing behind"
+
+
+def test_prepare_vocab_from_refuses_characters_the_vocabulary_lacks(base, tmp_path):
+    (tmp_path / "c.txt").write_text("the cat sat on the mat; 100% sure\n" * 20)
+    res = run_module("capstone.prepare", tmp_path / "c.txt", "--out", tmp_path / "c", "--vocab-from", base / "a")
+    assert res.returncode == 2 and "'%' x20" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "c").exists()
