@@ -46,6 +46,8 @@ def worker(argv: list[str]) -> int:
     from capstone import train
     from capstone.observe import memory
     from capstone.parallel import launch
+    from capstone.runtime import heap
+    heap.keep_freed_memory()   # the heap settings of every training rank (capstone.train.main)
     world = launch.world()
     settings = cli.parse_on_every_rank(flags, world.rank)
     run = runs.open_run(world, settings)
@@ -85,7 +87,7 @@ def launch(ranks: int, flags: list, trace: bool = False, timeout: float = 3600) 
     out = tempfile.mkdtemp(prefix="capstone-memory-")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     cmd = ["mpirun", "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "benchmarks.memory", "worker",
-           "--out", os.path.join(out, "run"), "--eval-every", "100000", "--ckpt-every", "0", "--ckpt-every-minutes", "0",
+           "--out", os.path.join(out, "run"), "--eval-every", "100000", "--ckpt-every", "0", "--ckpt-every-minutes", "0", "--warmup-steps", "0",
            "--quiet", *map(str, flags)] + (["--trace"] if trace else [])
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
