@@ -2,10 +2,11 @@
 fresh or resumed.
 
 One build path for every combination of modes: the grid always has its dp, pp and tp axes (size 1
-when unused), the model always takes its tensor-parallel group, and the choices are made here,
-once: which gradient reducer (bucketed or one-shot, or deterministic), which held-out evaluator,
-how checkpoints map this rank's state to the canonical layout, whether tests' faults are on. A
-combination the product cannot run is refused here, at start, with the reason (exit 2).
+when unused), the model always takes its tensor-parallel group, and the choices are made once,
+when the run is built (capstone.modes: which combinations run, and what each mode makes: model,
+gradient reducer, optimizer, held-out evaluator, schedule, the checkpoints' view); here: whether
+tests' faults are on, fresh or resumed, the start-up checks. A combination the product cannot
+run is refused at start, with the reason (exit 2).
 
 Each piece of state has one owner: `Model` the parameter and gradient buffers, the reducer the
 reduced gradient shard, `ZeroAdam` the optimizer shard and the state before its last update (the
@@ -20,7 +21,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from capstone import checkpoint
+from capstone import checkpoint, modes
 from capstone.checkpoint import files, resume
 from capstone.checkpoint.cadence import Cadence
 from capstone.checkpoint.saver import Checkpointer, RunIdentity
@@ -33,10 +34,8 @@ from capstone.guard import Guard
 from capstone.hooks import Hooks
 from capstone.model.fingerprint import fingerprint
 from capstone.model.gpt import Model
-from capstone.model.params import Layout, init_params
+from capstone.model.params import Layout
 from capstone.observe import provenance, report
-from capstone.parallel import grid as grids
-from capstone.parallel.buckets import BucketReducer
 from capstone.parallel.comm import Comm
 from capstone.parallel.grid import Grid
 from capstone.parallel.reduce import GradReducer
@@ -87,45 +86,6 @@ class RunFinished(ConfigError):
     """--resume auto found the run at its last step: nothing to do, and that is success (exit 0)."""
 
 
-def check_modes(world: int, settings: Settings) -> None:
-    """ConfigError (exit 2) for a combination of flags the product does not run, with the reason."""
-    mcfg, tcfg, opts = settings.model, settings.train, settings.opts
-    grids.check(world, opts.tp, opts.pp, mcfg)
-    if opts.pp > 1:
-        _check_pipeline(settings)
-    elif opts.pp_layers is not None or opts.pp_schedule is not None:
-        raise ConfigError(f"{'--pp-layers' if opts.pp_layers is not None else '--pp-schedule'} is about pipeline "
-                          f"stages: it needs --pp K > 1 (docs/pipeline.md).")
-    if tcfg.deterministic and opts.tp > 1:
-        raise ConfigError(f"--deterministic is not supported with --tp {opts.tp}: its fixed-order reduction and "
-                          f"held-out blocks cover data parallelism only. Drop one of them (docs/composition.md).")
-    if tcfg.deterministic and opts.zero_stage > 1:
-        raise ConfigError(f"--deterministic is not supported with --zero-stage {opts.zero_stage}: it exchanges each "
-                          f"micro-batch's whole gradient in a fixed order, and ZeRO-2/3 keep no whole gradient. Use "
-                          f"--zero-stage 1 with --deterministic (docs/composition.md).")
-    if not opts.overlap and opts.zero_stage > 1:
-        raise ConfigError(f"--no-overlap is not supported with --zero-stage {opts.zero_stage}: stage {opts.zero_stage} "
-                          f"reduces each bucket of the gradient as the backward pass makes it, and keeps no whole "
-                          f"gradient to reduce after it. Drop --no-overlap, or use --zero-stage 1 "
-                          f"(docs/composition.md).")
-
-
-def _check_pipeline(settings: Settings) -> None:
-    """The pipeline's refusals (ConfigError, exit 2), with the reason."""
-    from capstone.parallel.pipeline import stage_layers
-    mcfg, tcfg, opts = settings.model, settings.train, settings.opts
-    stage_layers(mcfg.n_layers, opts.pp, opts.pp_layers)      # counts that do not fit the model
-    if tcfg.deterministic:
-        raise ConfigError(f"--deterministic is not supported with --pp {opts.pp}: its fixed-order reduction and "
-                          f"held-out blocks cover data parallelism only. Drop one of them (docs/composition.md).")
-    if opts.zero_stage > 1:
-        raise ConfigError(f"--zero-stage {opts.zero_stage} is not supported with --pp {opts.pp}: ZeRO-2/3 reduce and "
-                          f"gather each group once per backward pass, and a pipeline stage runs the backward of "
-                          f"its micro-batches between other micro-batches' forwards (as DeepSpeed, which refuses "
-                          f"ZeRO-2/3 with pipeline parallelism too). Use --zero-stage 1 with --pp "
-                          f"(docs/composition.md).")
-
-
 def open_run(world: Comm, settings: Settings) -> Run | None:
     """Collective: call on all ranks. Decide fresh or resumed (the checkpoint's settings under the
     explicit flags), build every piece, restore the checkpoint or measure the starting loss. None
@@ -137,7 +97,7 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
     out = world.bcast_json(opts.out or time.strftime("runs/run-%Y%m%d-%H%M%S") + f"-{os.getpid()}")
     ckpt_dir = os.path.join(out, "checkpoints")
     check_parallel_io(world)
-    check_modes(world.size, settings)                 # bad flags: ConfigError, nothing written
+    modes.check(world.size, settings)                 # bad flags: ConfigError, nothing written
     if opts.tensorboard:
         from capstone.observe.tensorboard import check_writer
         check_writer(world)
@@ -151,7 +111,7 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
             if opts.init_from:
                 report.say(f"note: resuming from {path}; --init-from starts a run only, it is not used now", world.rank)
             settings = settings.on_top_of(saved["model_config"], saved["train_config"])
-            check_modes(world.size, settings)
+            modes.check(world.size, settings)
         elif settings.deferred:   # --resume auto starting fresh: the flags alone must make a valid run
             raise ConfigError(settings.deferred)
         elif opts.init_from:      # fine-tuning: the source's model and weights (capstone.finetune)
@@ -159,7 +119,7 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
         elif settings.train.data and "vocab_size" not in settings.explicit:
             vocab = _agreed(world, lambda: load_meta(settings.train.data).vocab_size)
             settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, vocab_size=vocab))
-        tcfg, dp = settings.train, world.size // opts.tp
+        tcfg, dp = settings.train, world.size // (opts.tp * opts.pp)
         preflight.check_memory(world, settings.model, dataclasses.replace(tcfg, batch_size=tcfg.batch_for(dp)), opts)
         run = build(world, settings, out, hooks)
         if path is None and opts.init_from:
@@ -184,49 +144,28 @@ def _init_from(world: Comm, settings: Settings):
     data = settings.train.data
     finetune.check_vocabulary(source, _agreed(world, lambda: identity(load_meta(data))) if data else {}, data)
     settings = dataclasses.replace(settings, model=finetune.model_for(settings, source))
-    check_modes(world.size, settings)
+    modes.check(world.size, settings)
     return source, settings
 
 
 def build(world: Comm, settings: Settings, out: str, hooks: Hooks | None = None) -> Run:
     """Collective: call on all ranks. Fresh objects on a new grid; the initial parameters are
-    broadcast from each data-parallel group's rank 0."""
+    the 1-rank run's, made where the mode says (capstone.modes)."""
     mcfg, tcfg, opts = settings.model, settings.train, settings.opts
     hooks = _hooks(world, opts) if hooks is None else hooks
     world.deadline.set_timeout(opts.collective_timeout)
     world.deadline.record_to(os.path.join(out, TIMEOUT_RECORD))   # for the batch script's watchdog
     grid = Grid.build(world, opts.tp, opts.pp)
-    dp, tp = grid.dp, grid.tp
-    batch = tcfg.batch_for(dp.size)
-    stages = [None]                   # the parameter groups of each pipeline stage (None: all)
-    if grid.pp.size > 1:
-        from capstone.parallel import pipeline
-        stages = pipeline.stage_groups(mcfg.n_layers, grid.pp.size, opts.pp_layers)
-        if tcfg.grad_accum < grid.pp.size and world.rank == 0:
-            report.say(f"warning: {tcfg.grad_accum} micro-batches (--grad-accum) through {grid.pp.size} pipeline "
-                       f"stages: each stage idles (p-1)/(m+p-1) = {(grid.pp.size - 1) / (tcfg.grad_accum + grid.pp.size - 1):.0%} "
-                       f"of the step (the bubble); raise --grad-accum to at least {grid.pp.size}.")
-    layout = Layout.for_model(mcfg, dp.size, tp.size, stages[grid.pp.rank % len(stages)])
-    full = Layout.for_model(mcfg, world.size)
-    view, params = _initial(grid, mcfg, tcfg, layout, full, stages, sharded=opts.zero_stage == 3)
+    batch = tcfg.batch_for(grid.dp.size)
     data, data_identity = open_data(mcfg, tcfg, batch)
-    model, reducer, replicas = _model_and_reducer(grid, layout, params, settings)
-    heldout = _heldout(grid, data, settings)
-    adam = ZeroAdam
-    if opts.zero_stage == 3:      # the parameters are a shard too
-        from capstone.parallel.zero3 import ShardedAdam as adam
-    opt = adam(dp, layout, model.params, (tcfg.beta1, tcfg.beta2), tcfg.eps, tcfg.weight_decay, tcfg.clip)
-    identity = RunIdentity(mcfg, tcfg, data_identity, batch * tcfg.grad_accum * dp.size)
+    identity = RunIdentity(mcfg, tcfg, data_identity, batch * tcfg.grad_accum * grid.dp.size)
+    p = modes.make(grid, settings, data, hooks, 1.0 / (identity.global_batch * mcfg.seq_len))
     cadence = Cadence(tcfg, world.rank, opts.stop_after)
-    ckpt = Checkpointer(world, os.path.join(out, "checkpoints"), full, identity, cadence, view, hooks)
+    ckpt = Checkpointer(world, os.path.join(out, "checkpoints"), p.full, identity, cadence, p.view, hooks)
     state = RunState()
     guard = Guard(tcfg.spike_factor, tcfg.max_rollbacks, state.guard)
-    scale = 1.0 / (identity.global_batch * mcfg.seq_len)
-    schedule = Sequential(model, reducer, hooks, scale)
-    if grid.pp.size > 1:
-        schedule = pipeline.Pipeline(model, reducer, hooks, scale, opts.pp_schedule or "1f1b")
-    return Run(grid, mcfg, tcfg, opts, out, model, opt, reducer, schedule, data, heldout, guard, cadence, ckpt,
-               state, replicas, hooks, batch, identity.global_batch, full.n_params)
+    return Run(grid, mcfg, tcfg, opts, out, p.model, p.opt, p.reducer, p.schedule, data, p.heldout, guard, cadence,
+               ckpt, state, p.replicas, hooks, batch, identity.global_batch, p.full.n_params)
 
 
 def _hooks(world: Comm, opts: RunOptions) -> Hooks:
@@ -239,73 +178,6 @@ def _hooks(world: Comm, opts: RunOptions) -> Hooks:
                        opts.inject_no_update)
     world.hooks = hooks   # every collective is a hook point (capstone.parallel.comm)
     return hooks
-
-
-def _initial(grid: Grid, mcfg, tcfg, layout: Layout, full: Layout, stages: list, sharded: bool):
-    """(the checkpoints' view of this rank's state, its initial parameters): the 1-rank run's, made
-    by rank 0 of each data-parallel group (ZeroAdam broadcasts them), or (ZeRO-3) by every rank,
-    which keeps its shard; a model-parallel rank takes its part: its pipeline stage's `stages`
-    groups, its tensor-parallel slice (capstone.parallel.canonical)."""
-    dp, tp = grid.dp, grid.tp
-    view, make = None, dp.rank == 0 or sharded
-    if grid.mp.size > 1:
-        from capstone.parallel import canonical, tensor
-        view = canonical.Canonical(grid, mcfg, layout, full, stages)
-        groups = stages[grid.pp.rank % len(stages)]
-        params = tensor.initial_params(mcfg, layout, tcfg.seed, tp.size, tp.rank, groups) if make else layout.zeros()
-    else:
-        params = init_params(layout, mcfg, tcfg.seed) if make else layout.zeros()
-    if sharded:
-        lo, hi = layout.shard_range(dp.rank)
-        params = params[lo:hi].copy()
-    return view, params
-
-
-def _model_and_reducer(grid: Grid, layout: Layout, params, settings: Settings):
-    """(model, gradient reducer, replica check) of the run's modes: deterministic, or ZeRO stage 1
-    (the flat gradient buffer, buckets), 2 (no gradient buffer: capstone.parallel.zero2) or 3 (no
-    whole parameters either: capstone.parallel.zero3)."""
-    mcfg, tcfg, opts = settings.model, settings.train, settings.opts
-    weight = _loss_weight(grid)
-    if tcfg.deterministic:   # fixed-order sums (capstone.parallel.deterministic)
-        from capstone.parallel import deterministic as det
-        if opts.overlap and grid.world.rank == 0:
-            report.say("note: --deterministic exchanges each micro-batch's gradient after its backward pass, in a "
-                       "fixed order; the bucketed overlap (--bucket-mb) does not apply.")
-        model = Model(mcfg, layout, params, grid.tp, opts.recompute)
-        return (model, det.DeterministicReducer(grid, layout, model.grads, tcfg.grad_accum),
-                ReplicaCheck(grid, layout, lambda p, strong: det.fingerprint(p, layout.n_params)))
-    floats = int(opts.bucket_mb * 2**20) // 4 if opts.overlap else layout.padded
-    if grid.pp.size > 1:   # a pipeline stage (capstone.parallel.pipeline), ZeRO-1
-        from capstone.parallel.pipeline import StageModel
-        model = StageModel(mcfg, layout, params, grid.tp, opts.recompute, grid.pp)
-        return model, BucketReducer(grid, layout, model.grads, floats, weight), ReplicaCheck(grid, layout)
-    if opts.zero_stage == 1:
-        model = Model(mcfg, layout, params, grid.tp, opts.recompute)
-        return model, BucketReducer(grid, layout, model.grads, floats, weight), ReplicaCheck(grid, layout)
-    from capstone.parallel.progress import Progress
-    from capstone.parallel.zero2 import ShardedGradReducer
-    reducer = ShardedGradReducer(grid, layout, floats, Progress(), weight)
-    if opts.zero_stage == 2:
-        return Model(mcfg, layout, params, grid.tp, opts.recompute, grads=False), reducer, ReplicaCheck(grid, layout)
-    from capstone.parallel import zero3
-    model = zero3.ShardedModel(mcfg, layout, params, grid, opts.recompute, reducer)
-    return model, reducer, zero3.ShardedReplicaCheck(grid, layout, model.gatherer)
-
-
-def _loss_weight(grid: Grid) -> float:
-    """1 on the ranks whose loss is their replica's (the last pipeline stage's tensor-parallel rank 0)."""
-    return 1.0 if grid.tp.rank == 0 and grid.pp.rank == grid.pp.size - 1 else 0.0
-
-
-def _heldout(grid: Grid, data, settings: Settings) -> HeldOut:
-    """The held-out evaluation: rows split over the data-parallel group (deterministic: fixed blocks)."""
-    tcfg, T = settings.train, settings.model.seq_len
-    if tcfg.deterministic:
-        from capstone.parallel import deterministic as det
-        return det.HeldOutBlocks(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp)
-    weight = _loss_weight(grid)
-    return HeldOut(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp.rank, grid.dp.size, weight)
 
 
 def start(run: Run, path: str | None = None, saved_train: dict | None = None) -> None:

@@ -14,7 +14,7 @@ and across a resume on another world size. docs/deterministic.md has the scheme 
   one gradient buffer serves every block; the received rows come out in block order
   k = j*world + q), and each owner sums the K = G/B rows of its shard in `tree_rows`' fixed tree
   over block indices. So the bucketed overlap does not apply: the exchange follows each micro-
-  batch's backward pass (run.build says so when buckets were asked for). The sum
+  batch's backward pass (capstone.modes says so when buckets were asked for). The sum
   is elementwise, so each element's result depends only on the K block values of that element:
   not on where the shard boundaries fall (which moves with the world size).
 - The loss: every block's loss is allgathered and summed in the same tree over block indices.

@@ -1,0 +1,180 @@
+"""The run's modes, chosen once, when the run is built: which combinations of flags it runs
+(`check`: every other combination is refused at start with the reason, exit 2), and what each
+mode makes on this rank (`make` -> `Parts`): its part of the model (a pipeline stage's groups, a
+tensor-parallel slice, a ZeRO-3 shard) with the initial parameters of the 1-rank run and the
+checkpoints' view of it, the model, the gradient reducer (bucketed or one-shot, deterministic,
+ZeRO-2/3), the optimizer, invariant (b)'s check, the held-out evaluator and the schedule of the
+step's micro-batches. The optional layers are imported only for the modes that use them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from capstone.cli import Settings
+from capstone.config import ConfigError
+from capstone.data.heldout import HeldOut
+from capstone.model.gpt import Model
+from capstone.model.params import Layout, init_params
+from capstone.observe import report
+from capstone.parallel import grid as grids
+from capstone.parallel.buckets import BucketReducer
+from capstone.parallel.grid import Grid
+from capstone.parallel.replicas import ReplicaCheck
+from capstone.parallel.schedules import Sequential
+from capstone.parallel.zero import ZeroAdam
+
+
+@dataclass
+class Parts:
+    """What the modes make for one rank (capstone.run.Run holds them)."""
+
+    layout: Layout     # this rank's part of the model, padded for its data-parallel group
+    full: Layout       # the whole model, padded for the world: the checkpoints' layout
+    view: object       # the checkpoints' view of this rank's optimizer shard (None: as is)
+    model: Model
+    reducer: object    # a capstone.parallel.reduce.GradReducer
+    replicas: object   # invariant (b): capstone.parallel.replicas.ReplicaCheck or ZeRO-3's
+    heldout: HeldOut
+    opt: ZeroAdam
+    schedule: object   # Sequential, or a capstone.parallel.pipeline.Pipeline
+
+
+def check(world: int, settings: Settings) -> None:
+    """ConfigError (exit 2) for a combination of flags the product does not run, with the reason."""
+    mcfg, tcfg, opts = settings.model, settings.train, settings.opts
+    grids.check(world, opts.tp, opts.pp, mcfg)
+    if opts.pp > 1:
+        _check_pipeline(settings)
+    elif opts.pp_layers is not None or opts.pp_schedule is not None:
+        raise ConfigError(f"{'--pp-layers' if opts.pp_layers is not None else '--pp-schedule'} is about pipeline "
+                          f"stages: it needs --pp K > 1 (docs/pipeline.md).")
+    if tcfg.deterministic and opts.tp > 1:
+        raise ConfigError(f"--deterministic is not supported with --tp {opts.tp}: its fixed-order reduction and "
+                          f"held-out blocks cover data parallelism only. Drop one of them (docs/composition.md).")
+    if tcfg.deterministic and opts.zero_stage > 1:
+        raise ConfigError(f"--deterministic is not supported with --zero-stage {opts.zero_stage}: it exchanges each "
+                          f"micro-batch's whole gradient in a fixed order, and ZeRO-2/3 keep no whole gradient. Use "
+                          f"--zero-stage 1 with --deterministic (docs/composition.md).")
+    if not opts.overlap and opts.zero_stage > 1:
+        raise ConfigError(f"--no-overlap is not supported with --zero-stage {opts.zero_stage}: stage {opts.zero_stage} "
+                          f"reduces each bucket of the gradient as the backward pass makes it, and keeps no whole "
+                          f"gradient to reduce after it. Drop --no-overlap, or use --zero-stage 1 "
+                          f"(docs/composition.md).")
+
+
+def _check_pipeline(settings: Settings) -> None:
+    """The pipeline's refusals (ConfigError, exit 2), with the reason."""
+    from capstone.parallel.pipeline import stage_layers
+    mcfg, tcfg, opts = settings.model, settings.train, settings.opts
+    stage_layers(mcfg.n_layers, opts.pp, opts.pp_layers)      # counts that do not fit the model
+    if tcfg.deterministic:
+        raise ConfigError(f"--deterministic is not supported with --pp {opts.pp}: its fixed-order reduction and "
+                          f"held-out blocks cover data parallelism only. Drop one of them (docs/composition.md).")
+    if opts.zero_stage > 1:
+        raise ConfigError(f"--zero-stage {opts.zero_stage} is not supported with --pp {opts.pp}: ZeRO-2/3 reduce and "
+                          f"gather each group once per backward pass, and a pipeline stage runs the backward of "
+                          f"its micro-batches between other micro-batches' forwards (as DeepSpeed, which refuses "
+                          f"ZeRO-2/3 with pipeline parallelism too). Use --zero-stage 1 with --pp "
+                          f"(docs/composition.md).")
+
+
+def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
+    """Collective: call on all ranks. This rank's parts; `scale` is 1 / tokens of the global batch."""
+    mcfg, tcfg, opts = settings.model, settings.train, settings.opts
+    stages = _stages(grid, settings)
+    layout = Layout.for_model(mcfg, grid.dp.size, grid.tp.size, stages[grid.pp.rank % len(stages)])
+    full = Layout.for_model(mcfg, grid.world.size)
+    view, params = _initial(grid, mcfg, tcfg, layout, full, stages, sharded=opts.zero_stage == 3)
+    model, reducer, replicas = _model_and_reducer(grid, layout, params, settings)
+    adam = ZeroAdam
+    if opts.zero_stage == 3:      # the parameters are a shard too
+        from capstone.parallel.zero3 import ShardedAdam as adam
+    opt = adam(grid.dp, layout, model.params, (tcfg.beta1, tcfg.beta2), tcfg.eps, tcfg.weight_decay, tcfg.clip)
+    schedule = Sequential(model, reducer, hooks, scale)
+    if grid.pp.size > 1:
+        from capstone.parallel.pipeline import Pipeline
+        schedule = Pipeline(model, reducer, hooks, scale, opts.pp_schedule or "1f1b")
+    return Parts(layout, full, view, model, reducer, replicas, _heldout(grid, data, settings), opt, schedule)
+
+
+def _stages(grid: Grid, settings: Settings) -> list:
+    """The parameter groups of each pipeline stage ([None]: one stage, the whole model)."""
+    tcfg, K = settings.train, grid.pp.size
+    if K == 1:
+        return [None]
+    from capstone.parallel.pipeline import stage_groups
+    if tcfg.grad_accum < K and grid.world.rank == 0:
+        report.say(f"warning: {tcfg.grad_accum} micro-batches (--grad-accum) through {K} pipeline stages: each "
+                   f"stage idles (p-1)/(m+p-1) = {(K - 1) / (tcfg.grad_accum + K - 1):.0%} of the step (the bubble); "
+                   f"raise --grad-accum to at least {K}.")
+    return stage_groups(settings.model.n_layers, K, settings.opts.pp_layers)
+
+
+def _initial(grid: Grid, mcfg, tcfg, layout: Layout, full: Layout, stages: list, sharded: bool):
+    """(the checkpoints' view of this rank's state, its initial parameters): the 1-rank run's, made
+    by rank 0 of each data-parallel group (ZeroAdam broadcasts them), or (ZeRO-3) by every rank,
+    which keeps its shard; a model-parallel rank takes its part: its pipeline stage's `stages`
+    groups, its tensor-parallel slice (capstone.parallel.canonical)."""
+    dp, tp = grid.dp, grid.tp
+    view, make = None, dp.rank == 0 or sharded
+    if grid.mp.size > 1:
+        from capstone.parallel import canonical, tensor
+        view = canonical.Canonical(grid, mcfg, layout, full, stages)
+        groups = stages[grid.pp.rank % len(stages)]
+        params = tensor.initial_params(mcfg, layout, tcfg.seed, tp.size, tp.rank, groups) if make else layout.zeros()
+    else:
+        params = init_params(layout, mcfg, tcfg.seed) if make else layout.zeros()
+    if sharded:
+        lo, hi = layout.shard_range(dp.rank)
+        params = params[lo:hi].copy()
+    return view, params
+
+
+def _model_and_reducer(grid: Grid, layout: Layout, params, settings: Settings):
+    """(model, gradient reducer, replica check) of the run's modes: deterministic, or ZeRO stage 1
+    (the flat gradient buffer, buckets), 2 (no gradient buffer: capstone.parallel.zero2) or 3 (no
+    whole parameters either: capstone.parallel.zero3)."""
+    mcfg, tcfg, opts = settings.model, settings.train, settings.opts
+    weight = _loss_weight(grid)
+    if tcfg.deterministic:   # fixed-order sums (capstone.parallel.deterministic)
+        from capstone.parallel import deterministic as det
+        if opts.overlap and grid.world.rank == 0:
+            report.say("note: --deterministic exchanges each micro-batch's gradient after its backward pass, in a "
+                       "fixed order; the bucketed overlap (--bucket-mb) does not apply.")
+        model = Model(mcfg, layout, params, grid.tp, opts.recompute)
+        return (model, det.DeterministicReducer(grid, layout, model.grads, tcfg.grad_accum),
+                ReplicaCheck(grid, layout, lambda p, strong: det.fingerprint(p, layout.n_params)))
+    floats = int(opts.bucket_mb * 2**20) // 4 if opts.overlap else layout.padded
+    if grid.pp.size > 1:   # a pipeline stage (capstone.parallel.pipeline), ZeRO-1
+        from capstone.parallel.pipeline import StageModel
+        model = StageModel(mcfg, layout, params, grid.tp, opts.recompute, grid.pp)
+        return model, BucketReducer(grid, layout, model.grads, floats, weight), ReplicaCheck(grid, layout)
+    if opts.zero_stage == 1:
+        model = Model(mcfg, layout, params, grid.tp, opts.recompute)
+        return model, BucketReducer(grid, layout, model.grads, floats, weight), ReplicaCheck(grid, layout)
+    from capstone.parallel.progress import Progress
+    from capstone.parallel.zero2 import ShardedGradReducer
+    reducer = ShardedGradReducer(grid, layout, floats, Progress(), weight)
+    if opts.zero_stage == 2:
+        return Model(mcfg, layout, params, grid.tp, opts.recompute, grads=False), reducer, ReplicaCheck(grid, layout)
+    from capstone.parallel import zero3
+    model = zero3.ShardedModel(mcfg, layout, params, grid, opts.recompute, reducer)
+    return model, reducer, zero3.ShardedReplicaCheck(grid, layout, model.gatherer)
+
+
+def _loss_weight(grid: Grid) -> float:
+    """1 on the ranks whose loss is their replica's (the last pipeline stage's tensor-parallel rank 0)."""
+    return 1.0 if grid.tp.rank == 0 and grid.pp.rank == grid.pp.size - 1 else 0.0
+
+
+def _heldout(grid: Grid, data, settings: Settings) -> HeldOut:
+    """The held-out evaluation: rows split over the data-parallel group (deterministic: fixed blocks)."""
+    tcfg, T = settings.train, settings.model.seq_len
+    if tcfg.deterministic:
+        from capstone.parallel import deterministic as det
+        return det.HeldOutBlocks(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp)
+    weight = _loss_weight(grid)
+    return HeldOut(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp.rank, grid.dp.size, weight)
+
+
