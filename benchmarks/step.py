@@ -45,32 +45,39 @@ class Stepper:
     flat gradient buffer, ZeRO-1 reduce (norm), clip, AdamW, publish."""
 
     def __init__(self, size: str, seed: int = 0):
-        from mpi4py import MPI
-
         from capstone.config import ModelConfig
         from capstone.data.synthetic import DataStream, make_corpus
+        from capstone.hooks import NONE
         from capstone.model.gpt import Model
         from capstone.model.params import Layout, init_params
+        from capstone.parallel import launch
+        from capstone.parallel.buckets import BucketReducer
+        from capstone.parallel.grid import Grid
+        from capstone.parallel.schedules import Sequential
         from capstone.parallel.zero import ZeroAdam
         kw, self.B = SIZES[size]
         self.cfg = ModelConfig(**kw)
         self.layout = Layout.for_model(self.cfg, 1)
+        self.grid = Grid.build(launch.serial())
         self.model = Model(self.cfg, self.layout, init_params(self.layout, self.cfg, seed))
-        self.opt = ZeroAdam(MPI.COMM_SELF, self.layout, self.model.params, self.model.grads,
-                            betas=OPT["betas"], eps=OPT["eps"], weight_decay=OPT["weight_decay"])
+        self.reducer = BucketReducer(self.grid, self.layout, self.model.grads, self.layout.padded)   # one bucket
+        self.opt = ZeroAdam(self.grid.dp, self.layout, self.model.params, OPT["betas"], OPT["eps"],
+                            OPT["weight_decay"], OPT["clip"])
+        self.schedule = Sequential(self.model, self.reducer, NONE, 1.0)
         self.stream = DataStream(make_corpus(0, 1 << 16, self.cfg.vocab_size), self.cfg.seq_len, self.B, 0,
                                  eval_sequences=64)  # room for the `medium` preset's held-out set
         self.x, self.y = self.stream.samples(0, self.B)
 
     def step(self, x=None, y=None) -> tuple[float, float, float]:
         """(wall ms, CPU ms, loss) of one training step on (x, y) (default: the fixed batch)."""
+        from capstone.parallel.reduce import Flags
         x, y = (self.x, self.y) if x is None else (x, y)
         t, c = time.perf_counter(), time.process_time()
-        loss = self.model.forward_backward([(x, y)], 1.0 / x.size)
-        norm = self.opt.reduce_gradients().norm
-        clip = OPT["clip"] if 0 < OPT["clip"] < norm else 0.0
-        self.opt.apply(OPT["lr"], clip / norm if clip else 1.0)
-        return 1e3 * (time.perf_counter() - t), 1e3 * (time.process_time() - c), loss
+        self.schedule.scale = 1.0 / x.size
+        losses = self.schedule.forward_backward([(x, y)], 1)
+        stats = self.reducer.finish(losses, Flags())
+        self.opt.apply(self.reducer.grad_shard, OPT["lr"], stats.norm)     # clipped to OPT["clip"] inside
+        return 1e3 * (time.perf_counter() - t), 1e3 * (time.process_time() - c), losses[0]
 
 
 def _agreement(st: Stepper, tw: TorchWorker) -> str:
@@ -213,7 +220,7 @@ def memory(steps: int) -> None:
     st = Stepper("medium")
     held, peak_alloc = activation_bytes(st)
     m, opt = st.model, st.opt
-    parts = {"params": m.params.nbytes, "grads": m.grads.nbytes + opt.g_shard.nbytes,
+    parts = {"params": m.params.nbytes, "grads": m.grads.nbytes + st.reducer.grad_shard.nbytes,
              "optimizer state": opt.optimizer_nbytes() + opt.before_nbytes(), "activations": held}
     budget = sum(parts.values())
     mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
@@ -251,7 +258,7 @@ def checks(repeats: int) -> None:
     from capstone.presets import PRESETS
     st = Stepper("medium")
     pre = PRESETS["medium"]
-    heldout = HeldOut(st.stream, pre["eval_batches"], pre["eval_batch_size"], st.cfg.seq_len, 0, 1)
+    heldout = HeldOut(st.stream, pre["eval_batches"], pre["eval_batch_size"], st.cfg.seq_len, st.grid.world, 0, 1)
     flat = st.model.params
 
     def med(fn, n=repeats):
