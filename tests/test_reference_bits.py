@@ -60,3 +60,18 @@ def test_other_default_paths_are_bit_identical_to_the_code_before(before_code, t
     old = run_with(before_code, tmp_path / "before", *flags)
     assert [{k: r[k] for k in KEYS} for r in step_rows(new)] == [{k: r[k] for k in KEYS} for r in step_rows(old)]
     assert digests(new) == digests(old)
+
+
+def test_a_checkpoint_of_the_code_before_resumes_bit_identically(reference, before_code, tmp_path):
+    """The code before the redesign stops the reference run at step 10 (as if preempted); this code
+    resumes its checkpoint and ends where the uninterrupted reference run of this code ends."""
+    out, _, _ = reference
+    run = run_with(before_code, tmp_path / "run", "--stop-after", "10")
+    assert summary(run)["status"] == "preempted"
+    run_with(ROOT, run, "--resume", "latest")
+    assert summary(run)["status"] == "completed"
+    assert [r["step"] for r in step_rows(run)] == list(range(1, 21))
+    resumed = [{k: r[k] for k in KEYS} for r in step_rows(run) if r["step"] > 10]
+    assert resumed == [{k: r[k] for k in KEYS} for r in step_rows(out) if r["step"] > 10]
+    assert summary(run)["final_param_fingerprint"] == summary(out)["final_param_fingerprint"]
+    assert digests(run)[-1] == digests(out)[-1]
