@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import workers
+
 SETTINGS = [(1, False), (2, False), (3, False), (1, True), (2, True), (3, True)]   # (stage, recompute)
 MIB = 1 << 20
 
@@ -84,16 +82,7 @@ def worker(argv: list[str]) -> int:
 
 def launch(ranks: int, flags: list, trace: bool = False, timeout: float = 3600) -> dict:
     """One setting under mpirun; its RESULT (max over ranks)."""
-    out = tempfile.mkdtemp(prefix="capstone-memory-")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    cmd = ["mpirun", "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "benchmarks.memory", "worker",
-           "--out", os.path.join(out, "run"), "--eval-every", "100000", "--ckpt-every", "0", "--ckpt-every-minutes", "0", "--warmup-steps", "0",
-           "--quiet", *map(str, flags)] + (["--trace"] if trace else [])
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
-    if res.returncode != 0 or not lines:
-        raise SystemExit(f"{' '.join(cmd)} failed (exit {res.returncode}):\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return workers.launch("benchmarks.memory", ranks, [*flags, *(["--trace"] if trace else [])], timeout)
 
 
 def setting_flags(stage: int, recompute: bool) -> list[str]:

@@ -17,13 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks import workers
 
 
 def worker(argv: list[str]) -> int:
@@ -50,16 +47,8 @@ def worker(argv: list[str]) -> int:
 
 
 def launch(ranks: int, flags: list, timeout: float = 1800) -> dict:
-    out = tempfile.mkdtemp(prefix="capstone-pipeline-")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    cmd = ["mpirun", "-n", str(ranks), "--oversubscribe", sys.executable, "-m", "benchmarks.pipeline", "worker",
-           "--out", os.path.join(out, "run"), "--eval-every", "100000", "--ckpt-every", "0", "--ckpt-every-minutes", "0", "--warmup-steps", "0",
-           "--quiet", *map(str, flags)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
-    if res.returncode != 0 or not lines:
-        raise SystemExit(f"{' '.join(cmd)} failed (exit {res.returncode}):\n{res.stdout[-3000:]}{res.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    """One schedule under mpirun; its RESULT (every rank's events)."""
+    return workers.launch("benchmarks.pipeline", ranks, flags, timeout)
 
 
 def bubbles(ranks: list[dict]) -> list[float]:
@@ -113,9 +102,9 @@ def main(argv=None) -> int:
     extra = [a for a in extra if a != "--"]
     results = {}
     for schedule in ("1f1b", "afab"):
-        results[schedule] = launch(args.pp, ["--preset", args.preset, "--pp", args.pp, "--grad-accum",
-                                             args.micro_batches, "--steps", args.steps, "--pp-schedule", schedule,
-                                             *extra])
+        flags = ["--preset", args.preset, "--pp", args.pp, "--grad-accum", args.micro_batches, "--steps", args.steps,
+                 "--pp-schedule", schedule, *extra]
+        results[schedule] = launch(args.pp, flags)
     m, pp = args.micro_batches, args.pp
     print(f"{args.preset}, pp {pp}, {m} micro-batches, one rank per stage; bubble: median over steps 2..{args.steps}")
     print(f"{'schedule':<9} {'theory':>7} {'measured':>9}  per stage")
