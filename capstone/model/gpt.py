@@ -18,12 +18,12 @@ from capstone.model.blocks import ALONE, block, embedding, head_logits, head_los
 from capstone.model.params import Layout, group_shapes
 
 
-def _hidden(t, idx, cfg: ModelConfig, tp=ALONE, layer=block, x=None):
+def _hidden(t, idx, cfg: ModelConfig, tp=ALONE, layer=block, x=None, embed=embedding):
     """Hidden states (B*T, C) after the blocks (`layer`) in t (Layout.groups: the whole model's, or a
     pipeline stage's) for token ids idx (B, T), from the embedding or `x` (the previous stage's)."""
     shapes, H = group_shapes(cfg, tp.size), cfg.n_heads // tp.size
     if x is None:
-        x = embedding(t["embed"], idx, shapes["embed"])                         # (B*T, C)
+        x = embed(t["embed"], idx, shapes["embed"])                             # (B*T, C)
     for name in (g for g in t if g not in ("embed", "head")):                   # the blocks, in order
         x = layer(x, t[name], idx.shape[1], H, shapes[name], tp)               # (B*T, C)
     return x
@@ -34,10 +34,11 @@ def logits(t, idx, cfg: ModelConfig, tp=ALONE):
     return head_logits(_hidden(t, idx, cfg, tp), t["head"], group_shapes(cfg, tp.size)["head"])[0]
 
 
-def loss_sum(t, idx, targets, cfg: ModelConfig, scale: float = 1.0, tp=ALONE, layer=block):
-    """scale * (sum over the B*T positions of the softmax cross-entropy). idx, targets (B, T)."""
-    x = _hidden(t, idx, cfg, tp, layer)
-    return head_loss(x, t["head"], targets.reshape(-1), group_shapes(cfg, tp.size)["head"]) * scale
+def loss_sum(t, idx, targets, cfg: ModelConfig, scale=1.0, tp=ALONE, layer=block, embed=embedding, head=head_loss):
+    """scale * (sum over the B*T positions of the softmax cross-entropy). idx, targets (B, T). The
+    layers are arguments: recomputed blocks, or ZeRO-3's layers that gather their own groups."""
+    x = _hidden(t, idx, cfg, tp, layer, embed=embed)
+    return head(x, t["head"], targets.reshape(-1), group_shapes(cfg, tp.size)["head"]) * scale
 
 
 def loss_and_grad(layout: Layout, flat: np.ndarray, idx: np.ndarray, targets: np.ndarray, cfg: ModelConfig,

@@ -20,11 +20,11 @@ import numpy as np
 from autograd import make_vjp
 from autograd.extend import vspace
 
-from capstone.model import blocks
+from capstone.model import blocks, gpt
 from capstone.model import kernels as K
 from capstone.model.backward import training_pass
 from capstone.model.fingerprint import sum_squares, word_sum
-from capstone.model.params import DTYPE, Layout, group_shapes
+from capstone.model.params import DTYPE, Layout
 from capstone.parallel.progress import Progress
 from capstone.parallel.zero import ZeroAdam
 from capstone.parallel.zero2 import GroupPlan
@@ -151,12 +151,11 @@ head_loss = K.define("sharded_head_loss", _head_fwd, _head_bwd)
 
 
 def loss_sum(gat, anchor, idx, targets, cfg, scale, tp, recompute: bool):
-    """capstone.model.gpt.loss_sum over gathered parameters (see the module)."""
-    shapes, H = group_shapes(cfg, tp.size), cfg.n_heads // tp.size
-    x = embedding(anchor, gat, idx, shapes["embed"])
-    for i in range(cfg.n_layers):
-        x = block(x, gat, f"h{i}", idx.shape[1], H, shapes[f"h{i}"], tp, recompute)
-    return head_loss(x, gat, targets.reshape(-1), shapes["head"]) * scale
+    """capstone.model.gpt.loss_sum with these layers: the groups are named, not passed (see the module)."""
+    return gpt.loss_sum({g: g for g in gat.order}, idx, targets, cfg, scale, tp,
+                        layer=lambda x, name, *rest: block(x, gat, name, *rest, recompute),
+                        embed=lambda name, idx_, shapes: embedding(anchor, gat, idx_, shapes),
+                        head=lambda x, name, targets_, shapes: head_loss(x, gat, targets_, shapes))
 
 
 class ShardedModel:
