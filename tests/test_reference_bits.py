@@ -4,10 +4,10 @@ round differently on other CPUs, so recorded values would test the machine), giv
 norms, fingerprints and checkpoint digests at every step. Needs the repository's history (a clone)."""
 
 import subprocess
-import tarfile
 
 import pytest
 
+from benchmarks.compare import unpack
 from conftest import ROOT, mpi_env, step_rows, summary
 
 BEFORE = "0d6c940"   # main before the one design of issue 24 (the 47-mutant suite's code)
@@ -19,14 +19,9 @@ def before_code(tmp_path_factory):
     """The capstone package of commit BEFORE, unpacked from git into a directory of its own."""
     where = tmp_path_factory.mktemp("before")
     try:
-        blob = subprocess.run(["git", "-C", ROOT, "archive", "--format=tar", BEFORE, "capstone"],
-                              capture_output=True, check=True, timeout=60).stdout
+        unpack(BEFORE, str(where))
     except (OSError, subprocess.SubprocessError) as exc:
         pytest.skip(f"commit {BEFORE} is not in this checkout's history ({exc}): clone the repository to run this")
-    tar = where / "code.tar"
-    tar.write_bytes(blob)
-    with tarfile.open(tar) as t:
-        t.extractall(where, filter="data")
     return where
 
 
