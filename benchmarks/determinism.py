@@ -25,7 +25,7 @@ from capstone import cli, train
 from capstone.config import ModelConfig
 from capstone.model.gpt import Model
 from capstone.model.params import Layout, init_params
-from capstone.parallel import launch
+from capstone.collective import launch
 from capstone.parallel.buckets import BucketReducer
 from capstone.parallel.deterministic import DeterministicReducer
 from capstone.parallel.grid import Grid

@@ -27,7 +27,7 @@ def worker(argv: list[str]) -> int:
     from capstone import cli
     from capstone import run as runs
     from capstone import train
-    from capstone.parallel import launch
+    from capstone.collective import launch
     from capstone.runtime import heap
     heap.keep_freed_memory()   # the heap settings of every training rank (capstone.train.main)
     world = launch.world()

@@ -50,7 +50,7 @@ class Stepper:
         from capstone.hooks import NONE
         from capstone.model.gpt import Model
         from capstone.model.params import Layout, init_params
-        from capstone.parallel import launch
+        from capstone.collective import launch
         from capstone.parallel.buckets import BucketReducer
         from capstone.parallel.grid import Grid
         from capstone.parallel.schedules import Sequential

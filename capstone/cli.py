@@ -30,7 +30,7 @@ class RunOptions:
     log_every: int = 0                   # console row every K steps (0: 1 up to 100 steps, else about steps/50)
     tensorboard: str | None = None       # also write TensorBoard scalars to this directory
     tp: int = 1                          # tensor-parallel ranks per replica (capstone/grid.py, capstone/tp.py)
-    collective_timeout: float = 0.0   # seconds; 0: automatic (capstone.parallel.deadline)
+    collective_timeout: float = 0.0   # seconds; 0: automatic (capstone.collective.deadline)
     overlap: bool = True              # reduce-scatter in buckets during the backward pass
     bucket_mb: float = 1.0            # bucket size of the overlapped reduce-scatter
     zero_stage: int = 1               # ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters

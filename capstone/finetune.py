@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from capstone.checkpoint import CheckpointError
+from capstone.collective.agree import agreed
 from capstone.config import ConfigError, ModelConfig
 from capstone.data.tokenizer import difference, from_description
 from capstone.model.params import Layout
-from capstone.parallel.zero import ShardState
+from capstone.state import ShardState
 
 MODEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 
@@ -103,19 +104,15 @@ def _read_export(path: str) -> Source:
 
 def fetch(world, target: str) -> Source:
     """Collective: rank 0 reads `target`; every rank gets the Source (or the same error)."""
-    source, head = None, None
-    if world.rank == 0:
-        try:
-            source = read(target)
-            head = {"path": source.path, "kind": source.kind, "step": source.step, "data": source.data,
-                    "model": dataclasses.asdict(source.model)}
-        except (ConfigError, CheckpointError) as exc:
-            head = {"error": str(exc), "config": isinstance(exc, ConfigError)}
-    head = world.bcast_json(head)
-    if "error" in head:
-        raise (ConfigError if head["config"] else CheckpointError)(head["error"])
+    found = []   # rank 0's Source, whose weights are broadcast below
+
+    def describe() -> dict:
+        found.append(read(target))
+        return {"path": found[0].path, "kind": found[0].kind, "step": found[0].step, "data": found[0].data,
+                "model": dataclasses.asdict(found[0].model)}
+    head = agreed(world, describe, errors=(ConfigError, CheckpointError))
     cfg = ModelConfig(**head["model"])
-    params = source.params if source is not None else np.empty(cfg_params(cfg), dtype=np.float32)
+    params = found[0].params if found else np.empty(cfg_params(cfg), dtype=np.float32)
     world.Bcast(params, "broadcast of the --init-from weights")
     return Source(head["path"], head["kind"], head["step"], cfg, head["data"], params)
 

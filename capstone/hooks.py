@@ -5,7 +5,7 @@
 The run calls:
 
   at(point)                    "step" at the start of each step (it carries the step number), every
-                               collective by its kind (capstone.parallel.comm: "reduce_scatter",
+                               collective by its kind (capstone.collective.comm: "reduce_scatter",
                                "allreduce_stats", "tp_allreduce", ...), and the checkpoint's crash
                                points ("save.before_data", "publish.between_renames", ...)
   gradients(step, micro, g)    after micro-batch `micro`'s backward, on the flat gradient buffer

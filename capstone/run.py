@@ -26,6 +26,7 @@ from capstone.checkpoint import files, resume
 from capstone.checkpoint.cadence import Cadence
 from capstone.checkpoint.saver import Checkpointer, RunIdentity
 from capstone.cli import RunOptions, Settings, check_preset
+from capstone.collective.agree import agreed
 from capstone.config import ConfigError, ModelConfig, TrainConfig
 from capstone.data import open_data
 from capstone.data.heldout import HeldOut
@@ -36,12 +37,13 @@ from capstone.model.fingerprint import fingerprint
 from capstone.model.gpt import Model
 from capstone.model.params import Layout
 from capstone.observe import provenance, report
-from capstone.parallel.comm import Comm
+from capstone.collective.comm import Comm
 from capstone.parallel.grid import Grid
 from capstone.parallel.reduce import GradReducer
 from capstone.parallel.replicas import ReplicaCheck
 from capstone.parallel.schedules import Sequential
-from capstone.parallel.zero import ROWS, ZeroAdam
+from capstone.parallel.zero import ZeroAdam
+from capstone.state import ROWS
 from capstone.runtime import preflight
 from capstone.state import RunState
 
@@ -176,7 +178,7 @@ def _hooks(world: Comm, opts: RunOptions) -> Hooks:
         from capstone.faults import Faults
         hooks = Faults(world.rank, opts.inject_lr_spike, opts.inject_nan, opts.sleep_per_step, opts.inject_grad_sign,
                        opts.inject_no_update)
-    world.hooks = hooks   # every collective is a hook point (capstone.parallel.comm)
+    world.hooks = hooks   # every collective is a hook point (capstone.collective.comm)
     return hooks
 
 
@@ -203,15 +205,7 @@ def start(run: Run, path: str | None = None, saved_train: dict | None = None) ->
 
 def _agreed(world: Comm, read):
     """Rank 0 runs `read()`; its value, or its ConfigError/CheckpointError, reaches every rank."""
-    if world.rank == 0:
-        try:
-            value = {"value": read()}
-        except (ConfigError, checkpoint.CheckpointError) as exc:
-            value = {"error": str(exc), "config": isinstance(exc, ConfigError)}
-    got = world.bcast_json(value if world.rank == 0 else None)
-    if "error" in got:
-        raise (ConfigError if got["config"] else checkpoint.CheckpointError)(got["error"])
-    return got["value"]
+    return agreed(world, read, errors=(ConfigError, checkpoint.CheckpointError))
 
 
 def check_parallel_io(world: Comm) -> None:

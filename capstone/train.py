@@ -22,9 +22,9 @@ from capstone.checkpoint import best
 from capstone.checkpoint.cadence import Due
 from capstone.config import ConfigError
 from capstone.guard import DivergenceError
-from capstone.observe import memory, outcome, report
+from capstone.observe import memory, outcome, report, verdict
 from capstone.observe.timer import PhaseTimer
-from capstone.parallel import launch
+from capstone.collective import launch
 from capstone.parallel.reduce import Flags
 from capstone.run import Run, open_run
 from capstone.runtime import heap, signals, stop
@@ -48,7 +48,7 @@ class StepResult:
     fingerprint: str = ""
     events: list = field(default_factory=list)
     ms: dict = field(default_factory=dict)    # phase -> milliseconds (capstone.observe.timer)
-    traffic: dict = field(default_factory=dict)   # collective kind -> Traffic (capstone.parallel.comm)
+    traffic: dict = field(default_factory=dict)   # collective kind -> Traffic (capstone.collective.comm)
 
 
 def train_step(run: Run, s: int) -> StepResult:
@@ -131,7 +131,7 @@ def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> i
         "b_params_identical": invariants.params_identical(run.replicas.mismatches, run.replicas.checked),
         "c_memory": invariants.memory(mem, run.grid.dp.size),
         "d_resume_bytes": invariants.resume_bytes(verified)}
-    failed = invariants.failures(results)
+    failed = verdict.failures(results)
     summary = report.Summary(status if not failed else "failed", run, rows, start_step, results, mem, wall,
                              run.final_fingerprint())
     report.final(summary, verified, failed, run.grid.world.rank)

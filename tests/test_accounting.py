@@ -65,7 +65,7 @@ def test_step_collectives_from_a_metrics_row():
 
 
 def test_step_comm_entries_follow_the_traffic():
-    from capstone.parallel.comm import Traffic
+    from capstone.collective.comm import Traffic
     comm = acc.step_comm({"tp_allreduce": Traffic("allreduce", 2, bytes=4096, seconds=2e-3, calls=8)})
     e = comm["tp_allreduce"]
     assert (e["op"], e["bytes"], e["ranks"], e["calls"]) == ("allreduce", 4096, 2, 8) and e["ms"] == 2.0

@@ -12,7 +12,7 @@ from mpi4py import MPI
 from capstone.cli import RunOptions, Settings
 from capstone.config import ModelConfig, TrainConfig
 from capstone.model.gpt import Model
-from capstone.parallel.comm import Comm
+from capstone.collective.comm import Comm
 from capstone.run import build, start
 from capstone.train import train_step
 

@@ -1,4 +1,4 @@
-"""No collective hangs forever: a silent rank ends the job at --collective-timeout (capstone.parallel.deadline).
+"""No collective hangs forever: a silent rank ends the job at --collective-timeout (capstone.collective.deadline).
 
 Run serially (the tests start their own 4-rank jobs): python -m pytest -q tests/test_deadlines.py
 The fault `CAPSTONE_FAULT=stall:<rank>:<step>[:<save point>]` makes one rank sleep 60 s, silent,
@@ -268,6 +268,6 @@ def test_spin_long_only_when_every_rank_has_a_core(monkeypatch, env, dedicated):
     assert launch.dedicated_cores(2, lambda: 2) is dedicated
     if not env:   # neither flag: the ranks on the node against its CPUs
         assert launch.dedicated_cores(2, lambda: os.cpu_count() + 1) is False
-    from capstone.parallel import launch
+    from capstone.collective import launch
     want = deadline.SPIN_DEDICATED_S if dedicated else deadline.SPIN_S
     assert launch.world().deadline.spin_s == (want if env else deadline.SPIN_DEDICATED_S)

@@ -99,7 +99,7 @@ def one_rank_run(tmp_path, **train):
 
     from capstone.cli import RunOptions, Settings
     from capstone.config import ModelConfig, TrainConfig
-    from capstone.parallel.comm import Comm
+    from capstone.collective.comm import Comm
     from capstone.run import build
     settings = Settings(ModelConfig(), TrainConfig(**train), RunOptions(out=str(tmp_path)), {})
     return build(Comm(MPI.COMM_SELF), settings, str(tmp_path))

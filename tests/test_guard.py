@@ -13,7 +13,7 @@ from capstone.cli import RunOptions, Settings
 from capstone.config import ModelConfig, TrainConfig
 from capstone.guard import Guard
 from capstone.lr import learning_rate
-from capstone.parallel.comm import Comm
+from capstone.collective.comm import Comm
 from capstone.run import build
 
 from conftest import by_step, mpi_env, mpirun, summary
@@ -211,7 +211,7 @@ def test_huge_gradient_that_overflows_adam_v_is_caught():
     cfg = ModelConfig(vocab_size=5, seq_len=2, d_model=4, n_heads=1, n_layers=1)
     from capstone.parallel.buckets import BucketReducer
     from capstone.parallel.grid import Grid
-    from capstone.parallel.launch import serial
+    from capstone.collective.launch import serial
     from capstone.parallel.reduce import Flags
     layout = Layout.for_model(cfg, 1)
     params, grads = layout.zeros(), layout.zeros()
@@ -253,7 +253,7 @@ def test_a_violated_invariant_fails_the_run(tmp_path):
 def test_state_finiteness_sees_one_bad_value_anywhere(bad):
     """ShardState.finite (the update's verdict) checks rows of 1024 values with one BLAS pass and
     the tail apart: one bad value in any array, in a full row or in the tail, is seen."""
-    from capstone.parallel.zero import ShardState
+    from capstone.state import ShardState
     n = 3 * 1024 + 5
     for row in range(3):
         for i in (0, 1023, 2048 + 17, n - 1):

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from capstone import invariants
+from capstone.observe import verdict
 from capstone.model.fingerprint import fingerprint, word_sum
 
 
@@ -82,5 +83,5 @@ def test_resume_bytes_and_failure_lines():
     results = {"a_loss_monotone": invariants.loss_monotone([(0, 1.0), (1, 0.5)], 1e-4),
                "b_params_identical": invariants.params_identical([], 2),
                "c_memory": invariants.optimizer_memory([48], 4, 4), "d_resume_bytes": d}
-    lines = invariants.failures(results)
+    lines = verdict.failures(results)
     assert len(lines) == 1 and lines[0].startswith("(d)") and "7 bytes differ" in lines[0]

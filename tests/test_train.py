@@ -110,7 +110,7 @@ def test_h5py_without_mpi_one_rank_writes_the_same_format(tmp_path, monkeypatch)
     from capstone.checkpoint.__main__ import main as ckpt_main
     from capstone.cli import RunOptions, Settings
     from capstone.config import ModelConfig, TrainConfig
-    from capstone.parallel.comm import Comm
+    from capstone.collective.comm import Comm
     from capstone.run import open_run
     from capstone.train import train
     monkeypatch.setattr(checkpoint, "mpi_io_available", lambda: False)

@@ -41,8 +41,9 @@ from capstone.checkpoint.reader import (
     root_attributes,
     verify_contents,
 )
+from capstone.collective.agree import agreed
 from capstone.hooks import NONE
-from capstone.parallel.zero import ROWS, ShardState
+from capstone.state import ROWS, ShardState
 
 __all__ = ["CheckpointError", "CorruptCheckpoint", "FORMAT", "HEADER", "VERSION", "agree", "check_file",
            "dataset_name", "load", "mpi_io_available", "open_verified", "read_dataset", "read_meta", "read_meta_file",
@@ -76,9 +77,10 @@ def _open(path: str, mode: str, comm):
 
 def agree(comm, error: str | None) -> None:
     """Collective: call on all ranks. Raise CheckpointError on every rank if any rank had an error."""
-    errors = [e for e in comm.allgather_json(error) if e]
-    if errors:
-        raise CheckpointError("\n".join(dict.fromkeys(errors)))
+    def check() -> None:
+        if error:
+            raise CheckpointError(error)
+    agreed(comm, check, errors=(CheckpointError,), every=True)
 
 
 def save(comm, directory: str, step: int, state: ShardState, layout, extra: dict,
@@ -165,27 +167,25 @@ def _agreed(comm, step: int, tmp: str, action, collective: str = ""):
     """Collective. Run `action` on every rank (a `collective` one under the deadline's watchdog); if
     it failed on any, raise one CheckpointError on every rank that names the ranks, the error and
     the free space."""
-    try:
-        if collective:
-            with comm.blocking(collective):
-                result, error = action(), None
-        else:
-            result, error = action(), None
-    except (OSError, RuntimeError) as exc:   # h5py: OSError for I/O, RuntimeError for a failed flush
-        result, error = None, str(exc)
-    failed = [(r, e) for r, e in enumerate(comm.allgather_json(error)) if e]
-    if failed:
+    def attempt():
+        if not collective:
+            return action()
+        with comm.blocking(collective):
+            return action()
+
+    def explain(failed) -> CheckpointError:
         directory = os.path.dirname(tmp)
         free = files.free_bytes(directory)
         ranks = ", ".join(str(r) for r, _ in failed)
         who = (f"rank {ranks} could not write its shard" if len(failed) == 1
                else f"ranks {ranks} could not write their shards")
-        raise CheckpointError(
+        return CheckpointError(
             f"{who} of checkpoint step {step} to {tmp}: {failed[0][1]}"
             f"{'' if free is None else f' ({free / MIB:.1f} MiB free there when it failed)'}. The partial file "
             f"was removed; the previous checkpoint and 'latest' are untouched. Free space or fix {directory}, "
             f"then continue with --resume latest.")
-    return result
+    # h5py: OSError for I/O, RuntimeError for a failed flush
+    return agreed(comm, attempt, errors=(OSError, RuntimeError), every=True, explain=explain)
 
 
 def _discard(comm, f, tmp: str) -> None:

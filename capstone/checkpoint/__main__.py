@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 
-from capstone.parallel.zero import ROWS
+from capstone.state import ROWS
 from capstone.checkpoint import integrity
 from capstone.checkpoint.digest import logical_root
 from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError

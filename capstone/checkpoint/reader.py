@@ -18,7 +18,7 @@ import numpy as np
 from capstone.checkpoint import integrity
 from capstone.checkpoint.digest import sha256_hex
 from capstone.checkpoint.files import CheckpointError, CorruptCheckpoint
-from capstone.parallel.zero import ROWS
+from capstone.state import ROWS
 
 FORMAT = "capstone-checkpoint"
 VERSION = 2

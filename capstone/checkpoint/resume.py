@@ -24,6 +24,7 @@ import os
 import sys
 
 from capstone.checkpoint import CheckpointError, CorruptCheckpoint, files, integrity, verify_contents
+from capstone.collective.agree import agreed
 from capstone.config import ConfigError
 
 
@@ -126,6 +127,17 @@ def _explicit(want: str, ckpt_dir: str, pointed: str | None, complete: list) -> 
     return {"path": path}
 
 
+def _decided(want: str | None, ckpt_dir: str) -> dict:
+    """Rank 0: `_plan`'s plan, or its error raised (CheckpointError for an invalid checkpoint)."""
+    try:
+        plan = _plan(want, ckpt_dir)
+    except OSError as exc:  # e.g. no permission to set a corrupt file aside
+        raise ConfigError(f"--resume {want}: {exc}; fix the permissions of {ckpt_dir} and rerun.") from exc
+    if "error" in plan:
+        raise (CheckpointError if plan.get("invalid") else ConfigError)(plan["error"])
+    return plan
+
+
 def _step_of(path: str) -> int:
     m = files.NAME_RE.match(os.path.basename(path))
     return int(m.group(1)) if m else 0
@@ -135,13 +147,7 @@ def resolve(comm, want: str | None, ckpt_dir: str) -> str | None:
     """Collective: call on all ranks. The checkpoint to resume from (None: fresh start); creates
     the checkpoint directory once the decision is made. Raises on every rank: CheckpointError
     when a checkpoint is not valid, ConfigError otherwise."""
-    try:
-        plan = _plan(want, ckpt_dir) if comm.rank == 0 else None
-    except OSError as exc:  # e.g. no permission to set a corrupt file aside
-        plan = {"error": f"--resume {want}: {exc}; fix the permissions of {ckpt_dir} and rerun."}
-    plan = comm.bcast_json(plan)
-    if "error" in plan:
-        raise (CheckpointError if plan.get("invalid") else ConfigError)(plan["error"])
+    plan = agreed(comm, lambda: _decided(want, ckpt_dir), errors=(ConfigError, CheckpointError))
     if comm.rank == 0:
         if plan.get("warning"):
             print(plan["warning"], file=sys.stderr, flush=True)

@@ -17,7 +17,7 @@ import numpy as np
 from capstone import checkpoint
 from capstone.config import ModelConfig, TrainConfig
 from capstone.hooks import NONE
-from capstone.parallel.zero import ShardState
+from capstone.state import ShardState
 from capstone.state import RunState
 
 

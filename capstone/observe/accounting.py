@@ -112,7 +112,7 @@ def format_collectives(records: list[Collective], kinds: list[str] | None = None
 # ---- the collectives of one training step (metrics.jsonl "comm", summary.json "comm") ----------
 
 def step_comm(traffic: dict) -> dict:
-    """The "comm" dict of a step row from the step's traffic (capstone.parallel.comm.Traffic by kind):
+    """The "comm" dict of a step row from the step's traffic (capstone.collective.comm.Traffic by kind):
     per kind of collective its op, S bytes summed over its calls, the bytes a ring sends per rank,
     the milliseconds spent waiting for it, the bandwidths, its calls and the ranks of its group."""
     return {kind: {**comm_entry(Collective(t.op, t.bytes, 1, t.ranks, t.seconds)), "calls": t.calls,

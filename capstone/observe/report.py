@@ -270,7 +270,7 @@ class Summary:
 
 def final(summary: Summary, verified: dict | None, failed: list[str], rank: int) -> None:
     """The final report: memory table, manifests, invariants, and the verdict line."""
-    from capstone.invariants import describe
+    from capstone.observe.verdict import describe
     run = summary.run
     say("\nmemory per rank (bytes):\n" + memory_table(summary.memory), rank)
     say("\n" + accounting.format_what_if(summary.what_if()), rank)

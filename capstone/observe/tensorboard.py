@@ -7,6 +7,7 @@ the install command, before anything is written. metrics.jsonl stays the record;
 
 from __future__ import annotations
 
+from capstone.collective.agree import agreed
 from capstone.config import ConfigError
 from capstone.observe.runlog import number, timing_parts
 
@@ -56,7 +57,8 @@ class Board:
 def check_writer(comm) -> None:
     """Collective: call on all ranks, before the run directory is made. ConfigError on every rank
     when rank 0 has no writer."""
-    ok = comm.bcast_json(writer_class() is not None if comm.rank == 0 else None)
-    if not ok:
-        raise ConfigError(f"--tensorboard needs tensorboardX (or torch) installed: {INSTALL}. "
-                          "Or leave out --tensorboard: metrics.jsonl has the same numbers (python -m capstone.plot).")
+    def check() -> None:
+        if writer_class() is None:
+            raise ConfigError(f"--tensorboard needs tensorboardX (or torch) installed: {INSTALL}. Or leave out "
+                              "--tensorboard: metrics.jsonl has the same numbers (python -m capstone.plot).")
+    agreed(comm, check, errors=(ConfigError,))

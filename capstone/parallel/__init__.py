@@ -1,2 +1,3 @@
-"""Parallelism: the process grid, the deadline-aware communicators and what runs over them
-(gradient reduction, the sharded optimizer, tensor parallelism, deterministic reduction)."""
+"""Parallelism over the process grid: gradient reduction (buckets, deterministic, ZeRO-2), the
+sharded optimizer (ZeRO-1/3), tensor and pipeline parallelism. Collectives go through
+capstone.collective."""

@@ -14,7 +14,7 @@ import numpy as np
 
 from capstone.model.params import DTYPE, Layout
 from capstone.parallel import tensor
-from capstone.parallel.zero import ShardState
+from capstone.state import ShardState
 
 
 class Canonical:

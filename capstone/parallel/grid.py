@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from mpi4py import MPI
 
 from capstone.config import ConfigError
-from capstone.parallel.comm import Comm
+from capstone.collective.comm import Comm
 
 
 def check(world: int, tp: int, pp: int, mcfg) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import threading
 import time
 
+from capstone.collective.deadline import expire
+
 POLL_S = 5e-5   # between two rounds of tests while something is pending
 
 
@@ -63,6 +65,5 @@ class Progress:
         limit = deadline.seconds
         while not ticket.done.wait(0.01):
             if time.perf_counter() - t0 >= limit:
-                from capstone.parallel import timeout
-                timeout.expire(deadline, what, time.perf_counter() - t0)
+                expire(deadline, what, time.perf_counter() - t0)
         return time.perf_counter() - t0

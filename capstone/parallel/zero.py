@@ -1,6 +1,6 @@
 """ZeRO-1: AdamW whose fp32 master copy and moments are sharded over the data-parallel group.
 
-`ZeroAdam` owns this rank's shard of the optimizer state (`ShardState`: master, m, v, t) and
+`ZeroAdam` owns this rank's shard of the optimizer state (capstone.state.ShardState: master, m, v, t) and
 nothing else: the reduced gradient shard comes from the gradient reducer
 (capstone.parallel.reduce), Adam updates the shard, and the updated shard is allgathered into the
 flat parameter buffer in place. `revert` undoes the last update bit for bit (the divergence
@@ -9,55 +9,13 @@ guard). Per-rank optimizer memory is 12 * padded / dp bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 
 from capstone.model.params import DTYPE, Layout, no_decay_runs
+from capstone.state import ROWS, ShardState
 
-ROWS = ("master", "m", "v")  # the arrays of a shard's optimizer state, in checkpoint row order
 ADAM_CHUNK = 1 << 16         # elements per pass of the update: the arrays of one pass stay in L2 (256 KiB each)
-
-
-_ZEROS = np.zeros(1024, dtype=DTYPE)
-
-
-def _finite(a: np.ndarray) -> bool:
-    """Whether every value of a is finite, in one BLAS pass: rows of 1024 values times a zero
-    vector give 0 * x = NaN for an infinite or NaN x and 0 otherwise (3x faster than isfinite)."""
-    full = a.size - a.size % _ZEROS.size
-    with np.errstate(invalid="ignore"):
-        rows = np.dot(a[:full].reshape(-1, _ZEROS.size), _ZEROS)
-    return bool(np.isfinite(rows).all() and np.isfinite(a[full:]).all())
-
-
-@dataclass
-class ShardState:
-    """One rank's ZeRO-1 optimizer state: fp32 master copy, Adam m and v of its shard; Adam step t."""
-
-    master: np.ndarray
-    m: np.ndarray
-    v: np.ndarray
-    t: int = 0
-
-    def rows(self) -> list[np.ndarray]:
-        return [getattr(self, r) for r in ROWS]
-
-    def copy_from(self, other: "ShardState") -> None:
-        for r in ROWS:
-            src, dst = getattr(other, r), getattr(self, r)
-            if src.shape != dst.shape:
-                raise ValueError(f"{r} shard has shape {src.shape}, this rank needs {dst.shape}")
-            dst[...] = src
-        self.t = int(other.t)
-
-    def finite(self) -> bool:
-        """No NaN or infinity in master, m or v."""
-        return all(_finite(a) for a in self.rows())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.rows())
 
 
 class ZeroAdam:

@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass, field
 
 from capstone.checkpoint import files
+from capstone.collective.agree import agreed
 from capstone.config import ConfigError
 from capstone.runtime import lock
 
@@ -114,17 +115,17 @@ def check_memory(comm, mcfg, tcfg, opts) -> None:
     need = acts + states
     local = comm.node_size()
     avail, source = available_bytes()
-    error = None
-    if avail is not None and need * local > avail:
-        error = (f"--batch-size {tcfg.batch_size} needs about {need / MIB:.0f} MiB per rank ({acts / MIB:.0f} MiB "
-                 f"of activations{' with --recompute' if opts.recompute else ''}, {states / MIB:.0f} MiB of model "
-                 f"states at --zero-stage {opts.zero_stage}; {local} ranks on {socket.gethostname()}: "
-                 f"{need * local / MIB:.0f} MiB), but only {avail / MIB:.0f} MiB is available ({source}); the kernel "
-                 f"would kill the run in its first step. Lower --batch-size (raise --grad-accum to keep the global "
-                 f"batch), add --recompute, raise --zero-stage, or run fewer ranks per node.")
-    errors = [e for e in comm.allgather_json(error) if e]
-    if errors:
-        raise ConfigError(errors[0])
+
+    def check() -> None:
+        if avail is not None and need * local > avail:
+            raise ConfigError(
+                f"--batch-size {tcfg.batch_size} needs about {need / MIB:.0f} MiB per rank ({acts / MIB:.0f} MiB "
+                f"of activations{' with --recompute' if opts.recompute else ''}, {states / MIB:.0f} MiB of model "
+                f"states at --zero-stage {opts.zero_stage}; {local} ranks on {socket.gethostname()}: "
+                f"{need * local / MIB:.0f} MiB), but only {avail / MIB:.0f} MiB is available ({source}); the kernel "
+                f"would kill the run in its first step. Lower --batch-size (raise --grad-accum to keep the global "
+                f"batch), add --recompute, raise --zero-stage, or run fewer ranks per node.")
+    agreed(comm, check, errors=(ConfigError,), every=True, explain=lambda failed: ConfigError(failed[0][1]))
 
 
 @dataclass
@@ -153,16 +154,15 @@ def _quietly(fn, path) -> None:
 def claim(comm, out: str, ckpt_dir: str, ckpt_bytes: int) -> Claim:
     """Collective. Create, lock and check the run directory; ConfigError on every rank if any
     check fails (after undoing what was created). Rank 0's Claim holds the lock."""
-    done, error = Claim(), None
-    if comm.rank == 0:
+    done = Claim()
+
+    def attempt() -> None:
         try:
             _claim(done, out, ckpt_dir, ckpt_bytes)
-        except ConfigError as exc:
-            error = str(exc)
+        except ConfigError:
             done.undo()
-    error = comm.bcast_json(error)
-    if error:
-        raise ConfigError(error)
+            raise
+    agreed(comm, attempt, errors=(ConfigError,))
     return done
 
 

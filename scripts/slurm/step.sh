@@ -3,7 +3,7 @@
 #   run_step RUN_DIR PYTHON COMMAND...   -> exits the batch script with the step's status
 # bash runs a trap only between commands, and `wait` is interruptible while a foreground srun is
 # not: so the step runs in the background and this shell waits for it in a loop.
-# A collective timeout (a rank writes RUN_DIR/collective-timeout.json, capstone/parallel/timeout.py, then
+# A collective timeout (a rank writes RUN_DIR/collective-timeout.json, capstone/collective/deadline.py, then
 # aborts): if the step is still running CAPSTONE_ABORT_GRACE seconds later (mpirun waiting for an
 # unreachable node's daemon, docs/multinode.md), this script kills it; then, with a checkpoint to
 # resume from, it requeues the job like a preemption (the node is probably bad: see the note printed).

@@ -12,7 +12,7 @@ import tempfile
 import pytest
 from mpi4py import MPI
 
-from capstone.parallel.comm import Comm
+from capstone.collective.comm import Comm
 from capstone.parallel.grid import Grid
 
 

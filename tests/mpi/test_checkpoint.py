@@ -13,8 +13,8 @@ from capstone.checkpoint import CheckpointError, files, integrity
 from capstone.checkpoint.digest import logical_root
 from capstone.config import ModelConfig
 from capstone.model.params import Layout
-from capstone.parallel.comm import Comm
-from capstone.parallel.zero import ROWS, ShardState
+from capstone.collective.comm import Comm
+from capstone.state import ROWS, ShardState
 
 CFG = ModelConfig(vocab_size=29, seq_len=4, d_model=8, n_heads=2, n_layers=1)
 EXPECT = {"model_config": {"cfg": 1}}

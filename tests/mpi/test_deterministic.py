@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from capstone.parallel.comm import Comm
+from capstone.collective.comm import Comm
 from capstone.parallel.deterministic import ShardNorm, chunked_sumsq, tree_rows, tree_sum
 
 

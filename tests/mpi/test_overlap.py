@@ -22,7 +22,7 @@ from capstone.model.gpt import Model
 from capstone.model.params import Layout, init_params
 from capstone.parallel.bucket_plan import plan, tree_order
 from capstone.parallel.buckets import BucketReducer
-from capstone.parallel.comm import Comm
+from capstone.collective.comm import Comm
 from capstone.parallel.grid import Grid
 from capstone.parallel.reduce import Flags
 

@@ -15,9 +15,9 @@ from capstone.model.params import Layout, init_params
 from capstone.parallel import grid as grids
 from capstone.parallel import tensor as tp
 from capstone.parallel.canonical import Canonical
-from capstone.parallel.comm import Comm
+from capstone.collective.comm import Comm
 from capstone.parallel.grid import Grid
-from capstone.parallel.zero import ShardState
+from capstone.state import ShardState
 from capstone.state import RunState
 
 CFG = ModelConfig()   # reference: 4 heads, d_model 32

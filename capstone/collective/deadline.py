@@ -4,8 +4,12 @@ for the calls MPI and HDF5 offer only blocking.
 `Deadline.wait` polls `MPI.Request.Testall` (spinning, with sched_yield, for the first
 SPIN_DEDICATED_S when every rank has a core, SPIN_S when ranks share cores, then sleeping with a
 backoff capped at MAX_SLEEP_S). If the requests are not complete after `seconds`, this rank prints
-ONE line (which collective, which step, how long it waited, what to do) and ends the whole job
-(capstone.parallel.timeout, which also guards the calls that have no non-blocking form).
+ONE line (which collective, which step, how long it waited, what to do), writes it to the run
+directory's collective-timeout.json (the batch scripts' watchdog reads it), calls the deadline's
+`on_expire` if the run set one (its summary.json) and ends the whole job (`expire`). `guard`
+covers a call MPI or HDF5 offers only blocking (a communicator `Split`, a collective parallel-HDF5
+open, write or close): this rank's watchdog process (capstone.collective.watchdog) prints the same
+line at the deadline and kills this rank, which ends the job.
 
 The timeout: `--collective-timeout SECONDS` if given (> 0); otherwise automatic,
 max(FLOOR_S, STEP_MULT x the longest step this rank has measured so far) -- generous on purpose:
@@ -16,10 +20,16 @@ wait) it is at least the floor. CAPSTONE_DEADLINE_FLOOR_S overrides the floor (t
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import socket
+import sys
 import time
 
 from mpi4py import MPI
+
+from capstone.collective.watchdog import Watchdog
 
 FLOOR_S = 300.0      # the automatic timeout is never below this
 STEP_MULT = 20.0     # ... nor below this many times the longest step measured so far
@@ -43,7 +53,7 @@ class Deadline:
         self._step_start: float | None = None
         self.record: str | None = None   # where a timeout is recorded (JSON), if set
         self.spin_s = spin_s             # how long a wait spins before it sleeps (see dedicated_cores)
-        self.watchdog = None             # the watchdog process, started on first use (capstone.parallel.timeout)
+        self.watchdog = None             # the watchdog process, started on first use (`guard`)
 
     def set_timeout(self, seconds: float) -> None:
         if seconds < 0:
@@ -89,9 +99,62 @@ class Deadline:
                 os.sched_yield()   # a pure spin on a dedicated core; lets a peer run on a shared one
             else:
                 if now - t0 >= limit:
-                    from capstone.parallel import timeout  # (its own module: the failure path)
-                    timeout.expire(self, what, now - t0)
+                    expire(self, what, now - t0)
                 time.sleep(sleep)
                 sleep = min(2 * sleep, MAX_SLEEP_S)
             if MPI.Request.Testall(requests):
                 return
+
+
+def message(deadline, what: str, waited: float | None = None) -> tuple[str, dict]:
+    """The one line of a timeout of `what`, and its record."""
+    at = f"step {deadline.step}" if deadline.step is not None else "start-up/shutdown (no step running)"
+    how = deadline.describe()
+    waited = deadline.seconds if waited is None else waited
+    line = (f"[rank {deadline.rank}/{deadline.world}] capstone: collective timeout: {what} at {at} did not "
+            f"complete after {waited:.1f} s ({how}); a peer rank is probably dead or unreachable: check its host "
+            f"and the network, then rerun with --resume auto (the last complete checkpoint is intact). "
+            f"Aborting the job.")
+    record = {"rank": deadline.rank, "world": deadline.world, "host": socket.gethostname(), "pid": os.getpid(),
+              "collective": what, "at": at, "waited_s": round(waited, 1), "time": time.time()}
+    return line, record
+
+
+def expire(deadline, what: str, waited: float) -> None:
+    """Print the one line, record it and end the whole job (every rank) with exit code 1."""
+    line, record = message(deadline, what, waited)
+    print(line, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    if deadline.record is not None:
+        write_record(deadline.record, record)
+    if getattr(deadline, "on_expire", None) is not None:   # summary.json (capstone.observe.outcome.recorded)
+        try:
+            deadline.on_expire(record)
+        except Exception:   # noqa: BLE001 - best effort: the abort must happen anyway
+            pass
+    MPI.COMM_WORLD.Abort(1)
+
+
+@contextlib.contextmanager
+def guard(deadline, what: str):
+    """Run the block under this rank's watchdog: at the deadline it prints the timeout line and
+    kills this rank (the job then ends), even if the block holds the GIL inside MPI or HDF5."""
+    line, record = message(deadline, what)
+    if deadline.watchdog is None:
+        deadline.watchdog = Watchdog()
+    deadline.watchdog.arm(deadline.seconds, line, deadline.record, record)
+    try:
+        yield
+    finally:
+        deadline.watchdog.disarm()
+
+
+def write_record(path: str, record: dict) -> None:
+    """Best effort (the run directory may be unwritable or gone): the abort must happen anyway."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass

@@ -1,4 +1,4 @@
-"""A rank's watchdog for the calls that cannot be made non-blocking (capstone.parallel.timeout.guard).
+"""A rank's watchdog for the calls that cannot be made non-blocking (capstone.collective.deadline.guard).
 
 A thread would not do: h5py holds the GIL while HDF5 waits in MPI-IO, so no Python thread could
 run. So the watchdog is a small process, started on first use: `Watchdog` (the rank's side) runs

@@ -5,15 +5,18 @@ stopped peer ends the job with one line that names the collective instead of a h
 HDF5 offers only blocking (a `Split`, a parallel-HDF5 open/write/close) runs under the deadline's
 watchdog (`blocking`). Buffers only: the buffer collectives are named as mpi4py's uppercase
 (buffer, never pickle) methods they wrap, `Allreduce`, `Allgather`, ...; the optional modes'
-exchanges are in capstone.parallel.exchanges, small values go as JSON (capstone.parallel.values). Each wait is counted in `traffic` by kind (bytes as nccl-tests count
-them, the seconds spent waiting, calls) for the step's accounting. A communicator of one rank (`MPI.COMM_SELF`,
-e.g. the tensor-parallel group without tensor parallelism) skips its reductions: one code path.
-No other module of capstone holds an MPI communicator (tests/test_architecture.py checks it).
+exchanges (all-to-all, variable-size gathers, point-to-point) follow, and small values go as JSON
+(which checkpoint to resume, errors every rank must raise, reports), each a pair of uint8 buffer
+collectives. Each wait is counted in `traffic` by kind (bytes as nccl-tests count them, the seconds
+spent waiting, calls) for the step's accounting. A communicator of one rank (`MPI.COMM_SELF`, e.g.
+the tensor-parallel group without tensor parallelism) skips its reductions: one code path. No
+other module of capstone holds an MPI communicator (tests/test_architecture.py checks it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from contextlib import contextmanager
@@ -22,11 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from capstone.collective.deadline import Deadline, guard
 from capstone.hooks import NONE
-from capstone.parallel import timeout
-from capstone.parallel.deadline import Deadline
-from capstone.parallel.exchanges import Exchanges
-from capstone.parallel.values import JsonValues
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Traffic:
     hidden: float = 0.0   # seconds it ran behind compute (a prefetch), besides the `seconds` waited for it
 
 
-class Comm(Exchanges, JsonValues):
+class Comm:
     """Rank, size and deadline-bound collectives of one MPI communicator."""
 
     def __init__(self, mpi_comm, deadline: Deadline | None = None, traffic: dict | None = None, hooks=NONE):
@@ -113,12 +113,70 @@ class Comm(Exchanges, JsonValues):
         self.wait(self.mpi.Iallreduce(MPI.IN_PLACE, v, op=MPI.SUM), what, kind, "allreduce", v.nbytes)
         return [float(x) for x in v]
 
+    # ---- the optional modes' exchanges ---------------------------------------------------------
+    def Alltoall(self, send: np.ndarray, recv: np.ndarray, what: str, kind: str = "alltoall") -> None:
+        """Block j of `send` to rank j, block i of `recv` from rank i."""
+        self.hooks.at(kind)
+        self.wait(self.mpi.Ialltoall(send, recv), what, kind, "alltoall", send.nbytes)
+
+    def Allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int], what: str) -> None:
+        """Every rank's `send` (counts[r] values from rank r) into `recv`, in rank order."""
+        self.wait(self.mpi.Iallgatherv(send, [recv, counts]), what)
+
+    def Iallgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int]):
+        """Start `Allgatherv`; wait for the request (or hand it to capstone.parallel.progress)."""
+        self.hooks.at("allgather_params")
+        return self.mpi.Iallgatherv(send, [recv, counts])
+
+    def Isend(self, buf: np.ndarray, dest: int, tag: int):
+        """Start sending `buf` to rank `dest` of this group; wait for the request."""
+        self.hooks.at("send")
+        return self.mpi.Isend(buf, dest=dest, tag=tag)
+
+    def Irecv(self, buf: np.ndarray, source: int, tag: int):
+        """Start receiving into `buf` from rank `source` of this group; wait for the request."""
+        return self.mpi.Irecv(buf, source=source, tag=tag)
+
+    def Barrier(self, what: str = "barrier") -> None:
+        self.wait(self.mpi.Ibarrier(), what)
+
+    # ---- small values as JSON (never pickle) ----------------------------------------------------
+    def allgather_json(self, value) -> list:
+        """Every rank's JSON-able value, in rank order, on every rank."""
+        data = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
+        sizes = self._sizes(len(data))
+        buf = np.empty(sum(sizes), dtype=np.uint8)
+        self.Allgatherv(data, buf, sizes, "allgather (JSON)")
+        return _split_json(buf, sizes)
+
+    def gather_json(self, value, root: int = 0) -> list | None:
+        """Every rank's JSON-able value on `root`, None elsewhere."""
+        data = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
+        sizes = self._sizes(len(data))
+        buf = np.empty(sum(sizes), dtype=np.uint8) if self.rank == root else None
+        self.wait(self.mpi.Igatherv(data, [buf, sizes] if self.rank == root else None, root=root), "gather (JSON)")
+        return _split_json(buf, sizes) if self.rank == root else None
+
+    def _sizes(self, n: int) -> list[int]:
+        out, mine = np.empty(self.size, dtype=np.int64), np.array([n], dtype=np.int64)
+        self.wait(self.mpi.Iallgather(mine, out), "allgather (JSON sizes)")
+        return [int(x) for x in out]
+
+    def bcast_json(self, value, root: int = 0):
+        """Root's JSON-able value on every rank."""
+        data = json.dumps(value).encode() if self.rank == root else b""
+        n = np.array([len(data)], dtype=np.int64)
+        self.wait(self.mpi.Ibcast(n, root=root), "broadcast (JSON size)")
+        buf = np.frombuffer(data, dtype=np.uint8).copy() if self.rank == root else np.empty(int(n[0]), np.uint8)
+        self.wait(self.mpi.Ibcast(buf, root=root), "broadcast (JSON)")
+        return json.loads(buf.tobytes())
+
     # ---- what has no non-blocking form: under the watchdog --------------------------------------
     @contextmanager
     def blocking(self, what: str):
         """A blocking collective call (h5py's mpio driver on `self.mpi`) bounded by the deadline."""
         self.hooks.at("blocking")
-        with timeout.guard(self.deadline, what):
+        with guard(self.deadline, what):
             yield self.mpi
 
     def split(self, color: int, key: int, what: str) -> "Comm":
@@ -139,3 +197,11 @@ class Comm(Exchanges, JsonValues):
         sys.stdout.flush()
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(code)
+
+
+def _split_json(buf: np.ndarray, sizes: list[int]) -> list:
+    out, pos = [], 0
+    for n in sizes:
+        out.append(json.loads(buf[pos:pos + n].tobytes()))
+        pos += n
+    return out

@@ -11,8 +11,8 @@ from contextlib import contextmanager
 
 from mpi4py import MPI
 
-from capstone.parallel.comm import Comm
-from capstone.parallel.deadline import SPIN_S
+from capstone.collective.comm import Comm
+from capstone.collective.deadline import SPIN_S
 
 
 def dedicated_cores(world: int, node_size=None) -> bool:
