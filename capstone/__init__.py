@@ -1,3 +1,4 @@
-"""capstone: data-parallel MiniGPT training on MPI with ZeRO-1 and sharded parallel-HDF5 checkpoints."""
+"""capstone: MiniGPT training on MPI (data, tensor and pipeline parallelism, ZeRO stages 1-3) with sharded
+parallel-HDF5 checkpoints."""
 
 __version__ = "0.1.0"

@@ -29,7 +29,7 @@ class RunOptions:
     quiet: bool = False
     log_every: int = 0                   # console row every K steps (0: 1 up to 100 steps, else about steps/50)
     tensorboard: str | None = None       # also write TensorBoard scalars to this directory
-    tp: int = 1                          # tensor-parallel ranks per replica (capstone/grid.py, capstone/tp.py)
+    tp: int = 1                          # tensor-parallel ranks per replica (capstone.parallel.grid, capstone.parallel.tensor)
     collective_timeout: float = 0.0   # seconds; 0: automatic (capstone.collective.deadline)
     overlap: bool = True              # reduce-scatter in buckets during the backward pass
     bucket_mb: float = 1.0            # bucket size of the overlapped reduce-scatter
@@ -118,8 +118,8 @@ def _flag(group, name: str, help: str, **kw) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m capstone.train",
-                description="Train the MiniGPT data-parallel with ZeRO-1 and sharded HDF5 checkpoints; run under "
-                            "mpirun/srun (any number of ranks). Checks the four invariants and exits non-zero if one fails.")
+                description="Train the MiniGPT on MPI (data, tensor and pipeline parallelism; ZeRO stages 1-3) with "
+                            "sharded HDF5 checkpoints; run under mpirun/srun (any number of ranks). Checks the four invariants and exits non-zero if one fails.")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="named settings (capstone/presets.py); explicit flags override them; on --resume the "
                         "checkpoint's settings win and a preset that contradicts them is refused "

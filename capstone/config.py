@@ -73,7 +73,7 @@ class TrainConfig:
     max_rollbacks: int = 3
     loss_tol: float = 1e-4
     loss_tol_rel: float = 0.05
-    deterministic: bool = False    # fixed-order reductions: bit-identical for any ranks x grad_accum (capstone/deterministic.py)
+    deterministic: bool = False    # fixed-order reductions: bit-identical for any ranks x grad_accum (capstone.parallel.deterministic)
     keep_best: bool = False        # also checkpoint each new best held-out loss (capstone.checkpoint.best)
 
     def batch_for(self, world: int) -> int:

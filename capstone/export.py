@@ -18,9 +18,10 @@ import sys
 
 import numpy as np
 
-from capstone.config import ModelConfig
+from capstone.checkpoint import CheckpointError, serial
+from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout
-from capstone.sample import SampleError, load_checkpoint, resolve
+from capstone.vocab import SampleError
 
 SAFETENSORS_PIN = "safetensors==0.8.0"
 FORMAT = "capstone-gpt2"
@@ -86,8 +87,11 @@ def export(target: str, out: str) -> dict:
     if not os.path.isdir(folder):
         raise SampleError(2, f"--out {out}: the directory {folder} does not exist; create it first.")
     save_file = _save_file()
-    path = resolve(target)
-    meta, cfg, params = load_checkpoint(path)
+    try:
+        path = serial.find(target)
+        meta, cfg, params = serial.load_weights(path)
+    except (ConfigError, CheckpointError) as exc:   # 2: no checkpoint there; 1: an invalid one
+        raise SampleError(1 if isinstance(exc, CheckpointError) else 2, str(exc)) from None
     tensors = gpt2_tensors(params, cfg)
     tmp = os.path.join(folder, f".{os.path.basename(out)}.{os.getpid()}.tmp")
     try:

@@ -132,9 +132,3 @@ def _in(step: int, span: tuple[int, int] | None) -> bool:
 
 def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
-
-
-def wanted(opts) -> bool:
-    """Whether a run needs `Faults` (else the plain `Hooks`)."""
-    return bool(os.environ.get("CAPSTONE_FAULT") or os.environ.get("CAPSTONE_FAULT_PIDS") or opts.inject_lr_spike
-                or opts.inject_nan or opts.sleep_per_step or opts.inject_grad_sign or opts.inject_no_update)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from capstone.checkpoint import CheckpointError
+from capstone.checkpoint import CheckpointError, serial
 from capstone.collective.agree import agreed
 from capstone.config import ConfigError, ModelConfig
 from capstone.data.tokenizer import difference, from_description
@@ -50,15 +50,14 @@ class Source:
 def read(target: str) -> Source:
     """One process: the weights of a checkpoint or an export. CheckpointError for an invalid file,
     ConfigError for a path that is neither."""
-    from capstone.vocab import SampleError
+    if target.endswith(".safetensors"):
+        return _read_export(target)
     try:
-        if target.endswith(".safetensors"):
-            return _read_export(target)
-        from capstone.sample import load_checkpoint, resolve
-        path = resolve(target)
-        meta, cfg, params = load_checkpoint(path)
-    except SampleError as exc:
-        raise (CheckpointError if exc.code == 1 else ConfigError)(f"--init-from {target}: {exc}") from None
+        path = serial.find(target)
+        meta, cfg, params = serial.load_weights(path)
+    except (ConfigError, CheckpointError) as exc:
+        raise (CheckpointError if isinstance(exc, CheckpointError) else ConfigError)(f"--init-from {target}: {exc}") \
+            from None
     return Source(path, "checkpoint", int(meta["step"]), cfg, meta.get("data") or {}, params[:cfg_params(cfg)])
 
 
@@ -69,7 +68,11 @@ def cfg_params(cfg: ModelConfig) -> int:
 def _read_export(path: str) -> Source:
     """An export's tensors back into the flat layout (lm_head.weight transposed back to (in, out))."""
     from capstone.export import FORMAT, _save_file, gpt2_name
-    _save_file()   # the library, or the install command
+    from capstone.vocab import SampleError
+    try:
+        _save_file()   # the library, or the install command
+    except SampleError as exc:
+        raise ConfigError(f"--init-from {path}: {exc}") from None
     from safetensors import safe_open
     if not os.path.isfile(path):
         raise ConfigError(f"--init-from {path}: no such file; pass a .safetensors file `python -m capstone.export` "

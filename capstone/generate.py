@@ -21,7 +21,7 @@ from capstone.model.params import Layout
 
 class KVCache:
     """Incremental forward of MiniGPT (batch 1): keys and values of earlier positions are kept per layer,
-    so each new position costs one row of every matmul. Same math as `capstone.model.logits`."""
+    so each new position costs one row of every matmul. Same math as `capstone.model.gpt.logits`."""
 
     def __init__(self, p: dict, cfg: ModelConfig):
         self.p, self.cfg = p, cfg

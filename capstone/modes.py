@@ -20,24 +20,26 @@ from capstone.observe import report
 from capstone.parallel import grid as grids
 from capstone.parallel.buckets import BucketReducer
 from capstone.parallel.grid import Grid
+from capstone.parallel.reduce import GradReducer
 from capstone.parallel.replicas import ReplicaCheck
 from capstone.parallel.schedules import Sequential
 from capstone.parallel.zero import ZeroAdam
+from capstone.roles import Replicas, Schedule, StateView, TrainedModel
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Parts:
     """What the modes make for one rank (capstone.run.Run holds them)."""
 
     layout: Layout     # this rank's part of the model, padded for its data-parallel group
     full: Layout       # the whole model, padded for the world: the checkpoints' layout
-    view: object       # the checkpoints' view of this rank's optimizer shard (None: as is)
-    model: Model
-    reducer: object    # a capstone.parallel.reduce.GradReducer
-    replicas: object   # invariant (b): capstone.parallel.replicas.ReplicaCheck or ZeRO-3's
+    view: StateView | None   # the checkpoints' view of this rank's optimizer shard (None: as is)
+    model: TrainedModel
+    reducer: GradReducer
+    replicas: Replicas       # invariant (b)
     heldout: HeldOut
     opt: ZeroAdam
-    schedule: object   # Sequential, or a capstone.parallel.pipeline.Pipeline
+    schedule: Schedule
 
 
 def check(world: int, settings: Settings) -> None:
@@ -95,7 +97,8 @@ def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
     if grid.pp.size > 1:
         from capstone.parallel.pipeline import Pipeline
         schedule = Pipeline(model, reducer, hooks, scale, opts.pp_schedule or "1f1b")
-    return Parts(layout, full, view, model, reducer, replicas, _heldout(grid, data, settings), opt, schedule)
+    return Parts(layout=layout, full=full, view=view, model=model, reducer=reducer, replicas=replicas,
+                 heldout=_heldout(grid, data, settings), opt=opt, schedule=schedule)
 
 
 def _stages(grid: Grid, settings: Settings) -> list:

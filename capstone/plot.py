@@ -1,6 +1,6 @@
 """`python -m capstone.plot RUN_DIR [RUN_DIR ...] --out DIR`: PNG figures of one or more runs.
 
-The curves come from capstone.runlog (plain reading, tested exactly); matplotlib (Agg backend) is
+The curves come from capstone.observe.runlog (plain reading, tested exactly); matplotlib (Agg backend) is
 imported only here, when figures are made, so training never needs it. Works on finished, running
 (partial last line, no summary.json) and resumed runs (a repeated step: the latest row wins).
 """

@@ -11,7 +11,7 @@ run is refused at start, with the reason (exit 2).
 Each piece of state has one owner: `Model` the parameter and gradient buffers, the reducer the
 reduced gradient shard, `ZeroAdam` the optimizer shard and the state before its last update (the
 guard's undo), `Checkpointer` what was saved, `RunState` the progress a checkpoint restores,
-`ReplicaCheck` invariant (b)'s record.
+the replica check invariant (b)'s record. The parts' roles are Protocols (capstone.roles).
 """
 
 from __future__ import annotations
@@ -34,23 +34,21 @@ from capstone.data.tokens import identity, load_meta
 from capstone.guard import Guard
 from capstone.hooks import Hooks
 from capstone.model.fingerprint import fingerprint
-from capstone.model.gpt import Model
 from capstone.model.params import Layout
 from capstone.observe import provenance, report
 from capstone.collective.comm import Comm
 from capstone.parallel.grid import Grid
 from capstone.parallel.reduce import GradReducer
-from capstone.parallel.replicas import ReplicaCheck
-from capstone.parallel.schedules import Sequential
 from capstone.parallel.zero import ZeroAdam
 from capstone.state import ROWS
+from capstone.roles import Batches, Replicas, Schedule, TrainedModel
 from capstone.runtime import preflight
 from capstone.state import RunState
 
 TIMEOUT_RECORD = "collective-timeout.json"   # in the run directory, written by a rank whose collective timed out
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """Everything one run holds (see the module docstring for who owns what)."""
 
@@ -59,17 +57,17 @@ class Run:
     tcfg: TrainConfig
     opts: RunOptions
     out: str
-    model: Model
+    model: TrainedModel
     opt: ZeroAdam
     reducer: GradReducer
-    schedule: Sequential
-    data: object
+    schedule: Schedule
+    data: Batches
     heldout: HeldOut
     guard: Guard
     cadence: Cadence
     ckpt: Checkpointer
     state: RunState
-    replicas: ReplicaCheck
+    replicas: Replicas
     hooks: Hooks
     batch_size: int                        # sequences per data-parallel rank per micro-batch
     global_batch: int                      # sequences per optimizer step, over all replicas and micro-batches
@@ -166,8 +164,10 @@ def build(world: Comm, settings: Settings, out: str, hooks: Hooks | None = None)
     ckpt = Checkpointer(world, os.path.join(out, "checkpoints"), p.full, identity, cadence, p.view, hooks)
     state = RunState()
     guard = Guard(tcfg.spike_factor, tcfg.max_rollbacks, state.guard)
-    return Run(grid, mcfg, tcfg, opts, out, p.model, p.opt, p.reducer, p.schedule, data, p.heldout, guard, cadence,
-               ckpt, state, p.replicas, hooks, batch, identity.global_batch, p.full.n_params)
+    return Run(grid=grid, mcfg=mcfg, tcfg=tcfg, opts=opts, out=out, model=p.model, opt=p.opt, reducer=p.reducer,
+               schedule=p.schedule, data=data, heldout=p.heldout, guard=guard, cadence=cadence, ckpt=ckpt, state=state,
+               replicas=p.replicas, hooks=hooks, batch_size=batch, global_batch=identity.global_batch,
+               n_params=p.full.n_params)
 
 
 def _hooks(world: Comm, opts: RunOptions) -> Hooks:

@@ -11,7 +11,6 @@ valid checkpoint; 2 bad arguments, missing data or a different dataset.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -19,57 +18,25 @@ import time
 
 import numpy as np
 
-from capstone.checkpoint import CheckpointError, files
-from capstone.checkpoint.__main__ import checks, load_all
+from capstone.checkpoint import CheckpointError, serial
 from capstone.config import ConfigError, ModelConfig
 from capstone.generate import KVCache, generate, pick  # noqa: F401  (capstone.sample.KVCache etc., as before)
-from capstone.model.params import Layout
 from capstone.vocab import SampleError, Vocab, load_vocab
 
 def resolve(target: str) -> str:
     """The checkpoint file: `target` itself, or the one RUN_DIR/checkpoints/latest names."""
-    if os.path.isfile(target):
-        return target
-    if not os.path.isdir(target):
-        raise SampleError(2, f"{target}: no such file or directory; pass a run directory (--out of the "
-                             f"training run) or a ckpt-*.h5 file.")
-    for directory in (os.path.join(target, "checkpoints"), target):
-        try:
-            path = files.read_pointer(directory)
-        except (ValueError, OSError) as exc:
-            raise SampleError(2, f"{exc}") from None
-        if path:
-            return path
-    raise SampleError(2, f"{target} has no checkpoints/latest: the run wrote no checkpoint yet. Pass a "
-                         f"ckpt-*.h5 file, or train with --ckpt-every K first.")
+    try:
+        return serial.find(target)
+    except ConfigError as exc:
+        raise SampleError(2, str(exc)) from None
 
 
 def load_checkpoint(path: str) -> tuple[dict, ModelConfig, np.ndarray]:
-    """(metadata, model config, named float32 parameters) of a checkpoint that passes every digest check."""
+    """(metadata, model config, float32 parameters) of a checkpoint that passes every digest check."""
     try:
-        meta, results = load_all(path)
-        bad = [line for good, line in checks(path, meta, results, sealed=True) if not good]  # verify's own checks
+        return serial.load_weights(path)
     except CheckpointError as exc:
-        text = str(exc)
-        raise SampleError(1, text if text.startswith("not a valid checkpoint") else f"not a valid checkpoint: {text}") from None
-    except (OSError, KeyError, ValueError, TypeError) as exc:
-        raise SampleError(1, f"not a valid checkpoint: {path} is unreadable ({type(exc).__name__}: {exc}); "
-                             f"sample from an earlier checkpoint.") from None
-    if bad:
-        raise SampleError(1, f"not a valid checkpoint: {path}: " + "; ".join(bad) + "\nSample from an earlier "
-                             f"checkpoint; `python -m capstone.checkpoint verify {path}` lists every check.")
-    names = sorted(meta["datasets"], key=lambda n: meta["datasets"][n]["offset"])
-    flat = np.concatenate([results[n][2][0] for n in names])[:meta["n_params"]].astype(np.float32, copy=False)
-    try:
-        cfg = ModelConfig(**meta["model_config"])
-    except (ConfigError, TypeError) as exc:
-        raise SampleError(1, f"{path}: model_config {meta.get('model_config')} is not one this capstone "
-                             f"builds ({exc}); sample with the capstone version that wrote it.") from None
-    layout = Layout.for_model(cfg, 1)
-    if json.loads(layout.to_json()) != meta["layout"] or layout.padded != flat.size:
-        raise SampleError(1, f"{path}: its parameter layout differs from the one capstone builds for "
-                             f"{meta['model_config']}; sample with the capstone version that wrote it.")
-    return meta, cfg, np.ascontiguousarray(flat)
+        raise SampleError(1, str(exc)) from None
 
 
 MAX_SAMPLES = 10000

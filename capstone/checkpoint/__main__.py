@@ -20,50 +20,11 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 
-from capstone.state import ROWS
 from capstone.checkpoint import integrity
-from capstone.checkpoint.digest import logical_root
 from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError
-from capstone.checkpoint.reader import open_verified, parse_error, read_dataset
-
-
-def load_all(path: str, require_digest: bool = True):
-    """Check the file and the metadata; return (meta, {dataset: (ok, message, array|None)})."""
-    f, meta = open_verified(path, require_digest)
-    with f:
-        results = {}
-        for name in sorted(meta["datasets"]):
-            try:
-                results[name] = (True, "sha256 ok", read_dataset(f, path, meta, name, "verify"))
-            except CheckpointError as exc:
-                results[name] = (False, str(exc), None)
-            except Exception as exc:
-                results[name] = (False, str(parse_error(path, exc)), None)
-    return meta, results
-
-
-def logical_check(meta: dict, results: dict) -> dict:
-    """Recompute the logical digests from the concatenated shards."""
-    names = sorted(meta["datasets"], key=lambda n: meta["datasets"][n]["offset"])
-    if not all(results[n][0] for n in names):
-        return {row: None for row in ROWS}
-    full = np.concatenate([results[n][2] for n in names], axis=1)[:, :meta["n_params"]]
-    return {row: logical_root(full[i], meta["logical_chunk"]) == meta["logical_sha256"][row] for i, row in enumerate(ROWS)}
-
-
-def checks(path: str, meta: dict, results: dict, sealed: bool) -> list[tuple[bool, str]]:
-    """(ok, line) for every check, in order."""
-    lines = [(True, f"ok  file: size and sha256 match {path}{DIGEST_SUFFIX}" if sealed else
-              "--  file: no digest file checked (--unsealed)"),
-             (True, "ok  /meta_json: sha256 ok (step, config, layout, cursor, Adam step, digests); "
-                    "every attribute agrees with it")]
-    lines += [(good, f"{'ok ' if good else 'BAD'} /{name}: {message}") for name, (good, message, _) in results.items()]
-    for row, good in logical_check(meta, results).items():
-        lines.append((bool(good), f"{'ok ' if good else 'BAD'} logical {row}: "
-                                  f"{'matches' if good else 'not checked' if good is None else 'MISMATCH'}"))
-    return lines
+from capstone.checkpoint.serial import checks, load_all
+from capstone.state import ROWS
 
 
 def manifest(path: str, meta: dict) -> None:

@@ -3,7 +3,7 @@ cadence, capstone.checkpoint.cadence).
 
 The file holds the canonical 1-rank vectors sharded over the world ranks;
 `view` converts this rank's optimizer shard to and from that (as is without tensor parallelism,
-capstone.parallel.tensor.Canonical with it). The first save of a run is snapshotted in memory so
+capstone.parallel.canonical.Canonical with model parallelism). The first save of a run is snapshotted in memory so
 invariant (d) can check it reloads byte-equal. File format and I/O are `capstone.checkpoint`'s.
 """
 

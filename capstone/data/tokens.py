@@ -22,7 +22,7 @@ from capstone.data.tokenizer import MAX_VOCAB  # noqa: F401  (re-exported)
 
 DTYPE = np.dtype("<u2")         # uint16, little-endian
 VAL_KEY = 0x5EA1                # key of the fixed validation permutation (not the training seed)
-EVAL_WINDOWS = 32               # eval_batch size, as capstone.data.EVAL_SEQUENCES
+EVAL_WINDOWS = 32               # eval_batch size, as DataStream's eval_sequences (capstone.data.synthetic)
 CHUNK = 1 << 20                 # bytes per read when hashing / range-checking a .bin
 
 

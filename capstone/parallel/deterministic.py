@@ -18,7 +18,7 @@ and across a resume on another world size. docs/deterministic.md has the scheme 
   is elementwise, so each element's result depends only on the K block values of that element:
   not on where the shard boundaries fall (which moves with the world size).
 - The loss: every block's loss is allgathered and summed in the same tree over block indices.
-- The gradient norm: sums of squares per fixed chunk of NORM_CHUNK values of the unpadded vector
+- The gradient norm: sums of squares per fixed chunk of FIXED_CHUNK values of the unpadded vector
   (chunk boundaries do not depend on the world size); chunks split between shards are assembled
   from the allgathered pieces; the chunk sums are added in a fixed tree over chunk indices.
 - `HeldOutBlocks`: the held-out loss per fixed block of EVAL_ROWS rows, blocks dealt round-robin
@@ -40,7 +40,7 @@ from capstone.checkpoint.digest import split_shard
 from capstone.data.heldout import HeldOut
 from capstone.parallel.reduce import Flags, GradReducer, GradStats
 
-NORM_CHUNK = 1 << 14   # values per chunk of the gradient norm's (and param_norm's) sum of squares
+FIXED_CHUNK = 1 << 14   # values per chunk of the gradient norm's (and param_norm's) sum of squares
 EVAL_ROWS = 4          # held-out rows per evaluation block
 
 
@@ -79,7 +79,7 @@ def sumsq(values: np.ndarray) -> float:
     return float(np.add.reduce(x * x))
 
 
-def chunked_sumsq(full: np.ndarray, n: int, chunk: int = NORM_CHUNK) -> float:
+def chunked_sumsq(full: np.ndarray, n: int, chunk: int = FIXED_CHUNK) -> float:
     """Sum of squares of full[:n] over fixed chunks, summed in the fixed tree (serial reference)."""
     return tree_sum(sumsq(full[c:min(c + chunk, n)]) for c in range(0, n, chunk))
 
@@ -97,7 +97,7 @@ class ShardNorm:
     the same bits on any number of ranks: chunk sums of squares where a rank holds whole chunks,
     the pieces of split chunks allgathered and joined, then the fixed tree over chunk indices."""
 
-    def __init__(self, comm, n: int, shard: int, chunk: int = NORM_CHUNK):
+    def __init__(self, comm, n: int, shard: int, chunk: int = FIXED_CHUNK):
         self.comm, self.n, self.chunk = comm, n, chunk
         self.rank, world = comm.rank, comm.size
         self.lo = self.rank * shard

@@ -168,8 +168,3 @@ class Pipeline:
         self.model.drain()
         self.span = (t0, time.perf_counter())
         return losses
-
-    def bubble(self) -> float:
-        """This rank's idle fraction of the last step's forward_backward (stage 0's is the pipeline's)."""
-        busy = sum(t1 - t0 for _, _, t0, t1 in self.model.events)
-        return 1.0 - busy / max(self.span[1] - self.span[0], 1e-12)

@@ -37,7 +37,7 @@ class GroupPlan:
         self.recv = slice(max(a, lo) - lo, max(a, lo) - lo + self.counts[rank])
 
 
-class Bucket:
+class GroupBucket:
     """Consecutive groups reduced together: their range, names, and the staging buffer filling up."""
 
     def __init__(self, names: list[str], ranges: dict, layout: Layout, rank: int):
@@ -60,13 +60,13 @@ class Bucket:
         return send
 
 
-def buckets(layout: Layout, bucket_floats: int, rank: int) -> list[Bucket]:
+def buckets(layout: Layout, bucket_floats: int, rank: int) -> list[GroupBucket]:
     """The groups in backward order (the head first), merged until a bucket is at least `bucket_floats`."""
     ranges, out, names = layout.group_ranges(), [], []
     for name in reversed(list(ranges)):
         names.append(name)
         if sum(ranges[n][1] - ranges[n][0] for n in names) >= bucket_floats or name == next(iter(ranges)):
-            out.append(Bucket(names, ranges, layout, rank))
+            out.append(GroupBucket(names, ranges, layout, rank))
             names = []
     return out
 

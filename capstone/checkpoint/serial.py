@@ -1,0 +1,104 @@
+"""One process reads a whole checkpoint with serial h5py, no MPI (`python -m capstone.checkpoint`,
+`capstone.sample`, `capstone.export`, `--init-from`): `find` the file a run directory names,
+`load_all` its datasets (each checked against its digest), `checks` (verify's list), and
+`load_weights`: the model config and the float32 parameters of a checkpoint that passes every check.
+Errors: ConfigError for a path that names no checkpoint, CheckpointError for an invalid one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from capstone.checkpoint import files
+from capstone.checkpoint.digest import logical_root
+from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError
+from capstone.checkpoint.reader import open_verified, parse_error, read_dataset
+from capstone.config import ConfigError, ModelConfig
+from capstone.model.params import Layout
+from capstone.state import ROWS
+
+
+def find(target: str) -> str:
+    """The checkpoint file: `target` itself, or the one RUN_DIR/checkpoints/latest names."""
+    if os.path.isfile(target):
+        return target
+    if not os.path.isdir(target):
+        raise ConfigError(f"{target}: no such file or directory; pass a run directory (--out of the "
+                             f"training run) or a ckpt-*.h5 file.")
+    for directory in (os.path.join(target, "checkpoints"), target):
+        try:
+            path = files.read_pointer(directory)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"{exc}") from None
+        if path:
+            return path
+    raise ConfigError(f"{target} has no checkpoints/latest: the run wrote no checkpoint yet. Pass a "
+                         f"ckpt-*.h5 file, or train with --ckpt-every K first.")
+
+
+def load_all(path: str, require_digest: bool = True):
+    """Check the file and the metadata; return (meta, {dataset: (ok, message, array|None)})."""
+    f, meta = open_verified(path, require_digest)
+    with f:
+        results = {}
+        for name in sorted(meta["datasets"]):
+            try:
+                results[name] = (True, "sha256 ok", read_dataset(f, path, meta, name, "verify"))
+            except CheckpointError as exc:
+                results[name] = (False, str(exc), None)
+            except Exception as exc:
+                results[name] = (False, str(parse_error(path, exc)), None)
+    return meta, results
+
+
+def logical_check(meta: dict, results: dict) -> dict:
+    """Recompute the logical digests from the concatenated shards."""
+    names = sorted(meta["datasets"], key=lambda n: meta["datasets"][n]["offset"])
+    if not all(results[n][0] for n in names):
+        return {row: None for row in ROWS}
+    full = np.concatenate([results[n][2] for n in names], axis=1)[:, :meta["n_params"]]
+    return {row: logical_root(full[i], meta["logical_chunk"]) == meta["logical_sha256"][row] for i, row in enumerate(ROWS)}
+
+
+def checks(path: str, meta: dict, results: dict, sealed: bool) -> list[tuple[bool, str]]:
+    """(ok, line) for every check, in order."""
+    lines = [(True, f"ok  file: size and sha256 match {path}{DIGEST_SUFFIX}" if sealed else
+              "--  file: no digest file checked (--unsealed)"),
+             (True, "ok  /meta_json: sha256 ok (step, config, layout, cursor, Adam step, digests); "
+                    "every attribute agrees with it")]
+    lines += [(good, f"{'ok ' if good else 'BAD'} /{name}: {message}") for name, (good, message, _) in results.items()]
+    for row, good in logical_check(meta, results).items():
+        lines.append((bool(good), f"{'ok ' if good else 'BAD'} logical {row}: "
+                                  f"{'matches' if good else 'not checked' if good is None else 'MISMATCH'}"))
+    return lines
+
+
+def load_weights(path: str) -> tuple[dict, ModelConfig, np.ndarray]:
+    """(metadata, model config, named float32 parameters) of a checkpoint that passes every digest check."""
+    try:
+        meta, results = load_all(path)
+        bad = [line for good, line in checks(path, meta, results, sealed=True) if not good]  # verify's own checks
+    except CheckpointError as exc:
+        text = str(exc)
+        raise CheckpointError(text if text.startswith("not a valid checkpoint") else f"not a valid checkpoint: {text}") from None
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"not a valid checkpoint: {path} is unreadable ({type(exc).__name__}: {exc}); "
+                             f"sample from an earlier checkpoint.") from None
+    if bad:
+        raise CheckpointError(f"not a valid checkpoint: {path}: " + "; ".join(bad) + "\nSample from an earlier "
+                             f"checkpoint; `python -m capstone.checkpoint verify {path}` lists every check.")
+    names = sorted(meta["datasets"], key=lambda n: meta["datasets"][n]["offset"])
+    flat = np.concatenate([results[n][2][0] for n in names])[:meta["n_params"]].astype(np.float32, copy=False)
+    try:
+        cfg = ModelConfig(**meta["model_config"])
+    except (ConfigError, TypeError) as exc:
+        raise CheckpointError(f"{path}: model_config {meta.get('model_config')} is not one this capstone "
+                             f"builds ({exc}); sample with the capstone version that wrote it.") from None
+    layout = Layout.for_model(cfg, 1)
+    if json.loads(layout.to_json()) != meta["layout"] or layout.padded != flat.size:
+        raise CheckpointError(f"{path}: its parameter layout differs from the one capstone builds for "
+                             f"{meta['model_config']}; sample with the capstone version that wrote it.")
+    return meta, cfg, np.ascontiguousarray(flat)
