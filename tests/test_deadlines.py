@@ -260,7 +260,7 @@ def test_overlap_and_no_overlap_train_alike(tmp_path, run_train):
 def test_spin_long_only_when_every_rank_has_a_core(monkeypatch, env, dedicated):
     """Waiting ranks spin 50 ms before sleeping when each has a core (sleeping only adds latency
     there), 2 ms when ranks share cores (a spinner would take a peer's CPU)."""
-    from capstone.parallel import deadline, launch
+    from capstone.collective import deadline, launch
     for k in ("OMPI_MCA_mpi_oversubscribe", "OMPI_MCA_mpi_yield_when_idle"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
