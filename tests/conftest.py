@@ -1,7 +1,9 @@
 """Shared helpers for the serial tests (the ones under tests/mpi run under mpirun)."""
 
+import fcntl
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -17,6 +19,72 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # default, 1 s, so that each of the suite's many expected failures costs about 1.5 s instead of 5.5 s.
 # The tests of Ctrl-C and kill launch through scripts/env.sh (tests/test_robust.py `launch`): 3 s.
 TEST_SIGKILL_TIMEOUT = "1"
+
+
+# scripts/test's phases (the markers are registered in pyproject.toml):
+# - serial: tests whose assertions fail on a loaded machine (wall-clock checkpoint spacing: steps of
+#   0.25 s against a 0.6 s interval); they run in scripts/test's last phase, `-m serial`, alone.
+# - TIMING: tests that time their runs or race them (collective deadlines, stop signals and kills
+#   mid-run, lock and disk-full timings, wall-clock checkpoints) but hold with CPU load beside
+#   them: they run one at a time, on one pytest-xdist worker (xdist_group "timing"); the
+#   network-namespace hosts (tests/test_multihost.py) likewise on another ("hosts").
+# - the modules whose module-scoped fixtures make runs stay on one worker (their runs made once).
+# - quick (scripts/test --quick): the unit tests and the composition matrix's rows that never use
+#   more than QUICK_ROW_RANKS ranks.
+# The phases' order (heaviest first, so that no long group starts last) is ORDER's, then collection order.
+SERIAL = {"test_checkpoint_retention.py": None}
+TIMING = {
+    "test_deadlines.py": None, "test_stop.py": None, "test_disk_full.py": None,
+    "test_endings.py": {"test_a_collective_timeout_writes_summary_json"},
+    "test_startup.py": {"test_second_run_on_the_same_out_is_refused_and_a_killed_run_leaves_no_stale_lock"},
+    "test_resume.py": {"test_sigusr1_checkpoints_at_step_boundary_and_resume_finishes", "test_wall_clock_checkpoints"},
+    "test_pipeline.py": {"test_kill_9_mid_run_then_resume_auto_is_bit_identical"},
+}
+HOSTS = {"test_multihost.py"}
+MODULE_GROUPS = {"test_cli_fixes.py", "test_clip_and_schedule.py", "test_deterministic.py", "test_export.py",
+                 "test_finetune.py", "test_integrity.py", "test_learning.py", "test_pipeline.py",
+                 "test_reference_bits.py", "test_sample.py", "test_sample_legacy.py", "test_text_training.py",
+                 "test_tp.py", "test_zero_stages.py"}
+ORDER = ["timing", "hosts", "test_trials.py", "test_finetune.py", "test_zero_stages.py", "test_learning.py",
+         "test_integrity.py", "test_deterministic.py", "test_tp.py", "test_pipeline.py", "test_sample.py"]
+QUICK = {"test_accounting.py", "test_architecture.py", "test_backward.py", "test_cli.py", "test_digest.py",
+         "test_heap.py", "test_invariants.py", "test_model.py", "test_no_pickle.py", "test_packaging.py",
+         "test_prepare.py", "test_textdata.py", "test_tokenizer.py"}
+QUICK_ROW_RANKS = 2
+
+
+def _listed(table, module: str, name: str) -> bool:
+    return module in table and (table[module] is None or name in table[module])
+
+
+def row_ranks(row) -> int:
+    """The most ranks any launch of a composition row uses (the row, its resume, its deterministic partner)."""
+    import composition
+    worlds = [row.world, row.resumed().world if row.resume else 0]
+    return max(worlds + ([composition.other_layout(row.world, row.accum)[0]] if row.det else []))
+
+
+@pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+    where = {}
+    for item in items:
+        module, name = item.path.name, getattr(item, "originalname", item.name)
+        group = None
+        if _listed(SERIAL, module, name):
+            item.add_marker(pytest.mark.serial)
+        elif _listed(TIMING, module, name):
+            group = "timing"
+        elif module in HOSTS:
+            group = "hosts"
+        elif module in MODULE_GROUPS:
+            group = module
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+        row = getattr(getattr(item, "callspec", None), "params", {}).get("row")
+        if module in QUICK or (module == "test_composition.py" and row is not None and row_ranks(row) <= QUICK_ROW_RANKS):
+            item.add_marker(pytest.mark.quick)
+        where[item] = ORDER.index(group or module) if (group or module) in ORDER else len(ORDER)
+    items.sort(key=where.__getitem__)   # stable: collection order within a group
 
 
 def mpi_env() -> dict:
@@ -106,11 +174,42 @@ def children(pid):
     return found
 
 
+def shared_dir(tmp_path_factory) -> pathlib.Path:
+    """Where runs that several tests read are made once: $CAPSTONE_TEST_SHARED (scripts/test makes a
+    fresh one for all its phases), else the directory the pytest-xdist workers of this session
+    share, else this session's own."""
+    if os.environ.get("CAPSTONE_TEST_SHARED"):
+        return pathlib.Path(os.environ["CAPSTONE_TEST_SHARED"])
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return tmp_path_factory.getbasetemp().parent
+    return tmp_path_factory.getbasetemp()
+
+
+def made_once(tmp_path_factory, name: str, make) -> dict:
+    """make(dir) -> a JSON-able result, run by the first process to ask (the others wait on a file
+    lock and read the result it left): one run however many workers and phases read it."""
+    base = shared_dir(tmp_path_factory) / name
+    base.mkdir(parents=True, exist_ok=True)
+    done = base / "result.json"
+    with open(base / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            tmp = base / "result.json.tmp"
+            tmp.write_text(json.dumps(make(base)))
+            os.replace(tmp, done)
+    return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """The reference experiment on 4 ranks, run once per session: (run dir, result, summary)."""
-    out = tmp_path_factory.mktemp("reference") / "run"
-    res = mpirun(4, "--out", out)
+    """The reference experiment on 4 ranks, run once per session (once for all pytest-xdist workers
+    and scripts/test phases): (run dir, result, summary)."""
+    def make(base):
+        res = mpirun(4, "--out", base / "run")
+        return {"args": res.args, "returncode": res.returncode, "stdout": res.stdout, "stderr": res.stderr}
+    made = made_once(tmp_path_factory, "reference", make)
+    out = shared_dir(tmp_path_factory) / "reference" / "run"
+    res = subprocess.CompletedProcess(made["args"], made["returncode"], made["stdout"], made["stderr"])
     assert res.returncode == 0, res.stdout + res.stderr
     return out, res, summary(out)
 

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 import composition as mx
-from conftest import ROOT, mpi_env, step_rows
+from conftest import ROOT, made_once, mpi_env, step_rows
 
 ROWS = mx.full() if os.environ.get("CAPSTONE_MATRIX") == "full" else mx.pairs(int(os.environ.get("CAPSTONE_MATRIX_SEED", 25)))
 KEYS = ("loss", "grad_norm", "eval_loss", "param_norm")
@@ -55,16 +55,21 @@ def commands(row: mx.Row, out) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """The 1-rank run of the global batch in one micro-batch, per injection (made when first needed)."""
+    """The 1-rank run of the global batch in one micro-batch, per injection (made when first needed,
+    once for all pytest-xdist workers: conftest.made_once)."""
     made = {}
 
     def get(inject: str):
         if inject not in made:
-            out = tmp_path_factory.mktemp("reference") / inject
-            row = mx.Row(1, 1, 1, False, False, inject, False)
-            res = launch(commands(row, out))[-1]
-            assert res.returncode == 0, res.stdout + res.stderr
-            made[inject] = step_rows(out)
+            def make(base):
+                out = base / inject
+                row = mx.Row(1, 1, 1, False, False, inject, False)
+                res = launch(commands(row, out))[-1]
+                return {"returncode": res.returncode, "output": res.stdout + res.stderr,
+                        "rows": step_rows(out) if res.returncode == 0 else None}
+            ref = made_once(tmp_path_factory, f"composition-reference-{inject}", make)
+            assert ref["returncode"] == 0, ref["output"]
+            made[inject] = ref["rows"]
         return made[inject]
     return get
 
