@@ -64,27 +64,50 @@ def row_ranks(row) -> int:
     return max(worlds + ([composition.other_layout(row.world, row.accum)[0]] if row.det else []))
 
 
-@pytest.hookimpl(tryfirst=True)   # before pytest-xdist reads the xdist_group marks
+def group_of(module: str, name: str):
+    """The pytest-xdist work unit of a test (None: a unit of its own), and whether it is `serial`."""
+    if _listed(SERIAL, module, name):
+        return None, True
+    if _listed(TIMING, module, name):
+        return "timing", False
+    if module in HOSTS:
+        return "hosts", False
+    return (module if module in MODULE_GROUPS else None), False
+
+
+def pytest_itemcollected(item):
+    group, serial = group_of(item.path.name, getattr(item, "originalname", item.name))
+    if serial:
+        item.add_marker(pytest.mark.serial)
+    row = getattr(getattr(item, "callspec", None), "params", {}).get("row")
+    if item.path.name in QUICK or (item.path.name == "test_composition.py" and row is not None
+                                   and row_ranks(row) <= QUICK_ROW_RANKS):
+        item.add_marker(pytest.mark.quick)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    where = {}
-    for item in items:
-        module, name = item.path.name, getattr(item, "originalname", item.name)
-        group = None
-        if _listed(SERIAL, module, name):
-            item.add_marker(pytest.mark.serial)
-        elif _listed(TIMING, module, name):
-            group = "timing"
-        elif module in HOSTS:
-            group = "hosts"
-        elif module in MODULE_GROUPS:
-            group = module
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
-        row = getattr(getattr(item, "callspec", None), "params", {}).get("row")
-        if module in QUICK or (module == "test_composition.py" and row is not None and row_ranks(row) <= QUICK_ROW_RANKS):
-            item.add_marker(pytest.mark.quick)
-        where[item] = ORDER.index(group or module) if (group or module) in ORDER else len(ORDER)
-    items.sort(key=where.__getitem__)   # stable: collection order within a group
+    """The heaviest groups first (ORDER), then collection order: pytest-xdist hands them out in this order."""
+    def rank(item):
+        key = group_of(item.path.name, getattr(item, "originalname", item.name))[0] or item.path.name
+        return ORDER.index(key) if key in ORDER else len(ORDER)
+    items.sort(key=rank)   # stable
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup with the groups above (group_of), given to pytest-xdist's scope scheduler as
+    the tests' scopes: each group runs on one worker, in the order of the collection. (pytest-xdist's
+    own loadgroup names the group in the node id, which pytest 9 no longer lets a plugin change.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path, _, rest = nodeid.partition("::")
+            return group_of(os.path.basename(path), rest.split("[")[0].split("::")[-1])[0] or nodeid
+    return GroupScheduling(config, log)
 
 
 def mpi_env() -> dict:
