@@ -43,7 +43,7 @@ def reduction(world, repeats: int) -> None:
         print(f"gradient reduction + norm alone on {world.size} ranks, grad_accum 1 (best of {repeats}, ms):")
     for name, cfg in (("reference", ModelConfig()), ("medium", ModelConfig(**medium))):
         layout = Layout.for_model(cfg, world.size)
-        model = Model(cfg, layout, init_params(layout, cfg, 0))
+        model = Model.over(cfg, layout, init_params(layout, cfg, 0))
         model.grads[:layout.n_params] = np.random.default_rng(world.rank).standard_normal(layout.n_params) * 1e-3
         default = BucketReducer(grid, layout, model.grads, layout.padded)
         det = DeterministicReducer(grid, layout, model.grads, 1)

@@ -38,7 +38,7 @@ def worker(argv: list[str]) -> int:
         train.train_step(run, s)
         sched = run.schedule
         mine = {"stage": run.grid.pp.rank, "dp": run.grid.dp.rank, "tp": run.grid.tp.rank,
-                "events": sched.model.events, "span": list(sched.span)}
+                "events": sched.events, "span": list(sched.span)}
         steps.append(world.allgather_json(mine))
     if world.rank == 0:
         print("RESULT " + json.dumps({"pp": run.grid.pp.size, "micro_batches": settings.train.grad_accum,

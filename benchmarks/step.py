@@ -59,7 +59,7 @@ class Stepper:
         self.cfg = ModelConfig(**kw)
         self.layout = Layout.for_model(self.cfg, 1)
         self.grid = Grid.build(launch.serial())
-        self.model = Model(self.cfg, self.layout, init_params(self.layout, self.cfg, seed))
+        self.model = Model.over(self.cfg, self.layout, init_params(self.layout, self.cfg, seed))
         self.reducer = BucketReducer(self.grid, self.layout, self.model.grads, self.layout.padded)   # one bucket
         self.opt = ZeroAdam(self.grid.dp, self.layout, self.model.params, OPT["betas"], OPT["eps"],
                             OPT["weight_decay"], OPT["clip"])
@@ -199,14 +199,13 @@ def activation_bytes(st: Stepper) -> tuple[int, int]:
     buffers to it)."""
     import tracemalloc
 
-    from capstone.model.backward import value_and_grad_into
-    from capstone.model.gpt import loss_sum
     held = []
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
-        value_and_grad_into(loss_sum, st.model.groups, st.model.grad_groups, st.x, st.y, st.cfg, 1.0 / st.x.size,
-                            fresh=True, on_forward=lambda: held.append(tracemalloc.get_traced_memory()[0] - base))
+        _, backward = st.model.forward(st.x, st.y, 1.0 / st.x.size, fresh=True)
+        held.append(tracemalloc.get_traced_memory()[0] - base)
+        backward()
         peak = tracemalloc.get_traced_memory()[1] - base
     finally:
         tracemalloc.stop()
@@ -258,7 +257,8 @@ def checks(repeats: int) -> None:
     from capstone.presets import PRESETS
     st = Stepper("medium")
     pre = PRESETS["medium"]
-    heldout = HeldOut(st.stream, pre["eval_batches"], pre["eval_batch_size"], st.cfg.seq_len, st.grid.world, 0, 1)
+    heldout = HeldOut(st.stream, pre["eval_batches"], pre["eval_batch_size"], st.cfg.seq_len, st.grid.world, 0, 1,
+                      st.model.loss)
     flat = st.model.params
 
     def med(fn, n=repeats):
@@ -273,7 +273,7 @@ def checks(repeats: int) -> None:
     cheap, strong = med(lambda: fingerprint(flat, strong=False)), med(lambda: fingerprint(flat))
     norm, words = med(lambda: sum_squares(flat)), med(lambda: word_sum(flat))
     finite = med(st.opt.state.finite)
-    ev = med(lambda: heldout.loss_share(st.model), max(3, repeats // 4))
+    ev = med(lambda: heldout.loss_share(), max(3, repeats // 4))
     every = pre["eval_every"]
     print(f"train.py's checks at medium ({st.layout.n_params} params, {flat.nbytes / 2**20:.1f} MiB), median ms of CPU time; {_load()}")
     print(f"  training step {step:.1f}")

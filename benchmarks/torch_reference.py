@@ -38,7 +38,7 @@ def reference(python: str, s: cli.Settings) -> float:
     mcfg, tcfg = s.model, s.train
     G = tcfg.global_batch or tcfg.batch_size * tcfg.grad_accum
     data, _ = open_data(mcfg, tcfg, G)
-    heldout = HeldOut(data, tcfg.eval_batches, tcfg.eval_batch_size, mcfg.seq_len, 0, 1)
+    heldout = HeldOut(data, tcfg.eval_batches, tcfg.eval_batch_size, mcfg.seq_len, None, 0, 1, None)
     layout = Layout.for_model(mcfg, 1)
     opt = {"lr": tcfg.lr, "betas": (tcfg.beta1, tcfg.beta2), "eps": tcfg.eps, "weight_decay": tcfg.weight_decay,
            "clip": tcfg.clip}

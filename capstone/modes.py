@@ -16,6 +16,7 @@ from capstone.config import ConfigError
 from capstone.data.heldout import HeldOut
 from capstone.model.gpt import Model
 from capstone.model.params import Layout, init_params
+from capstone.model.seam import Resident, Weights
 from capstone.observe import report
 from capstone.parallel import grid as grids
 from capstone.parallel.buckets import BucketReducer
@@ -82,13 +83,17 @@ def _check_pipeline(settings: Settings) -> None:
 
 
 def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
-    """Collective: call on all ranks. This rank's parts; `scale` is 1 / tokens of the global batch."""
+    """Collective: call on all ranks. This rank's parts; `scale` is 1 / tokens of the global batch.
+    Every mode is the one model (capstone.model.gpt.Model) over this rank's groups, with the seam
+    and gradient reducer the modes choose (capstone.model.seam)."""
     mcfg, tcfg, opts = settings.model, settings.train, settings.opts
     stages = _stages(grid, settings)
     layout = Layout.for_model(mcfg, grid.dp.size, grid.tp.size, stages[grid.pp.rank % len(stages)])
     full = Layout.for_model(mcfg, grid.world.size)
     view, params = _initial(grid, mcfg, tcfg, layout, full, stages, sharded=opts.zero_stage == 3)
-    model, reducer, replicas = _model_and_reducer(grid, layout, params, settings)
+    reducer = _reducer(grid, layout, settings)
+    seam = _seam(grid, layout, params, reducer, opts.zero_stage)
+    model = Model(mcfg, layout, seam, grid.tp, opts.recompute)
     adam = ZeroAdam
     if opts.zero_stage == 3:      # the parameters are a shard too
         from capstone.parallel.zero3 import ShardedAdam as adam
@@ -96,9 +101,10 @@ def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
     schedule = Sequential(model, reducer, hooks, scale)
     if grid.pp.size > 1:
         from capstone.parallel.pipeline import Pipeline
-        schedule = Pipeline(model, reducer, hooks, scale, opts.pp_schedule or "1f1b")
-    return Parts(layout=layout, full=full, view=view, model=model, reducer=reducer, replicas=replicas,
-                 heldout=_heldout(grid, data, settings), opt=opt, schedule=schedule)
+        schedule = Pipeline(model, reducer, hooks, scale, opts.pp_schedule or "1f1b", grid.pp)
+    return Parts(layout=layout, full=full, view=view, model=model, reducer=reducer,
+                 replicas=_replicas(grid, layout, seam, settings), heldout=_heldout(grid, data, settings, schedule),
+                 opt=opt, schedule=schedule)
 
 
 def _stages(grid: Grid, settings: Settings) -> list:
@@ -134,36 +140,44 @@ def _initial(grid: Grid, mcfg, tcfg, layout: Layout, full: Layout, stages: list,
     return view, params
 
 
-def _model_and_reducer(grid: Grid, layout: Layout, params, settings: Settings):
-    """(model, gradient reducer, replica check) of the run's modes: deterministic, or ZeRO stage 1
-    (the flat gradient buffer, buckets), 2 (no gradient buffer: capstone.parallel.zero2) or 3 (no
-    whole parameters either: capstone.parallel.zero3)."""
-    mcfg, tcfg, opts = settings.model, settings.train, settings.opts
-    weight = _loss_weight(grid)
+def _reducer(grid: Grid, layout: Layout, settings: Settings) -> GradReducer:
+    """The gradient reduction of the run's modes, with the flat gradient buffer it reduces from
+    (`grads`): fixed-order sums (--deterministic), ZeRO-1's buckets, or (ZeRO-2/3: no buffer) each
+    group's gradient reduce-scattered as it is made (capstone.parallel.zero2)."""
+    tcfg, opts = settings.train, settings.opts
     if tcfg.deterministic:   # fixed-order sums (capstone.parallel.deterministic)
         from capstone.parallel import deterministic as det
         if opts.overlap and grid.world.rank == 0:
             report.say("note: --deterministic exchanges each micro-batch's gradient after its backward pass, in a "
                        "fixed order; the bucketed overlap (--bucket-mb) does not apply.")
-        model = Model(mcfg, layout, params, grid.tp, opts.recompute)
-        return (model, det.DeterministicReducer(grid, layout, model.grads, tcfg.grad_accum),
-                ReplicaCheck(grid, layout, lambda p, strong: det.fingerprint(p, layout.n_params)))
+        return det.DeterministicReducer(grid, layout, layout.zeros(), tcfg.grad_accum)
     floats = int(opts.bucket_mb * 2**20) // 4 if opts.overlap else layout.padded
-    if grid.pp.size > 1:   # a pipeline stage (capstone.parallel.pipeline), ZeRO-1
-        from capstone.parallel.pipeline import StageModel
-        model = StageModel(mcfg, layout, params, grid.tp, opts.recompute, grid.pp)
-        return model, BucketReducer(grid, layout, model.grads, floats, weight), ReplicaCheck(grid, layout)
     if opts.zero_stage == 1:
-        model = Model(mcfg, layout, params, grid.tp, opts.recompute)
-        return model, BucketReducer(grid, layout, model.grads, floats, weight), ReplicaCheck(grid, layout)
+        return BucketReducer(grid, layout, layout.zeros(), floats, _loss_weight(grid))
     from capstone.parallel.progress import Progress
     from capstone.parallel.zero2 import ShardedGradReducer
-    reducer = ShardedGradReducer(grid, layout, floats, Progress(), weight)
-    if opts.zero_stage == 2:
-        return Model(mcfg, layout, params, grid.tp, opts.recompute, grads=False), reducer, ReplicaCheck(grid, layout)
-    from capstone.parallel import zero3
-    model = zero3.ShardedModel(mcfg, layout, params, grid, opts.recompute, reducer)
-    return model, reducer, zero3.ShardedReplicaCheck(grid, layout, model.gatherer)
+    return ShardedGradReducer(grid, layout, floats, Progress(), _loss_weight(grid))
+
+
+def _seam(grid: Grid, layout: Layout, params, reducer: GradReducer, stage: int) -> Weights:
+    """Where the model's weights come from and its gradients go: this rank's flat buffers, landing
+    in the reducer's (capstone.model.seam), or at ZeRO-3 groups gathered from the shards."""
+    if stage == 3:
+        from capstone.parallel.zero3 import Gatherer
+        return Gatherer(grid.dp, layout, params, tuple(layout.group_ranges()), reducer.progress, reducer.landed)
+    return Resident.over(layout, params, reducer.grads, reducer.landed)
+
+
+def _replicas(grid: Grid, layout: Layout, seam: Weights, settings: Settings) -> Replicas:
+    """Invariant (b)'s check: the replicas' fingerprints (deterministic: bit-exact ones; ZeRO-3: of
+    the groups each rank gathered)."""
+    if settings.train.deterministic:
+        from capstone.parallel import deterministic as det
+        return ReplicaCheck(grid, layout, lambda p, strong: det.fingerprint(p, layout.n_params))
+    if settings.opts.zero_stage == 3:
+        from capstone.parallel.zero3 import ShardedReplicaCheck
+        return ShardedReplicaCheck(grid, layout, seam)
+    return ReplicaCheck(grid, layout)
 
 
 def _loss_weight(grid: Grid) -> float:
@@ -171,13 +185,15 @@ def _loss_weight(grid: Grid) -> float:
     return 1.0 if grid.tp.rank == 0 and grid.pp.rank == grid.pp.size - 1 else 0.0
 
 
-def _heldout(grid: Grid, data, settings: Settings) -> HeldOut:
-    """The held-out evaluation: rows split over the data-parallel group (deterministic: fixed blocks)."""
+def _heldout(grid: Grid, data, settings: Settings, schedule: Schedule) -> HeldOut:
+    """The held-out evaluation, through the schedule's forward: rows split over the data-parallel
+    group (deterministic: fixed blocks)."""
     tcfg, T = settings.train, settings.model.seq_len
     if tcfg.deterministic:
         from capstone.parallel import deterministic as det
-        return det.HeldOutBlocks(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp)
+        return det.HeldOutBlocks(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp, schedule.loss)
     weight = _loss_weight(grid)
-    return HeldOut(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp.rank, grid.dp.size, weight)
+    return HeldOut(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp.rank, grid.dp.size,
+                   schedule.loss, weight)
 
 

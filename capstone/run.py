@@ -8,10 +8,7 @@ gradient reducer, optimizer, held-out evaluator, schedule, the checkpoints' view
 tests' faults are on, fresh or resumed, the start-up checks. A combination the product cannot
 run is refused at start, with the reason (exit 2).
 
-Each piece of state has one owner: `Model` the parameter and gradient buffers, the reducer the
-reduced gradient shard, `ZeroAdam` the optimizer shard and the state before its last update (the
-guard's undo), `Checkpointer` what was saved, `RunState` the progress a checkpoint restores,
-the replica check invariant (b)'s record. The parts' roles are Protocols (capstone.roles).
+What a run holds, and who owns each piece, is `capstone.roles.Run`.
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from dataclasses import dataclass
 
 from capstone import checkpoint, modes
 from capstone.checkpoint import files, resume
@@ -27,59 +23,21 @@ from capstone.checkpoint.cadence import Cadence
 from capstone.checkpoint.saver import Checkpointer, RunIdentity
 from capstone.cli import RunOptions, Settings, check_preset
 from capstone.collective.agree import agreed
-from capstone.config import ConfigError, ModelConfig, TrainConfig
+from capstone.config import ConfigError
 from capstone.data import open_data
-from capstone.data.heldout import HeldOut
 from capstone.data.tokens import identity, load_meta
 from capstone.guard import Guard
 from capstone.hooks import Hooks
-from capstone.model.fingerprint import fingerprint
 from capstone.model.params import Layout
 from capstone.observe import provenance, report
 from capstone.collective.comm import Comm
 from capstone.parallel.grid import Grid
-from capstone.parallel.reduce import GradReducer
-from capstone.parallel.zero import ZeroAdam
 from capstone.state import ROWS
-from capstone.roles import Batches, Replicas, Schedule, TrainedModel
 from capstone.runtime import preflight
+from capstone.roles import Run
 from capstone.state import RunState
 
 TIMEOUT_RECORD = "collective-timeout.json"   # in the run directory, written by a rank whose collective timed out
-
-
-@dataclass(kw_only=True)
-class Run:
-    """Everything one run holds (see the module docstring for who owns what)."""
-
-    grid: Grid
-    mcfg: ModelConfig
-    tcfg: TrainConfig
-    opts: RunOptions
-    out: str
-    model: TrainedModel
-    opt: ZeroAdam
-    reducer: GradReducer
-    schedule: Schedule
-    data: Batches
-    heldout: HeldOut
-    guard: Guard
-    cadence: Cadence
-    ckpt: Checkpointer
-    state: RunState
-    replicas: Replicas
-    hooks: Hooks
-    batch_size: int                        # sequences per data-parallel rank per micro-batch
-    global_batch: int                      # sequences per optimizer step, over all replicas and micro-batches
-    n_params: int                          # of the whole model (a rank may hold a part)
-    metrics: report.MetricsLog | None = None
-    segment_start: tuple = (None, None)    # (held-out loss, best held-out loss) where this segment began
-    resumed_from: str | None = None
-    init_from: dict | None = None          # --init-from: the weights this run started from (capstone.finetune)
-
-    def final_fingerprint(self) -> tuple[float, str]:
-        """Collective: the fingerprint of the whole model's parameters."""
-        return fingerprint(self.ckpt.view.whole(self.model.whole()))
 
 
 class RunFinished(ConfigError):
@@ -189,7 +147,7 @@ def start(run: Run, path: str | None = None, saved_train: dict | None = None) ->
     if path is not None:
         _resume(run, path, saved_train if saved_train is not None else dataclasses.asdict(run.tcfg))
     else:
-        run.state.eval_start = run.state.best_eval = run.heldout.measure(run.model)
+        run.state.eval_start = run.state.best_eval = run.heldout.measure()
         run.guard.state.last_eval = run.state.eval_start
     if world.rank == 0:
         os.makedirs(run.out, exist_ok=True)

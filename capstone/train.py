@@ -70,7 +70,7 @@ def train_step(run: Run, s: int) -> StepResult:
         with timer("optimizer"), np.errstate(over="ignore", invalid="ignore"):        # judged just below
             r.grad_norm_clipped = run.opt.apply(run.reducer.grad_shard, r.lr, r.grad_norm)   # ZeRO update
         with timer("eval"):
-            r.eval_loss, finite = run.heldout.after_update(run.model, run.opt.finite(), r.due.evaluate)
+            r.eval_loss, finite = run.heldout.after_update(run.opt.finite(), r.due.evaluate)
         r.updated, r.rollback = True, run.guard.update_verdict(r.eval_loss, finite)  # guard: the update
     if r.rollback is None:
         run.guard.accept(r.loss, r.eval_loss)

@@ -1,27 +1,28 @@
-"""The gradient taps (capstone.backward): a step's first micro-batch overwrites the flat gradient
-buffer (the blocks write their gradients straight into it), later ones add to it, and a parameter
-no VJP reached ends with a zero gradient, whatever the buffer held before; a training backward
-pass frees each block's activations as it goes."""
+"""The one backward driver over the seam (capstone.model.backward, capstone.model.seam): a step's
+first micro-batch overwrites the flat gradient buffer (the blocks write their gradients straight
+into it), later ones add to it; the seam hears of each group once per micro-batch, head first;
+a seam without a buffer (ZeRO-2's) is handed the same gradients; a training backward pass frees
+each block's activations as it goes."""
 
 import tracemalloc
 
-import autograd
-import autograd.numpy as anp
 import numpy as np
 import pytest
 
 from capstone.config import ModelConfig
-from capstone.model import backward, blocks, kernels
-from capstone.model.backward import value_and_grad_into
-from capstone.model.gpt import Model, loss_sum
+from capstone.model import blocks, kernels
+from capstone.model.gpt import Model, loss_and_grad
 from capstone.model.params import Layout, init_params
+from capstone.model.seam import Resident
 
 CFG = ModelConfig(vocab_size=13, seq_len=8, d_model=16, n_heads=2, n_layers=2)
+LAYOUT = Layout.for_model(CFG, 1)
 
 
-def model():
-    layout = Layout.for_model(CFG, 1)
-    return Model(CFG, layout, init_params(layout, CFG, 5))
+def model(on_landed=None, grads=True):
+    params = init_params(LAYOUT, CFG, 5)
+    seam = Resident.over(LAYOUT, params, LAYOUT.zeros() if grads else None, on_landed or (lambda g, a: None))
+    return Model(CFG, LAYOUT, seam)
 
 
 def batch(seed, B=3):
@@ -30,10 +31,11 @@ def batch(seed, B=3):
 
 
 def accumulated(m, batches, scale):
-    """The gradient by the plain route: zeroed sinks, each micro-batch added into them."""
-    grads = np.zeros_like(m.grads)
-    loss = sum(value_and_grad_into(loss_sum, m.groups, m.layout.groups(grads), x, y, CFG, scale)
-               for x, y in batches)
+    """The gradient by the plain route: each micro-batch's own gradient, added up in order."""
+    loss, grads = 0.0, None
+    for x, y in batches:
+        value, g = loss_and_grad(LAYOUT, m.params, x, y, CFG, scale)
+        loss, grads = loss + value, g if grads is None else grads + g
     return loss, grads
 
 
@@ -57,54 +59,44 @@ def test_later_micro_batches_add_to_the_first():
     np.testing.assert_array_equal(m.grads, want)
 
 
-def test_fresh_pass_zeroes_a_parameter_the_function_does_not_use():
-    m = model()
-    m.grads[:] = 5.0
-    x, y = batch(4)
-
-    def skip_h1_tap(groups, *args):  # block h1 computed from the bare array: its tap is never reached
-        return loss_sum({**groups, "h1": m.groups["h1"]}, *args)
-
-    value_and_grad_into(skip_h1_tap, m.groups, m.grad_groups, x, y, CFG, 1.0, fresh=True)
-    assert (m.grad_groups["h1"] == 0.0).all()
-    assert np.abs(m.grad_groups["h0"]).max() > 0
+def test_the_seam_hears_of_each_group_once_per_micro_batch_head_first():
+    heard = []
+    m = model(lambda group, sink: heard.append((group, np.shares_memory(sink, m.grads))))
+    m.forward_backward([batch(1), batch(2)], 0.05)
+    once = [("head", True), ("h1", True), ("h0", True), ("embed", True)]
+    assert heard == once + once
 
 
-def test_a_parameter_used_twice_gets_the_sum_of_both_uses():
-    m = model()
-    m.grads[:] = -1.0
-    x, y = batch(7)
-
-    def twice(groups, *args):  # h0 in its block and in a penalty: autograd sums the two gradients
-        return loss_sum(groups, *args) + 0.5 * anp.sum(groups["h0"] * groups["h0"])
-
-    value_and_grad_into(twice, m.groups, m.grad_groups, x, y, CFG, 1.0, fresh=True)
-    want = np.zeros_like(m.grads)
-    value_and_grad_into(twice, m.groups, m.layout.groups(want), x, y, CFG, 1.0)
-    np.testing.assert_array_equal(m.grads, want)
+def test_a_seam_without_a_buffer_is_handed_the_same_gradients():
+    handed = {}
+    kept, alone = model(), model(lambda group, g: handed.setdefault(group, g.copy()), grads=False)
+    assert alone.grads is None
+    assert kept.micro_batch(*batch(4), 0.1, fresh=True) == alone.micro_batch(*batch(4), 0.1, fresh=True)
+    for group, sink in LAYOUT.groups(kept.grads).items():
+        np.testing.assert_array_equal(handed[group], sink, err_msg=group)
 
 
 @pytest.mark.parametrize("fresh", [True, False])
-def test_every_group_gradient_is_written_in_the_buffer_only_in_a_fresh_pass(monkeypatch, fresh):
+def test_every_group_gradient_is_written_in_the_buffer_only_in_a_fresh_pass(fresh):
     m = model()
-    into_buffer = []
+    into_buffer, grad_out = [], m.seam.grad_out
 
-    def recording(w, dtype):
-        out = backward.grad_buffer(w, dtype)
+    def recording(group, fresh_):
+        out = grad_out(group, fresh_)
         into_buffer.append(np.shares_memory(out, m.grads))
         return out
 
-    monkeypatch.setattr(blocks, "grad_buffer", recording)
-    value_and_grad_into(loss_sum, m.groups, m.grad_groups, *batch(6), CFG, 1.0, fresh=fresh)
-    assert into_buffer == [fresh] * len(m.groups)
+    m.seam.grad_out = recording
+    m.micro_batch(*batch(6), 1.0, fresh=fresh)
+    assert into_buffer == [fresh] * len(LAYOUT.group_ranges())
 
 
 def test_a_training_backward_frees_the_mlp_activations_before_the_attention_backward(monkeypatch):
-    """value_and_grad_into runs each VJP once, so a block frees its MLP's activations (h, the GELU's
-    input and tanh) before its attention backward; a general autograd pass keeps them (pure VJPs)."""
+    """The driver runs each VJP once, so a block frees its MLP's activations (h, the GELU's input
+    and tanh) before its attention backward; a backward that keeps them (free=False) holds more."""
     m = model()
     x, y = batch(8, B=8)
-    traced, original = [], kernels._attention_bwd
+    traced, original, block_backward = [], kernels._attention_bwd, blocks.block_backward
 
     def recording(*args, **kwargs):
         traced.append(tracemalloc.get_traced_memory()[0])
@@ -113,9 +105,10 @@ def test_a_training_backward_frees_the_mlp_activations_before_the_attention_back
     monkeypatch.setattr(kernels, "_attention_bwd", recording)
     tracemalloc.start()
     try:
-        value_and_grad_into(loss_sum, m.groups, m.grad_groups, x, y, CFG, 1.0)
+        m.micro_batch(x, y, 1.0, fresh=True)
         dropping, first = traced[0], len(traced)
-        autograd.grad(loss_sum)(m.groups, x, y, CFG, 1.0)
+        monkeypatch.setattr(blocks, "block_backward", lambda *a, free: block_backward(*a, free=False))
+        m.micro_batch(x, y, 1.0, fresh=True)
         keeping = traced[first]
     finally:
         tracemalloc.stop()

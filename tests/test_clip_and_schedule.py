@@ -43,7 +43,7 @@ def test_clipped_training_steps_match_a_reference(tmp_path):
     run = build(Comm(MPI.COMM_SELF), Settings(ModelConfig(), tcfg, RunOptions(out=str(tmp_path / "run"), quiet=True), {}),
                 str(tmp_path / "run"))
     start(run)
-    reference = Model(run.mcfg, run.model.layout, run.model.params.copy())
+    reference = Model.over(run.mcfg, run.model.layout, run.model.params.copy())
     master = run.model.params.astype(np.float64)
     p0, m, v = master.copy(), np.zeros_like(master), np.zeros_like(master)
     g_batch, b1, b2 = run.global_batch, tcfg.beta1, tcfg.beta2

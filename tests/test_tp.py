@@ -61,7 +61,7 @@ def test_key_bias_gradient_is_rounding_noise():
     that: the loss does not depend on the key bias, whose gradient is zero but for rounding."""
     cfg = ModelConfig()
     layout = Layout.for_model(cfg, 1)
-    model = Model(cfg, layout, init_params(layout, cfg, 1))
+    model = Model.over(cfg, layout, init_params(layout, cfg, 1))
     x = np.random.default_rng(0).integers(0, cfg.vocab_size, (4, cfg.seq_len + 1)).astype(np.int32)
     model.forward_backward([(x[:, :-1], x[:, 1:])], 1.0 / x[:, 1:].size)
     g = np.abs(model.grads[:layout.n_params])

@@ -68,7 +68,7 @@ def test_recompute_gradients_are_bit_identical():
     x, y = (rng.integers(0, cfg.vocab_size, (3, cfg.seq_len)) for _ in range(2))
     grads = []
     for recompute in (False, True):
-        model = Model(cfg, layout, init_params(layout, cfg, 1), recompute=recompute)
+        model = Model.over(cfg, layout, init_params(layout, cfg, 1), recompute=recompute)
         loss = model.forward_backward([(x, y), (y, x)], 0.01)
         grads.append((loss, model.grads.copy()))
     assert grads[0][0] == grads[1][0] and np.array_equal(grads[0][1], grads[1][1])

@@ -1,5 +1,6 @@
 """The held-out evaluation: a fixed set of M batches of S sequences never trained on, split across
-the data-parallel ranks by rows; forward only. `weight` is 1 on the ranks whose loss counts for
+the data-parallel ranks by rows; forward only, through `loss` (the schedule's: a pipeline's
+passes the activations between its stages). `weight` is 1 on the ranks whose loss counts for
 their replica (tensor-parallel rank 0), 0 on the others, so the world sum of the shares is the
 mean loss per token. `after_update` is the update's verdict data in one small allreduce."""
 
@@ -10,22 +11,22 @@ class HeldOut:
     """This rank's rows of the held-out batches of `data` (`val_batch(k, S, rank, dp)`)."""
 
     def __init__(self, data, batches: int, batch_size: int, seq_len: int, world, dp_rank: int, dp: int,
-                 weight: float = 1.0):
-        self.world, self.weight = world, weight
+                 loss, weight: float = 1.0):
+        self.world, self.weight, self.loss = world, weight, loss
         self.batches = [data.val_batch(k, batch_size, dp_rank, dp) for k in range(batches)]
         self.scale = 1.0 / (batches * batch_size * seq_len)
 
-    def loss_share(self, model) -> float:
+    def loss_share(self) -> float:
         """This rank's part of the mean held-out loss per token."""
-        return sum(model.loss(x, y, self.scale) for x, y in self.batches if len(x)) * self.weight
+        return sum(self.loss(x, y, self.scale) for x, y in self.batches if len(x)) * self.weight
 
-    def after_update(self, model, finite: bool, evaluate: bool) -> tuple[float | None, bool]:
+    def after_update(self, finite: bool, evaluate: bool) -> tuple[float | None, bool]:
         """Collective over the world: (the held-out loss if `evaluate` else None, whether every
         rank's optimizer state is finite)."""
-        share = self.loss_share(model) if evaluate else 0.0
+        share = self.loss_share() if evaluate else 0.0
         held, nonfinite = self.world.sum([share, float(not finite)], "allreduce of the held-out loss", "allreduce_eval")
         return (held if evaluate else None), nonfinite == 0
 
-    def measure(self, model) -> float:
+    def measure(self) -> float:
         """Collective over the world: the held-out loss of the current parameters."""
-        return self.world.sum([self.loss_share(model)], "allreduce of the held-out loss", "allreduce_eval")[0]
+        return self.world.sum([self.loss_share()], "allreduce of the held-out loss", "allreduce_eval")[0]

@@ -1,14 +1,16 @@
-"""The model's three fused parts, each one autograd primitive over one flat parameter group.
+"""The model's three fused parts as pairs of forward and backward functions over one flat group.
 
 `embedding` (wte, wpe), `block` (one pre-LN transformer block: LayerNorm, qkv, attention, output
 projection, residual, LayerNorm, MLP, residual) and `head_loss` (final LayerNorm, LM head,
-cross-entropy) compose the forward and backward functions of `capstone.model.kernels` in one VJP each.
-A group is a contiguous slice of the flat parameter buffer (`Layout.groups`), so the graph of a
-whole step has L + 3 nodes and L + 2 parameter taps instead of one node per layer and one tap per
-array: at the reference size autograd's bookkeeping was a third of the step. Each VJP returns the
-group's gradient as one flat array (the weight gradients are matmuls written into it in place; on
-a step's first micro-batch that array is the group's slice of the flat gradient buffer itself).
-Shapes: N = B*T rows of width C; `shapes` lists the group's parameter shapes in buffer order.
+cross-entropy) compose the kernels of `capstone.model.kernels`. A group is a contiguous slice of
+the flat parameter buffer (`Layout.groups`); `*_forward(...)` returns (output, saved) and
+`*_backward(g, saved, ..., gw)` writes the group's gradient into the flat array `gw` (on a step's
+first micro-batch, the group's slice of the flat gradient buffer itself) and returns the input's
+gradient. The backward pass of a training step (capstone.model.backward) makes each pair one
+autograd node, so the graph of a step has L + 2 nodes: at the reference size autograd's
+bookkeeping was a third of the step. With `free` a backward owns `saved` and frees each
+activation once used (a lower peak). Shapes: N = B*T rows of width C; `shapes` lists the group's
+parameter shapes in buffer order.
 
 Tensor parallelism (Megatron-style) is a property of the block, not another model: `tp` is the
 communicator of the ranks that split it (`ALONE` when nobody does). Each holds H/tp whole heads of
@@ -26,10 +28,9 @@ import math
 import numpy as np
 
 from capstone.model import kernels as K
-from capstone.model.backward import drop_saved, grad_buffer
 
 
-class _Alone:
+class Alone:
     """The tensor-parallel group of a block that is not split: one rank, sums are the identity."""
 
     size = 1
@@ -38,7 +39,7 @@ class _Alone:
         return buf
 
 
-ALONE = _Alone()
+ALONE = Alone()
 
 
 @functools.lru_cache(maxsize=64)
@@ -69,22 +70,20 @@ def _ln_back(g, saved, w, gw, gb):
 
 # ---- token + position embedding ---------------------------------------------------------------
 
-def _embedding_fwd(w, idx, shapes):
-    """w = [wte (V, C), wpe (>=T, C)], idx (B, T) -> (B*T, C)."""
+def embedding_forward(w, idx, shapes):
+    """w = [wte (V, C), wpe (>=T, C)], idx (B, T) -> (B*T, C), nothing saved."""
     return K._embed_fwd(*unpack(w, shapes), idx)
 
 
-def _embedding_bwd(g, _, argnums, w, idx, shapes):
+def embedding_backward(g, w, idx, shapes, gw) -> None:
+    """The embedding's gradient written into gw (it has no input to differentiate)."""
     d = K._embed_bwd(g, None, (0, 1), *unpack(w, shapes), idx)
-    return {0: np.concatenate([d[0].reshape(-1), d[1].reshape(-1)], out=grad_buffer(w, d[0].dtype))}
-
-
-embedding = K.define("embedding", _embedding_fwd, _embedding_bwd)
+    np.concatenate([d[0].reshape(-1), d[1].reshape(-1)], out=gw)
 
 
 # ---- one transformer block ----------------------------------------------------------------------
 
-def _block_fwd(x, w, T, H, shapes, tp):
+def block_forward(x, w, T, H, shapes, tp):
     """x + attn(ln_1(x)) = x1; x1 + mlp(ln_2(x1)): (B*T, C) -> (B*T, C), H heads on this rank. w holds,
     in order, ln_1.w/b, attn.c_attn.w/b, attn.c_proj.w/b, ln_2.w/b, mlp.c_fc.w/b, mlp.c_proj.w/b."""
     ln1w, ln1b, aw, ab, pw, pb, ln2w, ln2b, fw, fb, mw, mb = unpack(w, shapes)
@@ -105,12 +104,12 @@ def _row_parallel(x, w, b, tp):
     return y
 
 
-def _block_bwd(g, saved, argnums, x, w, T, H, shapes, tp):
-    """In a training step (`drop_saved`) each activation is freed once used: the block's MLP
-    activations are gone before the attention's temporaries exist (a lower peak)."""
+def block_backward(g, saved, x, w, T, H, shapes, tp, gw, free: bool):
+    """The block's gradient written into gw; returns its input's. With `free` each activation is
+    freed once used: the block's MLP activations are gone before the attention's temporaries exist."""
     a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc = saved
-    drop_saved(saved)
-    gw = grad_buffer(w, np.result_type(w, g))                                   # (fresh pass: the sink)
+    if free:
+        saved.clear()
     ln1w, _, aw, _, pw, _, ln2w, _, fw, _, mw, _ = unpack(w, shapes)
     d_ln1w, d_ln1b, d_aw, d_ab, d_pw, d_pb, d_ln2w, d_ln2b, d_fw, d_fb, d_mw, d_mb = unpack(gw, shapes)
     K._mm(h.T, g, out=d_mw)                                                     # _linear_back, with h freed
@@ -126,11 +125,7 @@ def _block_bwd(g, saved, argnums, x, w, T, H, shapes, tp):
     del s_att, y, qkv
     ga = _linear_back(gqkv, a, aw, d_aw, d_ab)
     tp.Allreduce(ga, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")   # "f"
-    gx = gx1 + _ln_back(ga, s_ln1, ln1w, d_ln1w, d_ln1b)
-    return {0: gx, 1: gw}
-
-
-block = K.define("block", _block_fwd, _block_bwd)
+    return gx1 + _ln_back(ga, s_ln1, ln1w, d_ln1w, d_ln1b)
 
 
 # ---- final LayerNorm, LM head, cross-entropy ---------------------------------------------------
@@ -142,23 +137,20 @@ def head_logits(x, w, shapes):
     return K._linear_fwd(z_in, hw, hb)[0], (z_in, s_ln)
 
 
-def _head_loss_fwd(x, w, targets, shapes):
+def head_loss_forward(x, w, targets, shapes):
     """Sum over the rows of the cross-entropy of the logits against targets (B*T,) -> scalar."""
     z, (z_in, s_ln) = head_logits(x, w, shapes)
     loss, probs = K._xent_fwd(z, targets)
     return loss, [z_in, s_ln, probs]
 
 
-def _head_loss_bwd(g, saved, argnums, x, w, targets, shapes):
+def head_loss_backward(g, saved, w, targets, shapes, gw, free: bool):
+    """The head's gradient written into gw; returns the hidden states' (freeing `saved` if `free`)."""
     z_in, s_ln, probs = saved
-    owned = drop_saved(saved)                                                   # freed as used
-    gw = grad_buffer(w, np.result_type(w, probs))
+    if free:
+        saved.clear()
     lnw, _, hw, _ = unpack(w, shapes)
     d_lnw, d_lnb, d_hw, d_hb = unpack(gw, shapes)
-    gz = K._xent_grad_inplace(probs if owned else probs.copy(), targets, g)     # over the softmax if owned
+    gz = K._xent_grad_inplace(probs if free else probs.copy(), targets, g)      # over the softmax if owned
     del probs
-    gx = _ln_back(_linear_back(gz, z_in, hw, d_hw, d_hb), s_ln, lnw, d_lnw, d_lnb)
-    return {0: gx, 1: gw}
-
-
-head_loss = K.define("head_loss", _head_loss_fwd, _head_loss_bwd)
+    return _ln_back(_linear_back(gz, z_in, hw, d_hw, d_hb), s_ln, lnw, d_lnw, d_lnb)

@@ -1,11 +1,13 @@
 """MiniGPT in NumPy + autograd, float32 end to end (pre-LN GPT-2 blocks, untied LM head).
 
-Activations are 2-D (B*T, C) so every linear layer is one matmul. The model is three kinds of
-autograd primitive (`capstone.model.blocks`): the embedding, a transformer block, the head with
-the loss, each over one flat parameter group and with a hand-written VJP. `Model` owns the flat
-parameter and gradient buffers (the groups are views into them) and runs forward+backward with the
-gradients landing in the flat gradient buffer; `loss_sum` is the differentiable loss. `tp` is the
-tensor-parallel group the blocks are split over (`blocks.ALONE`: not split).
+Activations are 2-D (B*T, C) so every linear layer is one matmul. The model is the embedding, L
+transformer blocks and the head with the loss (capstone.model.blocks), each over one flat
+parameter group, run as autograd nodes by the one driver (capstone.model.backward). `Model` is
+this rank's part of the model, whatever the modes: the groups it holds (all of them, or a
+pipeline stage's), the tensor-parallel group its blocks are split over (`blocks.ALONE`: none),
+and its seam (capstone.model.seam), which says where each group's weights come from and where its
+gradient goes (the flat buffers, ZeRO-2's reduce-scatter, ZeRO-3's gathers). `logits` and
+`loss_sum` are the forward alone over a dict of groups.
 """
 
 from __future__ import annotations
@@ -13,71 +15,96 @@ from __future__ import annotations
 import numpy as np
 
 from capstone.config import ModelConfig
-from capstone.model.backward import value_and_grad_into
-from capstone.model.blocks import ALONE, block, embedding, head_logits, head_loss
+from capstone.model.backward import Pass, block, differentiate, embedding, head_loss
+from capstone.model.blocks import ALONE, head_logits
 from capstone.model.params import Layout, group_shapes
+from capstone.model.seam import Resident, Weights
 
 
-def _hidden(t, idx, cfg: ModelConfig, tp=ALONE, layer=block, x=None, embed=embedding):
-    """Hidden states (B*T, C) after the blocks (`layer`) in t (Layout.groups: the whole model's, or a
-    pipeline stage's) for token ids idx (B, T), from the embedding or `x` (the previous stage's)."""
-    shapes, H = group_shapes(cfg, tp.size), cfg.n_heads // tp.size
-    if x is None:
-        x = embed(t["embed"], idx, shapes["embed"])                             # (B*T, C)
-    for name in (g for g in t if g not in ("embed", "head")):                   # the blocks, in order
-        x = layer(x, t[name], idx.shape[1], H, shapes[name], tp)               # (B*T, C)
+def hidden(ps: Pass, cfg: ModelConfig, names, start, idx):
+    """Hidden states (B*T, C) after the embedding and blocks among group `names` (in order), from
+    token ids idx (B, T); without the embedding, from `start` (the previous stage's activations)."""
+    shapes, H = group_shapes(cfg, ps.tp.size), cfg.n_heads // ps.tp.size
+    x = embedding(start, ps, idx, shapes["embed"]) if "embed" in names else start
+    for name in (g for g in names if g not in ("embed", "head")):
+        x = block(x, ps, name, idx.shape[1], H, shapes[name])
     return x
 
 
-def logits(t, idx, cfg: ModelConfig, tp=ALONE):
+def logits(groups: dict, idx, cfg: ModelConfig, tp=ALONE):
     """Next-token logits (B*T, V) for token ids idx (B, T), forward only."""
-    return head_logits(_hidden(t, idx, cfg, tp), t["head"], group_shapes(cfg, tp.size)["head"])[0]
+    x = hidden(Pass(Resident(groups), tp, train=False), cfg, tuple(groups), 0.0, idx)
+    return head_logits(x, groups["head"], group_shapes(cfg, tp.size)["head"])[0]
 
 
-def loss_sum(t, idx, targets, cfg: ModelConfig, scale=1.0, tp=ALONE, layer=block, embed=embedding, head=head_loss):
-    """scale * (sum over the B*T positions of the softmax cross-entropy). idx, targets (B, T). The
-    layers are arguments: recomputed blocks, or ZeRO-3's layers that gather their own groups."""
-    x = _hidden(t, idx, cfg, tp, layer, embed=embed)
-    return head(x, t["head"], targets.reshape(-1), group_shapes(cfg, tp.size)["head"]) * scale
+def loss_sum(groups: dict, idx, targets, cfg: ModelConfig, scale=1.0, tp=ALONE) -> float:
+    """scale * (sum over the B*T positions of the softmax cross-entropy), forward only."""
+    ps = Pass(Resident(groups), tp, train=False)
+    x = hidden(ps, cfg, tuple(groups), 0.0, idx)
+    return float(head_loss(x, ps, targets.reshape(-1), group_shapes(cfg, tp.size)["head"]) * scale)
 
 
-def loss_and_grad(layout: Layout, flat: np.ndarray, idx: np.ndarray, targets: np.ndarray, cfg: ModelConfig,
-                  scale: float):
-    """(loss value, gradient as a fresh flat buffer of `layout`) of `loss_sum` at parameters `flat`."""
+def loss_and_grad(layout: Layout, flat: np.ndarray, idx, targets, cfg: ModelConfig, scale: float, tp=ALONE):
+    """(loss value, gradient as a fresh flat buffer of `layout`) at parameters `flat`."""
     grads = np.zeros_like(flat)
-    return value_and_grad_into(loss_sum, layout.groups(flat), layout.groups(grads), idx, targets, cfg, scale), grads
+    model = Model(cfg, layout, Resident.over(layout, flat, grads), tp)
+    return model.micro_batch(idx, targets, scale, fresh=True), grads
 
 
 class Model:
-    """One MiniGPT's parameters and gradients (this rank's part under tensor parallelism): flat
-    float32 buffers of `layout`, with named views (`p`, `g`) and the group views the model
-    computes with (`groups`, `grad_groups`)."""
+    """This rank's part of MiniGPT: the groups of `layout` (in order) over `seam` (see the module)."""
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, params: np.ndarray, tp=ALONE, recompute: bool = False,
-                 grads: bool = True):
-        """`grads` False (ZeRO-2): no gradient buffer; each group's gradient goes to the grad hook."""
-        self.cfg, self.layout, self.tp, self.layer = cfg, layout, tp, block
-        if recompute:
-            from capstone.model import recompute as checkpointed
-            self.layer = checkpointed.block
-        self.params, self.grads = params, layout.zeros() if grads else None
-        self.p, self.groups = layout.views(self.params), layout.groups(self.params)
-        self.g, self.grad_groups = (layout.views(self.grads), layout.groups(self.grads)) if grads else (None, None)
+    def __init__(self, cfg: ModelConfig, layout: Layout, seam: Weights, tp=ALONE, recompute: bool = False):
+        self.cfg, self.layout, self.seam, self.tp, self.recompute = cfg, layout, seam, tp, recompute
+        self.names = tuple(layout.group_ranges())
 
-    def micro_batch(self, x: np.ndarray, y: np.ndarray, scale: float, fresh: bool) -> float:
-        """Gradient of scale * (summed loss of one micro-batch) added into `grads` (`fresh`: written
-        over whatever they held); returns that loss."""
-        return value_and_grad_into(loss_sum, self.groups, self.grad_groups, x, y, self.cfg, scale, self.tp,
-                                   self.layer, fresh=fresh)
+    @classmethod
+    def over(cls, cfg: ModelConfig, layout: Layout, params: np.ndarray, tp=ALONE, recompute: bool = False):
+        """The model over its own flat buffers: `params` and a new gradient buffer (one rank's run)."""
+        return cls(cfg, layout, Resident.over(layout, params, layout.zeros()), tp, recompute)
+
+    @property
+    def params(self) -> np.ndarray:
+        """What the optimizer updates: the flat parameter buffer (ZeRO-3: this rank's shard)."""
+        return self.seam.params
+
+    @property
+    def grads(self) -> np.ndarray | None:
+        """The flat gradient buffer (None: ZeRO-2/3 hand each group's gradient on)."""
+        return self.seam.grads
+
+    def _run(self, ps: Pass, start, x, y, scale):
+        h = hidden(ps, self.cfg, self.names, start, x)
+        if "head" not in self.names:
+            return h
+        return head_loss(h, ps, y.reshape(-1), group_shapes(self.cfg, self.tp.size)["head"]) * scale
+
+    def forward(self, x, y, scale: float, start=0.0, fresh: bool = False):
+        """(output, backward): this part's scaled summed loss (or, without the head, its hidden
+        states), and the function that runs its backward pass (`differentiate`). `start`: the
+        previous pipeline stage's activations, if this part has no embedding."""
+        ps = Pass(self.seam, self.tp, fresh, self.recompute)
+        return differentiate(lambda s: self._run(ps, s, x, y, scale), start)
+
+    def micro_batch(self, x, y, scale: float, fresh: bool) -> float:
+        """The gradient of scale * (summed loss of one micro-batch) through the seam (`fresh`: it
+        overwrites the gradient buffer); returns that loss."""
+        loss, backward = self.forward(x, y, scale, fresh=fresh)
+        backward()
+        return float(loss)
 
     def forward_backward(self, batches, scale: float) -> float:
         """Gradient of scale * (summed loss over every (x, y) in `batches`) into `grads`; returns that loss."""
         return sum(self.micro_batch(x, y, scale, fresh=j == 0) for j, (x, y) in enumerate(batches))
 
-    def whole(self) -> np.ndarray:
-        """The flat parameter buffer (this rank's slice of the model under tensor parallelism)."""
-        return self.params
+    def evaluate(self, x, y, scale: float, start=0.0):
+        """Forward only, nothing kept: the scaled summed loss (without the head: the hidden states)."""
+        return self._run(Pass(self.seam, self.tp, train=False), start, x, y, scale)
 
-    def loss(self, x: np.ndarray, y: np.ndarray, scale: float) -> float:
-        """scale * summed loss of one batch, forward only (no graph is built)."""
-        return float(loss_sum(self.groups, x, y, self.cfg, scale, self.tp))
+    def loss(self, x, y, scale: float) -> float:
+        """scale * summed loss of one batch, forward only (the whole model)."""
+        return float(self.evaluate(x, y, scale))
+
+    def whole(self) -> np.ndarray:
+        """Collective at ZeRO-3: the flat parameter buffer (this rank's slice under tp)."""
+        return self.seam.whole()

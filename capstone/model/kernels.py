@@ -10,10 +10,10 @@ dtype follows the inputs (float32 in training, float64 in the gradient checks): 
 Python floats (weak scalars under NEP 50) and no reduction divides by an integer array.
 
 Saved tensors: a VJP maker runs right after its primitive's forward (autograd builds the node
-with the output in hand), so each forward leaves what its backward needs in a one-slot stash
-keyed by the identity of the output. If the slot holds something else (it never should), the
-maker recomputes the forward, so the stash can cost time but never correctness. First-order only:
-the VJPs use plain NumPy and are not themselves differentiable.
+with the output in hand), so each forward leaves what its backward needs in its primitive's
+one-slot stash, keyed by the identity of the output. If the slot holds something else (it never
+should), the maker recomputes the forward, so the stash can cost time but never correctness.
+First-order only: the VJPs use plain NumPy and are not themselves differentiable.
 """
 
 from __future__ import annotations
@@ -28,15 +28,16 @@ GELU_K = math.sqrt(2.0 / math.pi)
 GELU_A = 0.044715
 
 _add, _max = np.add.reduce, np.maximum.reduce  # ndarray.sum / .max without their Python wrapper
-_slot: list = [None]  # (output, saved) of the most recent forward
 
 
 def define(name, forward, backward):
     """Primitive `name` from forward(*args, **kw) -> (out, saved) and
     backward(g, saved, argnums, *args, **kw) -> {argnum: gradient} for (at least) the argnums asked."""
+    stash = [None]   # (output, saved) of this primitive's most recent forward
+
     def raw(*args, **kwargs):
         out, saved = forward(*args, **kwargs)
-        _slot[0] = (out, saved)
+        stash[0] = (out, saved)
         return out
 
     raw.__name__ = raw.__qualname__ = name
@@ -44,7 +45,7 @@ def define(name, forward, backward):
     op = primitive(raw)
 
     def vjpmaker(argnums, ans, args, kwargs):  # autograd calls this right after `raw`, with its output
-        slot, _slot[0] = _slot[0], None
+        slot, stash[0] = stash[0], None
         saved = slot[1] if slot is not None and slot[0] is ans else forward(*args, **kwargs)[1]
 
         def vjp(g):

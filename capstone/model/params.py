@@ -11,6 +11,7 @@ import functools
 import json
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -19,33 +20,46 @@ from capstone.config import ModelConfig
 DTYPE = np.float32
 
 
-def param_shapes(cfg: ModelConfig, tp: int = 1) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every parameter, in buffer order; weights are (in, out) so y = x @ w + b.
-    With tensor parallelism over `tp` ranks, a rank's shapes (Megatron's split, capstone.model.blocks):
-    c_attn and mlp.c_fc keep 1/tp of their columns (whole heads: q, k and v of H/tp heads), the two
-    c_proj weights 1/tp of their rows; everything else is whole on every rank."""
-    V, T, C = cfg.vocab_size, cfg.seq_len, cfg.d_model
-    shapes = [("wte", (V, C)), ("wpe", (T, C))]
-    for i in range(cfg.n_layers):
-        h = f"h{i}."
-        shapes += [
-            (h + "ln_1.w", (C,)), (h + "ln_1.b", (C,)),
-            (h + "attn.c_attn.w", (C, 3 * C // tp)), (h + "attn.c_attn.b", (3 * C // tp,)),
-            (h + "attn.c_proj.w", (C // tp, C)), (h + "attn.c_proj.b", (C,)),
-            (h + "ln_2.w", (C,)), (h + "ln_2.b", (C,)),
-            (h + "mlp.c_fc.w", (C, 4 * C // tp)), (h + "mlp.c_fc.b", (4 * C // tp,)),
-            (h + "mlp.c_proj.w", (4 * C // tp, C)), (h + "mlp.c_proj.b", (C,)),
-        ]
-    shapes += [("ln_f.w", (C,)), ("ln_f.b", (C,)), ("lm_head.w", (C, V)), ("lm_head.b", (V,))]
-    return shapes
+# The tensor-parallel plan (Megatron's split; picotron's `apply_tensor_parallel` table): how each
+# parameter of a block is split over the tp ranks. "heads": column-parallel by whole heads (the q,
+# k and v columns of H/tp heads), "columns": column-parallel, "rows": row-parallel. Anything not
+# listed (embeddings, LayerNorms, the head, the row-parallel layers' biases) is whole on every tp
+# rank. Read by the shapes here, the slicing and checkpoint conversion (capstone.parallel.tensor)
+# and the norm's ownership weights; the block computes with it (capstone.model.blocks).
+TP_PLAN = MappingProxyType({"attn.c_attn.w": "heads", "attn.c_attn.b": "heads", "attn.c_proj.w": "rows",
+                            "mlp.c_fc.w": "columns", "mlp.c_fc.b": "columns", "mlp.c_proj.w": "rows"})
 
 
-SPLIT = ("attn.c_attn.w", "attn.c_attn.b", "attn.c_proj.w", "mlp.c_fc.w", "mlp.c_fc.b", "mlp.c_proj.w")
+def tp_split(name: str) -> str | None:
+    """How tensor parallelism splits parameter `name` (TP_PLAN), None: whole on every tp rank."""
+    top, _, rest = name.partition(".")
+    return TP_PLAN.get(rest) if top.startswith("h") else None
 
 
 def is_split(name: str) -> bool:
     """Whether tensor parallelism splits parameter `name` (else every tp rank holds it whole)."""
-    return name.endswith(SPLIT)
+    return tp_split(name) is not None
+
+
+def param_shapes(cfg: ModelConfig, tp: int = 1) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter, in buffer order; weights are (in, out) so y = x @ w + b.
+    With tensor parallelism over `tp` ranks, a rank's shapes: TP_PLAN's rows or columns divided by tp."""
+    V, T, C = cfg.vocab_size, cfg.seq_len, cfg.d_model
+    shapes = [("wte", (V, C)), ("wpe", (T, C))]
+    for i in range(cfg.n_layers):
+        shapes += [(f"h{i}.{name}", shape) for name, shape in (
+            ("ln_1.w", (C,)), ("ln_1.b", (C,)), ("attn.c_attn.w", (C, 3 * C)), ("attn.c_attn.b", (3 * C,)),
+            ("attn.c_proj.w", (C, C)), ("attn.c_proj.b", (C,)), ("ln_2.w", (C,)), ("ln_2.b", (C,)),
+            ("mlp.c_fc.w", (C, 4 * C)), ("mlp.c_fc.b", (4 * C,)), ("mlp.c_proj.w", (4 * C, C)), ("mlp.c_proj.b", (C,)))]
+    shapes += [("ln_f.w", (C,)), ("ln_f.b", (C,)), ("lm_head.w", (C, V)), ("lm_head.b", (V,))]
+    return [(name, _split_shape(shape, tp_split(name), tp)) for name, shape in shapes]
+
+
+def _split_shape(shape: tuple, split: str | None, tp: int) -> tuple:
+    """A tensor-parallel rank's shape of a whole `shape` split as `split` over tp ranks."""
+    if split is None or tp == 1:
+        return shape
+    return (shape[0] // tp,) + shape[1:] if split == "rows" else shape[:-1] + (shape[-1] // tp,)
 
 
 def group_of(name: str) -> str:

@@ -18,7 +18,6 @@ import resource
 from dataclasses import asdict, dataclass
 
 from capstone.observe.accounting import zero_row
-from capstone.parallel.bucket_plan import tree_order
 
 FIELDS = ("params", "gathered", "grads", "reduce", "optimizer", "guard")
 
@@ -45,27 +44,22 @@ class ModelStates:
 def measured(run) -> ModelStates:
     """From the arrays the run holds now (the transient terms: their peak over the run)."""
     model, reducer, opt = run.model, run.reducer, run.opt
-    gatherer = getattr(model, "gatherer", None)
     own_grads = model.grads is not None
     grads = model.grads.nbytes if own_grads else reducer.grad_shard.nbytes
-    return ModelStates(model.params.nbytes, gatherer.peak if gatherer is not None else 0, grads,
+    return ModelStates(model.params.nbytes, model.seam.gathered_peak(), grads,
                        reducer.nbytes() - (0 if own_grads else reducer.grad_shard.nbytes),
                        opt.state.nbytes, opt.before.nbytes)
 
 
 def formula(run) -> ModelStates:
-    """What the stage's formula says this rank holds (see the module)."""
-    layout, stage, dp, tcfg = run.model.layout, run.opts.zero_stage, run.grid.dp, run.tcfg
-    P, shard = layout.padded, 4 * layout.shard
-    row = zero_row(stage, P, dp.size)
-    if tcfg.deterministic:        # the received rows of every micro-batch, and the shard they sum into
-        reduce = 4 * tcfg.grad_accum * dp.size * layout.shard + shard
-    elif stage == 1:              # the receive shard, and a staging copy when the sums run in tree order
-        reduce = shard + (4 * P if tree_order(dp.size) != list(range(dp.size)) else 0)
-    else:
-        reduce = run.reducer.inflight_bound(tcfg.grad_accum)
-    gathered = run.model.gatherer.bound() if stage == 3 else 0
-    return ModelStates(row.params_bytes, gathered, row.grads_bytes, reduce, row.optimizer_bytes, row.optimizer_bytes)
+    """What the stage's formula says this rank holds (see the module): the model-state row of the
+    stage (capstone.observe.accounting), the gathered and reduction terms of the seam and reducer
+    the modes chose."""
+    layout, accum = run.model.layout, run.tcfg.grad_accum
+    row = zero_row(run.opts.zero_stage, layout.padded, run.grid.dp.size)
+    reduce = run.reducer.bound(accum) - (0 if run.model.grads is not None else row.grads_bytes)
+    return ModelStates(row.params_bytes, run.model.seam.gathered_bound(), row.grads_bytes, reduce,
+                       row.optimizer_bytes, row.optimizer_bytes)
 
 
 def row(run) -> dict:

@@ -10,13 +10,13 @@ received into the matching slice of rank r's `grad_shard`. Over all buckets ever
 shard is summed exactly once, so each rank ends with its ZeRO-1 shard of the summed gradient, as
 after the single reduce-scatter, and moves the same bytes (an allreduce per bucket would move 2x).
 
-When: `start(micro_batches)` before the forward+backward of a step installs a hook in
-capstone.model.backward's tap VJP (only when there are several buckets). Each call marks the
-gradients of the parameters in its sink (one array or a group of them) final for that micro-batch;
+When: between `start(micro_batches)` and `finish` (and only when there are several buckets), the
+model's seam calls `landed` as each group's gradient lands in the buffer (capstone.model.seam).
+Each call marks the gradients of the parameters in its sink (a group of them) final for that micro-batch;
 a bucket is ready when all its parameters are final on the LAST micro-batch (with gradient
 accumulation the earlier ones are partial sums). Ready buckets are started strictly in order
 (highest first), so every rank issues the same collectives in the same order whatever the order
-the gradients came in. Each hook call also Tests the oldest outstanding request: Open MPI's
+the gradients came in. Each call also Tests the oldest outstanding request: Open MPI's
 non-blocking collectives (libnbc) advance only inside MPI calls, so the backward loop drives them.
 Bucket 0 (it holds flat index 0: the embeddings, whose gradients come last, so there is nothing
 left to overlap) is started by `finish`, after the caller may have touched the buffer (the
@@ -36,7 +36,6 @@ import collections
 
 import numpy as np
 
-from capstone.model import backward
 from capstone.model.params import Layout
 from capstone.parallel.bucket_plan import plan, tree_order
 from capstone.parallel.reduce import Flags, GradReducer, GradStats
@@ -63,7 +62,7 @@ class BucketReducer(GradReducer):
         for k, bucket in enumerate(self.buckets):
             for i in bucket.params:
                 self.bucket_of[i] = k
-        self.micro_batches = 1
+        self.micro_batches, self.watching = 1, False
         self._reset()
         self.overlapped = 0   # buckets started from inside the backward pass, last step
 
@@ -79,12 +78,13 @@ class BucketReducer(GradReducer):
         backward pass as they become ready (when there is more than one)."""
         self._reset()
         self.micro_batches, self.overlapped = int(micro_batches), 0
-        if len(self.buckets) > 1:
-            backward.set_grad_hook(self._on_grad)
+        self.watching = len(self.buckets) > 1
 
-    def _on_grad(self, name: str, sink: np.ndarray) -> None:
-        """The hook: the gradients of the parameters in `sink` (one or a group) are final for this
-        micro-batch."""
+    def landed(self, name: str, sink: np.ndarray) -> None:
+        """The gradients of the parameters in `sink` (group `name`'s slice of the buffer) are final
+        for this micro-batch."""
+        if not self.watching:
+            return
         start = (sink.__array_interface__["data"][0] - self.base) // self.itemsize
         for i in range(bisect.bisect_left(self.offsets, start), bisect.bisect_left(self.offsets, start + sink.size)):
             self.seen[i] += 1
@@ -112,8 +112,7 @@ class BucketReducer(GradReducer):
     def finish(self, losses: list[float], flags: Flags) -> GradStats:
         """Start what is left (bucket 0, and any bucket the backward pass did not complete), wait
         for every bucket with the deadline, then the step's small allreduce."""
-        if backward._grad_hook == self._on_grad:
-            backward.set_grad_hook(None)
+        self.watching = False
         while self.next >= 0:
             self._start(self.next)
         what = "reduce-scatter of the gradient" + (f" ({len(self.buckets)} buckets, {self.overlapped} started "
@@ -124,3 +123,7 @@ class BucketReducer(GradReducer):
 
     def nbytes(self) -> int:
         return self.grad_shard.nbytes + (0 if self.staging is None else self.staging.nbytes)
+
+    def bound(self, micro_batches: int) -> int:
+        """The formula for `nbytes`: the receive shard, and a staging copy when the sums run in tree order."""
+        return 4 * self.layout.shard + (0 if self.staging is None else 4 * self.layout.padded)

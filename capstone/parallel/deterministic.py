@@ -147,6 +147,10 @@ class DeterministicReducer(GradReducer):
         flat buffer) and the gradient shard."""
         return self.rows.nbytes + self.grad_shard.nbytes
 
+    def bound(self, micro_batches: int) -> int:
+        """The formula: a shard-long row per rank and micro-batch, and the shard they sum into."""
+        return 4 * (micro_batches * self.w + 1) * self.layout.shard
+
     def after_backward(self, micro: int) -> None:
         """Slice q of the flat gradient buffer to rank q (rows of block micro*world + q)."""
         self.dp.Alltoall(self.grads, self.rows[micro * self.w:(micro + 1) * self.w],
@@ -170,8 +174,8 @@ class HeldOutBlocks(HeldOut):
     b % world). `loss_share` is a collective that returns the tree-summed mean loss per token on
     rank 0 and 0.0 elsewhere, so the caller's sum over ranks adds exact zeros to it."""
 
-    def __init__(self, data, batches: int, batch_size: int, seq_len: int, world, dp):
-        self.world, self.comm, self.rank, self.w = world, dp, dp.rank, dp.size
+    def __init__(self, data, batches: int, batch_size: int, seq_len: int, world, dp, loss):
+        self.world, self.comm, self.rank, self.w, self.loss = world, dp, dp.rank, dp.size, loss
         self.scale = 1.0 / (batches * batch_size * seq_len)
         spans = [(k, a, min(a + EVAL_ROWS, batch_size)) for k in range(batches) for a in range(0, batch_size, EVAL_ROWS)]
         self.n_blocks = len(spans)
@@ -180,10 +184,10 @@ class HeldOutBlocks(HeldOut):
         self.blocks = [(full[k][0][a:b].copy(), full[k][1][a:b].copy()) for k, a, b in mine]
         self.per_rank = -(-self.n_blocks // self.w)
 
-    def loss_share(self, model) -> float:
+    def loss_share(self) -> float:
         local = np.zeros(self.per_rank, dtype=np.float64)
         for i, (x, y) in enumerate(self.blocks):
-            local[i] = model.loss(x, y, self.scale)
+            local[i] = self.loss(x, y, self.scale)
         every = np.empty((self.w, self.per_rank), dtype=np.float64)
         self.comm.Allgather(every, "allgather of the held-out block losses", "allgather_eval", send=local)
         total = tree_sum(every.T.reshape(-1)[:self.n_blocks])   # index i*world + q = block b

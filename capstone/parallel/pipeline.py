@@ -3,7 +3,8 @@
 Stage p of K holds blocks `stage_layers` (balanced by layers; when K does not divide L the first
 stages take one more, so the last stage, which also holds the final LayerNorm and the LM head,
 has the fewer; --pp-layers gives the counts explicitly), the embedding with stage 0 and the head
-with stage K-1. A pipeline group is the K ranks of the grid's pp axis; each stage's parameters
+with stage K-1: a stage is the one model (capstone.model.gpt.Model) over its groups, plus the
+messages between stages. A pipeline group is the K ranks of the grid's pp axis; each stage's parameters
 are sharded over its own data-parallel group (ZeRO-1) and checkpointed in the canonical 1-rank
 layout (capstone.parallel.canonical).
 
@@ -21,13 +22,9 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from autograd import make_vjp
-from autograd.extend import defvjp, primitive, vspace
 
 from capstone.config import ConfigError
-from capstone.model import backward, gpt
-from capstone.model.blocks import head_loss
-from capstone.model.params import DTYPE, group_shapes
+from capstone.model.params import DTYPE
 
 EVAL_TAG = 30000   # the held-out evaluation's activations (training uses 2j forward, 2j+1 backward)
 
@@ -62,30 +59,18 @@ def order(schedule: str, p: int, K: int, m: int) -> list[tuple[str, int]]:
     return seq + [("B", j) for j in range(m - warm, m)]
 
 
-@primitive
-def _received(anchor, x, holder):
-    """Forward: the previous stage's activations x. Backward: their gradient into `holder`."""
-    return x
+class Pipeline:
+    """The step's micro-batches through the stages in a schedule's order (Sequential's interface):
+    this rank's stage is the model over its stage's groups (`model.layout`), and the stages
+    exchange activations and their gradients over `pp`."""
 
-
-defvjp(_received, lambda ans, anchor, x, holder: lambda g: (holder.append(g), np.zeros(()))[1], None, None)
-
-
-class StageModel(gpt.Model):
-    """A pipeline stage's part of the model (`layout` holds its groups), with the messages between
-    stages; `loss` (the held-out evaluation) runs the whole pipeline forward."""
-
-    def __init__(self, cfg, layout, params, tp, recompute: bool, pp):
-        super().__init__(cfg, layout, params, tp, recompute)
+    def __init__(self, model, reducer, hooks, scale: float, schedule: str, pp):
+        if not reducer.accumulates:
+            raise ValueError("the pipeline accumulates micro-batch gradients in the flat buffer")
+        self.model, self.reducer, self.hooks, self.scale, self.schedule = model, reducer, hooks, scale, schedule
         self.pp, self.p, self.K = pp, pp.rank, pp.size
         self.sends, self.events = [], []          # (request, buffer) in flight; (kind, j, t0, t1)
-
-    def _part(self, t, x, y, x_in, scale):
-        """This stage's function: hidden states out, or (last stage) the scaled summed loss."""
-        h = gpt._hidden(t, x, self.cfg, self.tp, self.layer, x_in)             # (B*T, C)
-        if self.p < self.K - 1:
-            return h
-        return head_loss(h, t["head"], y.reshape(-1), group_shapes(self.cfg, self.tp.size)["head"]) * scale
+        self.span = (0.0, 0.0)   # the last step's forward_backward, perf_counter seconds
 
     def _recv(self, shape, peer: int, tag: int, what: str) -> np.ndarray:
         buf = np.empty(shape, dtype=DTYPE)
@@ -104,67 +89,54 @@ class StageModel(gpt.Model):
                          "p2p", sum(a.nbytes for _, a in self.sends))
         self.sends = []
 
-    def forward(self, j: int, x, y, scale: float):
-        """Micro-batch j's forward on this stage, its graph kept for `backward`; returns (pending, loss)."""
-        C = self.cfg.d_model
-        x_in = None if self.p == 0 else self._recv((x.size, C), self.p - 1, 2 * j, f"micro-batch {j}'s activations")
-        t0, holder, sinks = time.perf_counter(), [], self.grad_groups
+    def _received(self, x, tag: int, what: str):
+        """The previous stage's activations for x's rows (stage 0: the scalar start of the pass)."""
+        return 0.0 if self.p == 0 else self._recv((x.size, self.model.cfg.d_model), self.p - 1, tag, what)
 
-        def f(anchor):
-            t = {g: backward._tap(anchor, a, sinks[g], g) for g, a in self.groups.items()}
-            return self._part(t, x, y, None if x_in is None else _received(anchor, x_in, holder), scale)
-        vjp, out = make_vjp(f)(0.0)
+    def forward(self, j: int, x, y):
+        """Micro-batch j's forward on this stage; returns (its backward, the output's shape or the
+        last stage's loss)."""
+        x_in = self._received(x, 2 * j, f"micro-batch {j}'s activations")
+        t0 = time.perf_counter()
+        out, backward = self.model.forward(x, y, self.scale, start=x_in)
         self.events.append(("F", j, t0, time.perf_counter()))
         if self.p < self.K - 1:
             self._send(out, self.p + 1, 2 * j)
-            return (vjp, holder, out.shape), 0.0
-        return (vjp, holder, vspace(out).ones()), float(out)
+            return (backward, out.shape), 0.0
+        return (backward, None), float(out)
 
     def backward(self, j: int, pending) -> None:
-        """Micro-batch j's backward on this stage: its parameters' gradients added to `grads`."""
-        vjp, holder, shape = pending        # shape: of the activations sent on (the last stage: d loss / d loss)
-        g = shape if self.p == self.K - 1 else self._recv(shape, self.p + 1, 2 * j + 1, f"micro-batch {j}'s gradient")
+        """Micro-batch j's backward on this stage: its gradients added to the model's `grads`."""
+        backward, shape = pending
+        g = None if self.p == self.K - 1 else self._recv(shape, self.p + 1, 2 * j + 1, f"micro-batch {j}'s gradient")
         t0 = time.perf_counter()
-        with backward.training_pass():
-            vjp(g)
+        g_in = backward(g)
         self.events.append(("B", j, t0, time.perf_counter()))
         if self.p > 0:
-            self._send(holder[0], self.p - 1, 2 * j + 1)
-
-    def loss(self, x, y, scale: float) -> float:
-        """Forward only through the pipeline: the last stage's scaled summed loss (0 on the others)."""
-        x_in = None if self.p == 0 else self._recv((x.size, self.cfg.d_model), self.p - 1, EVAL_TAG,
-                                                   "held-out activations")
-        out = self._part(self.groups, x, y, x_in, scale)
-        if self.p == self.K - 1:
-            return float(out)
-        self._send(out, self.p + 1, EVAL_TAG)
-        self.drain()
-        return 0.0
-
-
-class Pipeline:
-    """The step's micro-batches through the stages in a schedule's order (Sequential's interface)."""
-
-    def __init__(self, model: StageModel, reducer, hooks, scale: float, schedule: str):
-        if not reducer.accumulates:
-            raise ValueError("the pipeline accumulates micro-batch gradients in the flat buffer")
-        self.model, self.reducer, self.hooks, self.scale, self.schedule = model, reducer, hooks, scale, schedule
-        self.span = (0.0, 0.0)   # the last step's forward_backward, perf_counter seconds
+            self._send(g_in, self.p - 1, 2 * j + 1)
 
     def forward_backward(self, batches: list, step: int) -> list[float]:
         """Collective over the pipeline group. Every micro-batch's loss (0 except on the last stage)."""
         m, t0 = len(batches), time.perf_counter()
         self.reducer.start(m)
         self.model.grads.fill(0.0)
-        self.model.events, pending, losses = [], {}, [0.0] * m
-        for kind, j in order(self.schedule, self.model.p, self.model.K, m):
+        self.events, pending, losses = [], {}, [0.0] * m
+        for kind, j in order(self.schedule, self.p, self.K, m):
             if kind == "F":
-                pending[j], losses[j] = self.model.forward(j, *batches[j], self.scale)
+                pending[j], losses[j] = self.forward(j, *batches[j])
             else:
-                self.model.backward(j, pending.pop(j))
+                self.backward(j, pending.pop(j))
                 self.hooks.gradients(step, j, self.model.grads)
                 self.reducer.after_backward(j)
-        self.model.drain()
+        self.drain()
         self.span = (t0, time.perf_counter())
         return losses
+
+    def loss(self, x, y, scale: float) -> float:
+        """Forward only through the pipeline: the last stage's scaled summed loss (0 on the others)."""
+        out = self.model.evaluate(x, y, scale, start=self._received(x, EVAL_TAG, "held-out activations"))
+        if self.p == self.K - 1:
+            return float(out)
+        self._send(out, self.p + 1, EVAL_TAG)
+        self.drain()
+        return 0.0

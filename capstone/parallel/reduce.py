@@ -7,6 +7,7 @@ step calls it around the backward passes, as Megatron calls its gradient buffer'
 start_grad_sync / finish_grad_sync apart from its distributed optimizer:
 
     reducer.start(micro_batches)          before the first forward
+    reducer.landed(group, grad)           as each group's gradient lands (the model's seam)
     reducer.after_backward(j)             after micro-batch j's backward
     stats = reducer.finish(losses, flags) after the last one: GradStats (the same on every rank)
 
@@ -70,6 +71,10 @@ class GradReducer:
     def start(self, micro_batches: int) -> None:
         """Before the step's first forward pass."""
 
+    def landed(self, group: str, grad: np.ndarray) -> None:
+        """During a backward pass: parameter group `group`'s gradient has landed (the model's seam,
+        capstone.model.seam, calls it; `grad` is its slice of `grads`, or the gradient itself)."""
+
     def after_backward(self, micro: int) -> None:
         """After micro-batch `micro`'s backward pass (its gradient is in `grads`)."""
 
@@ -87,3 +92,7 @@ class GradReducer:
     def nbytes(self) -> int:
         """Bytes this reduction holds besides the flat gradient buffer (the received shard...)."""
         return self.grad_shard.nbytes
+
+    def bound(self, micro_batches: int) -> int:
+        """The formula for `nbytes` in a step of `micro_batches` (capstone.observe.memory)."""
+        raise NotImplementedError

@@ -25,3 +25,7 @@ class Sequential:
             self.hooks.gradients(step, j, self.model.grads)
             self.reducer.after_backward(j)
         return losses
+
+    def loss(self, x, y, scale: float) -> float:
+        """scale * summed loss of one batch, forward only (the held-out evaluation's)."""
+        return self.model.loss(x, y, scale)

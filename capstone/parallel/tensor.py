@@ -2,13 +2,10 @@
 block's, capstone.model.blocks): which elements of the whole model a rank holds, and the
 conversion between that and the canonical 1-rank layout of checkpoints.
 
-A tensor-parallel rank t of K holds, in the names and order of `param_shapes`:
-  attn.c_attn   column-parallel by whole heads: heads [t*H/K, (t+1)*H/K); its fused weight
-                (C, 3C/K) is [q_t | k_t | v_t], the columns h*D..(h+1)*D of each of q, k, v
-  attn.c_proj   row-parallel: the C/K rows of the owned heads; its bias is whole
-  mlp.c_fc      column-parallel: (C, 4C/K) and bias (4C/K,)
-  mlp.c_proj    row-parallel: (4C/K, C); its bias is whole
-  everything else (embeddings, LayerNorms, LM head, row-parallel biases) whole.
+A tensor-parallel rank t of K holds, in the names and order of `param_shapes`, its part of each
+parameter as capstone.model.params.TP_PLAN splits it: c_attn by whole heads [t*H/K, (t+1)*H/K)
+(its fused weight (C, 3C/K) is [q_t | k_t | v_t], the columns h*D..(h+1)*D of each of q, k, v),
+mlp.c_fc by columns, the two c_proj weights by rows; everything else whole.
 `positions` maps each element of a rank's flat buffer (of a pipeline stage's groups, if any) to its
 index in the 1-rank buffer; a model-parallel run starts from exactly the 1-rank run's parameters
 (`initial_params`), and its checkpoints are converted to the canonical 1-rank layout by
@@ -22,18 +19,19 @@ import math
 import numpy as np
 
 from capstone.model.fingerprint import sum_squares
-from capstone.model.params import Layout, group_of, init_params, is_split, param_shapes
+from capstone.model.params import Layout, group_of, init_params, is_split, param_shapes, tp_split
 
 
 def _slice(a: np.ndarray, name: str, K: int, t: int) -> np.ndarray:
-    """Tensor-parallel rank t's part of the whole array a of parameter `name`."""
-    if name.endswith(("attn.c_proj.w", "mlp.c_proj.w")):                   # rows
+    """Tensor-parallel rank t's part of the whole array a of parameter `name` (params.TP_PLAN)."""
+    split = tp_split(name)
+    if split == "rows":
         n = a.shape[0] // K
         return a[t * n:(t + 1) * n]
-    if name.endswith(("mlp.c_fc.w", "mlp.c_fc.b")):                         # columns
+    if split == "columns":
         n = a.shape[-1] // K
         return a[..., t * n:(t + 1) * n]
-    if name.endswith(("attn.c_attn.w", "attn.c_attn.b")):                   # heads t*H/K.. of q, k, v
+    if split == "heads":                                                    # heads t*H/K.. of q, k, v
         C = a.shape[-1] // 3
         n = C // K
         return a[..., np.concatenate([j * C + t * n + np.arange(n) for j in range(3)])]

@@ -8,7 +8,7 @@ Groups smaller than --bucket-mb are staged together, in the order the backward p
 until their bucket is at least that long (DeepSpeed's reduce bucket); a larger group goes alone.
 One reduction is in flight while the backward pass makes the next bucket (double buffering),
 progressed by capstone.parallel.progress's thread: a rank holds its shard and at most two buckets
-(`inflight_bound`), not the whole gradient. With gradient accumulation every micro-batch is
+(`bound`), not the whole gradient. With gradient accumulation every micro-batch is
 reduced on its own: the first is received straight into the shard, the later ones into small
 temporaries added to it (so each element is the sum over micro-batches of the sums over ranks:
 the same numbers as ZeRO-1 summing micro-batches first, to float32 rounding).
@@ -20,7 +20,6 @@ import collections
 
 import numpy as np
 
-from capstone.model import backward
 from capstone.model.params import DTYPE, Layout
 from capstone.parallel.progress import Progress
 from capstone.parallel.reduce import Flags, GradReducer, GradStats
@@ -85,11 +84,10 @@ class ShardedGradReducer(GradReducer):
 
     def start(self, micro_batches: int) -> None:
         self.first = True
-        backward.set_grad_hook(self.reduce_group)
 
-    def reduce_group(self, name: str, g: np.ndarray) -> None:
-        """Stage group `name`'s gradient `g` (this micro-batch's); a full bucket starts summing into
-        the shard once the reduction before it is done."""
+    def landed(self, name: str, g: np.ndarray) -> None:
+        """Group `name`'s gradient `g` (this micro-batch's), from the model's seam, is staged; a full
+        bucket starts summing into the shard once the reduction before it is done."""
         bucket = self.bucket_of[name]
         send = bucket.add(name, g)
         if send is None:
@@ -118,8 +116,6 @@ class ShardedGradReducer(GradReducer):
 
     def finish(self, losses: list[float], flags: Flags) -> GradStats:
         """Wait for the reduction still in flight, then the step's small allreduce."""
-        if backward._grad_hook == self.reduce_group:
-            backward.set_grad_hook(None)
         self._drain(keep=0)
         self.dp.hooks.gradients(self.dp.hooks.step, 0, self.grad_shard)   # --inject-nan (a test seam)
         return self.stats(sum(losses), flags)
@@ -128,10 +124,11 @@ class ShardedGradReducer(GradReducer):
         """The shard and the most the reductions have held in flight (over the run)."""
         return self.grad_shard.nbytes + self.peak_inflight
 
-    def inflight_bound(self, micro_batches: int) -> int:
-        """The formula for `peak_inflight`: the largest two buckets sent one after the other in a
-        step of `micro_batches` (the last of a micro-batch is still in flight when the next one's
-        first is sent; after the first micro-batch, each with its temporary of the shard)."""
+    def bound(self, micro_batches: int) -> int:
+        """The formula for `nbytes`: the shard, and for `peak_inflight` the largest two buckets sent
+        one after the other in a step of `micro_batches` (the last of a micro-batch is still in
+        flight when the next one's first is sent; after the first micro-batch, each with its
+        temporary of the shard)."""
         sent = [4 * (b.plan.b - b.plan.a) + (j > 0) * 4 * b.plan.counts[self.dp.rank]
                 for j in range(micro_batches) for b in self.buckets]
-        return max([sent[0]] + [x + y for x, y in zip(sent, sent[1:])])
+        return self.grad_shard.nbytes + max([sent[0]] + [x + y for x, y in zip(sent, sent[1:])])

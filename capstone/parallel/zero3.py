@@ -3,26 +3,21 @@
 its forward and freed after it, gathered again for its backward, and the next group's gather is
 started while the current one computes (prefetch, driven by capstone.parallel.progress's thread).
 
-The layers are the model's own (capstone.model.blocks), wrapped: a group's array is not an input of
-the autograd graph (the graph would keep every gathered block alive until its backward), but is
-fetched by name from the `Gatherer` inside each layer's forward and backward; the layer's
-parameter gradient goes straight to the ZeRO-2 reducer (capstone.parallel.zero2), and autograd
-carries only the activations' gradients (the embedding hangs on the scalar `anchor`).
-Each gathered group is fingerprinted once a step: invariant (b), where no two ranks hold the same
-shard, compares what they do share, the groups they assembled (capstone.parallel.replicas).
+This is the model's seam (capstone.model.seam) implemented by a `Gatherer`, not another model: the
+model's layers ask it for a group's weights by name (the autograd graph holds none, so no gathered
+block lives until its backward), and hand it each group's gradient, which goes straight to the
+ZeRO-2 reducer (capstone.parallel.zero2). Each gathered group is fingerprinted once a step:
+invariant (b), where no two ranks hold the same shard, compares what they do share, the groups
+they assembled (capstone.parallel.replicas).
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Callable
 
 import numpy as np
-from autograd import make_vjp
-from autograd.extend import vspace
 
-from capstone.model import blocks, gpt
-from capstone.model import kernels as K
-from capstone.model.backward import training_pass
 from capstone.model.fingerprint import sum_squares, word_sum
 from capstone.model.params import DTYPE, Layout
 from capstone.parallel.progress import Progress
@@ -44,21 +39,25 @@ class ShardedAdam(ZeroAdam):
 
 
 class Gatherer:
-    """Gathers parameter groups from the data-parallel shards on demand, one group ahead."""
+    """The seam over this rank's parameter shard: gathers groups from the data-parallel shards on
+    demand, one group ahead in the direction of the pass; gradients go to `on_landed`."""
 
-    def __init__(self, dp, layout: Layout, shard: np.ndarray, cfg, progress: Progress):
-        self.dp, self.layout, self.shard, self.progress = dp, layout, shard, progress
+    grads = None   # no gradient buffer: each group's gradient is reduced as it is made
+
+    def __init__(self, dp, layout: Layout, shard: np.ndarray, names: tuple, progress: Progress, on_landed: Callable):
+        self.dp, self.layout, self.params, self.progress = dp, layout, shard, progress
         self.plans = {g: GroupPlan(a, b, layout, dp.rank) for g, (a, b) in layout.group_ranges().items()}
-        self.order = ["embed"] + [f"h{i}" for i in range(cfg.n_layers)] + ["head"]
-        self.order = [g for g in self.order if g in self.plans]
-        self.live, self.forward = {}, True
-        self.reducer, self.peak, self.digests = None, 0, {}
+        self.order, self.on_landed = list(names), on_landed
+        self.live, self.peak, self.digests = {}, 0, {}
 
     def reset(self) -> None:
         """A new step: the fingerprints start again (`peak` is the run's)."""
         self.digests = {}
 
-    def bound(self) -> int:
+    def gathered_peak(self) -> int:
+        return self.peak
+
+    def gathered_bound(self) -> int:
         """The formula for `peak`: the largest two consecutive groups (one computing, the next in flight)."""
         sizes = [4 * (self.plans[g].b - self.plans[g].a) for g in self.order]
         return max([sizes[0]] + [x + y for x, y in zip(sizes, sizes[1:])])
@@ -66,7 +65,7 @@ class Gatherer:
     def _start(self, name: str) -> None:
         plan = self.plans[name]
         full = np.empty(plan.b - plan.a, dtype=DTYPE)
-        mine = np.ascontiguousarray(self.shard[plan.recv])
+        mine = np.ascontiguousarray(self.params[plan.recv])
         if self.dp.size > 1:
             ticket = self.progress.submit(self.dp.Iallgatherv(mine, full, plan.counts), mine)
         else:
@@ -74,8 +73,9 @@ class Gatherer:
         self.live[name] = (full, ticket)
         self.peak = max(self.peak, sum(a.nbytes for a, _ in self.live.values()))
 
-    def gather(self, name: str) -> np.ndarray:
-        """Group `name`'s full array (waiting for its gather), and the next group's gather started."""
+    def weights(self, name: str, backward: bool = False) -> np.ndarray:
+        """Group `name`'s full array (waiting for its gather), and the next group's gather started
+        (the next in the forward order, or in the backward's reverse order)."""
         if name not in self.live:
             self._start(name)
         full, ticket = self.live[name]
@@ -84,7 +84,7 @@ class Gatherer:
             self.dp.count("allgather_params", "allgatherv", full.nbytes, waited, 1,
                           max(0.0, ticket.completed - ticket.started - waited))
             self.live[name] = (full, None)
-        i = self.order.index(name) + (1 if self.forward else -1)
+        i = self.order.index(name) + (-1 if backward else 1)
         if 0 <= i < len(self.order) and self.order[i] not in self.live:
             self._start(self.order[i])
         if name not in self.digests:
@@ -94,98 +94,22 @@ class Gatherer:
     def release(self, name: str) -> None:
         self.live.pop(name, None)
 
-    def digest(self) -> str:
-        """16 hex digits of the groups gathered this step (the same on every rank of the group)."""
-        text = ",".join(f"{g}:{self.digests[g]:x}" for g in sorted(self.digests))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+    def grad_out(self, name: str, fresh: bool) -> np.ndarray:
+        return np.empty(self.plans[name].b - self.plans[name].a, dtype=DTYPE)
 
-
-# ---- the model's layers, their parameters fetched by name -----------------------------------------
-
-def _embedding_fwd(anchor, gat, idx, shapes):
-    out = blocks._embedding_fwd(gat.gather("embed"), idx, shapes)[0]
-    gat.release("embed")
-    return out, None
-
-
-def _embedding_bwd(g, saved, argnums, anchor, gat, idx, shapes):
-    w = gat.gather("embed")
-    gat.reducer.reduce_group("embed", blocks._embedding_bwd(g, None, (0,), w, idx, shapes)[0])
-    gat.release("embed")
-    return {0: np.zeros((), dtype=np.float64)}
-
-
-def _block_fwd(x, gat, name, T, H, shapes, tp, recompute):
-    out, saved = blocks._block_fwd(x, gat.gather(name), T, H, shapes, tp)
-    gat.release(name)
-    return out, None if recompute else saved
-
-
-def _block_bwd(g, saved, argnums, x, gat, name, T, H, shapes, tp, recompute):
-    w = gat.gather(name)
-    if saved is None:   # --recompute: the activations again, from the block's input
-        saved = blocks._block_fwd(x, w, T, H, shapes, tp)[1]
-    d = blocks._block_bwd(g, saved, (0, 1), x, w, T, H, shapes, tp)
-    gat.reducer.reduce_group(name, d[1])
-    gat.release(name)
-    return {0: d[0]}
-
-
-def _head_fwd(x, gat, targets, shapes):
-    loss, saved = blocks._head_loss_fwd(x, gat.gather("head"), targets, shapes)
-    gat.release("head")
-    return loss, saved
-
-
-def _head_bwd(g, saved, argnums, x, gat, targets, shapes):
-    w = gat.gather("head")
-    d = blocks._head_loss_bwd(g, saved, (0, 1), x, w, targets, shapes)
-    gat.reducer.reduce_group("head", d[1])
-    gat.release("head")
-    return {0: d[0]}
-
-
-embedding = K.define("sharded_embedding", _embedding_fwd, _embedding_bwd)
-block = K.define("sharded_block", _block_fwd, _block_bwd)
-head_loss = K.define("sharded_head_loss", _head_fwd, _head_bwd)
-
-
-def loss_sum(gat, anchor, idx, targets, cfg, scale, tp, recompute: bool):
-    """capstone.model.gpt.loss_sum with these layers: the groups are named, not passed (see the module)."""
-    return gpt.loss_sum({g: g for g in gat.order}, idx, targets, cfg, scale, tp,
-                        layer=lambda x, name, *rest: block(x, gat, name, *rest, recompute),
-                        embed=lambda name, idx_, shapes: embedding(anchor, gat, idx_, shapes),
-                        head=lambda x, name, targets_, shapes: head_loss(x, gat, targets_, shapes))
-
-
-class ShardedModel:
-    """The Model interface (capstone.model.gpt) over this rank's parameter shard."""
-
-    def __init__(self, cfg, layout: Layout, shard: np.ndarray, grid, recompute: bool, reducer):
-        self.cfg, self.layout, self.tp, self.recompute = cfg, layout, grid.tp, recompute
-        self.params, self.grads, self.dp = shard, None, grid.dp
-        self.gatherer = Gatherer(grid.dp, layout, shard, cfg, reducer.progress)
-        self.gatherer.reducer = reducer
-
-    def micro_batch(self, x, y, scale: float, fresh: bool) -> float:
-        gat = self.gatherer
-        gat.forward = True
-        vjp, value = make_vjp(lambda anchor: loss_sum(gat, anchor, x, y, self.cfg, scale, self.tp,
-                                                      self.recompute))(0.0)
-        gat.forward = False
-        with training_pass():
-            vjp(vspace(value).ones())
-        return float(value)
-
-    def loss(self, x, y, scale: float) -> float:
-        self.gatherer.forward = True
-        return float(loss_sum(self.gatherer, 0.0, x, y, self.cfg, scale, self.tp, False))
+    def landed(self, name: str, grad: np.ndarray, fresh: bool) -> None:
+        self.on_landed(name, grad)
 
     def whole(self) -> np.ndarray:
         """Collective over the data-parallel group: the whole flat parameter buffer (this slice's)."""
         full = self.layout.zeros()
         self.dp.Allgather(full, "allgather of the parameter shards", send=self.params)
         return full
+
+    def digest(self) -> str:
+        """16 hex digits of the groups gathered this step (the same on every rank of the group)."""
+        text = ",".join(f"{g}:{self.digests[g]:x}" for g in sorted(self.digests))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class ShardedReplicaCheck:

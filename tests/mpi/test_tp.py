@@ -9,7 +9,6 @@ from mpi4py import MPI
 from capstone.checkpoint.cadence import Cadence
 from capstone.checkpoint.saver import Checkpointer, RunIdentity
 from capstone.config import ConfigError, ModelConfig, TrainConfig
-from capstone.model.backward import value_and_grad_into
 from capstone.model.gpt import loss_and_grad, loss_sum
 from capstone.model.params import Layout, init_params
 from capstone.parallel import grid as grids
@@ -74,8 +73,7 @@ def test_split_model_loss_and_gradient_equal_the_whole_model_float64(k):
     rng = np.random.default_rng(5 + g.dp.rank)
     x = rng.integers(0, CFG.vocab_size, (3, CFG.seq_len))
     y = rng.integers(0, CFG.vocab_size, (3, CFG.seq_len))
-    grads = np.zeros_like(mine)
-    loss = value_and_grad_into(loss_sum, lay.groups(mine), lay.groups(grads), x, y, CFG, 0.01, g.tp)
+    loss, grads = loss_and_grad(lay, mine, x, y, CFG, 0.01, g.tp)
     want, flat = loss_and_grad(full_layout, full, x, y, CFG, 0.01)
     assert abs(loss - want) <= 1e-12 * abs(want)
     idx = tp.positions(CFG, k, g.tp.rank)[0]
@@ -87,7 +85,7 @@ def test_split_model_float32_and_replicated_gradients_identical_on_every_tp_rank
     from capstone.model.gpt import Model
     g = grid(k)
     full_layout, full, lay, mine = _split_model(g, np.float32)
-    model = Model(CFG, lay, mine, g.tp)
+    model = Model.over(CFG, lay, mine, g.tp)
     rng = np.random.default_rng(5 + g.dp.rank)
     x = rng.integers(0, CFG.vocab_size, (3, CFG.seq_len)).astype(np.int32)
     y = rng.integers(0, CFG.vocab_size, (3, CFG.seq_len)).astype(np.int32)

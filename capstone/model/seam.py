@@ -1,0 +1,96 @@
+"""The seam between the model and the modes: where a parameter group's weights come from, and
+where its gradient goes.
+
+The model (capstone.model.gpt) computes over named parameter groups (the embedding "embed", each
+block "h<i>", the head "head") and asks one object, its `Weights`, for everything about them (the
+shape of PyTorch FSDP's pre-forward and post-backward hooks, and of picotron's per-parameter
+gradient hooks, with no module global):
+
+    weights(group, backward)    the group's flat array, for its forward or for its backward
+    release(group)              the layer is done with that array until its next use
+    grad_out(group, fresh)      the array the layer writes this micro-batch's gradient into
+    landed(group, grad, fresh)  that gradient is complete (`fresh`: the step's first micro-batch)
+
+`Resident` is the plain implementation: the weights are views of the flat parameter buffer, and a
+gradient lands in the flat gradient buffer (the first micro-batch writes it there directly, later
+ones add to it), after which `on_landed(group, sink)` is told (a bucketed reducer starts a bucket's
+reduce-scatter once every parameter in it is final). With no gradient buffer (ZeRO-2) each group's
+gradient goes to `on_landed` as it is made. ZeRO-3's gatherer (capstone.parallel.zero3) is the other
+implementation: it gathers a group from the data-parallel shards on demand.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import numpy as np
+
+
+class Weights(Protocol):
+    """The seam (see the module)."""
+
+    params: np.ndarray          # what the optimizer updates: the flat buffer (ZeRO-3: this rank's shard)
+    grads: np.ndarray | None    # the flat gradient buffer (None: each group's gradient is handed on)
+
+    def weights(self, group: str, backward: bool) -> np.ndarray: ...
+    def release(self, group: str) -> None: ...
+    def grad_out(self, group: str, fresh: bool) -> np.ndarray: ...
+    def landed(self, group: str, grad: np.ndarray, fresh: bool) -> None: ...
+    def whole(self) -> np.ndarray: ...
+    def gathered_peak(self) -> int: ...     # bytes of gathered weights held at once, over the run
+    def gathered_bound(self) -> int: ...    # its formula (capstone.observe.memory)
+
+
+def ignore(group: str, grad: np.ndarray) -> None:
+    """An `on_landed` that does nothing (nobody reduces during the backward pass)."""
+
+
+class Resident:
+    """Weights held whole on this rank: `groups` (name -> flat array); gradients land in `sinks`
+    (name -> flat array, None: none kept) and are then handed to `on_landed`."""
+
+    def __init__(self, groups: dict, sinks: dict | None = None, on_landed: Callable = ignore):
+        self.groups, self.sinks, self.on_landed = groups, sinks, on_landed
+        self.params = self.grads = None
+
+    @classmethod
+    def over(cls, layout, params: np.ndarray, grads: np.ndarray | None = None, on_landed: Callable = ignore):
+        """The seam of flat buffers of `layout`: the parameters and (None: none) the gradients."""
+        seam = cls(layout.groups(params), None if grads is None else layout.groups(grads), on_landed)
+        seam.params, seam.grads = params, grads
+        return seam
+
+    def weights(self, group: str, backward: bool = False) -> np.ndarray:
+        return self.groups[group]
+
+    def release(self, group: str) -> None:
+        """Nothing to drop: the weights stay."""
+
+    def grad_out(self, group: str, fresh: bool) -> np.ndarray:
+        """The group's sink on a fresh pass (the gradient is written in place), else a new array."""
+        if fresh and self.sinks is not None:
+            return self.sinks[group]
+        return np.empty_like(self.groups[group])
+
+    def landed(self, group: str, grad: np.ndarray, fresh: bool) -> None:
+        """Into the sink (a fresh pass: written over it; else added), then `on_landed`."""
+        if self.sinks is None:
+            self.on_landed(group, grad)
+            return
+        sink = self.sinks[group]
+        if fresh and grad is not sink:
+            np.copyto(sink, grad)
+        elif not fresh:
+            np.add(sink, grad, out=sink)
+        self.on_landed(group, sink)
+
+    def whole(self) -> np.ndarray:
+        """The flat parameter buffer (this rank's slice of the model under tensor parallelism)."""
+        return self.params
+
+    def gathered_peak(self) -> int:
+        """Bytes of gathered weights held at once: none, they are resident."""
+        return 0
+
+    def gathered_bound(self) -> int:
+        return 0
