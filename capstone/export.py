@@ -174,7 +174,7 @@ def _load(target: str):
         path = serial.find(target)
         meta, cfg, params = serial.load_weights(path)
     except (ConfigError, CheckpointError) as exc:   # 2: no checkpoint there; 1: an invalid one
-        raise SampleError(1 if isinstance(exc, CheckpointError) else 2, str(exc)) from None
+        raise SampleError(2 if isinstance(exc, ConfigError) else 1, str(exc)) from None
     return path, meta, cfg, Layout.for_model(cfg, 1).views(params)
 
 
