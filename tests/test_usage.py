@@ -106,3 +106,16 @@ def test_a_checkpoint_named_wrongly_exits_2_like_every_usage_mistake(tmp_path):
         res = subprocess.run([sys.executable, "-m", "capstone.train", flag, str(target), "--out", str(tmp_path / "r")],
                              capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=120)
         assert res.returncode == 2 and res.stderr.count("error:") == 1 and "Traceback" not in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("command", [["capstone.train"], ["capstone.sample", "runs/x"], ["capstone.checkpoint", "verify", "x"]])
+def test_a_python_without_the_venv_gets_one_line_saying_how_to_set_up(command, tmp_path):
+    """Item 8: no ModuleNotFoundError traceback. A Python without site-packages (-S: none of the venv's
+    libraries), and the venv's Python with only h5py hidden (sitecustomize), as in a shell without the venv."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['h5py'] = None\n")
+    env = {**mpi_env(), "PYTHONPATH": ROOT}
+    for python, extra in (([sys.executable, "-S"], {}), ([sys.executable], {"PYTHONPATH": f"{tmp_path}:{ROOT}"})):
+        res = subprocess.run([*python, "-m", *command], capture_output=True, text=True, env={**env, **extra},
+                             cwd=tmp_path, timeout=120)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        assert res.stderr.count("\n") == 1 and "h5py" in res.stderr and ".venv/bin/activate" in res.stderr, res.stderr
