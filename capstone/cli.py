@@ -188,7 +188,7 @@ def _run_flags(p) -> None:
                    help="checkpoint to continue from: a ckpt-*.h5 path or a run directory; 'latest' (the newest in OUT); "
                         "or 'auto' (the newest that verifies, setting corrupt ones aside as *.corrupt-*; a fresh start "
                         "if there is none). Its settings are used unless given as flags")
-    g.add_argument("--quiet", action="store_true", help="print only the final report")
+    g.add_argument("--quiet", action="store_true", help="print only errors and the one-line result")
     g.add_argument("--log-every", type=int, default=0, metavar="K",
                    help="console: 1 prints the full per-step table; K > 1 prints a short line (smoothed loss, "
                         "tokens/s, elapsed, ETA) every K steps, every step with an event and every evaluation "
