@@ -119,3 +119,9 @@ def test_a_python_without_the_venv_gets_one_line_saying_how_to_set_up(command, t
                              cwd=tmp_path, timeout=120)
         assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
         assert res.stderr.count("\n") == 1 and "h5py" in res.stderr and ".venv/bin/activate" in res.stderr, res.stderr
+
+
+def test_the_readme_names_export_and_bpe():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    assert "python -m capstone.export" in readme and "--format hf" in readme and "--tokenizer bpe" in readme
