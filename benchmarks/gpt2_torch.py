@@ -66,7 +66,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 (pre-LN blocks, learned positions) with capstone's untied head: lm_head has a bias."""
+    """GPT-2 (pre-LN blocks, learned positions) with capstone's untied head, with a bias unless trained without."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -75,7 +75,7 @@ class GPT(nn.Module):
             wte=nn.Embedding(cfg["vocab_size"], C), wpe=nn.Embedding(cfg["n_positions"], C),
             h=nn.ModuleList(Block(C, cfg["n_head"], eps) for _ in range(cfg["n_layer"])),
             ln_f=nn.LayerNorm(C, eps=eps)))
-        self.lm_head = nn.Linear(C, cfg["vocab_size"], bias=True)            # weight (vocab, C)
+        self.lm_head = nn.Linear(C, cfg["vocab_size"], bias=cfg["lm_head_bias"])   # weight (vocab, C)
 
     def forward(self, idx):                                                  # idx (B, T), T <= n_positions
         x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.shape[1]))

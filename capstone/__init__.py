@@ -1,4 +1,35 @@
 """capstone: MiniGPT training on MPI (data, tensor and pipeline parallelism, ZeRO stages 1-3) with sharded
-parallel-HDF5 checkpoints."""
+parallel-HDF5 checkpoints.
+
+Run as `python -m capstone.<command>` from a Python without capstone's libraries (a shell where the venv is
+not active), it says so in one line and how to set up, instead of a ModuleNotFoundError traceback."""
+
+import importlib.util
+import os
+import sys
 
 __version__ = "0.1.0"
+NEEDS = ("numpy", "autograd", "h5py")          # every command (the model, the checkpoints)
+NEEDS_MORE = {"capstone.train": ("mpi4py",)}   # and per command
+
+
+def _missing_libraries() -> None:
+    """Under `python -m capstone.X` only (a library import is left to raise as usual): exit 2 with one line."""
+    argv = getattr(sys, "orig_argv", [])
+    if sys.argv[:1] != ["-m"] or "-m" not in argv[:-1]:
+        return
+    command = argv[argv.index("-m") + 1]
+    missing = [m for m in NEEDS + NEEDS_MORE.get(command, ()) if importlib.util.find_spec(m) is None]
+    if not missing:
+        return
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    venv = os.path.join(root, ".venv")
+    todo = (f"`source {venv}/bin/activate` (capstone's venv) and run it again" if os.path.isdir(venv) else
+            f"Run {root}/scripts/setup once (it makes {venv}), then `source {venv}/bin/activate`")
+    if os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")) == "0":   # once under mpirun
+        print(f"error: {sys.executable} has no {', '.join(missing)}: this shell is not in capstone's venv. {todo} "
+              f"(scripts/run does both).", file=sys.stderr)
+    sys.exit(2)
+
+
+_missing_libraries()

@@ -12,7 +12,8 @@ import os
 import sys
 from dataclasses import dataclass
 
-from capstone.config import ConfigError, ModelConfig, TrainConfig
+from capstone import usage
+from capstone.config import ConfigError, ModelConfig, TrainConfig, problems_error
 from capstone.presets import PRESETS
 
 
@@ -98,11 +99,27 @@ def _nan(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected STEP or STEP:COUNT like 7 or 7:3, got {text!r}") from None
 
 
+HELP = "Run `python -m capstone.train --help` for every flag and its meaning."
+_BAD = object()   # a flag's value that failed its type or choices (reported with the others)
+
+
 class _Parser(argparse.ArgumentParser):
-    """Bad syntax raises ConfigError (printed once, by rank 0) instead of printing on every rank."""
+    """Bad syntax raises ConfigError (printed once, by rank 0) instead of printing on every rank; a bad
+    value is collected in `bad` so that every bad flag is reported at once (`parse`)."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.bad: list[str] = []
 
     def error(self, message):
-        raise ConfigError(f"{message}. Run `python -m capstone.train --help` for every flag and its meaning.")
+        raise ConfigError(f"{message}. {HELP}")
+
+    def _get_values(self, action, arg_strings):
+        try:
+            return super()._get_values(action, arg_strings)
+        except argparse.ArgumentError as exc:
+            self.bad.append(f"{exc}.")
+            return _BAD
 
 
 _M, _T = ModelConfig(), TrainConfig()
@@ -171,7 +188,7 @@ def _run_flags(p) -> None:
                    help="checkpoint to continue from: a ckpt-*.h5 path or a run directory; 'latest' (the newest in OUT); "
                         "or 'auto' (the newest that verifies, setting corrupt ones aside as *.corrupt-*; a fresh start "
                         "if there is none). Its settings are used unless given as flags")
-    g.add_argument("--quiet", action="store_true", help="print only the final report")
+    g.add_argument("--quiet", action="store_true", help="print only errors and the one-line result")
     g.add_argument("--log-every", type=int, default=0, metavar="K",
                    help="console: 1 prints the full per-step table; K > 1 prints a short line (smoothed loss, "
                         "tokens/s, elapsed, ETA) every K steps, every step with an event and every evaluation "
@@ -255,29 +272,44 @@ def _counts(text: str) -> tuple[int, ...]:
 
 
 def parse(argv=None) -> Settings:
-    """Parse and validate; raises ConfigError (with what to do) on bad values, SystemExit on --help."""
-    values = vars(build_parser().parse_args(argv))
-    name = values.pop("preset")
+    """Parse and validate; raises ConfigError (with what to do, every bad flag at once) on bad values,
+    SystemExit on --help."""
+    parser = build_parser()
+    namespace, extras = parser.parse_known_args(argv)
+    values = {k: v for k, v in vars(namespace).items() if v is not _BAD}
+    known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    problems = parser.bad + usage.unknown(extras, known)
+    problems, syntax = problems + usage.option_problems(values), bool(problems)
+    name = values.pop("preset", None)
     preset = PRESETS[name or "reference"]
-    opts = RunOptions(**_pick(RunOptions, values))
+    opts = {k: v for k, v in _pick(RunOptions, values).items()}
     explicit = {k: v for k, v in values.items() if k not in {f.name for f in dataclasses.fields(RunOptions)}}
-    if opts.stop_after < 0 or opts.sleep_per_step < 0 or opts.log_every < 0:
-        raise ConfigError("--stop-after, --sleep-per-step and --log-every must be >= 0.")
-    if opts.collective_timeout < 0 or not opts.bucket_mb > 0:
-        raise ConfigError("--collective-timeout must be >= 0 (0: automatic) and --bucket-mb > 0.")
-    model, train, deferred = _configs({**preset, **explicit}, opts.resume is not None)
-    return Settings(model, train, opts, {**preset, **explicit} if opts.resume is None else explicit, name, deferred)
+    try:
+        model, train, deferred = _configs({**preset, **explicit}, opts.get("resume") is not None)
+    except ConfigError as exc:
+        fields = {f.name for cls in (ModelConfig, TrainConfig) for f in dataclasses.fields(cls)}
+        problems += [usage.as_flag(p, fields) for p in exc.problems]
+    if problems:
+        error = problems_error(problems)
+        raise ConfigError(f"{error} {HELP}" if syntax else str(error), error.problems)
+    return Settings(model, train, RunOptions(**opts), {**preset, **explicit} if opts.get("resume") is None
+                    else explicit, name, deferred)
 
 
 def _configs(base: dict, resuming: bool) -> tuple[ModelConfig, TrainConfig, str | None]:
     """The configs of `base`. Resuming, a combination they refuse (e.g. --warmup-steps above the default
     --steps) is judged later, over the checkpoint's settings (`on_top_of`), or raised if there is none."""
-    try:
-        return ModelConfig(**_pick(ModelConfig, base)), TrainConfig(**_pick(TrainConfig, base)), None
-    except ConfigError as exc:
-        if not resuming:
-            raise
-        return ModelConfig(), TrainConfig(), str(exc)
+    made, problems = [], []
+    for cls in (ModelConfig, TrainConfig):   # both judged: every bad flag at once
+        try:
+            made.append(cls(**_pick(cls, base)))
+        except ConfigError as exc:
+            problems += exc.problems
+    if not problems:
+        return made[0], made[1], None
+    if not resuming:
+        raise problems_error(problems)
+    return ModelConfig(), TrainConfig(), str(problems_error(problems))
 
 
 def parse_on_every_rank(argv, rank: int) -> Settings:

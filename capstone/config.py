@@ -8,12 +8,40 @@ from dataclasses import dataclass
 
 
 class ConfigError(ValueError):
-    """A configuration value is invalid; the message says what to change."""
+    """A configuration value is invalid; the message says what to change. `problems`: each mistake's own
+    sentence, when several were found at once (the message lists them all)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = problems or [message]
+
+
+def problems_error(problems: list[str]) -> ConfigError:
+    """One ConfigError naming every problem: the sentence itself, or "N problems: (1) ... (2) ..."."""
+    if len(problems) == 1:
+        return ConfigError(problems[0])
+    return ConfigError(f"{len(problems)} problems: " + " ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)),
+                       problems)
 
 
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+class _Checks:
+    """`require(ok, message)` for each check of a __post_init__; `done()` raises every failed one at once."""
+
+    def __init__(self):
+        self.failed: list[str] = []
+
+    def __call__(self, ok: bool, message: str) -> None:
+        if not ok:
+            self.failed.append(message)
+
+    def done(self) -> None:
+        if self.failed:
+            raise problems_error(self.failed)
 
 
 @dataclass(frozen=True)
@@ -27,16 +55,19 @@ class ModelConfig:
     n_layers: int = 2
 
     def __post_init__(self):
+        _require = _Checks()
         for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1,
                      f"{name} must be a positive integer, got {value!r}; pass e.g. --{name.replace('_', '-')} 4.")
-        _require(self.d_model % self.n_heads == 0,
-                 f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}): each head gets "
-                 f"d_model/n_heads channels. Choose e.g. --d-model {self.n_heads * max(1, self.d_model // self.n_heads)} "
-                 f"or --n-heads {self._divisor_hint()}.")
-        _require(self.vocab_size >= 2, f"vocab_size must be at least 2, got {self.vocab_size}.")
-        _require(self.vocab_size <= 2**31 - 1, f"vocab_size {self.vocab_size} does not fit int32 token ids.")
+        if not _require.failed:   # the checks between fields, once each field is valid
+            _require(self.d_model % self.n_heads == 0,
+                     f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}): each head gets "
+                     f"d_model/n_heads channels. Choose e.g. --d-model "
+                     f"{self.n_heads * max(1, self.d_model // self.n_heads)} or --n-heads {self._divisor_hint()}.")
+            _require(self.vocab_size >= 2, f"vocab_size must be at least 2, got {self.vocab_size}.")
+            _require(self.vocab_size <= 2**31 - 1, f"vocab_size {self.vocab_size} does not fit int32 token ids.")
+        _require.done()
 
     def _divisor_hint(self) -> int:
         return max(h for h in range(1, self.n_heads + 1) if self.d_model % h == 0)
@@ -87,6 +118,7 @@ class TrainConfig:
         return per
 
     def __post_init__(self):
+        _require = _Checks()
         for name in ("steps", "batch_size", "grad_accum", "max_rollbacks", "eval_every", "eval_batches",
                      "eval_batch_size"):
             value = getattr(self, name)
@@ -103,7 +135,6 @@ class TrainConfig:
             if isinstance(value, float):
                 _require(math.isfinite(value), f"{f.name} must be a finite number, got {value}.")
         _require(self.lr > 0, f"lr must be > 0, got {self.lr}; the reference uses --lr 1e-2.")
-        _require(0 <= self.min_lr <= self.lr, f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}.")
         _require(self.lr_schedule in ("constant", "cosine"),
                  f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}.")
         for name in ("beta1", "beta2"):
@@ -114,10 +145,13 @@ class TrainConfig:
         _require(self.clip >= 0, f"clip must be >= 0 (0 disables clipping), got {self.clip}.")
         _require(self.ckpt_every_minutes >= 0, f"ckpt_every_minutes must be >= 0, got {self.ckpt_every_minutes}.")
         _require(self.spike_factor > 1, f"spike_factor must be > 1, got {self.spike_factor}; the default is 2.")
-        _require(self.warmup_steps <= self.steps,
-                 f"warmup_steps {self.warmup_steps} is longer than steps {self.steps}: the learning rate would still "
-                 f"be rising at the last step and never reach its peak lr {self.lr}. Pass --warmup-steps {self.steps} "
-                 f"or fewer (a tenth of the run is common: --warmup-steps {max(1, self.steps // 10)}), or more "
-                 f"--steps.")
         _require(self.loss_tol >= 0, f"loss_tol must be >= 0, got {self.loss_tol}.")
         _require(0 <= self.loss_tol_rel < 1, f"loss_tol_rel must be in [0, 1), got {self.loss_tol_rel}.")
+        if not _require.failed:   # the checks between fields, once each field is valid
+            _require(0 <= self.min_lr <= self.lr, f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}.")
+            _require(self.warmup_steps <= self.steps,
+                     f"warmup_steps {self.warmup_steps} is longer than steps {self.steps}: the learning rate would "
+                     f"still be rising at the last step and never reach its peak lr {self.lr}. Pass --warmup-steps "
+                     f"{self.steps} or fewer (a tenth of the run is common: --warmup-steps "
+                     f"{max(1, self.steps // 10)}), or more --steps.")
+        _require.done()

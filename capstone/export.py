@@ -5,7 +5,10 @@ with `safetensors` (never pickle) under Hugging Face GPT-2 names: `transformer.w
 `transformer.h.{i}.attn.c_attn.weight`, ... Block weights stay (in, out) like GPT-2's Conv1D; the
 untied head is two extra tensors, `lm_head.weight` (vocab, d_model) as nn.Linear stores it and
 `lm_head.bias`. The metadata holds the GPT-2 config, capstone's model config, the step and the
-tokenizer (docs/export.md). Exit codes: 0 ok; 1 not a valid checkpoint; 2 bad arguments.
+tokenizer (docs/export.md). `--format hf` writes a directory that transformers'
+`GPT2LMHeadModel.from_pretrained` loads (config.json + model.safetensors, as `save_pretrained` writes
+them), for a model without an LM-head bias: GPT-2 has none, so a model with one is refused. An existing --out is replaced only with --force; files get the
+umask's mode. Exit codes: 0 ok; 1 not a valid checkpoint; 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from capstone.vocab import SampleError
 
 SAFETENSORS_PIN = "safetensors==0.8.0"
 FORMAT = "capstone-gpt2"
+HF_FILES = ("config.json", "model.safetensors")
+PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")   # torch.save's and pickle's names
 LAYER_NORM_EPS = 1e-5            # capstone.model.kernels._ln_fwd
 BLOCK = {"ln_1.w": "ln_1.weight", "ln_1.b": "ln_1.bias", "attn.c_attn.w": "attn.c_attn.weight",
          "attn.c_attn.b": "attn.c_attn.bias", "attn.c_proj.w": "attn.c_proj.weight", "attn.c_proj.b": "attn.c_proj.bias",
@@ -44,25 +49,31 @@ def gpt2_name(name: str) -> str:
     return f"transformer.h.{int(layer[1:])}.{BLOCK[rest]}"
 
 
-def gpt2_tensors(params: np.ndarray, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """GPT-2 name -> contiguous float32 array; lm_head.weight transposed to (vocab, d_model)."""
-    views = Layout.for_model(cfg, 1).views(params)
+def named_tensors(views: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """GPT-2 name -> contiguous float32 array, for the layout's entries (`Layout.views`); lm_head.weight
+    transposed to (vocab, d_model)."""
     return {gpt2_name(n): np.ascontiguousarray(a.T if n == "lm_head.w" else a, dtype=np.float32)
             for n, a in views.items()}
 
 
-def gpt2_config(cfg: ModelConfig) -> dict:
-    """The Hugging Face GPT2Config fields this model has, plus what GPT-2 lacks (an untied head with a bias)."""
+def gpt2_tensors(params: np.ndarray, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """The tensors of a 1-rank parameter vector of model `cfg` (`named_tensors` of its layout)."""
+    return named_tensors(Layout.for_model(cfg, 1).views(params))
+
+
+def gpt2_config(cfg: ModelConfig, head_bias: bool = True) -> dict:
+    """The Hugging Face GPT2Config fields this model has, plus what GPT-2 lacks (an untied head, its bias if any)."""
     return {"model_type": "gpt2", "vocab_size": cfg.vocab_size, "n_positions": cfg.seq_len, "n_ctx": cfg.seq_len,
             "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": 4 * cfg.d_model,
             "layer_norm_epsilon": LAYER_NORM_EPS, "activation_function": "gelu_new", "tie_word_embeddings": False,
-            "lm_head_bias": True, "scale_attn_weights": True}
+            "lm_head_bias": head_bias, "scale_attn_weights": True}
 
 
-def metadata(meta: dict, cfg: ModelConfig, path: str) -> dict[str, str]:
+def metadata(meta: dict, cfg: ModelConfig, path: str, head_bias: bool = True) -> dict[str, str]:
     """safetensors metadata (strings only): format, configs, provenance and the tokenizer, as JSON text."""
     tokenizer = (meta.get("data") or {}).get("tokenizer")
-    out = {"format": FORMAT, "format_version": "1", "gpt2_config": json.dumps(gpt2_config(cfg), sort_keys=True),
+    out = {"format": FORMAT, "format_version": "1",
+           "gpt2_config": json.dumps(gpt2_config(cfg, head_bias), sort_keys=True),
            "capstone_model_config": json.dumps(dataclasses.asdict(cfg), sort_keys=True), "step": str(meta["step"]),
            "checkpoint": os.path.basename(path), "weights": "Conv1D (in, out); lm_head.weight (out, in)"}
     if tokenizer is not None:
@@ -70,50 +81,134 @@ def metadata(meta: dict, cfg: ModelConfig, path: str) -> dict[str, str]:
     return out
 
 
-def _save_file():
+def _safetensors():
     try:
-        from safetensors.numpy import save_file
+        from safetensors import numpy as st
     except ImportError:
         raise SampleError(2, f"export needs the `safetensors` library: pip install {SAFETENSORS_PIN} "
                              f"(scripts/setup installs it).") from None
-    return save_file
+    return st
 
 
-def export(target: str, out: str) -> dict:
-    """Write the checkpoint `target` (a run directory or ckpt file) to `out`; returns a summary."""
-    if os.path.isdir(out):
-        raise SampleError(2, f"--out {out} is a directory; pass a file name such as {out.rstrip('/')}/model.safetensors.")
+def _save_file():
+    """safetensors.numpy.save_file, or SampleError(2) with the install command (capstone.finetune)."""
+    return _safetensors().save_file
+
+
+def check_out(out: str, fmt: str, force: bool) -> None:
+    """SampleError(2) for an --out this export must not write: a pickle's name, a file where a directory
+    goes or the reverse, a missing parent, or an existing export without --force."""
+    suffix = os.path.splitext(out.rstrip("/"))[1].lower()
+    if suffix in PICKLE_SUFFIXES:
+        raise SampleError(2, f"--out {out}: a {suffix} name means a pickle (torch.save) to PyTorch and transformers, "
+                             f"but this writes safetensors. Name it "
+                             f"{out[:-len(suffix)] + ('.safetensors' if fmt == 'safetensors' else '')}.")
     folder = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(folder):
         raise SampleError(2, f"--out {out}: the directory {folder} does not exist; create it first.")
-    save_file = _save_file()
-    try:
-        path = serial.find(target)
-        meta, cfg, params = serial.load_weights(path)
-    except (ConfigError, CheckpointError) as exc:   # 2: no checkpoint there; 1: an invalid one
-        raise SampleError(1 if isinstance(exc, CheckpointError) else 2, str(exc)) from None
-    tensors = gpt2_tensors(params, cfg)
+    if fmt == "safetensors" and os.path.isdir(out):
+        raise SampleError(2, f"--out {out} is a directory; pass a file name such as {out.rstrip('/')}/model.safetensors"
+                             f", or --format hf to write a Hugging Face model directory.")
+    if fmt == "hf" and os.path.exists(out) and not os.path.isdir(out):
+        raise SampleError(2, f"--out {out} is a file, but --format hf writes a directory (config.json, "
+                             f"model.safetensors); pass a directory name.")
+    taken = os.path.isfile(out) if fmt == "safetensors" else any(
+        os.path.exists(os.path.join(out, n)) for n in HF_FILES)
+    if taken and not force:
+        raise SampleError(2, f"--out {out} already exists{' and holds a model' if fmt == 'hf' else ''}; it is not "
+                             f"replaced without --force. Pass another --out, or --force to replace it.")
+
+
+def write_bytes(data: bytes, out: str) -> None:
+    """`data` to `out` through a temp file renamed over it: a crash leaves the old file or the new one,
+    never half of one; the mode is the umask's, as for any file the user makes."""
+    folder = os.path.dirname(os.path.abspath(out))
     tmp = os.path.join(folder, f".{os.path.basename(out)}.{os.getpid()}.tmp")
     try:
-        save_file(tensors, tmp, metadata=metadata(meta, cfg, path))
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, out)
     except OSError as exc:
         raise SampleError(2, f"cannot write {out} ({exc}); check the path, its permissions and free space.") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """config.json of GPT2LMHeadModel, as `save_pretrained` writes it (no dropout; no GPT-2 special tokens,
+    which lie outside this vocabulary)."""
+    return {"activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.0,
+            "bos_token_id": None, "dtype": "float32", "embd_pdrop": 0.0, "eos_token_id": None,
+            "initializer_range": 0.02, "layer_norm_epsilon": LAYER_NORM_EPS, "model_type": "gpt2",
+            "n_ctx": cfg.seq_len, "n_embd": cfg.d_model, "n_head": cfg.n_heads, "n_inner": 4 * cfg.d_model,
+            "n_layer": cfg.n_layers, "n_positions": cfg.seq_len, "reorder_and_upcast_attn": False,
+            "resid_pdrop": 0.0, "scale_attn_by_inverse_layer_idx": False, "scale_attn_weights": True,
+            "tie_word_embeddings": False, "use_cache": True, "vocab_size": cfg.vocab_size}
+
+
+def write_hf(views: dict[str, np.ndarray], cfg: ModelConfig, md: dict, out: str, save) -> dict[str, np.ndarray]:
+    """The Hugging Face directory of a model with the layout entries `views`: config.json and
+    model.safetensors (metadata format "pt", as transformers requires; capstone's own keys beside it).
+    SampleError(2) for a model whose layout has a head bias, which GPT2LMHeadModel would drop."""
+    if "lm_head.b" in views:
+        raise SampleError(2, "--format hf: this model has an LM-head bias (lm_head.b), and GPT-2 has none: "
+                             "GPT2LMHeadModel.from_pretrained would drop it and its logits would differ by it. Export "
+                             "a model trained with --no-head-bias, or drop --format hf: the default safetensors file "
+                             "keeps the bias (docs/export.md shows a PyTorch module that loads it).")
+    tensors = named_tensors(views)
+    md = {"capstone_format": md.pop("format"), **md, "format": "pt"}
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        raise SampleError(2, f"cannot create {out} ({exc}); check the path and its permissions.") from None
+    write_bytes(save(tensors, metadata=md), os.path.join(out, HF_FILES[1]))
+    write_bytes((json.dumps(hf_config(cfg), indent=2, sort_keys=True) + "\n").encode(), os.path.join(out, HF_FILES[0]))
+    return tensors
+
+
+def _load(target: str):
+    try:
+        path = serial.find(target)
+        meta, cfg, params = serial.load_weights(path)
+    except (ConfigError, CheckpointError) as exc:   # 2: no checkpoint there; 1: an invalid one
+        raise SampleError(2 if isinstance(exc, ConfigError) else 1, str(exc)) from None
+    return path, meta, cfg, Layout.for_model(cfg, 1).views(params)
+
+
+def export(target: str, out: str, fmt: str = "safetensors", force: bool = False) -> dict:
+    """Write the checkpoint `target` (a run directory or ckpt file) to `out` (a file, or for fmt "hf" a
+    directory); returns a summary."""
+    check_out(out, fmt, force)
+    st = _safetensors()
+    path, meta, cfg, views = _load(target)
+    if fmt == "hf":
+        tensors = write_hf(views, cfg, metadata(meta, cfg, path, head_bias=False), out, st.save)
+        size = sum(os.path.getsize(os.path.join(out, n)) for n in HF_FILES)
+    else:
+        tensors = named_tensors(views)
+        write_bytes(st.save(tensors, metadata=metadata(meta, cfg, path, "lm_head.b" in views)), out)
+        size = os.path.getsize(out)
     return {"checkpoint": path, "step": meta["step"], "tensors": len(tensors),
-            "parameters": int(sum(a.size for a in tensors.values())), "bytes": os.path.getsize(out)}
+            "parameters": int(sum(a.size for a in tensors.values())), "bytes": size}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m capstone.export", description=__doc__.splitlines()[0].split(": ", 1)[1])
+    p = argparse.ArgumentParser(prog="python -m capstone.export", description=__doc__.splitlines()[0].split(": ", 1)[1],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("target", metavar="RUN_DIR_or_CKPT", help="a training run directory (its latest checkpoint) or a "
                                                               "ckpt-*.h5 file")
-    p.add_argument("--out", required=True, metavar="FILE", help="the .safetensors file to write (replaced if it exists)")
+    p.add_argument("--out", required=True, metavar="PATH",
+                   help="the .safetensors file to write, or with --format hf the directory")
+    p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                   help="safetensors: one file, GPT-2 names, capstone's head bias included (docs/export.md); hf: a "
+                        "directory GPT2LMHeadModel.from_pretrained loads (a model trained without a head bias)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
     args = p.parse_args(argv)
     try:
-        s = export(args.target, args.out)
+        s = export(args.target, args.out, args.format, args.force)
     except SampleError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.code

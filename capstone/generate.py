@@ -90,10 +90,12 @@ def pick(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Gene
 
 
 def generate(params: np.ndarray, cfg: ModelConfig, prompt: list[int], tokens: int, temperature: float,
-             top_k: int, seed: int, cache: bool = True, top_p: float = 1.0, limit: int | None = None) -> list[int]:
+             top_k: int, seed: int, cache: bool = True, top_p: float = 1.0, limit: int | None = None,
+             on_token=None) -> list[int]:
     """`tokens` new ids after `prompt`, each from the last seq_len ids (with a KV cache until the window
     is full; after that every position shifts, so each step recomputes the window, as nanoGPT does).
-    `params`: the flat 1-rank parameter buffer; `limit`: ids at or beyond it are never drawn."""
+    `params`: the flat 1-rank parameter buffer; `limit`: ids at or beyond it are never drawn;
+    `on_token(seq)`: called with the sequence so far after each new id (to stream it)."""
     rng, T, seq = np.random.default_rng(seed), cfg.seq_len, list(prompt)
     layout = Layout.for_model(cfg, 1)
     kv = KVCache(layout.views(params), cfg)
@@ -102,6 +104,8 @@ def generate(params: np.ndarray, cfg: ModelConfig, prompt: list[int], tokens: in
     z = step()
     for i in range(tokens):
         seq.append(pick(z, temperature, top_k, rng, top_p, limit))
+        if on_token is not None:
+            on_token(seq)
         if i + 1 == tokens:
             break
         if cache and kv.n < T:

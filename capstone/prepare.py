@@ -286,6 +286,11 @@ def main(argv=None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    asked = args.vocab_size or DEFAULT_BPE_VOCAB
+    if s["kind"] == "bpe" and args.vocab_from is None and s["vocab_size"] < asked:
+        print(f"note: --vocab-size {asked}{'' if args.vocab_size else ' (the default)'} was not reached: this text "
+              f"gives {s['vocab_size']} tokens, the byte-level BPE found no more pairs to merge. The dataset's "
+              f"vocabulary is {s['vocab_size']}; a longer text gives more.", file=sys.stderr)
     verb = {"unchanged": "unchanged (it already held this dataset)", "replace": "replaced"}.get(s["state"], "wrote")
     print(f"{args.out}: {verb}: {s['chars']} characters from {s['files']} file(s), {s['kind']} tokens, vocab "
           f"{s['vocab_size']}, train {s['train']} tokens, val {s['val']} tokens ({s['val_chars']} characters), "

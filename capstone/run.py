@@ -196,4 +196,5 @@ def _resume(run: Run, path: str, saved: dict) -> None:
     changed = {k: (v, getattr(run.tcfg, k)) for k, v in saved.items() if getattr(run.tcfg, k, v) != v}
     if meta.get("global_batch", run.global_batch) != run.global_batch:   # batch_size x grad_accum x replicas
         changed["global batch (sequences per step)"] = (meta["global_batch"], run.global_batch)
-    report.resumed(path, state, meta["world_size"], run.grid.world.size, changed, run.grid.world.rank)
+    report.resumed(path, state, meta["world_size"], run.grid.world.size, changed,
+                   -1 if run.opts.quiet else run.grid.world.rank)   # --quiet: the final line only

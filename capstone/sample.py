@@ -129,6 +129,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Stream:
+    """Prints a sample as it is made: the prompt, then each token's text once it decodes for good (a BPE
+    token may end inside a character: the text is held until the next one completes it)."""
+
+    def __init__(self, vocab: Vocab | None, prompt: list[int]):
+        self.vocab, self.printed, self.seq = vocab, "", prompt
+        self.show(prompt)
+
+    def text(self, seq: list[int]) -> str:
+        return " ".join(map(str, seq)) if self.vocab is None else self.vocab.tokenizer.decode(seq)
+
+    def _write(self, text: str) -> None:
+        if text.startswith(self.printed) and len(text) > len(self.printed):
+            sys.stdout.write(text[len(self.printed):])
+            sys.stdout.flush()
+            self.printed = text
+
+    def show(self, seq: list[int]) -> None:
+        self.seq = seq
+        self._write(self.text(seq).rstrip("\ufffd"))
+
+    def finish(self, end: str) -> None:
+        self._write(self.text(self.seq))
+        sys.stdout.write(end)
+        sys.stdout.flush()
+
+
 def run(args) -> int:
     check_args(args)
     path = resolve(args.target)
@@ -140,13 +167,16 @@ def run(args) -> int:
                              f"or at most {limit}.")
     top_k = min(TOP_K, limit) if args.top_k is None else args.top_k
     prompt = prompt_ids(args, vocab, limit)
-    start, cpu, texts = time.perf_counter(), time.process_time(), []
+    if len(prompt) > cfg.seq_len:
+        print(f"note: the prompt is {len(prompt)} tokens, longer than the model's context (--seq-len {cfg.seq_len}): "
+              f"it is printed whole, but the model sees only its last {cfg.seq_len} tokens.", file=sys.stderr)
+    start, cpu = time.perf_counter(), time.process_time()
     for i in range(args.num_samples):
-        new = generate(params, cfg, prompt, args.tokens, args.temperature, top_k, args.seed + i,
-                       not args.no_kv_cache, args.top_p, limit)
-        texts.append(" ".join(map(str, prompt + new)) if vocab is None else vocab.tokenizer.decode(prompt + new))
+        out = Stream(vocab, prompt)
+        generate(params, cfg, prompt, args.tokens, args.temperature, top_k, args.seed + i, not args.no_kv_cache,
+                 args.top_p, limit, on_token=out.show)
+        out.finish("\n---------------\n" if i + 1 < args.num_samples else "\n")
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
-    print("\n---------------\n".join(texts), flush=True)
     source = "token ids (synthetic-corpus checkpoint)" if vocab is None else vocab.source
     print(f"# {path}: step {meta['step']}, {meta['world_size']} ranks; {args.num_samples} x {args.tokens} tokens in "
           f"{seconds:.2f} s (CPU {cpu:.2f} s); {source}", file=sys.stderr)

@@ -47,7 +47,7 @@ MODULE_GROUPS = {"test_cli_fixes.py", "test_clip_and_schedule.py", "test_determi
                  "test_tp.py", "test_zero_stages.py"}
 ORDER = ["timing", "hosts", "test_trials.py", "test_finetune.py", "test_zero_stages.py", "test_learning.py",
          "test_integrity.py", "test_deterministic.py", "test_tp.py", "test_pipeline.py", "test_sample.py"]
-QUICK = {"test_accounting.py", "test_architecture.py", "test_backward.py", "test_cli.py", "test_digest.py",
+QUICK = {"test_accounting.py", "test_architecture.py", "test_backward.py", "test_cli.py", "test_digest.py", "test_usage.py",
          "test_heap.py", "test_invariants.py", "test_model.py", "test_no_pickle.py", "test_packaging.py",
          "test_prepare.py", "test_textdata.py", "test_tokenizer.py"}
 QUICK_ROW_RANKS = 2

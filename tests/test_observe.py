@@ -264,3 +264,13 @@ def test_tensorboard_scalars_are_the_metrics(tmp_path):
     assert scalars["train/loss"] == [(r["step"], pytest.approx(r["loss"])) for r in rows]
     assert [s for s, _ in scalars["comm/reduce_scatter_busbw_GBps"]] == [1, 2, 3]
     assert {"eval/loss", "perf/tokens_per_s", "time/fwd_bwd_ms", "comm/allgather_algbw_GBps"} <= set(scalars)
+
+
+def test_quiet_prints_the_result_in_one_line(tmp_path):
+    """--quiet: no banner, no report; the result's line (a stopped run's says how to continue)."""
+    quiet = mpirun(2, "--out", tmp_path / "quiet", "--steps", 4, "--ckpt-every", 2, "--quiet")
+    assert quiet.returncode == 0 and quiet.stdout.splitlines() == [
+        f"completed step 4 in {quiet.stdout.split(' in ')[1].split(' s;')[0]} s; summary {tmp_path}/quiet/summary.json"]
+    stopped = mpirun(2, "--out", tmp_path / "quiet", "--steps", 8, "--resume", "latest", "--stop-after", 6, "--quiet")
+    assert stopped.returncode == 0 and len(stopped.stdout.splitlines()) == 1, stopped.stdout
+    assert stopped.stdout.startswith("preempted step 6") and "--resume latest" in stopped.stdout

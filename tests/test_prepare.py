@@ -261,3 +261,13 @@ def test_missing_file_is_reported_before_any_download(tmp_path, capsys, monkeypa
     monkeypatch.chdir(tmp_path)
     code, _, err = run(capsys, "shakespeare", "nope.txt", "--out", "ds")
     assert code == 2 and "nope.txt: no such file" in err
+
+
+def test_an_unreachable_bpe_vocab_size_is_said(tmp_path, capsys):
+    """Item 9: the byte-level BPE stops when no pair repeats; the smaller vocabulary is said, not silent."""
+    text = write(tmp_path / "a.txt", TEXT)
+    code, out, err = run(capsys, text, "--tokenizer", "bpe", "--vocab-size", 2000, "--out", tmp_path / "big")
+    got = load_meta(str(tmp_path / "big")).vocab_size
+    assert code == 0 and got < 2000 and f"--vocab-size 2000 was not reached: this text gives {got} tokens" in err
+    code, out, err = run(capsys, text, "--tokenizer", "bpe", "--vocab-size", 260, "--out", tmp_path / "small")
+    assert code == 0 and load_meta(str(tmp_path / "small")).vocab_size == 260 and "note:" not in err

@@ -66,7 +66,7 @@ def test_incompatible_config_is_refused(tmp_path):
     out = tmp_path / "run"
     assert mpirun(2, "--out", out, "--steps", "4", "--ckpt-every", "2").returncode == 0
     res = mpirun(2, "--out", out, "--steps", "8", "--resume", "latest", "--d-model", "64")
-    assert res.returncode == 1 and "MPI_ABORT" not in res.stderr
+    assert res.returncode == 2 and "MPI_ABORT" not in res.stderr   # the flags' mistake: a usage error
     assert "incompatible" in res.stderr and "d_model is 32 in the checkpoint but 64 in this run" in res.stderr
 
 
@@ -246,4 +246,4 @@ def test_resume_with_other_data_settings_is_refused(tmp_path):
     out = tmp_path / "run"
     assert mpirun(2, "--out", out, "--steps", "4", "--ckpt-every", "2").returncode == 0
     res = mpirun(2, "--out", out, "--steps", "6", "--resume", "latest", "--corpus-seed", "1", timeout=60)
-    assert res.returncode == 1 and "corpus_seed is 0 in the checkpoint but 1 in this run" in res.stderr
+    assert res.returncode == 2 and "corpus_seed is 0 in the checkpoint but 1 in this run" in res.stderr

@@ -290,3 +290,31 @@ def test_num_samples_and_prompt_file(text_run, tmp_path, capsys):
     assert code == 0 and len(texts) == 3 and all(t.startswith("JULIET:") and len(t) == 37 for t in texts)
     code, single, _ = sample_main(capsys, text_run, "--prompt", "JULIET:", "--tokens", 30, "--seed", 5, "--top-p", 0.9)
     assert code == 0 and single[:-1] == texts[1]                   # sample i uses seed SEED+i
+
+
+def test_tokens_are_printed_as_they_are_made(text_run, capsys, monkeypatch):
+    """Item 9: each token's text reaches stdout (flushed) while the next is still to be made, not all at the end."""
+    increments, real = [], sample.generate
+
+    def spy(*args, on_token, **kw):
+        def hook(seq):
+            on_token(seq)
+            increments.append(capsys.readouterr().out)
+        return real(*args, on_token=hook, **kw)
+    monkeypatch.setattr(sample, "generate", spy)
+    assert sample.main([text_run, "--prompt", "ROMEO:", "--tokens", "25", "--seed", "1"]) == 0
+    assert len(increments) == 25 and increments[0].startswith("ROMEO:") and len(increments[0]) == len("ROMEO:") + 1
+    assert all(len(piece) == 1 for piece in increments[1:]) and capsys.readouterr().out == "\n"
+    monkeypatch.undo()
+    code, whole, _ = sample_main(capsys, text_run, "--prompt", "ROMEO:", "--tokens", 25, "--seed", 1)
+    assert code == 0 and whole == "".join(increments) + "\n"
+
+
+def test_a_prompt_longer_than_the_context_is_said_to_be_cropped(text_run, bpe_run, capsys):
+    long = "ROMEO: It is the east, and Juliet is the sun."                     # 45 characters; seq_len 16
+    code, out, err = sample_main(capsys, text_run, "--prompt", long, "--tokens", 5)
+    assert code == 0 and out.startswith(long) and "the prompt is 45 tokens" in err and "last 16 tokens" in err
+    code, out, err = sample_main(capsys, text_run, "--prompt", long[:16], "--tokens", 5)
+    assert code == 0 and "note:" not in err
+    code, out, err = sample_main(capsys, bpe_run, "--prompt", long + " é😀", "--tokens", 20, "--seed", 2)
+    assert code == 0 and out.startswith(long + " é😀") and "last 8 tokens" in err      # streamed BPE: whole chars

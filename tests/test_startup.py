@@ -93,7 +93,7 @@ def test_failed_resume_into_a_new_out_leaves_no_directories(tmp_path):
     assert mpirun(2, "--out", src, "--steps", "2", "--ckpt-every", "2").returncode == 0
     res = mpirun(2, "--out", branch, "--resume", src / "checkpoints" / files.final_name(2), "--d-model", "64",
                  timeout=60)
-    assert res.returncode == 1 and "incompatible" in res.stderr
+    assert res.returncode == 2 and "incompatible" in res.stderr
     assert not (tmp_path / "a").exists(), "the failed start removed the directories it created"
 
 

@@ -164,8 +164,9 @@ def test_token_id_beyond_vocab_is_refused(ds):
 
 
 def test_size_mismatch_and_short_split_are_refused(ds):
-    with pytest.raises(DatasetError, match="shorter than one window"):
-        TokenData(ds, 400, B, SEED)                     # val holds 300 tokens
+    with pytest.raises(ConfigError, match=r"--seq-len 400 is too long .*val\.bin holds 300 tokens.* --seq-len 299 or less") as exc:
+        TokenData(ds, 400, B, SEED)                     # val holds 300 tokens: the window is the mistake
+    assert not isinstance(exc.value, DatasetError) and "--force" not in str(exc.value)
     with open(os.path.join(ds, "train.bin"), "r+b") as f:
         f.truncate(100)
     with pytest.raises(DatasetError, match=r"train\.bin: 100 bytes, but meta.json says"):

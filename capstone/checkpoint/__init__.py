@@ -28,7 +28,7 @@ import numpy as np
 
 from capstone.checkpoint import files, integrity, reader
 from capstone.checkpoint.digest import CHUNK, distributed_roots, sha256_hex
-from capstone.checkpoint.files import CheckpointError, CorruptCheckpoint
+from capstone.checkpoint.files import CheckpointError, CheckpointUsageError, CorruptCheckpoint
 from capstone.checkpoint.integrity import check_file
 from capstone.checkpoint.reader import (
     FORMAT,
@@ -75,12 +75,12 @@ def _open(path: str, mode: str, comm):
         "--no-build-isolation --no-binary=h5py h5py (scripts/setup does this), or run on one rank.")
 
 
-def agree(comm, error: str | None) -> None:
-    """Collective: call on all ranks. Raise CheckpointError on every rank if any rank had an error."""
+def agree(comm, error: str | None, kind: type[CheckpointError] = CheckpointError) -> None:
+    """Collective: call on all ranks. Raise `kind` on every rank if any rank had an error."""
     def check() -> None:
         if error:
-            raise CheckpointError(error)
-    agreed(comm, check, errors=(CheckpointError,), every=True)
+            raise kind(error)
+    agreed(comm, check, errors=(kind,), every=True)
 
 
 def save(comm, directory: str, step: int, state: ShardState, layout, extra: dict,
@@ -221,7 +221,7 @@ def _check_compatible(meta: dict, path: str, layout, expect: dict) -> None:
     if meta["layout"] != json.loads(layout.to_json()):
         diffs.append("parameter layout (names/shapes/offsets) differs")
     if diffs:
-        raise CheckpointError(f"cannot resume from {path}: incompatible with this run: {'; '.join(diffs)}. "
+        raise CheckpointUsageError(f"cannot resume from {path}: incompatible with this run: {'; '.join(diffs)}. "
                               f"Use the same model flags as the run that wrote it, or start fresh without --resume.")
 
 
@@ -256,17 +256,20 @@ def load(comm, path: str, layout, expect: dict) -> tuple[dict, dict]:
     except Exception as exc:
         f, error = None, str(reader.parse_error(path, exc, f" on rank {rank}"))
     agree(comm, error)
-    state, meta = None, None
+    state, meta, mismatch = None, None, None
     with comm.blocking(f"parallel HDF5 read of {os.path.basename(path)}"), f:
         try:
             meta = read_meta(f, path)
             _check_compatible(meta, path, layout, expect)
             state = _gather_shard(f, path, meta, lo, hi, layout.n_params, rank)
+        except CheckpointUsageError as exc:   # another model than the flags ask for: exit 2
+            mismatch = str(exc)
         except CheckpointError as exc:
             error = str(exc)
         except Exception as exc:
             error = str(reader.parse_error(path, exc, f" on rank {rank}"))
     agree(comm, error)
+    agree(comm, mismatch, CheckpointUsageError)
     roots = distributed_roots(comm, dict(zip(ROWS, state)), lo, layout.n_params, meta["logical_chunk"])
     bad = [r for r in ROWS if roots[r] != meta["logical_sha256"][r]]
     agree(comm, f"{path}: logical digest of {bad} differs after loading on {comm.size} ranks: the restored "

@@ -18,6 +18,8 @@ import os
 import re
 import secrets
 
+from capstone.config import ConfigError
+
 MIB = 1 << 20
 POINTER = "latest"
 NAME_RE = re.compile(r"^ckpt-(\d{8})\.h5$")
@@ -26,6 +28,11 @@ DIGEST_SUFFIX = ".sha256"
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or loaded; the message names the file and what to do."""
+
+
+class CheckpointUsageError(CheckpointError, ConfigError):
+    """A command line that names no checkpoint (no such file, not an HDF5 file) or one of another model than
+    the flags ask for: the user's mistake to correct, so it exits 2 like any usage mistake."""
 
 
 class CorruptCheckpoint(CheckpointError):

@@ -22,14 +22,16 @@ import re
 import time
 
 from capstone.checkpoint import files
-from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError, CorruptCheckpoint
+from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError, CheckpointUsageError, CorruptCheckpoint
 
 READ_CHUNK = 8 << 20
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"   # at byte 0 of every file h5py writes (no user block)
 DIGEST_RE = re.compile(r"# capstone checkpoint digest v1: (\d+) bytes\n([0-9a-f]{64})  (\S+)\n")
 NEXT = {
     "missing": "Check the path: pass a ckpt-*.h5 file, a run directory (--out) or its checkpoints/latest.",
     "unsealed": "Copy its .sha256 file along with it, or, if you trust the file, add one with "
                 "`python -m capstone.checkpoint seal {path}` (it checks every digest inside the file first).",
+    "foreign": "Pass a ckpt-*.h5 file that capstone wrote, a run directory (--out) or its checkpoints/latest.",
     "corrupt": "Do not use it: resume from another checkpoint (--resume auto falls back to the newest one "
                "that verifies and moves this one aside), or restore a good copy.",
 }
@@ -95,13 +97,16 @@ def recorded(path: str) -> tuple[int, str] | None:
 
 def problem(path: str) -> tuple[str, str] | None:
     """None if `path` is a file whose bytes match its digest file, else (kind, reason) with kind
-    "missing" (no such file), "unsealed" (no digest file) or "corrupt". Never parses HDF5."""
+    "missing" (no such file), "foreign" (no digest file and not HDF5: not a checkpoint at all), "unsealed"
+    (no digest file) or "corrupt". Never parses HDF5."""
     if not os.path.exists(path):
         return "missing", "it does not exist"
     if not os.path.isfile(path):
         return "missing", "it is not a regular file"
     try:
         want = recorded(path)
+        if want is None and not _is_hdf5(path):
+            return "foreign", "it is not an HDF5 file, so not a capstone checkpoint"
         if want is None:
             return "unsealed", (f"it has no digest file {os.path.basename(path)}{DIGEST_SUFFIX} (written by a "
                                 f"capstone older than digest files, or copied without it)")
@@ -117,6 +122,11 @@ def problem(path: str) -> tuple[str, str] | None:
     return None
 
 
+def _is_hdf5(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE
+
+
 def message(path: str, kind: str, reason: str) -> str:
     return f"not a valid checkpoint: {path}: {reason}. {NEXT[kind].format(path=path)}"
 
@@ -128,7 +138,7 @@ def check_file(path: str) -> str:
     if found and found[0] == "corrupt":
         raise CorruptCheckpoint(message(path, *found), found[1])
     if found:
-        raise CheckpointError(message(path, *found))
+        raise (CheckpointUsageError if found[0] in ("missing", "foreign") else CheckpointError)(message(path, *found))
     return path
 
 

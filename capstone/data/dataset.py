@@ -169,6 +169,35 @@ def _tokenizer(directory: str, path: str, meta: dict):
     return _chars(path, entry["chars"], size)
 
 
+RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json")   # what a training run's --out holds
+
+
+def _no_meta(directory: str, path: str) -> DatasetError:
+    """A directory without meta.json: re-creating it is advice only for the leftovers of a prepare; a run
+    directory or any other folder must not get dataset files written into it."""
+    others = sorted(set(os.listdir(directory)) - set(DATASET_FILES))
+    if any(name in others for name in RUN_FILES):
+        return DatasetError(f"--data {directory} is a training run's directory (--out), not a prepared dataset. "
+                            f"Pass --data the directory `python -m capstone.prepare ... --out DIR` wrote"
+                            f"{_run_data(directory)}.")
+    if others:
+        return DatasetError(f"--data {directory} holds no {META_FILE} and is not a prepared dataset (it holds "
+                            f"{', '.join(others[:5])}{', ...' if len(others) > 5 else ''}). Pass --data the directory "
+                            f"`python -m capstone.prepare TEXT_FILE... --out DIR` wrote, or prepare one into a new "
+                            f"directory.")
+    return invalid(path, "missing (an interrupted prepare leaves no meta.json)")
+
+
+def _run_data(directory: str) -> str:
+    """ " (that run's: --data X)" from the run's summary.json, when it says."""
+    try:
+        with open(os.path.join(directory, "summary.json")) as f:
+            data = json.load(f)["train_config"]["data"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return f" (that run trained on --data {data})" if data else " (that run trained on the synthetic corpus)"
+
+
 def _read(directory: str, path: str) -> dict:
     if not os.path.isdir(directory):
         raise DatasetError(f"not a valid dataset: {directory}: no such directory. Prepare one with "
@@ -177,7 +206,7 @@ def _read(directory: str, path: str) -> dict:
         with open(path, "rb") as f:
             meta = strict_json(f.read().decode("utf-8"))
     except FileNotFoundError:
-        raise invalid(path, "missing (an interrupted prepare leaves no meta.json)") from None
+        raise _no_meta(directory, path) from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise invalid(path, f"unreadable or not strict JSON ({exc})") from None
     _check(isinstance(meta, dict), path, "the top level must be a JSON object")

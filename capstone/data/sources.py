@@ -114,12 +114,21 @@ def fetch(name: str, recipe: Recipe, members: str | None) -> list[Text]:
         return read_archive(path, members or recipe.members)
 
 
+def _not_a_file(item: str) -> str:
+    if not os.path.isdir(item):
+        return f"{item}: no such file."
+    texts = sorted(n for n in os.listdir(item) if n.endswith(".txt"))
+    example = f" (e.g. {os.path.join(item, '*.txt')}: {len(texts)} of them)" if texts else ""
+    return f"{item} is a directory: pass the text files in it{example}, not the directory."
+
+
 def read_inputs(inputs: list[str], members: str | None) -> list[Text]:
     """Decode every input: a recipe name (unless a file has that name), a .tar.gz/.tgz, or a text file."""
-    for item in inputs:             # every local file first: no download before a typo is reported
-        if not os.path.isfile(item) and not (item in RECIPES and not os.path.exists(item)):
-            raise PrepareError(f"{item}: no such file. Pass UTF-8 text files, a .tar.gz of them, or one of the "
-                               f"recipes {sorted(RECIPES)}.")
+    bad = [_not_a_file(item) for item in inputs   # every local file first: no download before a typo is reported
+           if not os.path.isfile(item) and not (item in RECIPES and not os.path.exists(item))]
+    if bad:
+        raise PrepareError(f"{' '.join(bad)} Pass UTF-8 text files, a .tar.gz of them, or one of the recipes "
+                           f"{sorted(RECIPES)}.")
     texts = []
     for item in inputs:
         if item in RECIPES and not os.path.exists(item):

@@ -53,9 +53,11 @@ class TokenData:
         self.train, self.val = _memmap(self.meta.train), _memmap(self.meta.val)
         self.n_windows = (self.meta.train.tokens - 1) // seq_len
         self.n_val_windows = (self.meta.val.tokens - 1) // seq_len
-        for split, n in ((self.meta.train, self.n_windows), (self.meta.val, self.n_val_windows)):
-            _check(n >= 1, split.path, f"{split.tokens} tokens are shorter than one window of seq_len+1 = "
-                                       f"{seq_len + 1} tokens; use a smaller --seq-len or a longer text")
+        short = min((self.meta.train, self.meta.val), key=lambda split: split.tokens)
+        if short.tokens - 1 < seq_len:   # the dataset is fine: the window is too long for it
+            raise ConfigError(f"--seq-len {seq_len} is too long for {directory}: {short.path} holds {short.tokens} "
+                              f"tokens, fewer than one window of seq_len+1 = {seq_len + 1}. Pass --seq-len "
+                              f"{max(1, short.tokens - 1)} or less, or prepare a longer text.")
         self._perms: dict[int, np.ndarray] = {}
         self._val_perm = np.random.default_rng([VAL_KEY, self.n_val_windows]).permutation(self.n_val_windows)
 

@@ -30,7 +30,10 @@ def step_header() -> str:
 
 
 def banner(run, header: str | None = None) -> None:
-    """The run's first lines: ranks (and the grid), whole-model parameters, global batch, run dir."""
+    """The run's first lines: ranks (and the grid), whole-model parameters, global batch, run dir (none
+    with --quiet)."""
+    if run.opts.quiet:
+        return
     layout, (dp, pp, tp) = run.model.layout, run.grid.shape
     grid = f" (dp {dp} x pp {pp} x tp {tp})" if pp * tp > 1 else ""
     say(f"capstone: {run.grid.world.size} ranks{grid}, {run.n_params} parameters (padded {layout.padded}, shard "
@@ -195,14 +198,16 @@ def aggregate(rows: list[dict]) -> dict:
     return {"max": {k: max(r[k] for r in rows) for k in keys}, "mean": {k: sum(r[k] for r in rows) / len(rows) for k in keys}}
 
 
-def manifest_text(man: dict) -> str:
-    lines = [f"checkpoint {man['path']}  step {man['step']}  {man['world_size']} ranks  {man['bytes']} bytes",
-             f"  meta_sha256 {man['meta_sha256']}"]
-    for name, info in man["datasets"].items():
-        lines.append(f"  /{name}  offset {info['offset']}  length {info['length']}  sha256 {info['sha256']}")
-    for name, root in man["logical_sha256"].items():
-        lines.append(f"  logical {name:<11} {root}")
-    return "\n".join(lines)
+def checkpoints_line(manifests: list, verified: dict | None) -> str | None:
+    """The console's one line on the checkpoints: how many written and kept, which one invariant (d)
+    reloaded, the newest; their digests are in summary.json (`checkpoints`) and each file's .sha256."""
+    if not manifests:
+        return None
+    kept = [m for m in manifests if os.path.exists(m["path"])]
+    newest = kept[-1]["path"] if kept else manifests[-1]["path"]
+    first = f"{os.path.basename(verified['path'])} reloaded by (d), " if verified and verified.get("path") else ""
+    return (f"checkpoints: {len(manifests)} written, {len(kept)} kept; {first}newest {newest} "
+            f"(digests in summary.json; `python -m capstone.checkpoint inspect FILE` shows one)")
 
 
 class MetricsLog:
@@ -269,7 +274,21 @@ class Summary:
 
 
 def final(summary: Summary, verified: dict | None, failed: list[str], rank: int) -> None:
-    """The final report: memory table, manifests, invariants, and the verdict line."""
+    """The final report: memory table, collectives, a line on the checkpoints, invariants, and the verdict
+    line; with --quiet the verdict line only (and a violated invariant's lines)."""
+    run = summary.run
+    if not run.opts.quiet:
+        _report(summary, verified, rank)
+    if failed:
+        say("INVARIANT VIOLATED:\n  " + "\n  ".join(failed), rank)
+        return
+    again = f"; continue with --out {run.out} --resume latest" if summary.status == "preempted" and \
+        run.opts.quiet else ""
+    say(f"{summary.status} step {run.state.step} in {summary.wall:.2f} s; summary "
+        f"{os.path.join(run.out, 'summary.json')}{again}", rank)
+
+
+def _report(summary: Summary, verified: dict | None, rank: int) -> None:
     from capstone.observe.verdict import describe
     run = summary.run
     say("\nmemory per rank (bytes):\n" + memory_table(summary.memory), rank)
@@ -278,24 +297,18 @@ def final(summary: Summary, verified: dict | None, failed: list[str], rank: int)
     if comm:
         say(f"\ncollectives per step, rank 0's clock, median over {'steps after the first' if len(summary.rows) > 1 else 'the step'} "
             f"of this launch (bytes: nccl-tests S; GB/s = 1e9 B/s):\n" + accounting.format_comm_summary(comm), rank)
-    kept = [m for m in run.ckpt.manifests if os.path.exists(m["path"])]
-    for man in kept[:1] + kept[-1:] if len(kept) > 1 else kept:  # the verified one and the newest
-        say(manifest_text(man), rank)
-    if len(kept) > 2 or len(kept) < len(run.ckpt.manifests):
-        say(f"({len(run.ckpt.manifests)} checkpoints written, {len(kept)} kept; every manifest is in summary.json, "
-            f"`python -m capstone.checkpoint inspect FILE` shows one)", rank)
+    line = checkpoints_line(run.ckpt.manifests, verified)
+    if line:
+        say(line, rank)
     say("\ninvariants:\n  " + "\n  ".join(describe(summary.invariants, run.grid.world.size)), rank)
     if verified and verified["ok"]:
         say(f"resume verified: {verified['path']} reloads byte-equal on all {run.grid.world.size} ranks", rank)
-    if failed:
-        say("INVARIANT VIOLATED:\n  " + "\n  ".join(failed), rank)
-    else:
-        say(f"{summary.status} step {run.state.step} in {summary.wall:.2f} s; summary "
-            f"{os.path.join(run.out, 'summary.json')}", rank)
 
 
 def stopped(run, step: int, why: str | None) -> None:
     """The line of a run stopped on request: what asked, what was saved, how to go on."""
+    if run.opts.quiet:   # the final line says how to go on
+        return
     path = run.ckpt.manifests[-1]["path"] if run.ckpt.manifests else None
     why = why or ("--stop-after" if step == run.opts.stop_after else "a signal to another rank")
     say(f"stopped at step {step} on {why}: saved checkpoint {path} (check it with "

@@ -1,0 +1,79 @@
+"""Usage mistakes on `python -m capstone.train`'s command line: each named by its flag, all reported at once.
+
+`unknown` turns argparse's leftovers into sentences that say what to pass instead: the flag with
+dashes for underscores, nanoGPT's (and Hugging Face Trainer's) names for capstone's settings
+(`--max-iters` -> `--steps`), or the closest flag there is. `option_problems` checks the run
+options that no config dataclass validates; `as_flag` names a config field's problem by its flag.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+# Other trainers' flag names (dashes for underscores) -> what capstone.train takes instead.
+OTHER_NAMES = {
+    "--max-iters": "--steps", "--learning-rate": "--lr", "--warmup-iters": "--warmup-steps",
+    "--lr-decay-iters": "--steps (with --lr-schedule cosine the decay spans the run)",
+    "--decay-lr": "--lr-schedule cosine", "--eval-interval": "--eval-every", "--eval-iters": "--eval-batches",
+    "--n-embd": "--d-model", "--block-size": "--seq-len", "--gradient-accumulation-steps": "--grad-accum",
+    "--grad-clip": "--clip", "--out-dir": "--out", "--output-dir": "--out", "--dataset": "--data",
+    "--log-interval": "--log-every", "--always-save-checkpoint": "--ckpt-every K",
+    "--wandb-log": "--tensorboard DIR", "--num-train-epochs": "--steps",
+    "--per-device-train-batch-size": "--batch-size", "--resume-from-checkpoint": "--resume",
+    "--max-steps": "--steps", "--warmup-ratio": "--warmup-steps",
+}
+NOT_HERE = {"--dropout": "this model has no dropout", "--compile": "NumPy has nothing to compile",
+            "--device": "capstone runs on CPUs under MPI (ranks: mpirun -n N)", "--dtype": "it trains in float32"}
+
+
+def _one(flag: str, value: str | None, known: list[str]) -> str:
+    name = flag.split("=", 1)[0]
+    dashed = "--" + name.lstrip("-").replace("_", "-")
+    value = flag.split("=", 1)[1] if "=" in flag else value
+    given = f"{flag}{'' if value is None or '=' in flag else ' ' + value}"
+    if dashed == "--init-from" and value == "resume":
+        return f"{given}: nanoGPT's init_from=resume is --resume latest here (--init-from starts a new run)."
+    if dashed in known:
+        return f"{given}: flags are spelled with dashes: {dashed}{'' if value is None else ' ' + value}."
+    if dashed in OTHER_NAMES:
+        return f"{given}: unknown flag; did you mean {OTHER_NAMES[dashed]}? ({name} is nanoGPT's or Hugging Face's name)"
+    if dashed in NOT_HERE:
+        return f"{given}: unknown flag: {NOT_HERE[dashed]}."
+    close = difflib.get_close_matches(dashed, known, n=1, cutoff=0.7)
+    return f"{given}: unknown flag{f'; did you mean {close[0]}?' if close else '.'}"
+
+
+def unknown(extras: list[str], known: list[str]) -> list[str]:
+    """A sentence for each unrecognized flag (with the value after it) or stray argument in `extras`."""
+    out, i = [], 0
+    while i < len(extras):
+        token = extras[i]
+        if not token.startswith("-"):
+            hint = " (a config file? capstone takes flags and --preset NAME)" if token.endswith(".py") else ""
+            out.append(f"{token}: unexpected argument{hint}; every setting is a flag.")
+            i += 1
+            continue
+        value = extras[i + 1] if "=" not in token and i + 1 < len(extras) and not extras[i + 1].startswith("--") \
+            else None
+        out.append(_one(token, value, known))
+        i += 1 if value is None else 2
+    return out
+
+
+def as_flag(problem: str, fields: set[str]) -> str:
+    """A config problem ("warmup_steps 50 is longer ...") named by its flag ("--warmup-steps 50 is longer ...")."""
+    head, sep, rest = problem.partition(" ")
+    return f"--{head.replace('_', '-')}{sep}{rest}" if head in fields else problem
+
+
+def option_problems(values: dict) -> list[str]:
+    """The run options' own checks (the configs check theirs), one sentence per bad flag."""
+    checks = (("stop_after", lambda v: v >= 0, "must be >= 0 (0: off)"),
+              ("sleep_per_step", lambda v: v >= 0, "must be >= 0 seconds"),
+              ("log_every", lambda v: v >= 0, "must be >= 0 (0: automatic, 1: every step)"),
+              ("collective_timeout", lambda v: v >= 0, "must be >= 0 seconds (0: automatic)"),
+              ("bucket_mb", lambda v: v > 0, "must be > 0 MB (default 1.0; --no-overlap for one reduction)"),
+              ("tp", lambda v: v >= 1, "must be >= 1 (1: no tensor parallelism)"),
+              ("pp", lambda v: v >= 1, "must be >= 1 (1: no pipeline)"))
+    return [f"--{name.replace('_', '-')} {text}, got {values[name]!r}." for name, ok, text in checks
+            if name in values and values[name] is not None and not ok(values[name])]
