@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 
 from capstone.config import ConfigError, ModelConfig, TrainConfig
-from capstone.presets import PRESETS
+from capstone.presets import PRESETS, fit_warmup
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class Settings:
     explicit: dict   # field name -> value, for the config flags on the command line
     preset: str | None = None   # --preset NAME, when given
     deferred: str | None = None  # resuming: why the flags alone make no valid config (judged over the checkpoint's)
+    flags: dict = dataclasses.field(default_factory=dict)          # the config flags on the command line only
+    preset_values: dict = dataclasses.field(default_factory=dict)  # the preset's (its warmup fitted to the run)
+    notes: tuple = ()           # what a fresh start says about its settings (a shortened warmup)
 
     def on_top_of(self, model: dict, train: dict) -> "Settings":
         """These settings over a checkpoint's (explicit flags win); raises ConfigError if invalid."""
@@ -69,7 +72,8 @@ def check_preset(settings: Settings, model: dict, train: dict, source: str) -> N
         return
     saved = {**model, **train}
     differ = [f"{key} {saved.get(key)!r} there, {value!r} in the preset" for key, value in
-              sorted(PRESETS[settings.preset].items()) if key not in settings.explicit and saved.get(key) != value]
+              sorted(preset_values(settings.preset, settings.explicit)[0].items())
+              if key not in settings.explicit and saved.get(key) != value]
     if differ:
         more = f"; and {len(differ) - 5} more" if len(differ) > 5 else ""
         raise ConfigError(f"--preset {settings.preset} contradicts the settings of {source}: {'; '.join(differ[:5])}"
@@ -258,15 +262,24 @@ def parse(argv=None) -> Settings:
     """Parse and validate; raises ConfigError (with what to do) on bad values, SystemExit on --help."""
     values = vars(build_parser().parse_args(argv))
     name = values.pop("preset")
-    preset = PRESETS[name or "reference"]
     opts = RunOptions(**_pick(RunOptions, values))
     explicit = {k: v for k, v in values.items() if k not in {f.name for f in dataclasses.fields(RunOptions)}}
+    preset, note = preset_values(name, explicit)
     if opts.stop_after < 0 or opts.sleep_per_step < 0 or opts.log_every < 0:
         raise ConfigError("--stop-after, --sleep-per-step and --log-every must be >= 0.")
     if opts.collective_timeout < 0 or not opts.bucket_mb > 0:
         raise ConfigError("--collective-timeout must be >= 0 (0: automatic) and --bucket-mb > 0.")
     model, train, deferred = _configs({**preset, **explicit}, opts.resume is not None)
-    return Settings(model, train, opts, {**preset, **explicit} if opts.resume is None else explicit, name, deferred)
+    return Settings(model, train, opts, {**preset, **explicit} if opts.resume is None else explicit, name, deferred,
+                    explicit, preset, (note,) if note and opts.resume is None else ())
+
+
+def preset_values(name: str | None, flags: dict) -> tuple[dict, str | None]:
+    """The values of --preset `name` (None: reference) for a run with these flags: its warmup shortened
+    to its share of a shorter --steps (capstone.presets.fit_warmup), and the note that says so."""
+    preset = PRESETS[name or "reference"]
+    values, note = fit_warmup({**preset, **flags}, flags, preset.get("steps"), f"--preset {name}")
+    return {k: values[k] for k in preset}, note
 
 
 def _configs(base: dict, resuming: bool) -> tuple[ModelConfig, TrainConfig, str | None]:

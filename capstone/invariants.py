@@ -3,7 +3,11 @@
 (a) the run learns (`learns`): its best held-out loss is at least MIN_DROP below the start, no held-out
     point jumps far above the noise of its moves, and the smoothed training loss does not rise beyond
     its noise; a held-out loss that rises from its best while the training loss does not (overfitting,
-    noise) is reported plainly, not failed. `loss_monotone`, the strict point-to-point check, is
+    noise) is reported plainly, not failed. Whether it learnt is "not judged" (reported in words, the
+    run's status and exit code unchanged: `unjudged`) when the segment could not show it: a preempted
+    segment, one with fewer than MIN_EVALS evaluations, or a run from trained weights (--init-from)
+    whose held-out loss stayed at that model's floor while its training loss fell. A jump or a
+    rising training loss fails all the same. `loss_monotone`, the strict point-to-point check, is
     reported alongside and gives the tolerance a jump must also exceed;
 (b) every rank holds the same parameters at every step (norm and digest: sha256 on evaluation steps);
 (c) every rank's model-state bytes (parameters, gradients, optimizer state, the buffers of the
@@ -23,6 +27,7 @@ JUMP_SIGMAS = 8.0     # (a): a held-out rise this many robust sigmas above the t
 TREND_SIGMAS = 4.0    # (a): a rise of the smoothed training loss by this many sigmas of its noise fails
 MIN_BLOCK = 5         # (a): steps per block of the smoothed training loss (at least; else a tenth)
 SIZE_FLOOR = 0.25     # (a): the spread of the held-out moves is taken as at least this x their typical size
+MIN_EVALS = 2         # (a): held-out evaluations after the segment's start needed to judge whether it learnt
 
 
 def loss_monotone(evals: list, tol: float, rel: float = 0.0, settle_until: int = 0,
@@ -115,34 +120,64 @@ def trend(losses: list, tol: float, settle_until: int = 0) -> dict:
 
 def learns(evals: list, train: list, tol: float, rel: float = 0.0, settle_until: int = 0, start: float | None = None,
            best: float | None = None, fresh: bool = True, run_best: float | None = None,
-           trend_settle: int = 0) -> dict:
+           trend_settle: int = 0, preempted: bool = False, trained_start: bool = False) -> dict:
     """(a) over this segment's held-out points `evals` (as loss_monotone) and accepted training losses
     `train` [(step, loss)]: learnt (the run's best held-out loss `run_best`, default this segment's, at
     least MIN_DROP below `start`), no jump, no rising training trend. `rose`: the held-out loss ended
-    above its best by more than the strict tolerance (reported, not failed)."""
+    above its best by more than the strict tolerance (reported, not failed). `not_judged`: why whether
+    it learnt cannot be told (`unjudged`; then only a jump or a training rise fails)."""
     strict = loss_monotone(evals, tol, rel, settle_until, start, best, fresh)
     start = strict["start"]
     lowest = min([h for _, h in evals] + ([run_best] if run_best is not None else []), default=None)
     drop = None if lowest is None or start is None else start - lowest
+    highest = max((h for _, h in evals[1:]), default=None)
     learnt = {"ok": drop is not None and len(evals) >= 2 and drop >= MIN_DROP * abs(start),
-              "start": start, "best": lowest, "drop": drop, "min_drop": MIN_DROP}
+              "start": start, "best": lowest, "drop": drop, "min_drop": MIN_DROP, "highest": highest,
+              "damaged": highest is not None and start is not None and highest > start * (1 + SETTLE_MARGIN) + tol}
     jump = jumps(evals, tol, rel, settle_until, start, best) if evals else {"ok": True, "sigmas": 0.0, "at_step": None}
     rising = trend(train, tol, trend_settle)
-    return {**strict, "ok": learnt["ok"] and jump["ok"] and rising["ok"], "strict_ok": strict["ok"],
-            "learnt": learnt, "jump": jump, "trend": rising, "rose": rose_from_best(evals, tol, rel, start)}
+    why = None if learnt["ok"] or not (jump["ok"] and rising["ok"]) else \
+        unjudged(len(evals) - 1, learnt, train, preempted, trained_start)
+    return {**strict, "ok": (learnt["ok"] or why is not None) and jump["ok"] and rising["ok"],
+            "strict_ok": strict["ok"], "learnt": learnt, "jump": jump, "trend": rising, "not_judged": why,
+            "rose": rose_from_best(evals, tol, rel, start)}
 
 
-def of_segment(state, tcfg, start_step: int, segment_start: tuple) -> dict:
+def unjudged(evaluations: int, learnt: dict, train: list, preempted: bool, trained_start: bool) -> str | None:
+    """Why a segment whose best held-out loss is not MIN_DROP below its start cannot be judged on
+    that (None: it can, and it did not learn): it was preempted before it could show it; it has fewer
+    than MIN_EVALS evaluations; or it started from trained weights and its held-out loss stayed at
+    that model's floor (never SETTLE_MARGIN above the start) while the training loss fell."""
+    count = f"{evaluations} held-out evaluation{'s' * (evaluations != 1)}"
+    if preempted:
+        return f"the run was stopped (preempted) after {count} in this launch, before it could show learning"
+    if evaluations < MIN_EVALS:
+        return (f"{count} after the start, fewer than the {MIN_EVALS} needed to judge learning (evaluations come "
+                f"every --eval-every steps, at each checkpoint and at the last step)")
+    half = len(train) // 2
+    first, last = (sum(x for _, x in part) / len(part) for part in (train[:half], train[half:])) if half else (0, 0)
+    if trained_start and not learnt["damaged"] and last < first:
+        return (f"it started from trained weights (--init-from), and its held-out loss stayed at that model's floor "
+                f"(start {learnt['start']:.5f}, best {learnt['best']:.5f}, at most {learnt['highest']:.5f}) while "
+                f"the training loss fell ({first:.5f} -> {last:.5f}, means of each half of the steps): a trained "
+                f"model need not improve on held-out text")
+    return None
+
+
+def of_segment(state, tcfg, start_step: int, segment_start: tuple, preempted: bool = False,
+               trained_start: bool = False) -> dict:
     """`learns` on a run segment's RunState: its evaluation points from its baseline (the start, or
     the state it resumed from, `segment_start` = (held-out loss, best held-out loss) there) and its
-    accepted steps' training losses, with the tolerances and settle window of TrainConfig `tcfg`."""
+    accepted steps' training losses, with the tolerances and settle window of TrainConfig `tcfg`;
+    `preempted`: the segment was stopped early; `trained_start`: the run began from trained weights."""
     fresh = start_step == 0
     points = [(start_step, state.eval_start if fresh else segment_start[0])]
     points += [(step, held) for step, _, held in state.losses if held is not None]
     settle = max(tcfg.warmup_steps, -(-tcfg.steps // 10))
     return learns(points, [(step, loss) for step, loss, _ in state.losses], tcfg.loss_tol, tcfg.loss_tol_rel, settle,
                   state.eval_start, state.eval_start if fresh else segment_start[1], fresh=fresh,
-                  run_best=state.best_eval, trend_settle=-(-tcfg.steps // 10))
+                  run_best=state.best_eval, trend_settle=-(-tcfg.steps // 10), preempted=preempted,
+                  trained_start=trained_start)
 
 
 def rose_from_best(evals: list, tol: float, rel: float, start: float | None) -> dict | None:
