@@ -39,7 +39,7 @@ INHERITED = ("lr", "lr_schedule", "warmup_steps", "min_lr", "clip", "beta1", "be
 # from an export: settings for a run of FINETUNE_STEPS (the warmup shortened for a shorter one)
 FINETUNE_DEFAULTS = {"lr": 3e-4, "lr_schedule": "cosine", "warmup_steps": 30, "min_lr": 3e-5, "clip": 1.0,
                      "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "eval_every": 25, "eval_batches": 4,
-                     "ckpt_every": 100}
+                     "eval_batch_size": 8, "ckpt_every": 100}
 FINETUNE_STEPS = 300
 
 
@@ -146,6 +146,8 @@ def settings_for(settings, source: Source):
         origin, nominal = f"--init-from {source.path}", source.train.get("steps")
     else:
         taken, origin, nominal = dict(FINETUNE_DEFAULTS), "the fine-tuning defaults", FINETUNE_STEPS
+    if "lr" in settings.flags and "min_lr" not in settings.flags and taken.get("lr"):   # the schedule's shape
+        taken["min_lr"] = settings.flags["lr"] * taken.get("min_lr", 0.0) / taken["lr"]
     preset = {**dataclasses.asdict(TrainConfig()), **settings.preset_values}
     values, fitted = fit_warmup({**preset, **taken, **settings.flags}, settings.flags, nominal, origin)
     train = TrainConfig(**{k: values[k] for k in preset})

@@ -79,9 +79,11 @@ def _learnt_hint(a: dict) -> str:
     update that damaged the model, or a jump or rising training loss, asks for less; else more."""
     learnt = a["learnt"]
     if learnt.get("damaged"):
-        return (f"The held-out loss rose to {learnt['highest']:.5f}, more than 5% above its start: the updates "
-                f"damaged the model. Lower --lr (fine-tuning takes a fraction of the original's), warm up "
-                f"(--warmup-steps), or set --clip.")
+        how = f"the guard rolled back {learnt['rolled_back']} of the {learnt['planned']} steps due for evaluation" \
+            if learnt["rolled_back"] else f"the held-out loss rose to {learnt['highest']:.5f}, more than 5% above " \
+                                          f"its start"
+        return (f"Updates damaged the model: {how}. Lower --lr (fine-tuning takes a fraction of the original's), "
+                f"warm up (--warmup-steps), or set --clip.")
     if not (a["jump"]["ok"] and a["trend"]["ok"]):
         return "The failure below is the likely cause."
     return ("Raise --lr, train for more --steps, or check that updates are applied (param_norm and grad_norm in "
