@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_flags(p) -> None:
     g = p.add_argument_group("run")
-    g.add_argument("--out", default=None, help="run directory; checkpoints go to OUT/checkpoints (default: runs/run-<time>)")
+    g.add_argument("--out", default=None, help="run directory; checkpoints go to OUT/checkpoints (default: the run "
+                                                "directory of --resume PATH, else runs/run-<time>)")
     g.add_argument("--resume", default=None,
                    help="checkpoint to continue from: a ckpt-*.h5 path or a run directory; 'latest' (the newest in OUT); "
                         "or 'auto' (the newest that verifies, setting corrupt ones aside as *.corrupt-*; a fresh start "
@@ -234,7 +235,9 @@ def _finetune_flags(p) -> None:
     g.add_argument("--init-from", default=None, metavar="CKPT",
                    help="start a new run (fresh optimizer, schedule and step count) from the weights of a capstone "
                         "checkpoint (a ckpt-*.h5 file or a run directory) or of an export (.safetensors); the model "
-                        "settings come from it, --data may differ if its vocabulary is the same (docs/finetune.md)")
+                        "settings come from it, the training settings from its run (an export: fine-tuning "
+                        "defaults) unless given as flags; --data may differ if its vocabulary is the same "
+                        "(docs/finetune.md)")
     g.add_argument("--keep-best", action="store_true", default=argparse.SUPPRESS,
                    help="also save a checkpoint whenever an evaluation improves the best held-out loss, in "
                         "OUT/checkpoints/best (the newest best only; apart from --keep-last; default: off)")
