@@ -79,7 +79,7 @@ def magnitudes(a: dict) -> str:
     learnt, jump, trend = a["learnt"], a["jump"], a["trend"]
     rise = f"{trend['rise']:+.3f} (allowed {trend['allowed']:.3f})" if trend["judged"] else "not judged"
     rose = a["rose"] and f"{a['rose']['rise']:+.3f} from step {a['rose']['best_step']} to {a['rose']['last_step']}"
-    return (f"{'not judged; ' if a['not_judged'] else ''}best held-out {learnt['drop'] / learnt['start']:+.1%} below start; jump {jump['sigmas']:.1f} sigmas "
+    return (f"{'not judged; ' if a.get('not_judged') else ''}best held-out {learnt['drop'] / learnt['start']:+.1%} below start; jump {jump['sigmas']:.1f} sigmas "
             f"at step {jump['at_step']}; training rise {rise}; held-out rose {rose or '-'}; strict check "
             f"{'ok' if a['strict_ok'] else 'failed'}")
 
