@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from capstone import usage
 from capstone.config import ConfigError, ModelConfig, TrainConfig, problems_error
-from capstone.presets import PRESETS
+from capstone.presets import PRESETS, fit_warmup
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,9 @@ class Settings:
     explicit: dict   # field name -> value, for the config flags on the command line
     preset: str | None = None   # --preset NAME, when given
     deferred: str | None = None  # resuming: why the flags alone make no valid config (judged over the checkpoint's)
+    flags: dict = dataclasses.field(default_factory=dict)          # the config flags on the command line only
+    preset_values: dict = dataclasses.field(default_factory=dict)  # the preset's (its warmup fitted to the run)
+    notes: tuple = ()           # what a fresh start says about its settings (a shortened warmup)
 
     def on_top_of(self, model: dict, train: dict) -> "Settings":
         """These settings over a checkpoint's (explicit flags win); raises ConfigError if invalid."""
@@ -70,7 +73,8 @@ def check_preset(settings: Settings, model: dict, train: dict, source: str) -> N
         return
     saved = {**model, **train}
     differ = [f"{key} {saved.get(key)!r} there, {value!r} in the preset" for key, value in
-              sorted(PRESETS[settings.preset].items()) if key not in settings.explicit and saved.get(key) != value]
+              sorted(preset_values(settings.preset, settings.explicit)[0].items())
+              if key not in settings.explicit and saved.get(key) != value]
     if differ:
         more = f"; and {len(differ) - 5} more" if len(differ) > 5 else ""
         raise ConfigError(f"--preset {settings.preset} contradicts the settings of {source}: {'; '.join(differ[:5])}"
@@ -183,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_flags(p) -> None:
     g = p.add_argument_group("run")
-    g.add_argument("--out", default=None, help="run directory; checkpoints go to OUT/checkpoints (default: runs/run-<time>)")
+    g.add_argument("--out", default=None, help="run directory; checkpoints go to OUT/checkpoints (default: the run "
+                                                "directory of --resume PATH, else runs/run-<time>)")
     g.add_argument("--resume", default=None,
                    help="checkpoint to continue from: a ckpt-*.h5 path or a run directory; 'latest' (the newest in OUT); "
                         "or 'auto' (the newest that verifies, setting corrupt ones aside as *.corrupt-*; a fresh start "
@@ -247,7 +252,9 @@ def _finetune_flags(p) -> None:
     g.add_argument("--init-from", default=None, metavar="CKPT",
                    help="start a new run (fresh optimizer, schedule and step count) from the weights of a capstone "
                         "checkpoint (a ckpt-*.h5 file or a run directory) or of an export (.safetensors); the model "
-                        "settings come from it, --data may differ if its vocabulary is the same (docs/finetune.md)")
+                        "settings come from it, the training settings from its run (an export: fine-tuning "
+                        "defaults) unless given as flags; --data may differ if its vocabulary is the same "
+                        "(docs/finetune.md)")
     g.add_argument("--keep-best", action="store_true", default=argparse.SUPPRESS,
                    help="also save a checkpoint whenever an evaluation improves the best held-out loss, in "
                         "OUT/checkpoints/best (the newest best only; apart from --keep-last; default: off)")
@@ -281,9 +288,9 @@ def parse(argv=None) -> Settings:
     problems = parser.bad + usage.unknown(extras, known)
     problems, syntax = problems + usage.option_problems(values), bool(problems)
     name = values.pop("preset", None)
-    preset = PRESETS[name or "reference"]
     opts = {k: v for k, v in _pick(RunOptions, values).items()}
     explicit = {k: v for k, v in values.items() if k not in {f.name for f in dataclasses.fields(RunOptions)}}
+    preset, note = preset_values(name, explicit)
     try:
         model, train, deferred = _configs({**preset, **explicit}, opts.get("resume") is not None)
     except ConfigError as exc:
@@ -292,8 +299,17 @@ def parse(argv=None) -> Settings:
     if problems:
         error = problems_error(problems)
         raise ConfigError(f"{error} {HELP}" if syntax else str(error), error.problems)
-    return Settings(model, train, RunOptions(**opts), {**preset, **explicit} if opts.get("resume") is None
-                    else explicit, name, deferred)
+    resuming = opts.get("resume") is not None
+    return Settings(model, train, RunOptions(**opts), explicit if resuming else {**preset, **explicit}, name, deferred,
+                    explicit, preset, (note,) if note and not resuming else ())
+
+
+def preset_values(name: str | None, flags: dict) -> tuple[dict, str | None]:
+    """The values of --preset `name` (None: reference) for a run with these flags: its warmup shortened
+    to its share of a shorter --steps (capstone.presets.fit_warmup), and the note that says so."""
+    preset = PRESETS[name or "reference"]
+    values, note = fit_warmup({**preset, **flags}, flags, preset.get("steps"), f"--preset {name}")
+    return {k: values[k] for k in preset}, note
 
 
 def _configs(base: dict, resuming: bool) -> tuple[ModelConfig, TrainConfig, str | None]:

@@ -3,10 +3,16 @@
 SRC is a capstone checkpoint (a ckpt-*.h5 file, or a run directory: the checkpoint its `latest`
 names; written on any world size or grid: the master row of its canonical vectors, read and verified
 as `capstone.sample` reads it) or an export (`python -m capstone.export`: safetensors, GPT-2 names).
-Only the weights are taken: Adam's m and v start at zero, the step count, the schedule and the data
-are the new run's. The model's settings are SRC's (a flag that contradicts them is refused), and
-the new data must have SRC's vocabulary (the same tokenizer: `prepare --vocab-from`), so that every
-token id means what it meant in training; the refusal names what differs.
+Only the weights are taken: Adam's m and v start at zero, the step count and the data are the new
+run's. The model's settings are SRC's (a flag that contradicts them is refused), and the new data
+must have SRC's vocabulary (the same tokenizer: `prepare --vocab-from`), so that every token id
+means what it meant in training; the refusal names what differs.
+
+The training settings (`settings_for`): those of INHERITED come from SRC's run (a checkpoint holds
+its TrainConfig), or, for an export, which holds none, from FINETUNE_DEFAULTS (documented in
+docs/finetune.md); flags override both, and they override a --preset's. A warmup so taken keeps its
+share of a shorter run, as a preset's does (capstone.presets.fit_warmup). The start prints the
+settings in effect that differ from the preset's.
 """
 
 from __future__ import annotations
@@ -20,12 +26,21 @@ import numpy as np
 
 from capstone.checkpoint import CheckpointError, serial
 from capstone.collective.agree import agreed
-from capstone.config import ConfigError, ModelConfig
+from capstone.config import ConfigError, ModelConfig, TrainConfig
 from capstone.data.tokenizer import difference, from_description
 from capstone.model.params import Layout
+from capstone.presets import fit_warmup
 from capstone.state import ShardState
 
 MODEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+# what a fine-tuning run takes from its source run: the optimizer, the schedule, the cadence, the evaluation
+INHERITED = ("lr", "lr_schedule", "warmup_steps", "min_lr", "clip", "beta1", "beta2", "eps", "weight_decay",
+             "eval_every", "eval_batches", "eval_batch_size", "ckpt_every", "ckpt_every_minutes", "keep_last")
+# from an export: settings for a run of FINETUNE_STEPS (the warmup shortened for a shorter one)
+FINETUNE_DEFAULTS = {"lr": 3e-4, "lr_schedule": "cosine", "warmup_steps": 30, "min_lr": 3e-5, "clip": 1.0,
+                     "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "eval_every": 25, "eval_batches": 4,
+                     "eval_batch_size": 8, "ckpt_every": 100}
+FINETUNE_STEPS = 300
 
 
 @dataclass(frozen=True)
@@ -38,6 +53,7 @@ class Source:
     model: ModelConfig
     data: dict             # that run's data identity (capstone.data.open_data; {} if not recorded)
     params: np.ndarray     # flat float32 parameters of the 1-rank layout (n_params)
+    train: dict = dataclasses.field(default_factory=dict)   # that run's TrainConfig ({}: an export)
 
     def install(self, run) -> None:
         install(self, run)
@@ -58,7 +74,8 @@ def read(target: str) -> Source:
     except (ConfigError, CheckpointError) as exc:
         raise (CheckpointError if isinstance(exc, CheckpointError) else ConfigError)(f"--init-from {target}: {exc}") \
             from None
-    return Source(path, "checkpoint", int(meta["step"]), cfg, meta.get("data") or {}, params[:cfg_params(cfg)])
+    return Source(path, "checkpoint", int(meta["step"]), cfg, meta.get("data") or {}, params[:cfg_params(cfg)],
+                  meta.get("train_config") or {})
 
 
 def cfg_params(cfg: ModelConfig) -> int:
@@ -112,12 +129,35 @@ def fetch(world, target: str) -> Source:
     def describe() -> dict:
         found.append(read(target))
         return {"path": found[0].path, "kind": found[0].kind, "step": found[0].step, "data": found[0].data,
-                "model": dataclasses.asdict(found[0].model)}
+                "model": dataclasses.asdict(found[0].model), "train": found[0].train}
     head = agreed(world, describe, errors=(ConfigError, CheckpointError))
     cfg = ModelConfig(**head["model"])
     params = found[0].params if found else np.empty(cfg_params(cfg), dtype=np.float32)
     world.Bcast(params, "broadcast of the --init-from weights")
-    return Source(head["path"], head["kind"], head["step"], cfg, head["data"], params)
+    return Source(head["path"], head["kind"], head["step"], cfg, head["data"], params, head["train"])
+
+
+def settings_for(settings, source: Source):
+    """The settings of a run fine-tuned from `source`: its model; the training settings of INHERITED
+    from its run (an export: FINETUNE_DEFAULTS) under the flags, the warmup fitted to the run; and the
+    start's notes (ConfigError if the flags or the combination are invalid)."""
+    if source.kind == "checkpoint":
+        taken = {k: source.train[k] for k in INHERITED if k in source.train}
+        origin, nominal = f"--init-from {source.path}", source.train.get("steps")
+    else:
+        taken, origin, nominal = dict(FINETUNE_DEFAULTS), "the fine-tuning defaults", FINETUNE_STEPS
+    if "lr" in settings.flags and "min_lr" not in settings.flags and taken.get("lr"):   # the schedule's shape
+        taken["min_lr"] = settings.flags["lr"] * taken.get("min_lr", 0.0) / taken["lr"]
+    preset = {**dataclasses.asdict(TrainConfig()), **settings.preset_values}
+    values, fitted = fit_warmup({**preset, **taken, **settings.flags}, settings.flags, nominal, origin)
+    train = TrainConfig(**{k: values[k] for k in preset})
+    differ = [f"{k} {getattr(train, k)!r}{' (flag)' if k in settings.flags else ''}" for k in INHERITED
+              if getattr(train, k) != preset[k]]
+    where = "its run" if source.kind == "checkpoint" else "the fine-tuning defaults (an export holds none)"
+    note = (f"note: fine-tuning with the training settings of {where} unless a flag sets them: in effect, apart "
+            f"from --preset {settings.preset or 'reference'}'s: {', '.join(differ) or 'none'} (docs/finetune.md)")
+    return dataclasses.replace(settings, model=model_for(settings, source), train=train,
+                               notes=(note,) + ((fitted,) if fitted else ()))
 
 
 def model_for(settings, source: Source) -> ModelConfig:

@@ -3,7 +3,11 @@
 (a) the run learns (`learns`): its best held-out loss is at least MIN_DROP below the start, no held-out
     point jumps far above the noise of its moves, and the smoothed training loss does not rise beyond
     its noise; a held-out loss that rises from its best while the training loss does not (overfitting,
-    noise) is reported plainly, not failed. `loss_monotone`, the strict point-to-point check, is
+    noise) is reported plainly, not failed. Whether it learnt is "not judged" (reported in words, the
+    run's status and exit code unchanged: `unjudged`) when the segment could not show it: a preempted
+    segment, one with fewer than MIN_EVALS evaluations, or a run from trained weights (--init-from)
+    whose held-out loss stayed at that model's floor (within SETTLE_MARGIN). A run from fresh weights
+    that learns nothing, an update the guard had to undo, a jump or a rising training loss fail. `loss_monotone`, the strict point-to-point check, is
     reported alongside and gives the tolerance a jump must also exceed;
 (b) every rank holds the same parameters at every step (norm and digest: sha256 on evaluation steps);
 (c) every rank's model-state bytes (parameters, gradients, optimizer state, the buffers of the
@@ -23,6 +27,8 @@ JUMP_SIGMAS = 8.0     # (a): a held-out rise this many robust sigmas above the t
 TREND_SIGMAS = 4.0    # (a): a rise of the smoothed training loss by this many sigmas of its noise fails
 MIN_BLOCK = 5         # (a): steps per block of the smoothed training loss (at least; else a tenth)
 SIZE_FLOOR = 0.25     # (a): the spread of the held-out moves is taken as at least this x their typical size
+MIN_EVALS = 2         # (a): held-out evaluations after the segment's start needed to judge whether it learnt
+FALL_SIGMAS = 3.0     # (a): a training loss that fell by this many sigmas of its noise fell (said when not judged)
 
 
 def loss_monotone(evals: list, tol: float, rel: float = 0.0, settle_until: int = 0,
@@ -115,34 +121,88 @@ def trend(losses: list, tol: float, settle_until: int = 0) -> dict:
 
 def learns(evals: list, train: list, tol: float, rel: float = 0.0, settle_until: int = 0, start: float | None = None,
            best: float | None = None, fresh: bool = True, run_best: float | None = None,
-           trend_settle: int = 0) -> dict:
+           trend_settle: int = 0, preempted: bool = False, trained_start: bool = False,
+           planned: int | None = None) -> dict:
     """(a) over this segment's held-out points `evals` (as loss_monotone) and accepted training losses
     `train` [(step, loss)]: learnt (the run's best held-out loss `run_best`, default this segment's, at
     least MIN_DROP below `start`), no jump, no rising training trend. `rose`: the held-out loss ended
-    above its best by more than the strict tolerance (reported, not failed)."""
+    above its best by more than the strict tolerance (reported, not failed). `not_judged`: why whether
+    it learnt cannot be told (`unjudged`; then only a jump or a training rise fails). `planned`: the
+    evaluations the segment's cadence called for (default: those in `evals`); the others were rolled
+    back by the guard, and an update so undone, like a held-out loss SETTLE_MARGIN above the start,
+    counts as damage."""
     strict = loss_monotone(evals, tol, rel, settle_until, start, best, fresh)
     start = strict["start"]
     lowest = min([h for _, h in evals] + ([run_best] if run_best is not None else []), default=None)
     drop = None if lowest is None or start is None else start - lowest
+    highest = max((h for _, h in evals[1:]), default=None)
+    planned = len(evals) - 1 if planned is None else max(planned, len(evals) - 1)
     learnt = {"ok": drop is not None and len(evals) >= 2 and drop >= MIN_DROP * abs(start),
-              "start": start, "best": lowest, "drop": drop, "min_drop": MIN_DROP}
+              "start": start, "best": lowest, "drop": drop, "min_drop": MIN_DROP, "highest": highest,
+              "planned": planned, "rolled_back": planned - (len(evals) - 1),
+              "damaged": planned > len(evals) - 1 or (highest is not None and start is not None
+                                                      and highest > start * (1 + SETTLE_MARGIN) + tol)}
     jump = jumps(evals, tol, rel, settle_until, start, best) if evals else {"ok": True, "sigmas": 0.0, "at_step": None}
     rising = trend(train, tol, trend_settle)
-    return {**strict, "ok": learnt["ok"] and jump["ok"] and rising["ok"], "strict_ok": strict["ok"],
-            "learnt": learnt, "jump": jump, "trend": rising, "rose": rose_from_best(evals, tol, rel, start)}
+    why = None if learnt["ok"] or not (jump["ok"] and rising["ok"]) else \
+        unjudged(learnt, train, preempted, trained_start)
+    return {**strict, "ok": (learnt["ok"] or why is not None) and jump["ok"] and rising["ok"],
+            "strict_ok": strict["ok"], "learnt": learnt, "jump": jump, "trend": rising, "not_judged": why,
+            "rose": rose_from_best(evals, tol, rel, start)}
 
 
-def of_segment(state, tcfg, start_step: int, segment_start: tuple) -> dict:
+def unjudged(learnt: dict, train: list, preempted: bool, trained_start: bool) -> str | None:
+    """Why a segment whose best held-out loss is not MIN_DROP below its start cannot be judged on
+    that (None: it can, and it did not learn): it was preempted before it could show it; its cadence
+    called for fewer than MIN_EVALS evaluations; or it started from trained weights, nothing damaged
+    it, and its held-out loss stayed at that model's floor (the losses cannot tell a model at its floor
+    from updates too small to move it: the words say whether the training loss fell)."""
+    evaluations = learnt["planned"] - learnt["rolled_back"]
+    count = f"{evaluations} held-out evaluation{'s' * (evaluations != 1)}"
+    if preempted:
+        return f"the run was stopped (preempted) after {count} in this launch, before it could show learning"
+    if learnt["planned"] < MIN_EVALS:
+        return (f"{count} after the start, fewer than the {MIN_EVALS} needed to judge learning (evaluations come "
+                f"every --eval-every steps, at each checkpoint and at the last step)")
+    if not trained_start or learnt["damaged"]:
+        return None
+    fell = fall(train)
+    moved = "" if fell is None else f" ({fell['first']:.5f} -> {fell['last']:.5f}, means of each half of the steps)"
+    moved = f"while the training loss fell{moved}: a trained model need not improve on held-out text" \
+        if fell and fell["sigmas"] > FALL_SIGMAS else f"and the training loss did not fall beyond its noise " \
+        f"either{moved}: a model at its floor, or updates too small to change it (see lr and grad_norm in metrics.jsonl)"
+    return (f"it started from trained weights (--init-from), and its held-out loss stayed at that model's floor "
+            f"(start {learnt['start']:.5f}, best {learnt['best']:.5f}, at most {learnt['highest']:.5f}) {moved}")
+
+
+def fall(train: list) -> dict | None:
+    """How far the mean training loss of the second half of the steps is below the first half's, in
+    sigmas of the noise of that difference (from the step-to-step changes); None: too few steps."""
+    half = len(train) // 2
+    if half < MIN_BLOCK:
+        return None
+    values = [loss for _, loss in train]
+    first, last = sum(values[:half]) / half, sum(values[-half:]) / half
+    sigma = robust_sigma([b - a for a, b in zip(values, values[1:])]) / math.sqrt(2) * math.sqrt(2 / half)
+    return {"first": first, "last": last, "sigmas": (first - last) / max(sigma, 1e-12)}
+
+
+def of_segment(state, tcfg, start_step: int, segment_start: tuple, preempted: bool = False,
+               trained_start: bool = False) -> dict:
     """`learns` on a run segment's RunState: its evaluation points from its baseline (the start, or
     the state it resumed from, `segment_start` = (held-out loss, best held-out loss) there) and its
-    accepted steps' training losses, with the tolerances and settle window of TrainConfig `tcfg`."""
+    accepted steps' training losses, with the tolerances and settle window of TrainConfig `tcfg`;
+    `preempted`: the segment was stopped early; `trained_start`: the run began from trained weights."""
     fresh = start_step == 0
     points = [(start_step, state.eval_start if fresh else segment_start[0])]
     points += [(step, held) for step, _, held in state.losses if held is not None]
     settle = max(tcfg.warmup_steps, -(-tcfg.steps // 10))
+    due = {s for s in range(start_step + 1, state.step + 1) if s % tcfg.eval_every == 0 or s == tcfg.steps
+           or (tcfg.ckpt_every and s % tcfg.ckpt_every == 0)}   # capstone.checkpoint.cadence, less the clock's
     return learns(points, [(step, loss) for step, loss, _ in state.losses], tcfg.loss_tol, tcfg.loss_tol_rel, settle,
                   state.eval_start, state.eval_start if fresh else segment_start[1], fresh=fresh,
-                  run_best=state.best_eval, trend_settle=-(-tcfg.steps // 10))
+                  run_best=state.best_eval, trend_settle=-(-tcfg.steps // 10), preempted=preempted,
+                  trained_start=trained_start, planned=len(due | {step for step, _ in points[1:]}))
 
 
 def rose_from_best(evals: list, tol: float, rel: float, start: float | None) -> dict | None:

@@ -3,9 +3,15 @@
 `reference` is the product's experiment (every default). `shakespeare-char` is nanoGPT's CPU
 "baby GPT" on character-level Shakespeare; `medium` and `large` are sizes where speed matters
 (docs/performance.md measures them).
+
+A warmup that comes from a preset (or, fine-tuning, from the source run) keeps its share of the run
+when the run is shorter than the one it was set for (`fit_warmup`): `--preset medium --steps 6`
+warms up for 1 step, not 40; an explicit `--warmup-steps` is taken as given.
 """
 
 from __future__ import annotations
+
+import math
 
 PRESETS: dict[str, dict] = {
     "reference": {},
@@ -29,3 +35,17 @@ PRESETS: dict[str, dict] = {
         "eval_every": 100, "eval_batches": 2, "eval_batch_size": 16, "ckpt_every": 100,
     },
 }
+
+
+def fit_warmup(values: dict, flags: dict, nominal_steps: int | None, origin: str) -> tuple[dict, str | None]:
+    """`values` (training settings) with a warmup not given as a flag shortened to its share of a run of
+    `nominal_steps` (the preset's or source run's --steps), if this run is shorter; and a note saying so."""
+    warmup, steps = values.get("warmup_steps", 0), values.get("steps")
+    if "warmup_steps" in flags or not warmup or not nominal_steps or steps is None or steps >= nominal_steps:
+        return values, None
+    fitted = max(1, math.ceil(warmup * steps / nominal_steps))
+    if fitted == warmup:
+        return values, None
+    return {**values, "warmup_steps": fitted}, (
+        f"note: the warmup of {origin} ({warmup} of its {nominal_steps} steps) is shortened to {fitted} for "
+        f"--steps {steps}, the same share of the run; pass --warmup-steps to choose another.")

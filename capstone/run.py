@@ -18,7 +18,7 @@ import os
 import time
 
 from capstone import checkpoint, modes
-from capstone.checkpoint import files, resume
+from capstone.checkpoint import files, resume, rundir
 from capstone.checkpoint.cadence import Cadence
 from capstone.checkpoint.saver import Checkpointer, RunIdentity
 from capstone.cli import RunOptions, Settings, check_preset
@@ -33,8 +33,8 @@ from capstone.observe import provenance, report
 from capstone.collective.comm import Comm
 from capstone.parallel.grid import Grid
 from capstone.state import ROWS
-from capstone.runtime import preflight
 from capstone.roles import Run
+from capstone.runtime import lock, preflight
 from capstone.state import RunState
 
 TIMEOUT_RECORD = "collective-timeout.json"   # in the run directory, written by a rank whose collective timed out
@@ -52,7 +52,9 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
     world.deadline.set_timeout(opts.collective_timeout)
     hooks = _hooks(world, opts)
     hooks.at("start", 0)
-    out = world.bcast_json(opts.out or time.strftime("runs/run-%Y%m%d-%H%M%S") + f"-{os.getpid()}")
+    out, note = world.bcast_json(_out_dir(opts) if world.rank == 0 else None)
+    if note:
+        report.say(note, world.rank)
     ckpt_dir = os.path.join(out, "checkpoints")
     check_parallel_io(world)
     modes.check(world.size, settings)                 # bad flags: ConfigError, nothing written
@@ -83,7 +85,12 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
         if path is None and opts.init_from:
             run.init_from = source.describe()
             source.install(run)
+        for line in settings.notes if path is None else ():
+            report.say(line, world.rank)
+        run.state.run_id = _agreed(world, lambda: (rundir.occupant(out) or {}).get("run_id") or rundir.new_id())
         start(run, path, saved["train_config"] if path is not None else None)
+        if world.rank == 0:
+            lock.label(claim.lock_fd, run_id=run.state.run_id)
     except (ConfigError, checkpoint.CheckpointError) as exc:
         if world.rank == 0:
             claim.undo()
@@ -94,6 +101,17 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
     return run
 
 
+def _out_dir(opts: RunOptions) -> tuple[str, str | None]:
+    """Rank 0: the run directory (--out; else the one --resume PATH belongs to: the run continues
+    there; else a new runs/run-<time>-<pid>) and the note that says it continues in PATH's."""
+    if opts.out:
+        return opts.out, None
+    home = rundir.run_dir_of(opts.resume)
+    if home:
+        return home, f"continuing in {home}, the run directory of --resume {opts.resume} (--out DIR branches off)"
+    return time.strftime("runs/run-%Y%m%d-%H%M%S") + f"-{os.getpid()}", None
+
+
 def _init_from(world: Comm, settings: Settings):
     """--init-from on a fresh start: (the Source, the settings with its model), the new data's
     vocabulary checked against the source's (ConfigError/CheckpointError on every rank)."""
@@ -101,7 +119,7 @@ def _init_from(world: Comm, settings: Settings):
     source = finetune.fetch(world, settings.opts.init_from)
     data = settings.train.data
     finetune.check_vocabulary(source, _agreed(world, lambda: identity(load_meta(data))) if data else {}, data)
-    settings = dataclasses.replace(settings, model=finetune.model_for(settings, source))
+    settings = finetune.settings_for(settings, source)
     modes.check(world.size, settings)
     return source, settings
 
@@ -155,7 +173,7 @@ def start(run: Run, path: str | None = None, saved_train: dict | None = None) ->
     if run.init_from is not None:
         run.ckpt.provenance["init_from"] = run.init_from
     run.metrics = report.MetricsLog(os.path.join(run.out, "metrics.jsonl") if world.rank == 0 else None)
-    run.metrics.write({"event": "start", "world": world.size, "grid": run.grid.describe(),
+    run.metrics.write({"event": "start", "run_id": run.state.run_id, "world": world.size, "grid": run.grid.describe(),
                        "start_step": run.state.step, "resumed_from": run.resumed_from, "time": time.time(),
                        "provenance": run.ckpt.provenance, "train_config": dataclasses.asdict(run.tcfg),
                        "model_config": dataclasses.asdict(run.mcfg)})
@@ -183,6 +201,7 @@ def _resume(run: Run, path: str, saved: dict) -> None:
     shard, state, meta = run.ckpt.load(path)
     run.opt.load_state(shard)
     run.guard.state = state.guard
+    state.run_id = state.run_id or run.state.run_id   # a checkpoint from before run ids: this one from now on
     run.state, run.resumed_from = state, path
     run.init_from = (meta.get("provenance") or {}).get("init_from")
     run.segment_start = (state.guard.last_eval, state.best_eval)

@@ -69,17 +69,19 @@ class RunState:
     rollbacks: list = field(default_factory=list)  # the guard's rollback events
     guard: GuardState = field(default_factory=GuardState)
     best_step: int | None = None        # the step of best_eval (None: the start, or an older checkpoint)
+    run_id: str | None = None           # which run this is (capstone.checkpoint.rundir; None: an older checkpoint)
 
     def to_json(self) -> dict:
         return {"step": self.step, "data_cursor": self.cursor, "eval_start": self.eval_start,
                 "best_eval": self.best_eval, "rollbacks": self.rollbacks, "guard": self.guard.to_json(),
-                "best_step": self.best_step}
+                "best_step": self.best_step, "run_id": self.run_id}
 
     @classmethod
     def from_json(cls, data: dict) -> "RunState":
         return cls(step=int(data["step"]), cursor=int(data["data_cursor"]), eval_start=data["eval_start"],
                    best_eval=data["best_eval"], rollbacks=list(data["rollbacks"]),
-                   guard=GuardState.from_json(data["guard"]), best_step=data.get("best_step"))
+                   guard=GuardState.from_json(data["guard"]), best_step=data.get("best_step"),
+                   run_id=data.get("run_id"))
 
     def accepted(self, step: int, loss: float, eval_loss: float | None) -> None:
         self.losses.append((step, loss, eval_loss))

@@ -127,7 +127,8 @@ def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> i
     verified = run.ckpt.verify_first()
     mem = run.grid.world.allgather_json(memory.row(run))
     results = {
-        "a_loss_monotone": invariants.of_segment(run.state, run.tcfg, start_step, run.segment_start),
+        "a_loss_monotone": invariants.of_segment(run.state, run.tcfg, start_step, run.segment_start,
+                                                 status == "preempted", run.init_from is not None),
         "b_params_identical": invariants.params_identical(run.replicas.mismatches, run.replicas.checked),
         "c_memory": invariants.memory(mem, run.grid.dp.size),
         "d_resume_bytes": invariants.resume_bytes(verified)}

@@ -29,7 +29,8 @@ def text(path, words, seed, n=900):
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """A model trained on text A (200 steps), its dataset, its export, and text B prepared with A's vocabulary."""
+    """A model trained on text A (200 steps, cosine from 3e-3 after 20 steps of warmup), its dataset, its export,
+    and text B prepared with A's vocabulary."""
     tmp = tmp_path_factory.mktemp("finetune")
     a = text(tmp / "a.txt", WORDS_A, 1)
     b = text(tmp / "b.txt", WORDS_A[:12] + WORDS_B, 2)   # half of A's words, and new ones
@@ -38,7 +39,7 @@ def base(tmp_path_factory):
     res = run_module("capstone.prepare", b, "--out", tmp / "b", "--vocab-from", tmp / "a")
     assert res.returncode == 0, res.stderr
     res = mpirun(2, "--out", tmp / "run", "--data", tmp / "a", *MODEL, *TRAIN, "--steps", 200, "--eval-every", 50,
-                 "--lr", "3e-3")
+                 "--lr", "3e-3", "--lr-schedule", "cosine", "--warmup-steps", 20, "--min-lr", "3e-4", "--clip", 1)
     assert res.returncode == 0, res.stdout + res.stderr
     assert run_module("capstone.export", tmp / "run", "--out", tmp / "run.safetensors").returncode == 0
     return tmp
@@ -74,6 +75,27 @@ def test_init_from_starts_from_the_weights_with_a_fresh_optimizer(base, tmp_path
     assert s["provenance"]["init_from"]["kind"] == ("export" if source.endswith("safetensors") else "checkpoint")
     info = json.loads(run_module("capstone.checkpoint", "inspect", "--json", out / "checkpoints" / "ckpt-00000002.h5").stdout)
     assert info["adam_t"] == 2 and info["run"]["step"] == 2, "Adam and the step count restarted at 0"
+
+
+@pytest.mark.parametrize("source", ["run", "run.safetensors"], ids=["checkpoint", "export"])
+def test_init_from_takes_the_source_runs_training_settings(base, tmp_path, source):
+    """No training flags: a checkpoint's run gives the lr, schedule, clip, cadence and evaluation, its warmup
+    (20 of 200 steps) shortened to 1 of 6; an export, which holds none, the documented fine-tuning defaults
+    (warmup 30 of 300 -> 1); a flag wins over both; the start says what is in effect."""
+    out = tmp_path / "ft"
+    res = mpirun(2, "--out", out, "--init-from", base / source, "--data", base / "b", "--steps", 6, "--eval-every", 3,
+                 "--global-batch", 12, "--quiet")
+    assert res.returncode == 0, res.stdout + res.stderr
+    t = summary(out)["train_config"]
+    want = {"lr": 3e-3, "lr_schedule": "cosine", "min_lr": 3e-4, "clip": 1.0, "eval_batches": 2,
+            "eval_batch_size": 8} if source == "run" else \
+        {"lr": 3e-4, "lr_schedule": "cosine", "min_lr": 3e-5, "clip": 1.0, "weight_decay": 0.1, "eval_batches": 4,
+         "eval_batch_size": 8}
+    assert {k: t[k] for k in want} == want and t["warmup_steps"] == 1 and t["eval_every"] == 3, t
+    origin = f"--init-from {base / 'run' / 'checkpoints' / 'ckpt-00000200.h5'} (20 of its 200 steps)" \
+        if source == "run" else "the fine-tuning defaults (30 of its 300 steps)"
+    assert f"the warmup of {origin} is shortened to 1 for --steps 6" in res.stdout, res.stdout
+    assert f"lr {want['lr']!r}, lr_schedule 'cosine'" in res.stdout and "eval_every 3 (flag)" in res.stdout
 
 
 def test_fine_tune_on_another_text_with_keep_best(base, tmp_path):
@@ -119,20 +141,32 @@ def test_keep_best_keeps_the_best_not_the_last(base, tmp_path):
     assert events.count("best") == sum(1 for s, v in evals.items() if v == min(u for t, u in evals.items() if t <= s))
     res = mpirun(2, "--out", out, "--resume", "latest", "--steps", 302)
     assert res.returncode == 0 and "resumed from " + str(out / "checkpoints" / "ckpt-00000300.h5") in res.stdout
+    after = {r["step"]: r["eval_loss"] for r in step_rows(out) if r["eval_loss"] is not None}
+    assert after[302] > evals[best_step], "the first evaluation after the resume must not be a new best"
+    assert (best_dir / "latest").read_text().strip() == f"ckpt-{best_step:08d}.h5", \
+        "judged against the best before the stop, not replaced by the first evaluation after the resume"
+    assert summary(out)["held_out"]["best"] == evals[best_step]
 
 
-@pytest.mark.parametrize("case", ["other vocabulary", "synthetic to text", "model flag", "no such file",
-                                  "corrupt checkpoint"])
+@pytest.mark.parametrize("case", ["other vocabulary", "same size, other characters", "synthetic to text",
+                                  "model flag", "no such file", "corrupt checkpoint"])
 def test_init_from_refusals(base, tmp_path, case):
     """Each refusal: one paragraph naming the fix, exit 2 (1 for a corrupt checkpoint), no run directory."""
     out = tmp_path / "ft"
     args = {"other vocabulary": ["--init-from", base / "run", "--data", tmp_path / "own"],
+            "same size, other characters": ["--init-from", base / "run", "--data", tmp_path / "own"],
             "synthetic to text": ["--init-from", tmp_path / "synthetic", "--data", base / "a"],
             "model flag": ["--init-from", base / "run", "--data", base / "a", "--d-model", "64"],
             "no such file": ["--init-from", tmp_path / "nothing.safetensors"],
             "corrupt checkpoint": ["--init-from", tmp_path / "bad.h5"]}[case]
     if case == "other vocabulary":
         assert run_module("capstone.prepare", base / "b.txt", "--out", tmp_path / "own").returncode == 0
+    if case == "same size, other characters":   # A's text with its one 'v' (in "have") spelled 'z': a char
+        # vocabulary of A's kind and size, prepared without --vocab-from; id of 'z' here is the id of 'v' there
+        (tmp_path / "z.txt").write_text((base / "a.txt").read_text().replace("v", "z"))
+        assert run_module("capstone.prepare", tmp_path / "z.txt", "--out", tmp_path / "own").returncode == 0
+        mine, theirs = (json.loads((d / "meta.json").read_text()) for d in (base / "a", tmp_path / "own"))
+        assert mine["vocab_size"] == theirs["vocab_size"] and mine["tokenizer"]["kind"] == theirs["tokenizer"]["kind"]
     if case == "synthetic to text":
         assert mpirun(2, "--out", tmp_path / "synthetic", "--steps", 2).returncode == 0
     if case == "corrupt checkpoint":
@@ -143,6 +177,7 @@ def test_init_from_refusals(base, tmp_path, case):
             (base / "run" / "checkpoints" / "ckpt-00000200.h5.sha256").read_text())
     res = mpirun(2, "--out", out, *args, *TRAIN)
     want = {"other vocabulary": "the vocabularies differ", "synthetic to text": "trained on the synthetic corpus",
+            "same size, other characters": "only --data's has 'z'",
             "model flag": "--d-model 64 (it has 32)", "no such file": "no such file",
             "corrupt checkpoint": "not a valid checkpoint"}[case]
     assert res.returncode == (1 if case == "corrupt checkpoint" else 2), res.stdout + res.stderr

@@ -13,7 +13,8 @@
   digest file, another format version), it stops with an error and changes nothing;
 - PATH: that file, or the checkpoint a run directory or `latest` pointer names. Refused if
   OUT/checkpoints holds newer checkpoints that `latest` acknowledged, since this run's saves
-  would replace them: branch off with a new --out instead.
+  would replace them: branch off with a new --out instead; and refused if OUT holds another run
+  (capstone.checkpoint.rundir: a run directory holds one run).
 A complete file newer than `latest` is the leftover of a save killed before its pointer update;
 the resumed run writes that step again.
 """
@@ -26,6 +27,7 @@ import sys
 from capstone.checkpoint import CheckpointError, CorruptCheckpoint, files, integrity, verify_contents
 from capstone.collective.agree import agreed
 from capstone.config import ConfigError
+from capstone.checkpoint import rundir
 
 
 def _plan(want: str | None, ckpt_dir: str) -> dict:
@@ -124,7 +126,8 @@ def _explicit(want: str, ckpt_dir: str, pointed: str | None, complete: list) -> 
         return {"error": f"--resume {want} (step {step}) into --out {os.path.dirname(ckpt_dir)}, which holds newer "
                          f"checkpoints {newer}: this run would replace them. Pass a new --out directory to branch "
                          f"off from step {step}, or --resume latest to continue the newest one."}
-    return {"path": path}
+    other = rundir.foreign(want, path, os.path.dirname(ckpt_dir))
+    return {"error": other} if other else {"path": path}
 
 
 def _decided(want: str | None, ckpt_dir: str) -> dict:

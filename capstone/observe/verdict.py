@@ -58,8 +58,7 @@ def learning_failures(a: dict) -> list[str]:
         drop = "no evaluation after an update" if share is None else \
             f"its best held-out loss {learnt['best']:.5f} is {share:.2%} below the start"
         lines.append(f"(a) loss not decreasing: the run did not learn: {drop} {learnt['start']:.5f} (at least "
-                     f"{learnt['min_drop']:.0%} needed). Raise --lr, train for more --steps, or check that updates are "
-                     f"applied (param_norm and grad_norm in metrics.jsonl).")
+                     f"{learnt['min_drop']:.0%} needed). {_learnt_hint(a)}")
     if not jump["ok"]:
         lines.append(f"(a) loss not decreasing: the held-out loss jumped by {jump['rise']:+.5f} at step "
                      f"{jump['at_step']}, "
@@ -75,6 +74,22 @@ def learning_failures(a: dict) -> list[str]:
     return lines
 
 
+def _learnt_hint(a: dict) -> str:
+    """What to do about a run that did not learn, never contradicting the other failures' hints: an
+    update that damaged the model, or a jump or rising training loss, asks for less; else more."""
+    learnt = a["learnt"]
+    if learnt.get("damaged"):
+        how = f"the guard rolled back {learnt['rolled_back']} of the {learnt['planned']} steps due for evaluation" \
+            if learnt["rolled_back"] else f"the held-out loss rose to {learnt['highest']:.5f}, more than 5% above " \
+                                          f"its start"
+        return (f"Updates damaged the model: {how}. Lower --lr (fine-tuning takes a fraction of the original's), "
+                f"warm up (--warmup-steps), or set --clip.")
+    if not (a["jump"]["ok"] and a["trend"]["ok"]):
+        return "The failure below is the likely cause."
+    return ("Raise --lr, train for more --steps, or check that updates are applied (param_norm and grad_norm in "
+            "metrics.jsonl).")
+
+
 def describe_learning(a: dict, mark: str) -> list[str]:
     """(a)'s report lines: the held-out loss, its best, jumps, the training trend, and a plain note
     when the held-out loss rose from its best while the training loss did not rise."""
@@ -82,6 +97,10 @@ def describe_learning(a: dict, mark: str) -> list[str]:
     best = "-" if learnt["best"] is None else \
         f"{learnt['best']:.5f} ({learnt['drop'] / abs(learnt['start']):.1%} below the start)"
     lines = [f"(a) {mark} held-out loss {a['first']:.5f} -> {a['last']:.5f} over {a['steps']} evaluations; best {best}"]
+    if a.get("not_judged") and a["ok"]:
+        lines = [f"(a) not judged: {a['not_judged']}; the run's status stands",
+                 f"           held-out loss {a['first']:.5f} -> {a['last']:.5f} over {a['steps']} evaluations; "
+                 f"best {best}"]
     jumped = "no rise beyond the strict tolerance" if jump["at_step"] is None else \
         f"largest rise beyond the strict tolerance {jump['rise']:+.2e} at step {jump['at_step']} = " \
         f"{jump['sigmas']:.1f} sigmas (limit {jump['limit']:g})"

@@ -39,6 +39,7 @@ def describe(owner: dict) -> str:
     if not owner:
         return "a run that has not written its owner record yet (it is starting up)"
     job = f", Slurm job {owner['slurm_job_id']}" if owner.get("slurm_job_id") else ""
+    job += f", run {owner['run_id']}" if owner.get("run_id") else ""
     return (f"pid {owner.get('pid')} on host {owner.get('host')} (launched by pid {owner.get('launcher_pid')}"
             f"{job}), running since {owner.get('started')}: {owner.get('command')}")
 
@@ -64,6 +65,15 @@ def acquire(out: str) -> tuple[int | None, str | None]:
     os.pwrite(fd, data, 0)
     _held.append(fd)
     return fd, None
+
+
+def label(fd: int | None, **fields) -> None:
+    """Add `fields` (the run's id, once it is known) to the owner record of the lock held on `fd`."""
+    if fd is None or fd not in _held:
+        return
+    data = json.dumps({**_read(fd), **fields}, sort_keys=True).encode() + b"\n"
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
 
 
 def release(fd: int | None) -> None:
