@@ -150,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                        ("d_model", "model width C"), ("n_heads", "attention heads H (must divide d-model)"),
                        ("n_layers", "transformer blocks L")):
         _flag(g, name, text)
+    g.add_argument("--no-head-bias", dest="head_bias", action="store_false", default=argparse.SUPPRESS,
+                   help="no bias in the LM head, as GPT-2 (needed by `capstone.export --format hf`; default: a bias)")
     g = p.add_argument_group("data and training")
     for name, text in (
             ("data", "directory made by `python -m capstone.prepare` ('' for the synthetic corpus)"),

@@ -46,13 +46,15 @@ class _Checks:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """MiniGPT dimensions (GPT-2 names): V vocab, T context, C width, H heads, L blocks."""
+    """MiniGPT dimensions (GPT-2 names): V vocab, T context, C width, H heads, L blocks; `head_bias`:
+    whether the LM head has a bias (GPT-2's has none; --no-head-bias)."""
 
     vocab_size: int = 64
     seq_len: int = 16
     d_model: int = 32
     n_heads: int = 4
     n_layers: int = 2
+    head_bias: bool = True
 
     def __post_init__(self):
         _require = _Checks()
@@ -60,6 +62,7 @@ class ModelConfig:
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1,
                      f"{name} must be a positive integer, got {value!r}; pass e.g. --{name.replace('_', '-')} 4.")
+        _require(isinstance(self.head_bias, bool), f"head_bias must be true or false, got {self.head_bias!r}.")
         if not _require.failed:   # the checks between fields, once each field is valid
             _require(self.d_model % self.n_heads == 0,
                      f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}): each head gets "

@@ -64,7 +64,8 @@ class KVCache:
             u = linear_gelu(layer_norm(x, p[h + "ln_2.w"], p[h + "ln_2.b"]), p[h + "mlp.c_fc.w"], p[h + "mlp.c_fc.b"])
             x = x + linear(u, p[h + "mlp.c_proj.w"], p[h + "mlp.c_proj.b"])
         self.n = s + n
-        return linear(layer_norm(x, p["ln_f.w"], p["ln_f.b"]), p["lm_head.w"], p["lm_head.b"])
+        z = layer_norm(x, p["ln_f.w"], p["ln_f.b"])
+        return linear(z, p["lm_head.w"], p["lm_head.b"]) if "lm_head.b" in p else z @ p["lm_head.w"]
 
 
 def pick(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator, top_p: float = 1.0,

@@ -2,6 +2,7 @@
 each hand-written VJP of capstone.kernels checked on its own, and the model against a composed
 autograd.numpy reference (the implementation the kernels replaced)."""
 
+import dataclasses
 import math
 
 import autograd
@@ -88,10 +89,13 @@ def ref_loss_sum(p, idx, targets, cfg, scale=1.0):
 
 # ---- the whole model ----------------------------------------------------------------------------
 
-def test_gradient_matches_finite_differences_float64():
-    layout, flat = params64(CFG)
-    x, y = batch(CFG)
-    grads = layout.views(loss_and_grad(layout, flat, x, y, CFG, 1.0 / x.size)[1])
+@pytest.mark.parametrize("head_bias", [True, False])
+def test_gradient_matches_finite_differences_float64(head_bias):
+    cfg = dataclasses.replace(CFG, head_bias=head_bias)
+    layout, flat = params64(cfg)
+    assert ("lm_head.b" in layout.views(flat)) == head_bias     # --no-head-bias: GPT-2's head, no bias
+    x, y = batch(cfg)
+    grads = layout.views(loss_and_grad(layout, flat, x, y, cfg, 1.0 / x.size)[1])
     rng = np.random.default_rng(7)
     checked = 0
     for name, shape, off in layout.entries:
@@ -101,8 +105,8 @@ def test_gradient_matches_finite_differences_float64():
             plus, minus = flat.copy(), flat.copy()
             plus[off + i] += h
             minus[off + i] -= h
-            fd = (loss_sum(layout.groups(plus), x, y, CFG, 1.0 / x.size) -
-                  loss_sum(layout.groups(minus), x, y, CFG, 1.0 / x.size)) / (2 * h)
+            fd = (loss_sum(layout.groups(plus), x, y, cfg, 1.0 / x.size) -
+                  loss_sum(layout.groups(minus), x, y, cfg, 1.0 / x.size)) / (2 * h)
             analytic = grads[name].reshape(-1)[i]
             assert abs(fd - analytic) <= 1e-7 + 1e-5 * abs(fd), (name, i, fd, analytic)
             checked += 1

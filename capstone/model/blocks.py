@@ -55,9 +55,10 @@ def unpack(w: np.ndarray, shapes: tuple) -> list[np.ndarray]:
 
 
 def _linear_back(g, x, w, gw, gb):
-    """y = x @ w + b: dw and db written into gw, gb; returns dx = g @ w^T."""
+    """y = x @ w + b: dw and db written into gw, gb (None: no bias); returns dx = g @ w^T."""
     K._mm(x.T, g, out=gw)
-    K._add(g, axis=0, out=gb)
+    if gb is not None:
+        K._add(g, axis=0, out=gb)
     return K._mm(g, w.T)
 
 
@@ -131,10 +132,13 @@ def block_backward(g, saved, x, w, T, H, shapes, tp, gw, free: bool):
 # ---- final LayerNorm, LM head, cross-entropy ---------------------------------------------------
 
 def head_logits(x, w, shapes):
-    """Logits (B*T, V) of the final hidden states x (B*T, C): w = [ln_f.w, ln_f.b, lm_head.w, lm_head.b]."""
-    lnw, lnb, hw, hb = unpack(w, shapes)
+    """Logits (B*T, V) of the final hidden states x (B*T, C): w = [ln_f.w, ln_f.b, lm_head.w(, lm_head.b)]."""
+    lnw, lnb, hw, *hb = unpack(w, shapes)                                      # hb: [] with --no-head-bias
     z_in, s_ln = K._ln_fwd(x, lnw, lnb)
-    return K._linear_fwd(z_in, hw, hb)[0], (z_in, s_ln)
+    z = K._mm(z_in, hw)
+    if hb:
+        z += hb[0]
+    return z, (z_in, s_ln)
 
 
 def head_loss_forward(x, w, targets, shapes):
@@ -149,8 +153,8 @@ def head_loss_backward(g, saved, w, targets, shapes, gw, free: bool):
     z_in, s_ln, probs = saved
     if free:
         saved.clear()
-    lnw, _, hw, _ = unpack(w, shapes)
-    d_lnw, d_lnb, d_hw, d_hb = unpack(gw, shapes)
+    lnw, _, hw, *_ = unpack(w, shapes)
+    d_lnw, d_lnb, d_hw, *d_hb = unpack(gw, shapes)
     gz = K._xent_grad_inplace(probs if free else probs.copy(), targets, g)      # over the softmax if owned
     del probs
-    return _ln_back(_linear_back(gz, z_in, hw, d_hw, d_hb), s_ln, lnw, d_lnw, d_lnb)
+    return _ln_back(_linear_back(gz, z_in, hw, d_hw, d_hb[0] if d_hb else None), s_ln, lnw, d_lnw, d_lnb)
