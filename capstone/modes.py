@@ -74,14 +74,6 @@ def _check_pipeline(settings: Settings) -> None:
     if tcfg.deterministic:
         raise ConfigError(f"--deterministic is not supported with --pp {opts.pp}: its fixed-order reduction and "
                           f"held-out blocks cover data parallelism only. Drop one of them (docs/composition.md).")
-    if opts.zero_stage > 1:
-        raise ConfigError(f"--zero-stage {opts.zero_stage} is not supported with --pp {opts.pp}: ZeRO-2/3 reduce and "
-                          f"gather each group once per backward pass, and a pipeline stage runs the backward of "
-                          f"its micro-batches between other micro-batches' forwards (as DeepSpeed, which refuses "
-                          f"ZeRO-2/3 with pipeline parallelism too). Use --zero-stage 1 with --pp "
-                          f"(docs/composition.md).")
-
-
 def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
     """Collective: call on all ranks. This rank's parts; `scale` is 1 / tokens of the global batch.
     Every mode is the one model (capstone.model.gpt.Model) over this rank's groups, with the seam

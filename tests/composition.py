@@ -107,8 +107,6 @@ def reasons(row: Row) -> list[str]:
         found.append(f"--tp {row.tp} x --pp {k} = {row.tp * k} does not divide the {row.world} ranks")
     if k > 1 and row.det:
         found.append(f"--deterministic is not supported with --pp {k}")
-    if k > 1 and row.zero > 1:
-        found.append(f"--zero-stage {row.zero} is not supported with --pp {k}")
     if row.det and row.tp > 1:
         found.append(f"--deterministic is not supported with --tp {row.tp}")
     if row.det and row.zero > 1:

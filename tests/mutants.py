@@ -368,6 +368,11 @@ MUTANTS = [
            "            self._send(np.zeros_like(g_in), self.p - 1, 2 * j + 1)\n",
            ("tests/test_composition.py::test_row[n4-tp1-acc2-no-overlap-default-nan-zero1-recompute-pp4-1f1b]",),
            "the earlier stages train on a zero gradient: the activations' gradient is not passed back"),
+    Mutant("pipeline/zero2-micro-batches-not-told-apart", "capstone/parallel/pipeline.py",
+           "                self.reducer.after_backward(j)\n", "",
+           ("tests/test_composition.py::test_row[n4-tp1-acc2-overlap-default-clean-zero2-pp2-afab]",),
+           "under a pipeline at ZeRO-2/3 every micro-batch's gradient is received into the shard as if it "
+           "were the first: only the last micro-batch's sums survive"),
     Mutant("pipeline/remainder-layers-on-the-last-stage", "capstone/parallel/pipeline.py",
            "        counts = tuple(n_layers // pp + (p < n_layers % pp) for p in range(pp))\n",
            "        counts = tuple(n_layers // pp + (p >= pp - n_layers % pp) for p in range(pp))\n",

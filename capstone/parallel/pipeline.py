@@ -4,9 +4,12 @@ Stage p of K holds blocks `stage_layers` (balanced by layers; when K does not di
 stages take one more, so the last stage, which also holds the final LayerNorm and the LM head,
 has the fewer; --pp-layers gives the counts explicitly), the embedding with stage 0 and the head
 with stage K-1: a stage is the one model (capstone.model.gpt.Model) over its groups, plus the
-messages between stages. A pipeline group is the K ranks of the grid's pp axis; each stage's parameters
-are sharded over its own data-parallel group (ZeRO-1) and checkpointed in the canonical 1-rank
-layout (capstone.parallel.canonical).
+messages between stages. A pipeline group is the K ranks of the grid's pp axis; each stage's
+optimizer state (ZeRO-1), gradient (ZeRO-2) and parameters (ZeRO-3) are sharded over its own
+data-parallel group, and checkpointed in the canonical 1-rank layout (capstone.parallel.canonical).
+At ZeRO-2/3 a stage's seam hands each micro-batch's gradient to the reducer as its backward makes
+it, and at ZeRO-3 gathers each group for each micro-batch's forward and backward (the ranks of a
+stage's data-parallel group run the same schedule, so their collectives come in the same order).
 
 A step's micro-batches (--grad-accum m of them) go through the stages in the order of a
 schedule (`order`): all forwards then all backwards (afab, GPipe's), or one forward one backward
@@ -65,8 +68,9 @@ class Pipeline:
     exchange activations and their gradients over `pp`."""
 
     def __init__(self, model, reducer, hooks, scale: float, schedule: str, pp):
-        if not reducer.accumulates:
-            raise ValueError("the pipeline accumulates micro-batch gradients in the flat buffer")
+        if not reducer.accumulates and model.grads is not None:
+            raise ValueError("a pipeline stage adds its micro-batches' gradients up in the flat buffer (or, at "
+                             "ZeRO-2/3, hands each to the reducer): a reducer that takes each alone does not fit")
         self.model, self.reducer, self.hooks, self.scale, self.schedule = model, reducer, hooks, scale, schedule
         self.pp, self.p, self.K = pp, pp.rank, pp.size
         self.sends, self.events = [], []          # (request, buffer) in flight; (kind, j, t0, t1)
@@ -119,7 +123,8 @@ class Pipeline:
         """Collective over the pipeline group. Every micro-batch's loss (0 except on the last stage)."""
         m, t0 = len(batches), time.perf_counter()
         self.reducer.start(m)
-        self.model.grads.fill(0.0)
+        if self.model.grads is not None:   # ZeRO-1: the micro-batches' gradients add up in it
+            self.model.grads.fill(0.0)
         self.events, pending, losses = [], {}, [0.0] * m
         for kind, j in order(self.schedule, self.p, self.K, m):
             if kind == "F":
