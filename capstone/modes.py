@@ -48,13 +48,11 @@ def check(world: int, settings: Settings) -> None:
     mcfg, tcfg, opts = settings.model, settings.train, settings.opts
     grids.check(world, opts.tp, opts.pp, mcfg)
     if opts.pp > 1:
-        _check_pipeline(settings)
+        from capstone.parallel.pipeline import stage_layers
+        stage_layers(mcfg.n_layers, opts.pp, opts.pp_layers)      # counts that do not fit the model
     elif opts.pp_layers is not None or opts.pp_schedule is not None:
         raise ConfigError(f"{'--pp-layers' if opts.pp_layers is not None else '--pp-schedule'} is about pipeline "
                           f"stages: it needs --pp K > 1 (docs/pipeline.md).")
-    if tcfg.deterministic and opts.tp > 1:
-        raise ConfigError(f"--deterministic is not supported with --tp {opts.tp}: its fixed-order reduction and "
-                          f"held-out blocks cover data parallelism only. Drop one of them (docs/composition.md).")
     if tcfg.deterministic and opts.zero_stage > 1:
         raise ConfigError(f"--deterministic is not supported with --zero-stage {opts.zero_stage}: it exchanges each "
                           f"micro-batch's whole gradient in a fixed order, and ZeRO-2/3 keep no whole gradient. Use "
@@ -66,14 +64,6 @@ def check(world: int, settings: Settings) -> None:
                           f"(docs/composition.md).")
 
 
-def _check_pipeline(settings: Settings) -> None:
-    """The pipeline's refusals (ConfigError, exit 2), with the reason."""
-    from capstone.parallel.pipeline import stage_layers
-    mcfg, tcfg, opts = settings.model, settings.train, settings.opts
-    stage_layers(mcfg.n_layers, opts.pp, opts.pp_layers)      # counts that do not fit the model
-    if tcfg.deterministic:
-        raise ConfigError(f"--deterministic is not supported with --pp {opts.pp}: its fixed-order reduction and "
-                          f"held-out blocks cover data parallelism only. Drop one of them (docs/composition.md).")
 def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
     """Collective: call on all ranks. This rank's parts; `scale` is 1 / tokens of the global batch.
     Every mode is the one model (capstone.model.gpt.Model) over this rank's groups, with the seam
@@ -183,7 +173,8 @@ def _heldout(grid: Grid, data, settings: Settings, schedule: Schedule) -> HeldOu
     tcfg, T = settings.train, settings.model.seq_len
     if tcfg.deterministic:
         from capstone.parallel import deterministic as det
-        return det.HeldOutBlocks(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp, schedule.loss)
+        return det.HeldOutBlocks(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp, schedule.loss,
+                                 _loss_weight(grid))
     weight = _loss_weight(grid)
     return HeldOut(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp.rank, grid.dp.size,
                    schedule.loss, weight)

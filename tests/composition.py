@@ -92,6 +92,19 @@ class Row:
         return dataclasses.replace(self, world=world, tp=tp, accum=accum, zero=zero, pp=pp, resume=False)
 
 
+def det_partner(row: Row) -> Row | None:
+    """Another data-parallel layout of a deterministic row, which must give the same bits: the same
+    tp, pp and per-rank micro-batch (data-parallel size x accumulation kept), the other bucketing
+    and recomputation; None if no other world size of the axis fits."""
+    parts = row.tp * row.stages
+    dp, blocks = row.world // parts, row.world // parts * row.accum
+    for other in (2, 4, 1, 3, 8):
+        if other != dp and blocks % other == 0 and other * parts in AXES["world"]:
+            return Row(other * parts, row.tp, blocks // other, not row.overlap, True, row.inject, False, row.zero,
+                       not row.recompute, row.pp)
+    return None
+
+
 def other_layout(world: int, accum: int) -> tuple[int, int]:
     """Another (world, accum) with the same product (the same per-rank micro-batch), else another world."""
     for w in (2, 4, 1, 3):
@@ -105,10 +118,6 @@ def reasons(row: Row) -> list[str]:
     found, k = [], row.stages
     if row.world % (row.tp * k):
         found.append(f"--tp {row.tp} x --pp {k} = {row.tp * k} does not divide the {row.world} ranks")
-    if k > 1 and row.det:
-        found.append(f"--deterministic is not supported with --pp {k}")
-    if row.det and row.tp > 1:
-        found.append(f"--deterministic is not supported with --tp {row.tp}")
     if row.det and row.zero > 1:
         found.append(f"--deterministic is not supported with --zero-stage {row.zero}")
     if not row.overlap and row.zero > 1:

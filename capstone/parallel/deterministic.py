@@ -109,6 +109,10 @@ class ShardNorm:
 
     def __call__(self, shard: np.ndarray) -> float:
         """Collective: call on all ranks with this rank's shard. Returns the norm (float64)."""
+        return math.sqrt(self.sum_of_squares(shard))
+
+    def sum_of_squares(self, shard: np.ndarray) -> float:
+        """Collective: the square of the norm, before its square root (the tree over chunk indices)."""
         complete, fragments = self.plans[self.rank]
         lo, chunk, n = self.lo, self.chunk, self.n
         send = [np.array([sumsq(shard[c * chunk - lo:min((c + 1) * chunk, n) - lo]) for c in complete])]
@@ -126,7 +130,7 @@ class ShardNorm:
             sums[c] = sumsq(np.concatenate([p for _, p in sorted(parts, key=lambda t: t[0])]))
         if sorted(sums) != list(range(self.n_chunks)):
             raise RuntimeError(f"deterministic norm: chunks {sorted(set(range(self.n_chunks)) - set(sums))} missing")
-        return math.sqrt(tree_sum(sums[c] for c in range(self.n_chunks)))
+        return tree_sum(sums[c] for c in range(self.n_chunks))
 
 
 class DeterministicReducer(GradReducer):
@@ -138,6 +142,9 @@ class DeterministicReducer(GradReducer):
     def __init__(self, grid, layout, grads, grad_accum: int):
         super().__init__(grid, layout, grads)
         self.accum, self.w = grad_accum, grid.dp.size
+        # a replica's parts (pipeline stage p, tensor-parallel rank t: part p * tp + t; world rank
+        # dp_rank * parts + part), and the part whose losses are the replica's (the last stage's t = 0)
+        self.parts, self.loss_part = grid.pp.size * grid.tp.size, (grid.pp.size - 1) * grid.tp.size
         # row k = j*world + q: rank q's block j, this rank's shard of it (block k of the step)
         self.rows = np.empty((grad_accum * self.w, layout.shard), dtype=np.float32)
         self.norm = ShardNorm(grid.dp, layout.n_params, layout.shard)
@@ -157,14 +164,20 @@ class DeterministicReducer(GradReducer):
                          "deterministic exchange of a micro-batch's gradient", "alltoall")
 
     def finish(self, losses: list[float], flags: Flags) -> GradStats:
-        """Collective: the owner's tree over the received rows, the loss tree and the norm."""
+        """Collective: the owner's tree over the received rows; one allgather over the world of each
+        rank's block losses, flags and its part's sum of squares (a replicated parameter counted on
+        tensor-parallel rank 0 only); the loss tree over blocks and the norm's over parts, in fixed
+        orders (the parts of a replica do not depend on the data-parallel layout)."""
         tree_rows(self.rows, self.grad_shard)
-        small = np.array([*losses, flags.stop, flags.clock_due], dtype=np.float64)
-        every = np.empty((self.w, len(small)), dtype=np.float64)
-        self.dp.Allgather(every, "allgather of the micro-batch losses", "allgather_stats", send=small)
-        loss = tree_sum(every[:, :self.accum].T.reshape(-1))   # index j*w + q = block k
-        stop, clock = every[:, self.accum:].sum(axis=0)
-        return GradStats(loss, self.norm(self.grad_shard), Flags(stop > 0, clock > 0))
+        shard = self.grad_shard if self.norm_weight is None else self.grad_shard * self.norm_weight
+        small = np.array([*losses, flags.stop, flags.clock_due, self.norm.sum_of_squares(shard)], dtype=np.float64)
+        every = np.empty((self.world.size, len(small)), dtype=np.float64)
+        self.world.Allgather(every, "allgather of the micro-batch losses and norms", "allgather_stats", send=small)
+        blocks = every[self.loss_part::self.parts, :self.accum]   # (dp, accum) of the loss-holding parts
+        loss = tree_sum(blocks.T.reshape(-1))                       # index j*world + q = block k
+        stop, clock = every[:, self.accum:self.accum + 2].sum(axis=0)
+        norm = math.sqrt(tree_sum(every[:self.parts, -1]))          # replica 0's parts, in part order
+        return GradStats(loss, norm, Flags(stop > 0, clock > 0))
 
 
 # ---- the held-out evaluation -------------------------------------------------------------------
@@ -174,8 +187,9 @@ class HeldOutBlocks(HeldOut):
     b % world). `loss_share` is a collective that returns the tree-summed mean loss per token on
     rank 0 and 0.0 elsewhere, so the caller's sum over ranks adds exact zeros to it."""
 
-    def __init__(self, data, batches: int, batch_size: int, seq_len: int, world, dp, loss):
+    def __init__(self, data, batches: int, batch_size: int, seq_len: int, world, dp, loss, weight: float = 1.0):
         self.world, self.comm, self.rank, self.w, self.loss = world, dp, dp.rank, dp.size, loss
+        self.weight = weight   # 1 on the parts whose loss is the replica's (capstone.data.heldout)
         self.scale = 1.0 / (batches * batch_size * seq_len)
         spans = [(k, a, min(a + EVAL_ROWS, batch_size)) for k in range(batches) for a in range(0, batch_size, EVAL_ROWS)]
         self.n_blocks = len(spans)
@@ -191,4 +205,4 @@ class HeldOutBlocks(HeldOut):
         every = np.empty((self.w, self.per_rank), dtype=np.float64)
         self.comm.Allgather(every, "allgather of the held-out block losses", "allgather_eval", send=local)
         total = tree_sum(every.T.reshape(-1)[:self.n_blocks])   # index i*world + q = block b
-        return total if self.rank == 0 else 0.0
+        return total * self.weight if self.rank == 0 else 0.0

@@ -68,9 +68,6 @@ class Pipeline:
     exchange activations and their gradients over `pp`."""
 
     def __init__(self, model, reducer, hooks, scale: float, schedule: str, pp):
-        if not reducer.accumulates and model.grads is not None:
-            raise ValueError("a pipeline stage adds its micro-batches' gradients up in the flat buffer (or, at "
-                             "ZeRO-2/3, hands each to the reducer): a reducer that takes each alone does not fit")
         self.model, self.reducer, self.hooks, self.scale, self.schedule = model, reducer, hooks, scale, schedule
         self.pp, self.p, self.K = pp, pp.rank, pp.size
         self.sends, self.events = [], []          # (request, buffer) in flight; (kind, j, t0, t1)
@@ -102,7 +99,7 @@ class Pipeline:
         last stage's loss)."""
         x_in = self._received(x, 2 * j, f"micro-batch {j}'s activations")
         t0 = time.perf_counter()
-        out, backward = self.model.forward(x, y, self.scale, start=x_in)
+        out, backward = self.model.forward(x, y, self.scale, start=x_in, fresh=not self.reducer.accumulates)
         self.events.append(("F", j, t0, time.perf_counter()))
         if self.p < self.K - 1:
             self._send(out, self.p + 1, 2 * j)
@@ -123,7 +120,7 @@ class Pipeline:
         """Collective over the pipeline group. Every micro-batch's loss (0 except on the last stage)."""
         m, t0 = len(batches), time.perf_counter()
         self.reducer.start(m)
-        if self.model.grads is not None:   # ZeRO-1: the micro-batches' gradients add up in it
+        if self.reducer.accumulates:   # ZeRO-1: the micro-batches' gradients add up in the buffer
             self.model.grads.fill(0.0)
         self.events, pending, losses = [], {}, [0.0] * m
         for kind, j in order(self.schedule, self.p, self.K, m):
