@@ -58,6 +58,11 @@ class Row:
         return 1 if self.pp == "off" else int(self.pp.split(":")[0])
 
     @property
+    def blocks(self) -> int:
+        """Micro-batches per step over the data-parallel group: with GLOBAL, the per-rank micro-batch."""
+        return self.world // (self.tp * self.stages) * self.accum
+
+    @property
     def name(self) -> str:
         return (f"n{self.world}-tp{self.tp}-acc{self.accum}-{'overlap' if self.overlap else 'no-overlap'}-"
                 f"{'det' if self.det else 'default'}-{self.inject}-zero{self.zero}"
@@ -88,6 +93,8 @@ class Row:
         world, accum = other_layout(self.world, self.accum)
         tp = self.tp if world % self.tp == 0 else 1
         pp = self.pp if world % (tp * self.stages) == 0 else "off"
+        dp = world // (tp * (1 if pp == "off" else self.stages))
+        accum = self.blocks // dp if self.blocks % dp == 0 else accum    # the same per-rank micro-batch
         zero = 1 if self.zero > 1 or self.det or not self.overlap or pp != "off" else 3
         return dataclasses.replace(self, world=world, tp=tp, accum=accum, zero=zero, pp=pp, resume=False)
 
