@@ -1,4 +1,4 @@
-"""Issue 28's trials (the "Found" list, 1-10) as a new user types them: scripts/trials replays every
+"""Issue 28's trials (the "Found" list, 1-10) and issue 34's (11-16) as a new user types them: scripts/trials replays every
 command, each must end with exit 0 and the right result or one clear paragraph, never a traceback.
 The details of each trial are tested here:
 
@@ -13,6 +13,12 @@ The details of each trial are tested here:
  8 tracebacks                   tests/test_plot.py (--out a file, a closed pipe), tests/test_cli_fixes.py (--help)
  9 TP plot and banner           tests/test_plot.py::test_timing_parts_are_the_phases_and_skip_totals, and here
 10 docs and verify --json       tests/test_cli_fixes.py::test_verify_json_prints_one_json_object, and here
+11 one run per directory        tests/test_rundir.py (a foreign checkpoint into an occupied --out; --resume RUN_DIR)
+12 fine-tuning, preset warmup   tests/test_finetune.py (the source's settings), tests/test_rundir.py (a preset's warmup)
+13 (a) judges what it can       tests/test_learning.py (the table: preempted, too few evaluations, trained weights)
+14 export                       tests/test_export.py (overwrite, the umask, a pickle's name, --format hf)
+15 advice and exit codes        tests/test_usage.py (every bad flag at once, other trainers' names, exit 2)
+16 no venv                      tests/test_usage.py::test_a_python_without_the_venv_gets_one_line_saying_how_to_set_up
 """
 
 import os
@@ -22,9 +28,9 @@ import sys
 from conftest import ROOT, mpi_env
 
 
-def test_every_trial_of_issue_28_ends_well():
+def test_every_trial_of_issues_28_and_34_ends_well():
     res = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "trials")], capture_output=True, text=True,
                          env=mpi_env(), cwd=ROOT, timeout=900)
     print(res.stdout)
     assert res.returncode == 0 and " 0 failed" in res.stdout, res.stdout + res.stderr
-    assert res.stdout.count(" ok ") >= 28 and "FAIL" not in res.stdout
+    assert res.stdout.count(" ok ") >= 45 and "FAIL" not in res.stdout

@@ -118,7 +118,10 @@ def _explicit(want: str, ckpt_dir: str, pointed: str | None, complete: list) -> 
     try:
         path = integrity.resolve(want)
     except CheckpointError as exc:
-        return {"error": str(exc)}
+        return {"error": f"--resume {want}: {exc}"}
+    if not os.path.exists(path):
+        return {"error": f"--resume {want}: no such file or directory. Check the path: pass a ckpt-*.h5 file, a run "
+                         f"directory (--out) or its checkpoints/latest."}
     step = _step_of(path)
     acknowledged = _step_of(pointed) if pointed else -1
     newer = [os.path.basename(p) for s, p in complete if step < s <= acknowledged]
