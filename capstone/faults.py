@@ -9,6 +9,7 @@ From the environment, CAPSTONE_FAULT=<action>:<rank>[:<step>[:<point>]] acts on 
   flip_param_bit  one bit of the rank's parameters flipped after the update of step <step>
   stall           sleep STALL_S seconds, silent (a hung node), at hook point <point> of step <step>
   stop            SIGSTOP itself (a real stopped process) at hook point <point> of step <step>
+  usr1            SIGUSR1 to itself (a real stop request) at the start of step <step>
 
 A hook point is "step" (the default), a collective's kind ("reduce_scatter", "allreduce_stats",
 "tp_allreduce", "alltoall", "allreduce_eval", "allgather", ...) or a checkpoint point
@@ -32,10 +33,10 @@ import numpy as np
 from capstone.hooks import Hooks
 
 SAVE_POINTS = ("before_data", "after_data", "before_rename", "between_renames", "before_pointer")
-ACTIONS = SAVE_POINTS + ("raise_in_step", "write_error", "flip_param_bit", "stall", "stop")
+ACTIONS = SAVE_POINTS + ("raise_in_step", "write_error", "flip_param_bit", "stall", "stop", "usr1")
 STALL_S = 60.0
 POINT_OF = {**{a: f"save.{a}" for a in SAVE_POINTS}, "between_renames": "publish.between_renames",
-            "write_error": "save.write", "raise_in_step": "step"}
+            "write_error": "save.write", "raise_in_step": "step", "usr1": "step"}
 
 
 class InjectedFault(RuntimeError):
@@ -86,6 +87,9 @@ class Faults(Hooks):
         where = f"{point} of step {self.step or 0}"
         if action == "raise_in_step":
             raise InjectedFault(f"injected failure on rank {self.rank} at step {self.step} (CAPSTONE_FAULT)")
+        if action == "usr1":
+            os.kill(os.getpid(), signal.SIGUSR1)
+            return
         if action == "write_error":
             raise OSError(28, "No space left on device (injected by CAPSTONE_FAULT)")
         if action == "stall":

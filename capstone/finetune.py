@@ -74,6 +74,10 @@ def read(target: str) -> Source:
     except (ConfigError, CheckpointError) as exc:
         raise (CheckpointError if isinstance(exc, CheckpointError) else ConfigError)(f"--init-from {target}: {exc}") \
             from None
+    if meta.get("judged", True) is False:
+        raise ConfigError(f"--init-from {target}: {path} was saved by a stop before the divergence guard judged it "
+                          f"(no held-out evaluation), so nothing may train from it yet. Resume its run once (--out "
+                          f"<that run> --resume latest), which judges it, or pass an older checkpoint of that run.")
     return Source(path, "checkpoint", int(meta["step"]), cfg, meta.get("data") or {}, params[:cfg_params(cfg)],
                   meta.get("train_config") or {})
 

@@ -254,8 +254,11 @@ def memory(rows: list[dict], world: int) -> dict:
             "formula_total_bytes": max(t[1] for t in totals)}
 
 
-def resume_bytes(result: dict | None) -> dict:
-    """(d) from checkpoint.verify_snapshot."""
+def resume_bytes(result: dict | None, nothing_to_save: bool = False) -> dict:
+    """(d) from checkpoint.verify_snapshot (`nothing_to_save`: a resumed run stopped before its first
+    update, which saves nothing)."""
+    if result is None and nothing_to_save:
+        return {"ok": True, "reason": "not checked: stopped before the first update of this launch, nothing to save"}
     if result is None:
         return {"ok": False, "reason": "no checkpoint was written in this run, so nothing could be verified"}
     return {"ok": bool(result["ok"]), "path": result["path"], "mismatched_bytes": result["mismatched_bytes"],

@@ -18,7 +18,7 @@ import os
 import time
 
 from capstone import checkpoint, modes
-from capstone.checkpoint import files, resume, rundir
+from capstone.checkpoint import files, judge, resume, rundir
 from capstone.checkpoint.cadence import Cadence
 from capstone.checkpoint.saver import Checkpointer, RunIdentity
 from capstone.cli import RunOptions, Settings, check_preset
@@ -198,11 +198,17 @@ def check_parallel_io(world: Comm) -> None:
 
 
 def _resume(run: Run, path: str, saved: dict) -> None:
-    shard, state, meta = run.ckpt.load(path)
-    run.opt.load_state(shard)
-    run.guard.state = state.guard
+    while True:   # a stop's checkpoint the guard rejects on load: the newest older one (capstone.checkpoint.judge)
+        shard, state, meta = run.ckpt.load(path)
+        run.opt.load_state(shard)
+        run.guard.state = state.guard
+        reason, held = judge.verdict(run, meta)
+        if reason is None:
+            break
+        path = judge.fall_back(run, path, reason, held)
     state.run_id = state.run_id or run.state.run_id   # a checkpoint from before run ids: this one from now on
     run.state, run.resumed_from = state, path
+    run.ckpt.last_judged = path if os.path.dirname(os.path.abspath(path)) == os.path.abspath(run.ckpt.directory) else None
     run.init_from = (meta.get("provenance") or {}).get("init_from")
     run.segment_start = (state.guard.last_eval, state.best_eval)
     if state.step >= run.tcfg.steps:

@@ -27,7 +27,7 @@ from capstone.observe.timer import PhaseTimer
 from capstone.collective import launch
 from capstone.parallel.reduce import Flags
 from capstone.run import Run, open_run
-from capstone.runtime import heap, signals, stop
+from capstone.runtime import heap, margin, signals, stop
 
 
 @dataclass
@@ -65,6 +65,8 @@ def train_step(run: Run, s: int) -> StepResult:
         run.hooks.reduced(s, run.reducer.grad_shard)
     r = StepResult(s, stats.loss, stats.norm, run.hooks.learning_rate(s, lr.at_step(s, tcfg)),
                    (state.cursor, state.cursor + run.global_batch), run.cadence.due(s, stats.flags))
+    if r.due.abandon:   # a signal: this step stops here, its update never applied (`save_on_stop`)
+        return r
     r.rollback = run.guard.batch_verdict(r.loss, r.grad_norm)                         # guard: the batch
     if r.rollback is None:
         with timer("optimizer"), np.errstate(over="ignore", invalid="ignore"):        # judged just below
@@ -108,18 +110,37 @@ def train(run: Run) -> int:
         while run.state.step < run.tcfg.steps:
             run.state.step += 1
             r = train_step(run, run.state.step)
+            if r.due.abandon:
+                status = "preempted"
+                save_on_stop(run, r.step)
+                break
             if r.due.checkpoint:
                 man = run.ckpt.save(run.state, run.opt.state)
                 r.events.append({"event": "checkpoint", "path": man["path"]})
             best.keep(run, r)   # --keep-best
             rows.append(log.step(r))
             run.hooks.step_done(r.step)
+            margin.check(run, r.step, start_step, r.due.stop)   # once: does a stop fit mpirun's kill sequence?
             if r.due.stop:
                 status = "preempted"
                 report.stopped(run, r.step, stop.reason())
                 break
     log.close()
     return finish(run, status, rows, start_step, time.perf_counter() - t_start)
+
+
+def save_on_stop(run: Run, abandoned: int) -> None:
+    """Collective. A signal's stop at step `abandoned`, before its update: the state is the previous
+    step's. It is saved without a held-out evaluation (the slow part of a stop), marked judged only if
+    the guard had judged it; a resume judges it first (capstone.checkpoint.judge). A resumed run
+    stopped before its first update saves nothing: the checkpoint it resumed from holds that state."""
+    run.state.step = abandoned - 1
+    if not run.ckpt.holds(run.resumed_from, run.state.step):
+        man = run.ckpt.save(run.state, run.opt.state, judged=not run.guard.state.pending)
+        run.metrics.write({"event": "stop", "abandoned_step": abandoned, "saved_step": run.state.step,
+                           "judged": man["judged"], "request_to_saved_s": stop.since_request(),
+                           "path": man["path"]})
+    report.stopped(run, run.state.step, stop.reason())
 
 
 def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> int:
@@ -131,7 +152,7 @@ def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> i
                                                  status == "preempted", run.init_from is not None),
         "b_params_identical": invariants.params_identical(run.replicas.mismatches, run.replicas.checked),
         "c_memory": invariants.memory(mem, run.grid.dp.size),
-        "d_resume_bytes": invariants.resume_bytes(verified)}
+        "d_resume_bytes": invariants.resume_bytes(verified, status == "preempted" and run.state.step == start_step)}
     failed = verdict.failures(results)
     summary = report.Summary(status if not failed else "failed", run, rows, start_step, results, mem, wall,
                              run.final_fingerprint())

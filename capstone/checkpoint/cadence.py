@@ -2,7 +2,10 @@
 
 Saves every `ckpt_every` steps, when `ckpt_every_minutes` of wall clock have passed since the last
 save (rank 0's clock: its `clock_due` is the flag the ranks agree on), on a stop request (a signal,
---stop-after) and at the last step; evaluates every `eval_every` steps and at every save.
+--stop-after) and at the last step; evaluates every `eval_every` steps and at every save. A signal
+abandons the step in progress (`abandon`: its update is not applied) and saves the state before it
+without an evaluation, marked not yet judged when the guard had not judged it
+(capstone.checkpoint.judge): the fast stop, which fits Open MPI's kill sequence.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ class Due:
     checkpoint: bool
     evaluate: bool
     stop: bool       # a stop before the last step: save, then end
+    abandon: bool = False   # a signal's stop: this step's update is not applied, the state before it is saved
 
 
 class Cadence:
@@ -31,7 +35,9 @@ class Cadence:
         return self.rank == 0 and self.minutes > 0 and time.monotonic() - self.last_save >= 60 * self.minutes
 
     def due(self, step: int, flags) -> Due:
-        stop, last = flags.stop or step == self.stop_after, step == self.steps
+        if flags.stop:   # a signal, agreed by every rank: stop now, before this step's update
+            return Due(True, False, True, abandon=True)
+        stop, last = step == self.stop_after, step == self.steps
         ckpt = bool(self.every and step % self.every == 0) or flags.clock_due or stop or last
         return Due(ckpt, step % self.eval_every == 0 or ckpt, stop and not last)
 

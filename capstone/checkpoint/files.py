@@ -17,11 +17,13 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
 
 from capstone.config import ConfigError
 
 MIB = 1 << 20
 POINTER = "latest"
+PROBE = ".stop-probe"     # a run's measurement of its save time (capstone.runtime.margin), removed after it
 NAME_RE = re.compile(r"^ckpt-(\d{8})\.h5$")
 DIGEST_SUFFIX = ".sha256"
 
@@ -129,6 +131,26 @@ def read_pointer(directory: str) -> str | None:
     return os.path.join(directory, name)
 
 
+def step_of(path: str) -> int:
+    """The step in a checkpoint's file name (0 if it is not one)."""
+    m = NAME_RE.match(os.path.basename(path))
+    return int(m.group(1)) if m else 0
+
+
+def set_aside_leftovers(directory: str) -> list[str]:
+    """At a run's start (rank 0, the run directory locked): remove what a killed save left in
+    `directory`, partial files (`*.h5.partial-*`, never complete, never read) and digest files
+    without their checkpoint, and a killed start-up measurement's PROBE directory. Returns their names."""
+    if not os.path.isdir(directory):
+        return []
+    found = [n for n in sorted(os.listdir(directory)) if ".h5.partial-" in n or _orphan_digest(directory, n)]
+    for name in found:
+        os.remove(os.path.join(directory, name))
+    if os.path.isdir(os.path.join(directory, PROBE)):
+        shutil.rmtree(os.path.join(directory, PROBE), ignore_errors=True)
+    return [n for n in found if not n.endswith(DIGEST_SUFFIX)]
+
+
 def complete_checkpoints(directory: str) -> list[tuple[int, str]]:
     """(step, path) of complete checkpoint files in `directory`, oldest first."""
     if not os.path.isdir(directory):
@@ -171,11 +193,11 @@ def _orphan_digest(directory: str, name: str) -> bool:
         not os.path.exists(os.path.join(directory, stem))
 
 
-def quarantine(path: str) -> str:
-    """Set a corrupt checkpoint aside (never delete it): rename it, then its digest file, to
-    `<name>.corrupt-<token>[.sha256]`, durably (a crash in between leaves an orphan digest file,
-    which `retain` removes). Returns the new path of the checkpoint."""
-    moved = f"{path}.corrupt-{secrets.token_hex(4)}"
+def quarantine(path: str, why: str = "corrupt") -> str:
+    """Set a corrupt checkpoint (or one the guard rejected, `why` "rejected") aside, never deleting it:
+    rename it, then its digest file, to `<name>.<why>-<token>[.sha256]`, durably (a crash in between
+    leaves an orphan digest file, which `retain` removes). Returns the new path of the checkpoint."""
+    moved = f"{path}.{why}-{secrets.token_hex(4)}"
     os.replace(path, moved)
     if os.path.exists(path + DIGEST_SUFFIX):
         os.replace(path + DIGEST_SUFFIX, moved + DIGEST_SUFFIX)

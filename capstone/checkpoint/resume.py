@@ -16,7 +16,9 @@
   would replace them: branch off with a new --out instead; and refused if OUT holds another run
   (capstone.checkpoint.rundir: a run directory holds one run).
 A complete file newer than `latest` is the leftover of a save killed before its pointer update;
-the resumed run writes that step again.
+the resumed run writes that step again. Partial files a killed save left are removed once the plan
+is made (one note says so). A checkpoint a stop saved before the guard judged it is judged when
+it is loaded (capstone.checkpoint.judge).
 """
 
 from __future__ import annotations
@@ -137,6 +139,8 @@ def _decided(want: str | None, ckpt_dir: str) -> dict:
     """Rank 0: `_plan`'s plan, or its error raised (CheckpointError for an invalid checkpoint)."""
     try:
         plan = _plan(want, ckpt_dir)
+        if "error" not in plan:   # a killed save's partial file: never a checkpoint, gone before this run saves
+            plan["leftovers"] = files.set_aside_leftovers(ckpt_dir)
     except OSError as exc:  # e.g. no permission to set a corrupt file aside
         raise ConfigError(f"--resume {want}: {exc}; fix the permissions of {ckpt_dir} and rerun.") from exc
     if "error" in plan:
@@ -144,9 +148,7 @@ def _decided(want: str | None, ckpt_dir: str) -> dict:
     return plan
 
 
-def _step_of(path: str) -> int:
-    m = files.NAME_RE.match(os.path.basename(path))
-    return int(m.group(1)) if m else 0
+_step_of = files.step_of
 
 
 def resolve(comm, want: str | None, ckpt_dir: str) -> str | None:
@@ -157,6 +159,9 @@ def resolve(comm, want: str | None, ckpt_dir: str) -> str | None:
     if comm.rank == 0:
         if plan.get("warning"):
             print(plan["warning"], file=sys.stderr, flush=True)
+        if plan.get("leftovers"):
+            print(f"note: removed {', '.join(plan['leftovers'])} from {ckpt_dir}: what a killed save left (a partial "
+                  f"file is never a checkpoint)", flush=True)
         os.makedirs(ckpt_dir, exist_ok=True)
     comm.Barrier()
     return plan["path"]

@@ -10,11 +10,13 @@ invariant (d) can check it reloads byte-equal. File format and I/O are `capstone
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from capstone import checkpoint
+from capstone.checkpoint import files
 from capstone.config import ModelConfig, TrainConfig
 from capstone.hooks import NONE
 from capstone.state import ShardState
@@ -65,24 +67,35 @@ class Checkpointer:
         self.manifests: list[dict] = []
         self.snapshot: np.ndarray | None = None   # (rows, shard) of the first save, for invariant (d)
         self.provenance: dict | None = None       # capstone.observe.provenance.collect, set by run.start
+        self.last_judged: str | None = None       # the newest checkpoint of this run the guard judged
 
     def extra(self, state: RunState) -> dict:
         """The run's metadata a checkpoint of `state` holds."""
         return {**self.identity.to_json(), "run": state.to_json(), "provenance": self.provenance,
                 **self.view.describe()}
 
-    def save(self, state: RunState, shard: ShardState) -> dict:
-        """Collective. Write checkpoint `state.step`; returns its manifest."""
-        extra = self.extra(state)
+    def save(self, state: RunState, shard: ShardState, judged: bool = True) -> dict:
+        """Collective. Write checkpoint `state.step`; returns its manifest. `judged` False (a stop's
+        checkpoint of a state the guard has not judged): so marked in its metadata, and the newest
+        judged checkpoint is kept from --keep-last's rotation, as the fall-back of its judgement."""
+        extra = {**self.extra(state), "judged": judged}
         stored = self.view.to_stored(shard)
         protect = [self.manifests[0]["path"]] if self.manifests else []
+        protect += [self.last_judged] if self.last_judged and not judged else []
         man = checkpoint.save(self.comm, self.directory, state.step, stored, self.layout, extra,
                               self.keep_last, protect, self.hooks)
         if self.snapshot is None:
             self.snapshot = np.stack(stored.rows())
+        man["judged"] = judged
+        self.last_judged = man["path"] if judged else self.last_judged
         self.manifests.append(man)
         self.cadence.saved()
         return man
+
+    def holds(self, path: str | None, step: int) -> bool:
+        """Whether `path` (the checkpoint this run resumed from) is this run's checkpoint of `step`."""
+        return path is not None and os.path.abspath(path) == os.path.abspath(
+            os.path.join(self.directory, files.final_name(step)))
 
     def load(self, path: str) -> tuple[ShardState, RunState, dict]:
         """Collective. Load `path` (any world size or grid), refusing another model or data stream."""

@@ -309,10 +309,12 @@ def stopped(run, step: int, why: str | None) -> None:
     """The line of a run stopped on request: what asked, what was saved, how to go on."""
     if run.opts.quiet:   # the final line says how to go on
         return
-    path = run.ckpt.manifests[-1]["path"] if run.ckpt.manifests else None
+    man = run.ckpt.manifests[-1] if run.ckpt.manifests else {"path": run.resumed_from}
     why = why or ("--stop-after" if step == run.opts.stop_after else "a signal to another rank")
-    say(f"stopped at step {step} on {why}: saved checkpoint {path} (check it with "
-        f"python -m capstone.checkpoint verify {path}); continue with --out {run.out} --resume latest", run.grid.world.rank)
+    saved = "saved checkpoint" if run.ckpt.manifests else "nothing trained since the checkpoint it resumed from,"
+    unjudged = " (saved without its held-out evaluation: a resume judges it first)" if man.get("judged") is False else ""
+    say(f"stopped at step {step} on {why}: {saved} {man['path']}{unjudged} (check it with python -m capstone.checkpoint "
+        f"verify {man['path']}); continue with --out {run.out} --resume latest", run.grid.world.rank)
 
 
 def error(text: str) -> None:

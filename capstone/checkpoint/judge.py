@@ -1,0 +1,53 @@
+"""Judging, before anything trains from it, a checkpoint a stop saved without its held-out
+evaluation ("judged": false in its metadata; capstone.train.save_on_stop).
+
+A resume evaluates the loaded state on the held-out set and asks the guard the question of an
+evaluation step (`Guard.update_verdict`: every rank's state finite, the held-out loss not above
+spike_factor x the last judged one). Kept: the run goes on from it, judged. Rejected: a file of
+this run's directory is set aside as `ckpt-*.h5.rejected-<token>` (never deleted, never resumed)
+and `latest` names the newest older checkpoint, which the run falls back to (judged in turn if it
+needs to be); with none, the resume stops (exit 1) and says how to start over.
+"""
+
+from __future__ import annotations
+
+import os
+
+from capstone.checkpoint import files
+from capstone.checkpoint.files import CheckpointError
+from capstone.collective.agree import agreed
+
+
+def verdict(run, meta: dict) -> tuple[str | None, float | None]:
+    """Collective. (None, held-out loss or None) if the state just loaded may be trained from, else
+    (the guard's reason, the held-out loss). A kept state counts as judged from here on."""
+    if meta.get("judged", True):
+        return None, None
+    held, finite = run.heldout.after_update(run.model, run.opt.finite(), True)
+    reason = run.guard.update_verdict(held, finite)
+    if reason is None:
+        run.guard.state.last_eval, run.guard.state.pending = held, False
+    return reason, held
+
+
+def fall_back(run, path: str, reason: str, held: float) -> str:
+    """Collective. `path` failed its judgement: set it aside (if it is this run's) and return the newest
+    older checkpoint in its directory, after one warning line; CheckpointError on every rank if none."""
+    last = run.guard.state.last_eval
+    why = (f"{path} was saved by a stop before the guard judged it, and fails that judgement now: {reason} "
+           f"(held-out loss {held:.5g}, the last judged one {last if last is None else f'{last:.5g}'})")
+
+    def decide() -> str:
+        directory, step = os.path.dirname(path), files.step_of(path)
+        older = [p for s, p in files.complete_checkpoints(directory) if s < step]
+        mine = os.path.abspath(directory) == os.path.abspath(run.ckpt.directory)
+        aside = f"; set aside as {os.path.basename(files.quarantine(path, 'rejected'))}" if mine else ""
+        if not older:
+            raise CheckpointError(f"{why}{aside}. {directory} holds no older checkpoint to fall back to: start the "
+                                  f"run again (a new --out, or --resume auto in {run.out}, which starts it over).")
+        if mine:
+            files.write_pointer(directory, os.path.basename(older[-1]))
+        print(f"warning: {why}{aside}; resuming from {os.path.basename(older[-1])}, the newest older checkpoint"
+              f"{f' ({directory}/latest now names it)' if mine else ''}.", flush=True)
+        return older[-1]
+    return agreed(run.grid.world, decide, errors=(CheckpointError, OSError))
