@@ -34,7 +34,7 @@ TEST_SIGKILL_TIMEOUT = "1"
 # The phases' order (heaviest first, so that no long group starts last) is ORDER's, then collection order.
 SERIAL = {"test_checkpoint_retention.py": None}
 TIMING = {
-    "test_deadlines.py": None, "test_stop.py": None, "test_disk_full.py": None,
+    "test_deadlines.py": None, "test_stop.py": None, "test_disk_full.py": None, "test_ctrl_c.py": None,
     "test_endings.py": {"test_a_collective_timeout_writes_summary_json"},
     "test_startup.py": {"test_second_run_on_the_same_out_is_refused_and_a_killed_run_leaves_no_stale_lock"},
     "test_resume.py": {"test_sigusr1_checkpoints_at_step_boundary_and_resume_finishes", "test_wall_clock_checkpoints"},

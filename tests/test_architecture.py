@@ -303,6 +303,7 @@ def test_no_import_loop_between_subpackages():
 # capstone.collective.agree.agreed, and no other function carries an error across by hand.
 AGREEMENTS = {"capstone/run.py": ["_agreed"], "capstone/finetune.py": ["fetch"],
               "capstone/checkpoint/resume.py": ["resolve"], "capstone/checkpoint/__init__.py": ["agree", "_agreed"],
+              "capstone/checkpoint/judge.py": ["fall_back"],
               "capstone/runtime/preflight.py": ["check_memory", "claim"],
               "capstone/observe/tensorboard.py": ["check_writer"]}
 JSON_VALUES = {"bcast_json", "allgather_json", "gather_json"}

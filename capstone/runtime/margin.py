@@ -8,7 +8,7 @@ steps (the first, with its warm-up, left out) and now times one save and reload 
 OUT/checkpoints/.stop-probe (removed at once; a killed one is removed by the next start). If a step
 plus that exceeds three quarters of the kill sequence, rank 0 says so once, with what to do;
 a run that fits says nothing. Both go to metrics.jsonl as a "stop_margin" event. Not under
-mpirun (srun, one process): nothing measured, the signal itself is the stop.
+mpirun (srun, one process), or under scripts/launch: nothing measured (no kill sequence follows).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ _ends: list[float] = []   # this launch's step ends (time.perf_counter), up to t
 
 def kill_sequence() -> tuple[float, str] | None:
     """(seconds from Open MPI's first signal to its SIGKILL, the timeout as set), None if not under mpirun."""
-    if not os.environ.get("OMPI_MCA_orte_hnp_uri"):
-        return None
+    if not os.environ.get("OMPI_MCA_orte_hnp_uri") or os.environ.get("CAPSTONE_PLAIN_MPIRUN"):
+        return None   # not Open MPI's mpirun, or under scripts/launch, which turns a Ctrl-C into SIGUSR1
     raw = os.environ.get("OMPI_MCA_odls_base_sigkill_timeout", "1")
     try:
         return 2 * max(float(raw), 0.0), raw

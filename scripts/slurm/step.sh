@@ -21,10 +21,29 @@ run_step() {
     step_log "SIGUSR1 (time limit near or preemption): asking the job step to checkpoint and stop"
     if [[ -n "$step_pid" ]]; then kill -USR1 "$step_pid" 2>/dev/null || true; fi
   }
+  # shellcheck disable=SC2317  # called by the trap
+  on_int() {   # scripts/launch: a Ctrl-C reaches only this script (the job runs in its own session)
+    interrupts=$((interrupts + 1))
+    if [[ $interrupts -eq 1 ]]; then
+      step_log "Ctrl-C: asking the job to checkpoint and stop (SIGUSR1 to mpirun, no deadline); a second Ctrl-C ends it without saving"
+      on_usr1 >/dev/null
+    else
+      step_log "second Ctrl-C: ending the job without saving (SIGINT to mpirun)"
+      kill -INT "$step_pid" 2>/dev/null || true
+    fi
+  }
   trap on_usr1 USR1
-  local started timed_out=""
+  local started timed_out="" interrupts=0
   started="$(date +%s)"
-  "$@" &
+  if [[ -n "${CAPSTONE_PLAIN_MPIRUN:-}" ]]; then
+    # Open MPI's mpirun meets a Ctrl-C with its kill sequence (SIGKILL 2 x odls_base_sigkill_timeout
+    # later, 2 s by default) but forwards SIGUSR1 with none: so mpirun gets a session of its own,
+    # out of the terminal's Ctrl-C, and this script turns a Ctrl-C into SIGUSR1.
+    trap on_int INT
+    setsid "$@" &
+  else
+    "$@" &
+  fi
   step_pid=$!
   while kill -0 "$step_pid" 2>/dev/null; do
     sleep 1 &
@@ -33,7 +52,7 @@ run_step() {
     [[ -n "$timed_out" ]] && stop_lingering_step "$step_pid" "$timed_out"
   done
   wait "$step_pid" || rc=$?        # bash keeps the exit status of the finished step
-  trap - USR1
+  trap - USR1 INT
   step_log "job step exited with status $rc"
   timed_out="$(timeout_record "$run_dir" "$started")"
   if [[ $rc -ne 0 && -n "$timed_out" ]]; then
