@@ -79,7 +79,7 @@ def trials(cwd, preset: str, n: int, seed: int) -> list[str]:
         s = summary(out) if os.path.exists(os.path.join(out, "summary.json")) else {}
         pointed = files.read_pointer(ckpts)
         ok = s.get("status") == "preempted" and s.get("start_step") == (final or 0) and pointed is not None \
-            and files.NAME_RE.match(os.path.basename(pointed)) and files.step_of(pointed) == s.get("final_step")
+            and os.path.basename(pointed) == files.final_name(s.get("final_step", -1))
         if not ok:
             problems.append(f"{where}: status {s.get('status')}, steps {s.get('start_step')}-{s.get('final_step')} "
                             f"(after {final}), latest {pointed}\n{res.stdout[-1500:]}{res.stderr[-1500:]}")
@@ -145,7 +145,10 @@ def test_ctrl_c_on_the_readme_route_saves_a_checkpoint_that_resumes(tmp_path, sl
         cwd = tmp_path / f"series{i}"
         cwd.mkdir()
         os.symlink(data, cwd / "data")
-        found.extend(trials(str(cwd), preset, n, seed))
+        try:
+            found.extend(trials(str(cwd), preset, n, seed))
+        except Exception as exc:   # a thread's exception would otherwise be lost
+            found.append(f"{preset} series {i}: {exc!r}")
     threads = [threading.Thread(target=one, args=(i, *s)) for i, s in enumerate(series)]
     for t in threads:
         t.start()
