@@ -81,8 +81,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     rng = random.Random(1)
     with tempfile.TemporaryDirectory(prefix="capstone-stop-") as tmp:
+        os.makedirs(os.path.join(tmp, "before"))
         trees = {"before": unpack(args.before, os.path.join(tmp, "before")), "after": ROOT}
-        os.makedirs(trees["before"], exist_ok=True)
         found: dict = {name: [] for name in trees}
         print(f"{args.preset} on {args.ranks} ranks, Ctrl-C (SIGINT to mpirun's process group), Open MPI's kill "
               f"sequence: SIGKILL 2 s after it; load {os.getloadavg()[0]:.2f}")
