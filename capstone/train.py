@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from capstone import checkpoint, cli, invariants, lr
-from capstone.checkpoint import best
+from capstone.checkpoint import best, judge
 from capstone.checkpoint.cadence import Due
 from capstone.config import ConfigError
 from capstone.guard import DivergenceError
@@ -112,7 +112,8 @@ def train(run: Run) -> int:
             r = train_step(run, run.state.step)
             if r.due.abandon:
                 status = "preempted"
-                save_on_stop(run, r.step)
+                judge.save_on_stop(run, r.step)
+                report.stopped(run, run.state.step, stop.reason())
                 break
             if r.due.checkpoint:
                 man = run.ckpt.save(run.state, run.opt.state)
@@ -127,20 +128,6 @@ def train(run: Run) -> int:
                 break
     log.close()
     return finish(run, status, rows, start_step, time.perf_counter() - t_start)
-
-
-def save_on_stop(run: Run, abandoned: int) -> None:
-    """Collective. A signal's stop at step `abandoned`, before its update: the state is the previous
-    step's. It is saved without a held-out evaluation (the slow part of a stop), marked judged only if
-    the guard had judged it; a resume judges it first (capstone.checkpoint.judge). A resumed run
-    stopped before its first update saves nothing: the checkpoint it resumed from holds that state."""
-    run.state.step = abandoned - 1
-    if not run.ckpt.holds(run.resumed_from, run.state.step):
-        man = run.ckpt.save(run.state, run.opt.state, judged=not run.guard.state.pending)
-        run.metrics.write({"event": "stop", "abandoned_step": abandoned, "saved_step": run.state.step,
-                           "judged": man["judged"], "request_to_saved_s": stop.since_request(),
-                           "path": man["path"]})
-    report.stopped(run, run.state.step, stop.reason())
 
 
 def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> int:

@@ -2,10 +2,8 @@
 
 Saves every `ckpt_every` steps, when `ckpt_every_minutes` of wall clock have passed since the last
 save (rank 0's clock: its `clock_due` is the flag the ranks agree on), on a stop request (a signal,
---stop-after) and at the last step; evaluates every `eval_every` steps and at every save. A signal
-abandons the step in progress (`abandon`: its update is not applied) and saves the state before it
-without an evaluation, marked not yet judged when the guard had not judged it
-(capstone.checkpoint.judge): the fast stop, which fits Open MPI's kill sequence.
+--stop-after) and at the last step; evaluates every `eval_every` steps and at every save (a signal:
+`abandon`, capstone.checkpoint.judge).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Judging, before anything trains from it, a checkpoint a stop saved without its held-out
-evaluation ("judged": false in its metadata; capstone.train.save_on_stop).
+"""A signal's stop saves without a held-out evaluation (`save_on_stop`; "judged": false in the
+file's metadata when the guard had not judged the state), and that file is judged before anything
+trains from it.
 
 A resume evaluates the loaded state on the held-out set and asks the guard the question of an
 evaluation step (`Guard.update_verdict`: every rank's state finite, the held-out loss not above
@@ -50,4 +51,23 @@ def fall_back(run, path: str, reason: str, held: float) -> str:
         print(f"warning: {why}{aside}; resuming from {os.path.basename(older[-1])}, the newest older checkpoint"
               f"{f' ({directory}/latest now names it)' if mine else ''}.", flush=True)
         return older[-1]
-    return agreed(run.grid.world, decide, errors=(CheckpointError, OSError))
+
+    def decided() -> str:
+        try:
+            return decide()
+        except OSError as exc:   # e.g. no permission to set the file aside
+            raise CheckpointError(f"{why}; it could not be set aside ({exc}): fix the permissions of "
+                                  f"{os.path.dirname(path)} and rerun.") from None
+    return agreed(run.grid.world, decided, errors=(CheckpointError,))
+
+
+def save_on_stop(run, abandoned: int) -> None:
+    """Collective. A signal's stop at step `abandoned`, before its update: the state is the previous
+    step's. It is saved without a held-out evaluation (the slow part of a stop), marked judged only if
+    the guard had judged it; a resume judges it first (capstone.checkpoint.judge). A resumed run
+    stopped before its first update saves nothing: the checkpoint it resumed from holds that state."""
+    run.state.step = abandoned - 1
+    if not run.ckpt.holds(run.resumed_from, run.state.step):
+        man = run.ckpt.save(run.state, run.opt.state, judged=not run.guard.state.pending)
+        run.metrics.write({"event": "stop", "abandoned_step": abandoned, "saved_step": run.state.step,
+                           "judged": man["judged"], "path": man["path"]})

@@ -4,17 +4,13 @@ step, which agrees on it across ranks (any rank's request stops every rank at th
 
 from __future__ import annotations
 
-import time
-
 _requested: list[str] = []      # the first request's description; empty: none
-_at: list[float] = []           # when it came (time.monotonic)
 
 
 def request(description: str) -> None:
     """Ask for a stop (the first request's description is kept)."""
     if not _requested:
         _requested.append(description)
-        _at.append(time.monotonic())
 
 
 def requested() -> bool:
@@ -24,8 +20,3 @@ def requested() -> bool:
 def reason() -> str | None:
     """What asked for the stop (for the final line), None if nothing did."""
     return _requested[0] if _requested else None
-
-
-def since_request() -> float | None:
-    """Seconds since the first request on this process (None: none, e.g. only another rank was signalled)."""
-    return time.monotonic() - _at[0] if _at else None
