@@ -24,7 +24,7 @@ def verdict(run, meta: dict) -> tuple[str | None, float | None]:
     (the guard's reason, the held-out loss). A kept state counts as judged from here on."""
     if meta.get("judged", True):
         return None, None
-    held, finite = run.heldout.after_update(run.model, run.opt.finite(), True)
+    held, finite = run.heldout.after_update(run.opt.finite(), True)
     reason = run.guard.update_verdict(held, finite)
     if reason is None:
         run.guard.state.last_eval, run.guard.state.pending = held, False
