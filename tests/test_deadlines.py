@@ -90,7 +90,7 @@ def test_stall_during_a_save_never_publishes_it(tmp_path):
     assert not (ckpts / "ckpt-00000004.h5").exists()
     inspect_ok(ckpts / "ckpt-00000002.h5")
     p = subprocess.run(["mpirun", "-n", "2", "--oversubscribe", sys.executable, "-m", "capstone.train", "--out",
-                        str(out), "--resume", "auto", "--steps", "6", "--quiet"],
+                        str(out), "--resume", "auto", "--steps", "6"],   # not --quiet: it hides the resumed-from line
                        capture_output=True, text=True, timeout=120, env=mpi_env(), cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "resumed from" in p.stdout and "ckpt-00000002.h5" in p.stdout

@@ -132,7 +132,7 @@ def test_a_warmup_longer_than_the_run_is_refused(tmp_path):
     """It left the lr below its peak for the whole run; refused before anything is written. On resume the
     warmup is judged against the checkpoint's --steps, not the default 20."""
     out = tmp_path / "run"
-    clean_error(mpirun(2, "--out", out, "--warmup-steps", 30), "warmup_steps 30 is longer than steps 20",
+    clean_error(mpirun(2, "--out", out, "--warmup-steps", 30), "--warmup-steps 30 is longer than steps 20",
                 "--warmup-steps 20 or fewer")
     assert not out.exists()
     assert mpirun(2, "--out", out, "--steps", 40, "--stop-after", 2).returncode == 0

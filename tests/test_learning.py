@@ -95,7 +95,7 @@ def test_invariant_a_table(name, tmp_path, request):
         data = request.getfixturevalue("words") if needs in ("words", "trained") else None
     source = request.getfixturevalue("trained") if needs == "trained" else None
     out = tmp_path / "run"
-    res = mpirun(2, "--out", out, "--quiet", *[f.format(words=data, licences=data, trained=source) for f in flags])
+    res = mpirun(2, "--out", out, *[f.format(words=data, licences=data, trained=source) for f in flags])
     a = summary(out)["invariants"]["a_loss_monotone"]
     print(f"\n{name:<55} rc {res.returncode}: {magnitudes(a)}")
     if fails is None:

@@ -75,5 +75,5 @@ def test_a_presets_warmup_is_shortened_to_fit_a_short_run(tmp_path):
     assert "the warmup of --preset medium (40 of its 400 steps) is shortened to 1 for --steps 2" in res.stdout
     assert json.loads((tmp_path / "m" / "summary.json").read_text())["train_config"]["warmup_steps"] == 1
     res = mpirun(1, "--out", tmp_path / "w", "--preset", "medium", "--steps", 2, "--warmup-steps", 3, *small)
-    assert res.returncode == 2 and "warmup_steps 3 is longer than steps 2" in res.stderr, res.stderr
+    assert res.returncode == 2 and "--warmup-steps 3 is longer than steps 2" in res.stderr, res.stderr
     assert not (tmp_path / "w").exists()

@@ -127,5 +127,5 @@ def test_second_run_on_the_same_out_is_refused_and_a_killed_run_leaves_no_stale_
 
 def test_corpus_too_short_to_exist_is_a_config_error(tmp_path):
     res = mpirun(3, "--out", tmp_path / "run", "--corpus-tokens", 1, timeout=60)
-    assert res.returncode == 2 and res.stderr.count("corpus_tokens must be an integer >= 2") == 1
+    assert res.returncode == 2 and res.stderr.count("--corpus-tokens must be an integer >= 2") == 1
     assert "Traceback" not in res.stderr and not (tmp_path / "run").exists()

@@ -69,7 +69,7 @@ def test_resume_with_changed_data_is_refused(two_ranks, tmp_path):
     shutil.copytree(two_ranks, out)
     other = prepare(tmp_path, TEXT.replace("speak", "spake"), "other")
     res = mpirun(2, "--out", out, "--resume", "latest", "--data", other, "--steps", 9)
-    assert res.returncode == 1, res.stdout + res.stderr
+    assert res.returncode == 2, res.stdout + res.stderr   # a usage mistake: --data of other data
     assert res.stderr.count("incompatible") == 1 and "train_sha256" in res.stderr
 
 
