@@ -42,8 +42,10 @@ def check(run, step: int, start_step: int, stopping: bool) -> None:
     the run ends there), the measurement; the warning on rank 0 if the stop does not fit."""
     if step <= start_step + MEASURE:
         _ends.append(time.perf_counter())
-    seq = kill_sequence()
-    if step != start_step + MEASURE or seq is None or stopping or step >= run.tcfg.steps:
+    if step != start_step + MEASURE or stopping or step >= run.tcfg.steps:
+        return
+    seq = run.grid.world.bcast_json(kill_sequence())   # rank 0's: a remote node's ranks lack mpirun's environment
+    if seq is None:
         return
     period = max(b - a for a, b in zip(_ends, _ends[1:]))
     save = probe(run)
