@@ -19,6 +19,7 @@ ranks and raised on all of them. Serial readers call `open_verified(path)` first
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -42,6 +43,7 @@ from capstone.checkpoint.reader import (
     verify_contents,
 )
 from capstone.collective.agree import agreed
+from capstone.config import ModelConfig
 from capstone.hooks import NONE
 from capstone.state import ROWS, ShardState
 
@@ -211,6 +213,8 @@ def _check_compatible(meta: dict, path: str, layout, expect: dict) -> None:
     diffs = []
     for key, want in expect.items():
         have = meta.get(key)
+        if key == "model_config" and isinstance(have, dict):   # a field added since it was written: its default
+            have = {**dataclasses.asdict(ModelConfig()), **have}
         if isinstance(have, dict) and isinstance(want, dict):
             # the data identity: only the keys the checkpoint records (an older one records fewer)
             names = sorted(have) if key == "data" else sorted(set(have) | set(want))
