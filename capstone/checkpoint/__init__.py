@@ -19,7 +19,6 @@ ranks and raised on all of them. Serial readers call `open_verified(path)` first
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import secrets
@@ -208,13 +207,16 @@ def _discard(comm, f, tmp: str) -> None:
         os.remove(tmp)
 
 
+ADDED_MODEL_FIELDS = ("head_bias",)   # model settings added after checkpoints were first written
+
+
 def _check_compatible(meta: dict, path: str, layout, expect: dict) -> None:
     """Refuse a checkpoint whose model or layout differs from this run's, naming the mismatch."""
     diffs = []
     for key, want in expect.items():
         have = meta.get(key)
-        if key == "model_config" and isinstance(have, dict):   # a field added since it was written: its default
-            have = {**dataclasses.asdict(ModelConfig()), **have}
+        if key == "model_config" and isinstance(have, dict):   # written before a field existed: its default
+            have = {**{k: getattr(ModelConfig(), k) for k in ADDED_MODEL_FIELDS if k in want}, **have}
         if isinstance(have, dict) and isinstance(want, dict):
             # the data identity: only the keys the checkpoint records (an older one records fewer)
             names = sorted(have) if key == "data" else sorted(set(have) | set(want))
