@@ -31,6 +31,15 @@ def hidden(ps: Pass, cfg: ModelConfig, names, start, idx):
     return x
 
 
+def run_layers(ps: Pass, cfg: ModelConfig, names, start, idx, targets, scale):
+    """The part of the model of group `names`: scale * (summed cross-entropy against targets), or
+    (without the head) the hidden states it hands the next pipeline stage."""
+    h = hidden(ps, cfg, names, start, idx)
+    if "head" not in names:
+        return h
+    return head_loss(h, ps, targets.reshape(-1), group_shapes(cfg, ps.tp.size)["head"]) * scale
+
+
 def logits(groups: dict, idx, cfg: ModelConfig, tp=ALONE):
     """Next-token logits (B*T, V) for token ids idx (B, T), forward only."""
     x = hidden(Pass(Resident(groups), tp, train=False), cfg, tuple(groups), 0.0, idx)
@@ -39,9 +48,7 @@ def logits(groups: dict, idx, cfg: ModelConfig, tp=ALONE):
 
 def loss_sum(groups: dict, idx, targets, cfg: ModelConfig, scale=1.0, tp=ALONE) -> float:
     """scale * (sum over the B*T positions of the softmax cross-entropy), forward only."""
-    ps = Pass(Resident(groups), tp, train=False)
-    x = hidden(ps, cfg, tuple(groups), 0.0, idx)
-    return float(head_loss(x, ps, targets.reshape(-1), group_shapes(cfg, tp.size)["head"]) * scale)
+    return float(run_layers(Pass(Resident(groups), tp, train=False), cfg, tuple(groups), 0.0, idx, targets, scale))
 
 
 def loss_and_grad(layout: Layout, flat: np.ndarray, idx, targets, cfg: ModelConfig, scale: float, tp=ALONE):
@@ -74,10 +81,7 @@ class Model:
         return self.seam.grads
 
     def _run(self, ps: Pass, start, x, y, scale):
-        h = hidden(ps, self.cfg, self.names, start, x)
-        if "head" not in self.names:
-            return h
-        return head_loss(h, ps, y.reshape(-1), group_shapes(self.cfg, self.tp.size)["head"]) * scale
+        return run_layers(ps, self.cfg, self.names, start, x, y, scale)
 
     def forward(self, x, y, scale: float, start=0.0, fresh: bool = False):
         """(output, backward): this part's scaled summed loss (or, without the head, its hidden
