@@ -1,6 +1,7 @@
 """Memory of ZeRO stages 1/2/3 with and without --recompute, measured against the formulas.
 
   python -m benchmarks.memory table   [--preset large] [--ranks 4] [--steps 4] [--repeats 1] [-- FLAGS]
+  python -m benchmarks.memory policies [--preset medium] [--ranks 4] [-- FLAGS]   (default FLAGS: --pp 2 --grad-accum 4)
   python -m benchmarks.memory largest [--ranks 4] [--limit-mib 1024] [-- FLAGS]
   python -m benchmarks.memory worker  (under mpirun: one setting, prints JSON)
 
@@ -10,7 +11,10 @@ NumPy reports to; the model states allocated before it counted too), the activat
 the peak RSS per rank (VmHWM), and the median step time relative to stage 1 (a separate launch
 without tracemalloc, settings interleaved). `largest`: per setting, the most layers at d_model 512
 (the `large` batch and sequence length) whose peak RSS per rank stays within the limit, found by
-launching real runs (the guard's undo state and everything else a run holds included).
+launching real runs (the guard's undo state and everything else a run holds included). `policies`:
+the table for ZeRO-1, 2 and 3 under a pipeline with each --reshard policy (per micro-batch: a
+gather and a reduce-scatter for each micro-batch; per step: one of each per step, the stage's
+gathered parameters and whole gradient kept through it).
 docs/performance.md shows the output and says which stage to choose.
 """
 
@@ -24,6 +28,8 @@ import sys
 from benchmarks import workers
 
 SETTINGS = [(1, False), (2, False), (3, False), (1, True), (2, True), (3, True)]   # (stage, recompute)
+POLICIES = [("stage 1", ["--zero-stage", "1"])] + [
+    (f"stage {s}, per {p}", ["--zero-stage", str(s), "--reshard", p]) for s in (2, 3) for p in ("micro-batch", "step")]
 MIB = 1 << 20
 
 
@@ -93,26 +99,35 @@ def name(stage: int, recompute: bool) -> str:
     return f"stage {stage}" + (" + recompute" if recompute else "")
 
 
-def table(args) -> None:
+def table(args, settings=None) -> None:
+    """Per setting (name, flags): the traced launch and the timed launches, interleaved."""
+    settings = settings or [(name(*st), setting_flags(*st)) for st in SETTINGS]
     base = ["--preset", args.preset, "--steps", args.steps, *args.extra]
-    traced = {st: launch(args.ranks, [*base, "--steps", 3, *setting_flags(*st)], trace=True) for st in SETTINGS}
-    times: dict = {st: [] for st in SETTINGS}
+    traced = {n: launch(args.ranks, [*base, "--steps", 3, *flags], trace=True) for n, flags in settings}
+    times: dict = {n: [] for n, _ in settings}
     for rep in range(args.repeats):
-        for st in SETTINGS if rep % 2 == 0 else SETTINGS[::-1]:
-            times[st].append(launch(args.ranks, [*base, *setting_flags(*st)]))
-    one = statistics.median(t["step_ms"] for t in times[(1, False)])
+        for n, flags in settings if rep % 2 == 0 else settings[::-1]:
+            times[n].append(launch(args.ranks, [*base, *flags]))
+    first = settings[0][0]
+    one = statistics.median(t["step_ms"] for t in times[first])
     print(f"{args.preset} on {args.ranks} ranks ({' '.join(map(str, args.extra)) or 'preset flags'}), "
-          f"{traced[(1, False)]['n_params']} parameters; MiB per rank (max over ranks)")
-    print(f"{'setting':<22} {'states':>8} {'formula':>8} {'dev':>6} {'traced peak':>12} {'activations':>12} "
-          f"{'peak RSS':>9} {'step ms':>8} {'vs stage 1':>10}")
-    for st in SETTINGS:
-        t, ms = traced[st], statistics.median(x["step_ms"] for x in times[st])
-        rss = max(x["rss_peak"] for x in times[st])
-        print(f"{name(*st):<22} {t['states'] / MIB:>8.1f} {t['formula'] / MIB:>8.1f} "
+          f"{traced[first]['n_params']} parameters; MiB per rank (max over ranks)")
+    print(f"{'setting':<24} {'states':>8} {'formula':>8} {'dev':>6} {'traced peak':>12} {'activations':>12} "
+          f"{'peak RSS':>9} {'step ms':>8} {'vs ' + first:>10}")
+    for n, _ in settings:
+        t, ms = traced[n], statistics.median(x["step_ms"] for x in times[n])
+        rss = max(x["rss_peak"] for x in times[n])
+        print(f"{n:<24} {t['states'] / MIB:>8.1f} {t['formula'] / MIB:>8.1f} "
               f"{100 * (t['states'] - t['formula']) / t['formula']:>5.2f}% {t['traced_peak'] / MIB:>12.1f} "
               f"{t['activations'] / MIB:>12.1f} {rss / MIB:>9.1f} {ms:>8.1f} {ms / one:>10.3f}")
     print("states: params + gathered + grads + reduce + optimizer + guard as held (capstone.observe.memory); "
           "activations: the traced peak of the forward and backward passes above what the step began with")
+
+
+def policies(args) -> None:
+    """ZeRO-1, 2, 3 under a pipeline, each --reshard policy (default flags: --pp 2 --grad-accum 4)."""
+    args.extra = args.extra or ["--pp", "2", "--grad-accum", "4"]
+    table(args, POLICIES)
 
 
 def largest(args) -> None:
@@ -154,7 +169,7 @@ def main(argv=None) -> int:
         return worker(argv[1:])
     p = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("what", choices=("table", "largest"))
+    p.add_argument("what", choices=("table", "policies", "largest"))
     p.add_argument("--preset", default="large", help="table: the model and batch")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--steps", type=int, default=4, help="table: timed steps per launch (the first is not timed)")
@@ -162,7 +177,7 @@ def main(argv=None) -> int:
     p.add_argument("--limit-mib", type=int, default=1024, help="largest: peak RSS per rank")
     args, extra = p.parse_known_args(argv)   # the rest: more training flags (after --)
     args.extra = [a for a in extra if a != "--"]
-    (table if args.what == "table" else largest)(args)
+    {"table": table, "policies": policies, "largest": largest}[args.what](args)
     return 0
 
 

@@ -36,6 +36,7 @@ class RunOptions:
     bucket_mb: float = 1.0            # bucket size of the overlapped reduce-scatter
     zero_stage: int = 1               # ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
     recompute: bool = False           # activation checkpointing: each block recomputed in the backward pass
+    reshard: str = "micro-batch"      # ZeRO-2/3: gather and reduce-scatter per micro-batch, or once per step
     pp: int = 1                       # pipeline stages per replica (capstone.parallel.pipeline)
     pp_schedule: str | None = None    # the order of the micro-batches' forwards and backwards (None: 1f1b)
     pp_layers: tuple[int, ...] | None = None   # blocks per pipeline stage (None: balanced)
@@ -218,6 +219,13 @@ def _run_flags(p) -> None:
                    help="ZeRO over the data-parallel group: 1 shards the optimizer state, 2 also the gradients "
                         "(reduced into the shard as the backward makes them), 3 also the parameters (gathered "
                         "block by block, one ahead) (docs/performance.md; default: 1)")
+    g.add_argument("--reshard", choices=("micro-batch", "step"), default="micro-batch",
+                   help="ZeRO-2/3 with several micro-batches (--grad-accum, --pp): 'micro-batch' gathers a block's "
+                        "parameters (stage 3) for each micro-batch's forward and backward and reduce-scatters each "
+                        "micro-batch's gradient (least memory); 'step' keeps what the step gathered and accumulates "
+                        "the whole gradient through its micro-batches: one gather and one reduce-scatter per step, "
+                        "more memory (torchtitan's choice under a pipeline) (docs/composition.md; default: "
+                        "micro-batch)")
     g.add_argument("--recompute", action="store_true",
                    help="activation checkpointing: keep only each block's input and recompute the block in the "
                         "backward pass (the same gradients, about a third more compute, far less memory)")

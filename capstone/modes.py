@@ -53,15 +53,15 @@ def check(world: int, settings: Settings) -> None:
     elif opts.pp_layers is not None or opts.pp_schedule is not None:
         raise ConfigError(f"{'--pp-layers' if opts.pp_layers is not None else '--pp-schedule'} is about pipeline "
                           f"stages: it needs --pp K > 1 (docs/pipeline.md).")
-    if tcfg.deterministic and opts.zero_stage > 1:
-        raise ConfigError(f"--deterministic is not supported with --zero-stage {opts.zero_stage}: it exchanges each "
-                          f"micro-batch's whole gradient in a fixed order, and ZeRO-2/3 keep no whole gradient. Use "
-                          f"--zero-stage 1 with --deterministic (docs/composition.md).")
-    if not opts.overlap and opts.zero_stage > 1:
+    if opts.reshard != "micro-batch" and opts.zero_stage < 2:
+        raise ConfigError(f"--reshard {opts.reshard} is about ZeRO-2/3's sharded gradient and parameters: at "
+                          f"--zero-stage {opts.zero_stage} the whole gradient is kept through the step anyway. Drop "
+                          f"--reshard, or pass --zero-stage 2 or 3 (docs/composition.md).")
+    if not opts.overlap and opts.zero_stage > 1 and opts.reshard == "micro-batch" and not tcfg.deterministic:
         raise ConfigError(f"--no-overlap is not supported with --zero-stage {opts.zero_stage}: stage {opts.zero_stage} "
                           f"reduces each bucket of the gradient as the backward pass makes it, and keeps no whole "
-                          f"gradient to reduce after it. Drop --no-overlap, or use --zero-stage 1 "
-                          f"(docs/composition.md).")
+                          f"gradient to reduce after it. Drop --no-overlap, or keep the whole gradient through the "
+                          f"step with --reshard step, or use --zero-stage 1 (docs/composition.md).")
 
 
 def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
@@ -74,7 +74,7 @@ def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
     full = Layout.for_model(mcfg, grid.world.size)
     view, params = _initial(grid, mcfg, tcfg, layout, full, stages, sharded=opts.zero_stage == 3)
     reducer = _reducer(grid, layout, settings)
-    seam = _seam(grid, layout, params, reducer, opts.zero_stage)
+    seam = _seam(grid, layout, params, reducer, opts.zero_stage, opts.reshard)
     model = Model(mcfg, layout, seam, grid.tp, opts.recompute)
     adam = ZeroAdam
     if opts.zero_stage == 3:      # the parameters are a shard too
@@ -132,33 +132,40 @@ def _reducer(grid: Grid, layout: Layout, settings: Settings) -> GradReducer:
         if opts.overlap and grid.world.rank == 0:
             report.say("note: --deterministic exchanges each micro-batch's gradient after its backward pass, in a "
                        "fixed order; the bucketed overlap (--bucket-mb) does not apply.")
-        return det.DeterministicReducer(grid, layout, layout.zeros(), tcfg.grad_accum)
+        grads = layout.zeros() if opts.zero_stage == 1 else None   # ZeRO-2/3: each group's exchanged as made
+        return det.DeterministicReducer(grid, layout, grads, tcfg.grad_accum)
     floats = int(opts.bucket_mb * 2**20) // 4 if opts.overlap else layout.padded
-    if opts.zero_stage == 1:
+    if opts.zero_stage == 1 or opts.reshard == "step":   # the whole gradient, reduce-scattered once a step
         return BucketReducer(grid, layout, layout.zeros(), floats, _loss_weight(grid))
     from capstone.parallel.progress import Progress
     from capstone.parallel.zero2 import ShardedGradReducer
     return ShardedGradReducer(grid, layout, floats, Progress(), _loss_weight(grid))
 
 
-def _seam(grid: Grid, layout: Layout, params, reducer: GradReducer, stage: int) -> Weights:
+def _seam(grid: Grid, layout: Layout, params, reducer: GradReducer, stage: int, reshard: str) -> Weights:
     """Where the model's weights come from and its gradients go: this rank's flat buffers, landing
-    in the reducer's (capstone.model.seam), or at ZeRO-3 groups gathered from the shards."""
+    in the reducer's (capstone.model.seam), or at ZeRO-3 groups gathered from the shards (kept
+    through the step with --reshard step)."""
     if stage == 3:
+        from capstone.parallel.progress import Progress
         from capstone.parallel.zero3 import Gatherer
-        return Gatherer(grid.dp, layout, params, tuple(layout.group_ranges()), reducer.progress, reducer.landed)
+        return Gatherer(grid.dp, layout, params, tuple(layout.group_ranges()), getattr(reducer, "progress", None) or Progress(),
+                        reducer.landed, reducer.grads, keep=reshard == "step")
     return Resident.over(layout, params, reducer.grads, reducer.landed)
 
 
 def _replicas(grid: Grid, layout: Layout, seam: Weights, settings: Settings) -> Replicas:
     """Invariant (b)'s check: the replicas' fingerprints (deterministic: bit-exact ones; ZeRO-3: of
     the groups each rank gathered)."""
-    if settings.train.deterministic:
+    deterministic = settings.train.deterministic
+    if deterministic:
         from capstone.parallel import deterministic as det
-        return ReplicaCheck(grid, layout, lambda p, strong: det.fingerprint(p, layout.n_params))
     if settings.opts.zero_stage == 3:
         from capstone.parallel.zero3 import ShardedReplicaCheck
-        return ShardedReplicaCheck(grid, layout, seam)
+        exact = det.ShardNorm(grid.dp, layout.n_params, layout.shard).sum_of_squares if deterministic else None
+        return ShardedReplicaCheck(grid, layout, seam, exact)
+    if deterministic:
+        return ReplicaCheck(grid, layout, lambda p, strong: det.fingerprint(p, layout.n_params))
     return ReplicaCheck(grid, layout)
 
 
@@ -174,7 +181,7 @@ def _heldout(grid: Grid, data, settings: Settings, schedule: Schedule) -> HeldOu
     if tcfg.deterministic:
         from capstone.parallel import deterministic as det
         return det.HeldOutBlocks(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp, schedule.loss,
-                                 _loss_weight(grid))
+                                 _loss_weight(grid), in_step=settings.opts.zero_stage == 3)
     weight = _loss_weight(grid)
     return HeldOut(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp.rank, grid.dp.size,
                    schedule.loss, weight)

@@ -37,6 +37,7 @@ AXES = {
     "zero": (1, 2, 3),
     "recompute": (False, True),
     "pp": ("off", "2:1f1b", "2:afab", "4:1f1b", "4:afab"),    # pipeline stages and schedule
+    "reshard": ("micro-batch", "step"),                       # ZeRO-2/3: gather and reduce per micro-batch or step
 }
 
 
@@ -52,6 +53,7 @@ class Row:
     zero: int = 1
     recompute: bool = False
     pp: str = "off"
+    reshard: str = "micro-batch"
 
     @property
     def stages(self) -> int:
@@ -67,6 +69,7 @@ class Row:
         return (f"n{self.world}-tp{self.tp}-acc{self.accum}-{'overlap' if self.overlap else 'no-overlap'}-"
                 f"{'det' if self.det else 'default'}-{self.inject}-zero{self.zero}"
                 + ("-recompute" if self.recompute else "") + ("" if self.pp == "off" else f"-pp{self.pp.replace(':', '-')}")
+                + ("" if self.reshard == "micro-batch" else f"-reshard-{self.reshard}")
                 + (f"-stop{STOP_AT}-resume-{self.resumed_on()}" if self.resume else ""))
 
     def flags(self) -> list:
@@ -75,6 +78,7 @@ class Row:
         flags += [] if self.overlap else ["--no-overlap"]
         flags += ["--deterministic"] if self.det else []
         flags += ["--zero-stage", self.zero] + (["--recompute"] if self.recompute else [])
+        flags += [] if self.reshard == "micro-batch" else ["--reshard", self.reshard]
         flags += [] if self.pp == "off" else ["--pp", self.stages, "--pp-schedule", self.pp.split(":")[1]]
         flags += {"clean": [], "nan": ["--inject-nan", NAN_STEP], "spike": ["--inject-lr-spike", f"{SPIKE_STEP}:1000"]}[
             self.inject]
@@ -96,7 +100,8 @@ class Row:
         dp = world // (tp * (1 if pp == "off" else self.stages))
         accum = self.blocks // dp if self.blocks % dp == 0 else accum    # the same per-rank micro-batch
         zero = 1 if self.zero > 1 or self.det or not self.overlap or pp != "off" else 3
-        return dataclasses.replace(self, world=world, tp=tp, accum=accum, zero=zero, pp=pp, resume=False)
+        return dataclasses.replace(self, world=world, tp=tp, accum=accum, zero=zero, pp=pp, resume=False,
+                                   reshard="micro-batch" if zero < 2 else self.reshard)
 
 
 def det_partner(row: Row) -> Row | None:
@@ -107,8 +112,9 @@ def det_partner(row: Row) -> Row | None:
     dp, blocks = row.world // parts, row.world // parts * row.accum
     for other in (2, 4, 1, 3, 8):
         if other != dp and blocks % other == 0 and other * parts in AXES["world"]:
-            return Row(other * parts, row.tp, blocks // other, not row.overlap, True, row.inject, False, row.zero,
-                       not row.recompute, row.pp)
+            overlap = not row.overlap
+            return Row(other * parts, row.tp, blocks // other, overlap, True, row.inject, False, row.zero,
+                       not row.recompute, row.pp, row.reshard)
     return None
 
 
@@ -125,9 +131,9 @@ def reasons(row: Row) -> list[str]:
     found, k = [], row.stages
     if row.world % (row.tp * k):
         found.append(f"--tp {row.tp} x --pp {k} = {row.tp * k} does not divide the {row.world} ranks")
-    if row.det and row.zero > 1:
-        found.append(f"--deterministic is not supported with --zero-stage {row.zero}")
-    if not row.overlap and row.zero > 1:
+    if row.reshard != "micro-batch" and row.zero < 2:
+        found.append(f"--reshard {row.reshard} is about ZeRO-2/3's sharded gradient and parameters")
+    if not row.overlap and row.zero > 1 and row.reshard == "micro-batch" and not row.det:
         found.append(f"--no-overlap is not supported with --zero-stage {row.zero}")
     return found
 

@@ -49,7 +49,7 @@ def test_a_worked_example_and_bad_input():
     with pytest.raises(ValueError, match="equal blocks"):
         Collective("reduce_scatter", 10, 4, 4, 1.0)
     with pytest.raises(ValueError, match="unknown collective"):
-        Collective("alltoallv", 8, 4, 4, 1.0)
+        Collective("alltoallw", 8, 4, 4, 1.0)
 
 
 def test_step_collectives_from_a_metrics_row():

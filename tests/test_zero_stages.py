@@ -7,7 +7,7 @@ a stage-3 save; gradients of --recompute bit-identical to the plain blocks'.
 import numpy as np
 import pytest
 
-from benchmarks.memory import launch, setting_flags
+from benchmarks.memory import POLICIES, launch, setting_flags
 from capstone.checkpoint import files
 from capstone.config import ModelConfig, TrainConfig
 from capstone.runtime.preflight import activation_bytes
@@ -49,6 +49,31 @@ def test_the_peak_of_allocated_bytes_falls_by_the_formula_difference(traced):
         in_flight = r["formula_rows"]["reduce_bytes"] + r["formula_rows"]["gathered_bytes"]
         extra = r["activations"] - base["activations"]
         assert abs(extra - in_flight) <= tolerance, (stage, extra / MIB, in_flight / MIB)
+
+
+def test_the_policies_under_a_pipeline_hold_what_their_formulas_say():
+    """dp 2 x pp 2, 4 micro-batches. Per micro-batch: what is kept across the step (parameters and
+    gradient) falls with the stage, and so does the step's traced peak (the groups and buckets in
+    flight are transient). Per step: stage 2 holds exactly stage 1's buffers (the whole gradient
+    accumulates), stage 3 its stage's parameters gathered through the step, and the traced peak
+    rises over stage 1 by what the formula says (a group freed or a gradient kept by mistake shows)."""
+    got = {n: launch(4, [*SMALL_FLAGS, "--steps", 3, "--pp", 2, "--grad-accum", 4, *flags], trace=True, timeout=300)
+           for n, flags in POLICIES}
+    for n, r in got.items():
+        assert r["states"] == r["formula"] and r["rows"] == r["formula_rows"], (n, r)
+    one, row = got["stage 1"], {n: r["rows"] for n, r in got.items()}
+    lean = [row["stage 1"], row["stage 2, per micro-batch"], row["stage 3, per micro-batch"]]
+    kept = [r["params_bytes"] + r["grads_bytes"] for r in lean]
+    assert kept[0] > kept[1] > kept[2], kept
+    assert max(got[f"stage {s}, per micro-batch"]["traced_peak"] for s in (2, 3)) < one["traced_peak"]
+    assert row["stage 2, per step"] == row["stage 1"]
+    assert row["stage 3, per step"]["grads_bytes"] == row["stage 1"]["grads_bytes"]
+    whole = row["stage 1"]["params_bytes"]   # the stage's flat buffer, padded to a multiple of dp 2
+    assert whole - 4 * 2 < row["stage 3, per step"]["gathered_bytes"] <= whole   # every group, gathered
+    tolerance = 0.02 * one["formula"]
+    for n in ("stage 2, per step", "stage 3, per step"):
+        rise, want = got[n]["traced_peak"] - one["traced_peak"], got[n]["formula"] - one["formula"]
+        assert abs(rise - want) <= tolerance, (n, rise / MIB, want / MIB)
 
 
 def test_recompute_keeps_a_fraction_of_the_activations(traced):

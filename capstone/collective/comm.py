@@ -119,6 +119,12 @@ class Comm:
         self.hooks.at(kind)
         self.wait(self.mpi.Ialltoall(send, recv), what, kind, "alltoall", send.nbytes)
 
+    def Alltoallv(self, send: np.ndarray, send_spec: tuple, recv: np.ndarray, recv_spec: tuple, what: str) -> None:
+        """`Alltoall` with a spec (counts, displacements) per side, in elements."""
+        self.hooks.at("alltoall")
+        self.wait(self.mpi.Ialltoallv([send, send_spec], [recv, recv_spec]), what, "alltoall", "alltoallv",
+                  sum(send_spec[0]) * send.itemsize)
+
     def Allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int], what: str) -> None:
         """Every rank's `send` (counts[r] values from rank r) into `recv`, in rank order."""
         self.wait(self.mpi.Iallgatherv(send, [recv, counts]), what)

@@ -10,13 +10,15 @@ gradient hooks, with no module global):
     release(group)              the layer is done with that array until its next use
     grad_out(group, fresh)      the array the layer writes this micro-batch's gradient into
     landed(group, grad, fresh)  that gradient is complete (`fresh`: the step's first micro-batch)
+    step(begins)                the step's micro-batches begin (True) or are done (False)
 
 `Resident` is the plain implementation: the weights are views of the flat parameter buffer, and a
 gradient lands in the flat gradient buffer (the first micro-batch writes it there directly, later
 ones add to it), after which `on_landed(group, sink)` is told (a bucketed reducer starts a bucket's
 reduce-scatter once every parameter in it is final). With no gradient buffer (ZeRO-2) each group's
 gradient goes to `on_landed` as it is made. ZeRO-3's gatherer (capstone.parallel.zero3) is the other
-implementation: it gathers a group from the data-parallel shards on demand.
+implementation: it gathers a group from the data-parallel shards on demand, and (--reshard step)
+keeps what it gathered from the step's first use to its end, the gradient landing whole as here.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Weights(Protocol):
     def release(self, group: str) -> None: ...
     def grad_out(self, group: str, fresh: bool) -> np.ndarray: ...
     def landed(self, group: str, grad: np.ndarray, fresh: bool) -> None: ...
+    def step(self, begins: bool) -> None: ...
     def whole(self) -> np.ndarray: ...
     def gathered_peak(self) -> int: ...     # bytes of gathered weights held at once, over the run
     def gathered_bound(self) -> int: ...    # its formula (capstone.observe.memory)
@@ -45,12 +48,38 @@ def ignore(group: str, grad: np.ndarray) -> None:
     """An `on_landed` that does nothing (nobody reduces during the backward pass)."""
 
 
+class Sinks:
+    """Where gradients land in a flat gradient buffer: `sinks` (name -> flat array; None: no buffer,
+    each group's gradient is handed on as it is), then `on_landed(group, sink)`."""
+
+    def __init__(self, sinks: dict | None, on_landed: Callable = ignore):
+        self.sinks, self.on_landed = sinks, on_landed
+
+    def grad_out(self, group: str, fresh: bool, like: int) -> np.ndarray:
+        """The group's sink on a fresh pass (the gradient is written in place), else a new array."""
+        if fresh and self.sinks is not None:
+            return self.sinks[group]
+        return np.empty(like, dtype=np.float32)
+
+    def landed(self, group: str, grad: np.ndarray, fresh: bool) -> None:
+        """Into the sink (a fresh pass: written over it; else added), then `on_landed`."""
+        if self.sinks is None:
+            self.on_landed(group, grad)
+            return
+        sink = self.sinks[group]
+        if fresh and grad is not sink:
+            np.copyto(sink, grad)
+        elif not fresh:
+            np.add(sink, grad, out=sink)
+        self.on_landed(group, sink)
+
+
 class Resident:
     """Weights held whole on this rank: `groups` (name -> flat array); gradients land in `sinks`
     (name -> flat array, None: none kept) and are then handed to `on_landed`."""
 
     def __init__(self, groups: dict, sinks: dict | None = None, on_landed: Callable = ignore):
-        self.groups, self.sinks, self.on_landed = groups, sinks, on_landed
+        self.groups, self.out = groups, Sinks(sinks, on_landed)
         self.params = self.grads = None
 
     @classmethod
@@ -67,22 +96,13 @@ class Resident:
         """Nothing to drop: the weights stay."""
 
     def grad_out(self, group: str, fresh: bool) -> np.ndarray:
-        """The group's sink on a fresh pass (the gradient is written in place), else a new array."""
-        if fresh and self.sinks is not None:
-            return self.sinks[group]
-        return np.empty_like(self.groups[group])
+        return self.out.grad_out(group, fresh, self.groups[group].size)
 
     def landed(self, group: str, grad: np.ndarray, fresh: bool) -> None:
-        """Into the sink (a fresh pass: written over it; else added), then `on_landed`."""
-        if self.sinks is None:
-            self.on_landed(group, grad)
-            return
-        sink = self.sinks[group]
-        if fresh and grad is not sink:
-            np.copyto(sink, grad)
-        elif not fresh:
-            np.add(sink, grad, out=sink)
-        self.on_landed(group, sink)
+        self.out.landed(group, grad, fresh)
+
+    def step(self, begins: bool) -> None:
+        """Nothing to hold or drop."""
 
     def whole(self) -> np.ndarray:
         """The flat parameter buffer (this rank's slice of the model under tensor parallelism)."""

@@ -23,6 +23,7 @@ BUS_FACTORS = {
     "alltoall": lambda n: (n - 1) / n,
     "reduce_scatterv": lambda n: (n - 1) / n,   # with per-rank counts (ZeRO-2's groups): S is what they sum to
     "allgatherv": lambda n: (n - 1) / n,        # (ZeRO-3's gathered groups)
+    "alltoallv": lambda n: (n - 1) / n,         # (--deterministic at ZeRO-2/3: a group's pieces; S: what one rank sends)
     "broadcast": lambda n: 1.0,
     "p2p": lambda n: 1.0,                      # a pipeline's messages between neighbouring stages (S: their bytes)
     "reduce": lambda n: 1.0,

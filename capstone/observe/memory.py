@@ -6,6 +6,9 @@ slice), N the data-parallel group's size; the shard is P/N elements (`Layout.sha
     stage 1: params 4P, grads 4P, reduce 4P/N (+4P staging in tree order), optimizer 12P/N, guard 12P/N
     stage 2: params 4P, grads 4P/N, reduce <= the two largest buckets sent one after the other
     stage 3: params 4P/N, gathered <= the two largest consecutive groups, grads and reduce as stage 2
+    --reshard step (stages 2-3): grads 4P and reduce as stage 1 (the whole gradient accumulates
+      through the step, reduce-scattered once); stage 3 gathered: every group of the rank's part
+    --deterministic: reduce = the rows of every block's shard, 4P x grad_accum, and the shard
 
 The transient terms (`gathered`, `reduce` at stages 2-3) are measured as their peak over the run;
 the formula's is the layout's (two consecutive groups or buckets), which the double-buffered
@@ -57,8 +60,10 @@ def formula(run) -> ModelStates:
     the modes chose."""
     layout, accum = run.model.layout, run.tcfg.grad_accum
     row = zero_row(run.opts.zero_stage, layout.padded, run.grid.dp.size)
-    reduce = run.reducer.bound(accum) - (0 if run.model.grads is not None else row.grads_bytes)
-    return ModelStates(row.params_bytes, run.model.seam.gathered_bound(), row.grads_bytes, reduce,
+    whole = run.opts.reshard == "step" and not run.tcfg.deterministic   # the gradient accumulates whole
+    grads = zero_row(1, layout.padded, run.grid.dp.size).grads_bytes if whole else row.grads_bytes
+    reduce = run.reducer.bound(accum) - (0 if run.model.grads is not None else grads)
+    return ModelStates(row.params_bytes, run.model.seam.gathered_bound(), grads, reduce,
                        row.optimizer_bytes, row.optimizer_bytes)
 
 

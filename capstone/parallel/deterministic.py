@@ -134,41 +134,59 @@ class ShardNorm:
 
 
 class DeterministicReducer(GradReducer):
-    """Each micro-batch's gradient alone, exchanged to the shard owners after its backward pass,
-    then fixed-order trees for the gradient, the loss and the norm (see the module)."""
+    """Each micro-batch's gradient alone, exchanged to the shard owners after its backward pass
+    (`grads` None, ZeRO-2/3: each group's as the backward makes it), then fixed-order trees for the
+    gradient, the loss and the norm (see the module)."""
 
     accumulates = False   # every micro-batch overwrites the flat gradient buffer
 
     def __init__(self, grid, layout, grads, grad_accum: int):
         super().__init__(grid, layout, grads)
+        self.micro, self.plans = 0, None if grads is not None else group_plans(layout, grid.dp.rank)
         self.accum, self.w = grad_accum, grid.dp.size
         # a replica's parts (pipeline stage p, tensor-parallel rank t: part p * tp + t; world rank
         # dp_rank * parts + part), and the part whose losses are the replica's (the last stage's t = 0)
         self.parts, self.loss_part = grid.pp.size * grid.tp.size, (grid.pp.size - 1) * grid.tp.size
         # row k = j*world + q: rank q's block j, this rank's shard of it (block k of the step)
-        self.rows = np.empty((grad_accum * self.w, layout.shard), dtype=np.float32)
+        self.rows = np.zeros((grad_accum * self.w, layout.shard), dtype=np.float32)   # padding stays 0
         self.norm = ShardNorm(grid.dp, layout.n_params, layout.shard)
 
     def nbytes(self) -> int:
         """Bytes this mode holds besides the flat buffer: the received rows (grad_accum x the
-        flat buffer) and the gradient shard."""
+        flat buffer) and the gradient shard (ZeRO-2/3: no flat buffer, the same rows)."""
         return self.rows.nbytes + self.grad_shard.nbytes
 
     def bound(self, micro_batches: int) -> int:
         """The formula: a shard-long row per rank and micro-batch, and the shard they sum into."""
         return 4 * (micro_batches * self.w + 1) * self.layout.shard
 
+    def before_backward(self, micro: int) -> None:
+        self.micro = micro
+
+    def landed(self, name: str, grad: np.ndarray) -> None:
+        """ZeRO-2/3: group `name`'s gradient of this micro-batch, each rank's piece of it to that
+        rank (into the rows of block micro*world + q, where a flat buffer's exchange puts it)."""
+        if self.plans is None:
+            return
+        (send, send_at), (recv, recv_at) = self.plans[name]
+        self.dp.Alltoallv(np.ascontiguousarray(grad.reshape(-1)), (send, send_at),
+                          self.rows[self.micro * self.w:(self.micro + 1) * self.w], (recv, recv_at),
+                          f"deterministic exchange of the gradient of {name}")
+
     def after_backward(self, micro: int) -> None:
         """Slice q of the flat gradient buffer to rank q (rows of block micro*world + q)."""
-        self.dp.Alltoall(self.grads, self.rows[micro * self.w:(micro + 1) * self.w],
-                         "deterministic exchange of a micro-batch's gradient", "alltoall")
+        if self.plans is None:
+            self.dp.Alltoall(self.grads, self.rows[micro * self.w:(micro + 1) * self.w],
+                             "deterministic exchange of a micro-batch's gradient", "alltoall")
 
     def finish(self, losses: list[float], flags: Flags) -> GradStats:
         """Collective: the owner's tree over the received rows; one allgather over the world of each
         rank's block losses, flags and its part's sum of squares (a replicated parameter counted on
         tensor-parallel rank 0 only); the loss tree over blocks and the norm's over parts, in fixed
         orders (the parts of a replica do not depend on the data-parallel layout)."""
-        tree_rows(self.rows, self.grad_shard)
+        tree_rows(self.rows, self.grad_shard)   # padding columns: sums of zeros
+        if self.plans is not None:   # --inject-nan (a test seam), where no flat buffer is
+            self.dp.hooks.gradients(self.dp.hooks.step, 0, self.grad_shard)
         shard = self.grad_shard if self.norm_weight is None else self.grad_shard * self.norm_weight
         small = np.array([*losses, flags.stop, flags.clock_due, self.norm.sum_of_squares(shard)], dtype=np.float64)
         every = np.empty((self.world.size, len(small)), dtype=np.float64)
@@ -180,6 +198,21 @@ class DeterministicReducer(GradReducer):
         return GradStats(loss, norm, Flags(stop > 0, clock > 0))
 
 
+def group_plans(layout, rank: int) -> dict:
+    """For each parameter group [a, b): the Alltoallv specs (counts, displacements) of its pieces:
+    to rank q the part in q's shard, and from every rank this rank's part, at its place in that
+    rank's row of shard length."""
+    plans, shard, lo = {}, layout.shard, layout.shard_range(rank)[0]
+    for name, (a, b) in layout.group_ranges().items():
+        pieces = [(max(a, q * shard), min(b, (q + 1) * shard)) for q in range(layout.world)]
+        counts = [max(0, hi - p) for p, hi in pieces]
+        mine = counts[rank]
+        at = max(a, lo) - lo
+        plans[name] = ((counts, [max(0, p - a) if c else 0 for (p, _), c in zip(pieces, counts)]),
+                       ([mine] * layout.world, [q * shard + at for q in range(layout.world)]))
+    return plans
+
+
 # ---- the held-out evaluation -------------------------------------------------------------------
 
 class HeldOutBlocks(HeldOut):
@@ -187,8 +220,10 @@ class HeldOutBlocks(HeldOut):
     b % world). `loss_share` is a collective that returns the tree-summed mean loss per token on
     rank 0 and 0.0 elsewhere, so the caller's sum over ranks adds exact zeros to it."""
 
-    def __init__(self, data, batches: int, batch_size: int, seq_len: int, world, dp, loss, weight: float = 1.0):
+    def __init__(self, data, batches: int, batch_size: int, seq_len: int, world, dp, loss, weight: float = 1.0,
+                 in_step: bool = False):
         self.world, self.comm, self.rank, self.w, self.loss = world, dp, dp.rank, dp.size, loss
+        self.in_step = in_step   # the forward is a collective over dp (ZeRO-3's gathers): every rank runs as many
         self.weight = weight   # 1 on the parts whose loss is the replica's (capstone.data.heldout)
         self.scale = 1.0 / (batches * batch_size * seq_len)
         spans = [(k, a, min(a + EVAL_ROWS, batch_size)) for k in range(batches) for a in range(0, batch_size, EVAL_ROWS)]
@@ -197,11 +232,17 @@ class HeldOutBlocks(HeldOut):
         full = {k: data.val_batch(k, batch_size) for k in {k for k, _, _ in mine}}
         self.blocks = [(full[k][0][a:b].copy(), full[k][1][a:b].copy()) for k, a, b in mine]
         self.per_rank = -(-self.n_blocks // self.w)
+        if in_step and len(self.blocks) < self.per_rank:   # a forward whose loss is not counted, for the gathers
+            k, a, b = spans[0]
+            x, y = data.val_batch(k, batch_size)
+            self.spare = (x[a:b].copy(), y[a:b].copy())
 
     def loss_share(self) -> float:
         local = np.zeros(self.per_rank, dtype=np.float64)
         for i, (x, y) in enumerate(self.blocks):
             local[i] = self.loss(x, y, self.scale)
+        for _ in range(len(self.blocks), self.per_rank if self.in_step else 0):
+            self.loss(*self.spare, self.scale)   # the other ranks' last block: the same collectives
         every = np.empty((self.w, self.per_rank), dtype=np.float64)
         self.comm.Allgather(every, "allgather of the held-out block losses", "allgather_eval", send=local)
         total = tree_sum(every.T.reshape(-1)[:self.n_blocks])   # index i*world + q = block b

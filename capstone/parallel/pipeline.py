@@ -111,6 +111,7 @@ class Pipeline:
         backward, shape = pending
         g = None if self.p == self.K - 1 else self._recv(shape, self.p + 1, 2 * j + 1, f"micro-batch {j}'s gradient")
         t0 = time.perf_counter()
+        self.reducer.before_backward(j)
         g_in = backward(g)
         self.events.append(("B", j, t0, time.perf_counter()))
         if self.p > 0:
@@ -120,6 +121,7 @@ class Pipeline:
         """Collective over the pipeline group. Every micro-batch's loss (0 except on the last stage)."""
         m, t0 = len(batches), time.perf_counter()
         self.reducer.start(m)
+        self.model.seam.step(True)
         if self.reducer.accumulates:   # ZeRO-1: the micro-batches' gradients add up in the buffer
             self.model.grads.fill(0.0)
         self.events, pending, losses = [], {}, [0.0] * m
@@ -130,6 +132,7 @@ class Pipeline:
                 self.backward(j, pending.pop(j))
                 self.hooks.gradients(step, j, self.model.grads)
                 self.reducer.after_backward(j)
+        self.model.seam.step(False)
         self.drain()
         self.span = (t0, time.perf_counter())
         return losses

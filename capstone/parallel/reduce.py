@@ -71,6 +71,9 @@ class GradReducer:
     def start(self, micro_batches: int) -> None:
         """Before the step's first forward pass."""
 
+    def before_backward(self, micro: int) -> None:
+        """Before micro-batch `micro`'s backward pass (a pipeline runs them out of order)."""
+
     def landed(self, group: str, grad: np.ndarray) -> None:
         """During a backward pass: parameter group `group`'s gradient has landed (the model's seam,
         capstone.model.seam, calls it; `grad` is its slice of `grads`, or the gradient itself)."""

@@ -18,12 +18,15 @@ class Sequential:
     def forward_backward(self, batches: list, step: int) -> list[float]:
         """Collective: call on all ranks. Every micro-batch's (scaled, summed) loss, in order."""
         self.reducer.start(len(batches))
+        self.model.seam.step(True)
         losses = []
         for j, (x, y) in enumerate(batches):
             fresh = j == 0 or not self.reducer.accumulates
+            self.reducer.before_backward(j)
             losses.append(self.model.micro_batch(x, y, self.scale, fresh))
             self.hooks.gradients(step, j, self.model.grads)
             self.reducer.after_backward(j)
+        self.model.seam.step(False)
         return losses
 
     def loss(self, x, y, scale: float) -> float:

@@ -20,6 +20,7 @@ import numpy as np
 
 from capstone.model.fingerprint import sum_squares, word_sum
 from capstone.model.params import DTYPE, Layout
+from capstone.model.seam import Sinks
 from capstone.parallel.progress import Progress
 from capstone.parallel.zero import ZeroAdam
 from capstone.parallel.zero2 import GroupPlan
@@ -40,14 +41,16 @@ class ShardedAdam(ZeroAdam):
 
 class Gatherer:
     """The seam over this rank's parameter shard: gathers groups from the data-parallel shards on
-    demand, one group ahead in the direction of the pass; gradients go to `on_landed`."""
+    demand, one group ahead in the direction of the pass; gradients go to `on_landed`, or land in
+    `grads` (the reducer's whole buffer, --reshard step: reduced once, after the step's last
+    micro-batch). `keep` (--reshard step): what a step gathers stays gathered until the step ends."""
 
-    grads = None   # no gradient buffer: each group's gradient is reduced as it is made
-
-    def __init__(self, dp, layout: Layout, shard: np.ndarray, names: tuple, progress: Progress, on_landed: Callable):
-        self.dp, self.layout, self.params, self.progress = dp, layout, shard, progress
+    def __init__(self, dp, layout: Layout, shard: np.ndarray, names: tuple, progress: Progress, on_landed: Callable,
+                 grads: np.ndarray | None = None, keep: bool = False):
+        self.dp, self.layout, self.params, self.progress, self.grads = dp, layout, shard, progress, grads
         self.plans = {g: GroupPlan(a, b, layout, dp.rank) for g, (a, b) in layout.group_ranges().items()}
-        self.order, self.on_landed = list(names), on_landed
+        self.order, self.out = list(names), Sinks(None if grads is None else layout.groups(grads), on_landed)
+        self.keep, self.holding = keep, False
         self.live, self.peak, self.digests = {}, 0, {}
 
     def reset(self) -> None:
@@ -58,8 +61,11 @@ class Gatherer:
         return self.peak
 
     def gathered_bound(self) -> int:
-        """The formula for `peak`: the largest two consecutive groups (one computing, the next in flight)."""
+        """The formula for `peak`: the largest two consecutive groups (one computing, the next in
+        flight), or (`keep`) every group of this rank's part of the model."""
         sizes = [4 * (self.plans[g].b - self.plans[g].a) for g in self.order]
+        if self.keep:
+            return sum(sizes)
         return max([sizes[0]] + [x + y for x, y in zip(sizes, sizes[1:])])
 
     def _start(self, name: str) -> None:
@@ -78,12 +84,7 @@ class Gatherer:
         (the next in the forward order, or in the backward's reverse order)."""
         if name not in self.live:
             self._start(name)
-        full, ticket = self.live[name]
-        if ticket is not None:
-            waited = Progress.wait(ticket, self.dp.deadline, f"allgather of the parameters of {name} (ZeRO-3)")
-            self.dp.count("allgather_params", "allgatherv", full.nbytes, waited, 1,
-                          max(0.0, ticket.completed - ticket.started - waited))
-            self.live[name] = (full, None)
+        full = self._wait(name)
         i = self.order.index(name) + (-1 if backward else 1)
         if 0 <= i < len(self.order) and self.order[i] not in self.live:
             self._start(self.order[i])
@@ -91,14 +92,32 @@ class Gatherer:
             self.digests[name] = word_sum(full)
         return full
 
+    def _wait(self, name: str) -> np.ndarray:
+        full, ticket = self.live[name]
+        if ticket is not None:
+            waited = Progress.wait(ticket, self.dp.deadline, f"allgather of the parameters of {name} (ZeRO-3)")
+            self.dp.count("allgather_params", "allgatherv", full.nbytes, waited, 1,
+                          max(0.0, ticket.completed - ticket.started - waited))
+            self.live[name] = (full, None)
+        return full
+
     def release(self, name: str) -> None:
-        self.live.pop(name, None)
+        if not self.holding:
+            self.live.pop(name, None)
+
+    def step(self, begins: bool) -> None:
+        """`keep`: hold what the step gathers from now on; at its end, drop it (the update follows)."""
+        if self.keep and not begins:
+            for name in list(self.live):     # nothing is in flight at a step's end; were it, wait
+                self._wait(name)
+            self.live.clear()
+        self.holding = self.keep and begins
 
     def grad_out(self, name: str, fresh: bool) -> np.ndarray:
-        return np.empty(self.plans[name].b - self.plans[name].a, dtype=DTYPE)
+        return self.out.grad_out(name, fresh, self.plans[name].b - self.plans[name].a)
 
     def landed(self, name: str, grad: np.ndarray, fresh: bool) -> None:
-        self.on_landed(name, grad)
+        self.out.landed(name, grad, fresh)
 
     def whole(self) -> np.ndarray:
         """Collective over the data-parallel group: the whole flat parameter buffer (this slice's)."""
@@ -117,9 +136,10 @@ class ShardedReplicaCheck:
     group hold different shards, but must have assembled the same groups; the step's norm is the
     whole model's, from every rank's share."""
 
-    def __init__(self, grid, layout: Layout, gatherer: Gatherer):
+    def __init__(self, grid, layout: Layout, gatherer: Gatherer, exact: Callable | None = None):
         from capstone.parallel.replicas import ReplicaCheck
         self.world, self.gatherer, self.weight = grid.world, gatherer, None
+        self.exact, self.parts = exact, grid.mp.size   # --deterministic: the part's sum of squares, in fixed order
         if grid.tp.size > 1:
             from capstone.parallel import tensor
             self.weight = tensor.norm_weight(layout, grid.tp.rank, *layout.shard_range(grid.dp.rank))
@@ -137,9 +157,13 @@ class ShardedReplicaCheck:
         """Collective over the world: (whole-model parameter norm, digest of the gathered groups)."""
         digest = self.gatherer.digest()
         self.gatherer.reset()
-        mine = np.array([sum_squares(params, self.weight), 0.0])
+        shard = params if self.weight is None else params * self.weight
+        mine = np.array([sum_squares(params, self.weight) if self.exact is None else self.exact(shard), 0.0])
         mine[1:].view(np.uint64)[0] = int(digest, 16)
         every = np.empty((self.world.size, 2))
         self.world.Allgather(every, "allgather of the gathered groups' fingerprints", "allgather_checks", send=mine)
         self.record_to.record(step, [f"{int(e[1:].view(np.uint64)[0]):016x}" for e in every])
+        if self.exact is not None:   # each rank of a part has the part's sum: replica 0's parts, in order
+            from capstone.parallel.deterministic import tree_sum
+            return float(np.sqrt(tree_sum(every[:self.parts, 0]))), digest
         return float(np.sqrt(np.add.reduce(every[:, 0]))), digest
