@@ -99,7 +99,7 @@ def name(stage: int, recompute: bool) -> str:
     return f"stage {stage}" + (" + recompute" if recompute else "")
 
 
-def table(args, settings=None) -> None:
+def table(args, settings=None, kept: bool = False) -> None:
     """Per setting (name, flags): the traced launch and the timed launches, interleaved."""
     settings = settings or [(name(*st), setting_flags(*st)) for st in SETTINGS]
     base = ["--preset", args.preset, "--steps", args.steps, *args.extra]
@@ -112,22 +112,25 @@ def table(args, settings=None) -> None:
     one = statistics.median(t["step_ms"] for t in times[first])
     print(f"{args.preset} on {args.ranks} ranks ({' '.join(map(str, args.extra)) or 'preset flags'}), "
           f"{traced[first]['n_params']} parameters; MiB per rank (max over ranks)")
-    print(f"{'setting':<24} {'states':>8} {'formula':>8} {'dev':>6} {'traced peak':>12} {'activations':>12} "
-          f"{'peak RSS':>9} {'step ms':>8} {'vs ' + first:>10}")
+    print(f"{'setting':<24} {'kept' if kept else '':>6} {'states':>8} {'formula':>8} {'dev':>6} {'traced peak':>12} "
+          f"{'activations':>12} {'peak RSS':>9} {'step ms':>8} {'vs ' + first:>10}")
     for n, _ in settings:
         t, ms = traced[n], statistics.median(x["step_ms"] for x in times[n])
-        rss = max(x["rss_peak"] for x in times[n])
-        print(f"{n:<24} {t['states'] / MIB:>8.1f} {t['formula'] / MIB:>8.1f} "
+        rss, r = max(x["rss_peak"] for x in times[n]), t["rows"]
+        across = r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"] + r["guard_bytes"]
+        print(f"{n:<24} {f'{across / MIB:6.1f}' if kept else '':>6} {t['states'] / MIB:>8.1f} {t['formula'] / MIB:>8.1f} "
               f"{100 * (t['states'] - t['formula']) / t['formula']:>5.2f}% {t['traced_peak'] / MIB:>12.1f} "
               f"{t['activations'] / MIB:>12.1f} {rss / MIB:>9.1f} {ms:>8.1f} {ms / one:>10.3f}")
     print("states: params + gathered + grads + reduce + optimizer + guard as held (capstone.observe.memory); "
-          "activations: the traced peak of the forward and backward passes above what the step began with")
+          "activations: the traced peak of the forward and backward passes above what the step began with"
+          + ("; kept: what is held across the step (states without the gathered groups and the reduction's "
+             "buffers, transient)" if kept else ""))
 
 
 def policies(args) -> None:
     """ZeRO-1, 2, 3 under a pipeline, each --reshard policy (default flags: --pp 2 --grad-accum 4)."""
     args.extra = args.extra or ["--pp", "2", "--grad-accum", "4"]
-    table(args, POLICIES)
+    table(args, POLICIES, kept=True)
 
 
 def largest(args) -> None:
