@@ -37,16 +37,20 @@ def activation_bytes(mcfg, tcfg, recompute: bool = False, layers: int | None = N
     return tcfg.batch_size * t * per_position
 
 
-def model_state_bytes(mcfg, dp: int, tp: int, stage: int, groups: tuple | None = None) -> int:
+def model_state_bytes(mcfg, dp: int, tp: int, stage: int, groups: tuple | None = None, step: bool = False) -> int:
     """Bytes of the model's state on one rank at ZeRO `stage` (capstone.observe.memory's formula,
-    with two of the largest parameter groups for what is in flight); `groups`: a pipeline stage's."""
+    with two of the largest parameter groups for what is in flight); `groups`: a pipeline stage's;
+    `step` (--reshard step at stages 2-3): the whole gradient kept, stage 3's groups all gathered."""
     from capstone.model.params import Layout
     from capstone.observe.accounting import zero_row
     layout = Layout.for_model(mcfg, dp, tp, groups)
     group = 4 * max(b - a for a, b in layout.group_ranges().values())
+    whole = step and stage > 1
     row = zero_row(stage, layout.padded, dp)
-    reduce = 4 * layout.shard + 4 * layout.padded if stage == 1 else 2 * group     # receive shard + staging
-    return row.total_bytes + row.optimizer_bytes + reduce + (2 * group if stage == 3 else 0)
+    grads = 4 * layout.padded if whole else row.grads_bytes
+    reduce = 4 * layout.shard + 4 * layout.padded if stage == 1 or whole else 2 * group   # receive shard + staging
+    gathered = (4 * layout.padded if whole else 2 * group) if stage == 3 else 0
+    return row.params_bytes + grads + 2 * row.optimizer_bytes + reduce + gathered
 
 
 def available_bytes() -> tuple[int | None, str]:
@@ -98,15 +102,16 @@ def _cgroup_files(controllers: str, path: str) -> list[tuple[str, str, str]]:
 def _per_rank(mcfg, tcfg, opts, world: int) -> tuple[int, int]:
     """(activations, model states) of the heaviest rank: with --pp, the largest stage holding the
     micro-batches its schedule keeps in flight (1f1b: up to K of them; afab: all)."""
-    dp = world // (opts.tp * opts.pp)
+    dp, step = world // (opts.tp * opts.pp), opts.reshard == "step"
     if opts.pp == 1:
-        return activation_bytes(mcfg, tcfg, opts.recompute), model_state_bytes(mcfg, dp, opts.tp, opts.zero_stage)
+        return activation_bytes(mcfg, tcfg, opts.recompute), model_state_bytes(mcfg, dp, opts.tp, opts.zero_stage,
+                                                                               step=step)
     from capstone.parallel.pipeline import stage_groups
     stages = stage_groups(mcfg.n_layers, opts.pp, opts.pp_layers)
     in_flight = tcfg.grad_accum if opts.pp_schedule == "afab" else min(opts.pp, tcfg.grad_accum)
     layers = max(sum(g not in ("embed", "head") for g in groups) for groups in stages)
     return (in_flight * activation_bytes(mcfg, tcfg, opts.recompute, layers),
-            max(model_state_bytes(mcfg, dp, opts.tp, opts.zero_stage, groups) for groups in stages))
+            max(model_state_bytes(mcfg, dp, opts.tp, opts.zero_stage, groups, step) for groups in stages))
 
 
 def check_memory(comm, mcfg, tcfg, opts) -> None:
