@@ -371,6 +371,30 @@ MUTANTS = [
            ("tests/test_zero_stages.py::test_preflight_counts_the_stage_and_recompute_under_a_real_memory_limit",),
            "the start-up memory check ignores --recompute and refuses runs that fit"),
 
+    # ---- issue 35: the lifted combinations (each survived the suite before its rows existed) -------
+    Mutant("det/zero2-every-micro-batch-into-the-first-rows", "capstone/parallel/deterministic.py",
+           "    def before_backward(self, micro: int) -> None:\n        self.micro = micro\n",
+           "    def before_backward(self, micro: int) -> None:\n        self.micro = 0\n",
+           ("tests/test_composition.py::test_row[n2-tp1-acc2-overlap-det-clean-zero2]",),
+           "--deterministic at ZeRO-2/3: every micro-batch's pieces land in the first micro-batch's rows"),
+    Mutant("det/zero3-param-norm-in-rank-order", "capstone/modes.py",
+           "det.ShardNorm(grid.dp, layout.n_params, layout.shard).sum_of_squares if deterministic else None",
+           "None",
+           ("tests/test_composition.py::test_row[n3-tp1-acc2-overlap-det-clean-zero3]",),
+           "--deterministic at ZeRO-3: param_norm summed over the ranks' shards, in an order that moves with "
+           "the data-parallel layout"),
+    Mutant("reshard/step-gathered-weights-kept-across-the-update", "capstone/parallel/zero3.py",
+           "                self._wait(name)\n            self.live.clear()\n",
+           "                self._wait(name)\n",
+           ("tests/test_composition.py::test_row[n2-tp1-acc2-overlap-default-clean-zero3-reshard-step]",),
+           "--reshard step at ZeRO-3: the groups gathered in one step are used again after the update"),
+    Mutant("reshard/step-policy-reduces-per-micro-batch", "capstone/modes.py",
+           "    if opts.zero_stage == 1 or opts.reshard == \"step\":",
+           "    if opts.zero_stage == 1:",
+           ("tests/test_composition.py::test_row[n2-tp1-acc2-overlap-default-clean-zero2-reshard-step]",),
+           "--reshard step at ZeRO-2 still reduce-scatters every micro-batch (the memory its formula states is not "
+           "what it holds)"),
+
     # ---- pipeline --------------------------------------------------------------------------------
     Mutant("pipeline/1f1b-one-warm-up-forward-too-many", "capstone/parallel/pipeline.py",
            "    warm = min(K - p - 1, m)\n", "    warm = min(K - p, m)\n",
