@@ -47,12 +47,12 @@ def test_a_resume_without_mode_flags_keeps_the_checkpoints_modes(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     res = mpirun(2, "--out", out, "--resume", "latest", "--stop-after", 4)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert started(out)[-1]["modes"] == modes and stage_and_grid(out) == ({3}, 1, 2)
-    assert changed_line(res) == "", res.stdout
+    assert stage_and_grid(out) == ({3}, 1, 2) and changed_line(res) == "", res.stdout
+    assert started(out)[-1]["modes"] == modes
     res = mpirun(1, "--resume", out)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert started(out)[-1]["modes"] == {**modes, "pp": 1, "pp_schedule": None, "pp_layers": None}
     assert stage_and_grid(out) == ({3}, 1, 1)
+    assert started(out)[-1]["modes"] == {**modes, "pp": 1, "pp_schedule": None, "pp_layers": None}
     line = changed_line(res)
     assert "pp: 2 -> 1 (the checkpoint's --pp 2 x --tp 1 does not divide the 1 rank; --pp K chooses)" in line, line
     assert "pp_schedule: afab -> none" in line and "pp_layers: 3,1 -> balanced" in line, line
@@ -67,9 +67,9 @@ def test_mode_flags_given_win_and_every_change_is_listed(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     res = mpirun(2, "--out", out, "--resume", "auto", "--pp", 2, "--zero-stage", 1, "--no-recompute", "--steps", 4)
     assert res.returncode == 0, res.stdout + res.stderr
+    assert stage_and_grid(out) == ({1}, 1, 2)
     assert started(out)[-1]["modes"] == {"zero_stage": 1, "recompute": False, "tp": 1, "pp": 2, "pp_schedule": None,
                                          "pp_layers": None}
-    assert stage_and_grid(out) == ({1}, 1, 2)
     line = changed_line(res)
     for change in ("zero_stage: 2 -> 1", "recompute: True -> False", "pp: 1 -> 2", "steps: 6 -> 4",
                    "tp: 2 -> 1 (the checkpoint's --tp 2 x --pp 2 does not divide the 2 ranks; --tp K chooses)"):
@@ -98,8 +98,8 @@ def test_a_checkpoint_without_modes_resumes_with_the_defaults(before_code, tmp_p
     assert "modes" not in started(out)[-1]
     res = mpirun(2, "--out", out, "--resume", "latest")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert started(out)[-1]["modes"]["zero_stage"] == 1 and stage_and_grid(out) == ({1}, 1, 1)
-    assert changed_line(res) == "", res.stdout
+    assert stage_and_grid(out) == ({1}, 1, 1) and changed_line(res) == "", res.stdout
+    assert started(out)[-1]["modes"]["zero_stage"] == 1
 
 
 def test_zero3_pp2_stopped_and_resumed_on_pp1_at_stage_1(references, tmp_path):
@@ -120,6 +120,7 @@ def test_zero3_pp2_stopped_and_resumed_on_pp1_at_stage_1(references, tmp_path):
     where = f"zero3-pp2 -> pp1 zero1\n{shown(stop + again)}"
     got = step_rows(tmp_path / "run")
     same_run(got, references("clean"), where)
-    assert started(tmp_path / "run")[-1]["modes"]["pp"] == 1 and stage_and_grid(tmp_path / "run") == ({1}, 1, 1)
     keys = ("loss", "grad_norm", "eval_loss", "param_norm", "fingerprint", "accepted", "samples")
     assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in step_rows(tmp_path / "again")]
+    assert stage_and_grid(tmp_path / "run") == ({1}, 1, 1)
+    assert [row["modes"]["pp"] for row in started(tmp_path / "run")] == [2, 1]
