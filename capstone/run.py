@@ -79,7 +79,8 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
         elif settings.train.data and "vocab_size" not in settings.explicit:
             vocab = _agreed(world, lambda: load_meta(settings.train.data).vocab_size)
             settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, vocab_size=vocab))
-        tcfg, dp = settings.train, world.size // (opts.tp * opts.pp)
+        tcfg, opts = settings.train, settings.opts   # the modes kept from a checkpoint too
+        dp = world.size // (opts.tp * opts.pp)
         preflight.check_memory(world, settings.model, dataclasses.replace(tcfg, batch_size=tcfg.batch_for(dp)), opts)
         run = build(world, settings, out, hooks)
         if path is None and opts.init_from:
@@ -116,7 +117,7 @@ def _checked(world: Comm, settings: Settings) -> Settings:
 def _kept_modes(world: Comm, settings: Settings, saved: dict | None) -> tuple[Settings, dict]:
     """The checkpoint's modes under the mode flags given (capstone.checkpoint.kept), checked; and
     why a kept grid axis fell back."""
-    opts, why = kept.layered(settings.opts, saved, settings.modes_given, world.size, settings.model)
+    opts, why = kept.layered(settings.opts, saved, settings.modes_given, world.size)
     settings = dataclasses.replace(settings, opts=opts)
     modes.check(world.size, settings)
     return settings, why

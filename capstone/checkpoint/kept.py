@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 
 from capstone.cli import KEPT
-from capstone.config import ConfigError
 
 _LABELS = {"pp_layers": "balanced", "pp_schedule": "none"}   # how a mode's None is shown
 
@@ -36,14 +35,14 @@ def shown(name: str, value) -> str:
     return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
-def layered(opts, saved: dict | None, given, world: int, mcfg) -> tuple[object, dict]:
+def layered(opts, saved: dict | None, given, world: int) -> tuple[object, dict]:
     """(`opts` with the checkpoint's modes `saved` for those not in `given`, {mode: why it is not the
     checkpoint's}). A grid the ranks cannot hold falls back as the module says."""
     if not saved:
         return opts, {}
     take = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in KEPT and k not in given}
     new = dataclasses.replace(opts, **take)
-    tp, pp = _fitting(new, given, world, mcfg)
+    tp, pp = _fitting(new, given, world)
     why = {name: f"the checkpoint's --{name} {getattr(new, name)} x --{other} {getattr(new, other)} does not divide "
                  f"the {world} rank{'s' if world > 1 else ''}; --{name} K chooses"
            for name, other, now in (("tp", "pp", tp), ("pp", "tp", pp)) if now != getattr(new, name)}
@@ -59,19 +58,13 @@ def _dependent(opts, saved: dict, take: dict):
     return dataclasses.replace(opts, **{name: default[name] for name, ok in applies.items() if name in take and not ok})
 
 
-def _fitting(opts, given, world: int, mcfg) -> tuple[int, int]:
-    """The (tp, pp) of `opts` if the world holds it, else the first that fits with each kept axis
-    (not in `given`) at 1: tp kept before pp. If none fits, `opts`' (the flags' error says why)."""
-    from capstone.parallel.grid import check
+def _fitting(opts, given, world: int) -> tuple[int, int]:
+    """The (tp, pp) of `opts` if tp x pp divides the world, else the first that does with each kept
+    axis (not in `given`) at 1: tp kept before pp. If none does, `opts`' (modes.check says why). The
+    checkpoint's tp and pp fit its model (the same model resumes it): only the world may not hold them."""
     tps = (opts.tp,) if "tp" in given else (opts.tp, 1)
     pps = (opts.pp,) if "pp" in given else (opts.pp, 1)
-    for tp, pp in [(t, p) for t in tps for p in pps]:
-        try:
-            check(world, tp, pp, mcfg)
-            return tp, pp
-        except ConfigError:
-            continue
-    return opts.tp, opts.pp
+    return next(((t, p) for t in tps for p in pps if world % (t * p) == 0), (opts.tp, opts.pp))
 
 
 def changes(saved: dict | None, opts, why: dict) -> dict:
