@@ -124,3 +124,20 @@ def test_zero3_pp2_stopped_and_resumed_on_pp1_at_stage_1(references, tmp_path):
     assert [{k: r[k] for k in keys} for r in got] == [{k: r[k] for k in keys} for r in step_rows(tmp_path / "again")]
     assert stage_and_grid(tmp_path / "run") == ({1}, 1, 1)
     assert [row["modes"]["pp"] for row in started(tmp_path / "run")] == [2, 1]
+
+
+def test_mode_flags_are_judged_over_the_checkpoints_modes(tmp_path):
+    """--pp-layers without --pp is refused on a fresh start, but on --resume of a pp 2 checkpoint it
+    changes that pipeline's blocks (the pp is the checkpoint's); over a pp 1 checkpoint it is refused
+    as before: exit 2, the reason and the flag, once."""
+    pp2, pp1 = tmp_path / "pp2", tmp_path / "pp1"
+    for out, grid in ((pp2, ("--pp", 2)), (pp1, ())):
+        res = mpirun(2, "--out", out, *SMALL, *grid, "--stop-after", 2)
+        assert res.returncode == 0, res.stdout + res.stderr
+    res = mpirun(2, "--out", pp2, "--resume", "latest", "--pp-layers", "1,3", "--stop-after", 4)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert started(pp2)[-1]["modes"]["pp_layers"] == [1, 3] and stage_and_grid(pp2) == ({1}, 1, 2)
+    assert "pp_layers: balanced -> 1,3" in changed_line(res), res.stdout
+    res = mpirun(2, "--out", pp1, "--resume", "latest", "--pp-layers", "2,2")
+    assert res.returncode == 2 and res.stderr.count("error:") == 1, res.stdout + res.stderr
+    assert "--pp-layers is about pipeline stages: it needs --pp K > 1" in res.stderr, res.stderr
