@@ -37,12 +37,14 @@ def stage_and_grid(out) -> tuple:
 
 
 def test_a_resume_without_mode_flags_keeps_the_checkpoints_modes(tmp_path):
-    """ZeRO-3, recompute, pp 2 afab: `--resume latest` with no mode flag keeps them all, and says no
+    """ZeRO-3 --reshard step, recompute, pp 2 afab 3,1: `--resume latest` with no mode flag keeps them all, and says no
     change; `--resume RUN_DIR` on 1 rank keeps the stage and recompute, and the pipeline, which 1
     rank cannot hold, falls back to pp 1 with the reason on the changed-settings line."""
     out = tmp_path / "run"
-    modes = {"zero_stage": 3, "recompute": True, "tp": 1, "pp": 2, "pp_schedule": "afab", "pp_layers": [3, 1]}
-    res = mpirun(2, "--out", out, *SMALL, "--zero-stage", 3, "--recompute", "--pp", 2, "--pp-schedule", "afab",
+    modes = {"zero_stage": 3, "reshard": "step", "recompute": True, "tp": 1, "pp": 2, "pp_schedule": "afab",
+             "pp_layers": [3, 1]}
+    res = mpirun(2, "--out", out, *SMALL, "--zero-stage", 3, "--reshard", "step", "--recompute", "--pp", 2,
+                 "--pp-schedule", "afab",
                  "--pp-layers", "3,1", "--grad-accum", 2, "--stop-after", 2)
     assert res.returncode == 0, res.stdout + res.stderr
     res = mpirun(2, "--out", out, "--resume", "latest", "--stop-after", 4)
@@ -56,22 +58,25 @@ def test_a_resume_without_mode_flags_keeps_the_checkpoints_modes(tmp_path):
     line = changed_line(res)
     assert "pp: 2 -> 1 (the checkpoint's --pp 2 x --tp 1 does not divide the 1 rank; --pp K chooses)" in line, line
     assert "pp_schedule: afab -> none" in line and "pp_layers: 3,1 -> balanced" in line, line
-    assert "zero_stage" not in line and "recompute" not in line, line
+    assert "zero_stage" not in line and "recompute" not in line and "reshard" not in line, line
 
 
 def test_mode_flags_given_win_and_every_change_is_listed(tmp_path):
-    """tp 2 at stage 2 with recompute, resumed on 2 ranks with --pp 2 --zero-stage 1 --no-recompute
-    (--resume auto): the flags win; tp 2 x pp 2 does not fit 2 ranks, so the kept tp falls back, said."""
+    """tp 2 at stage 2 (--reshard step) with recompute, resumed on 2 ranks with --pp 2 --zero-stage 1
+    --no-recompute (--resume auto): the flags win; tp 2 x pp 2 does not fit 2 ranks, so the kept tp
+    falls back, said; the reshard policy, about ZeRO-2/3, goes back to its default (not refused)."""
     out = tmp_path / "run"
-    res = mpirun(2, "--out", out, *SMALL, "--tp", 2, "--zero-stage", 2, "--recompute", "--stop-after", 2)
+    res = mpirun(2, "--out", out, *SMALL, "--tp", 2, "--zero-stage", 2, "--reshard", "step", "--recompute",
+                 "--grad-accum", 2, "--stop-after", 2)
     assert res.returncode == 0, res.stdout + res.stderr
     res = mpirun(2, "--out", out, "--resume", "auto", "--pp", 2, "--zero-stage", 1, "--no-recompute", "--steps", 4)
     assert res.returncode == 0, res.stdout + res.stderr
     assert stage_and_grid(out) == ({1}, 1, 2)
-    assert started(out)[-1]["modes"] == {"zero_stage": 1, "recompute": False, "tp": 1, "pp": 2, "pp_schedule": None,
-                                         "pp_layers": None}
+    assert started(out)[-1]["modes"] == {"zero_stage": 1, "reshard": "micro-batch", "recompute": False, "tp": 1,
+                                         "pp": 2, "pp_schedule": None, "pp_layers": None}
     line = changed_line(res)
-    for change in ("zero_stage: 2 -> 1", "recompute: True -> False", "pp: 1 -> 2", "steps: 6 -> 4",
+    for change in ("zero_stage: 2 -> 1", "reshard: step -> micro-batch", "recompute: True -> False", "pp: 1 -> 2",
+                   "steps: 6 -> 4",
                    "tp: 2 -> 1 (the checkpoint's --tp 2 x --pp 2 does not divide the 2 ranks; --tp K chooses)"):
         assert change in line, (change, line)
 
