@@ -45,6 +45,11 @@ class RunOptions:
     init_from: str | None = None      # start a new run from these weights (capstone.finetune)
 
 
+# the run options that lay the run out, kept by its checkpoints (capstone.checkpoint.kept): their flags
+# have no argparse default, so that a resume tells the flags given from the checkpoint's modes
+KEPT = ("zero_stage", "reshard", "recompute", "tp", "pp", "pp_schedule", "pp_layers")
+
+
 @dataclass(frozen=True)
 class Settings:
     """The parsed command line: configs, options, and which config fields were given explicitly."""
@@ -58,6 +63,7 @@ class Settings:
     flags: dict = dataclasses.field(default_factory=dict)          # the config flags on the command line only
     preset_values: dict = dataclasses.field(default_factory=dict)  # the preset's (its warmup fitted to the run)
     notes: tuple = ()           # what a fresh start says about its settings (a shortened warmup)
+    modes_given: frozenset = frozenset()   # the kept modes given as flags (capstone.checkpoint.kept)
 
     def on_top_of(self, model: dict, train: dict) -> "Settings":
         """These settings over a checkpoint's (explicit flags win); raises ConfigError if invalid."""
@@ -201,9 +207,10 @@ def _run_flags(p) -> None:
                    help="console: 1 prints the full per-step table; K > 1 prints a short line (smoothed loss, "
                         "tokens/s, elapsed, ETA) every K steps, every step with an event and every evaluation "
                         "(0: 1 when --steps <= 100, else about steps/50)")
-    g.add_argument("--tp", type=int, default=1, metavar="K",
+    g.add_argument("--tp", type=int, default=argparse.SUPPRESS, metavar="K",
                    help="tensor parallelism: K consecutive ranks split each block (Megatron-style) and the "
-                        "ranks / K replicas run ZeRO-1 data parallelism (docs/tensor-parallel.md; default: 1)")
+                        "ranks / K replicas run ZeRO-1 data parallelism (docs/tensor-parallel.md; default: 1; "
+                        "on --resume: the checkpoint's, if the ranks hold it)")
     g.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also write the step rows as TensorBoard scalars to DIR (needs: pip install tensorboardX)")
     g.add_argument("--collective-timeout", type=float, default=0.0, metavar="SECONDS",
@@ -215,30 +222,35 @@ def _run_flags(p) -> None:
                         "buckets started during it")
     g.add_argument("--bucket-mb", type=float, default=1.0, metavar="MB",
                    help="bucket size of the overlapped gradient reduce-scatter (default: 1.0)")
-    g.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=1,
+    g.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=argparse.SUPPRESS,
                    help="ZeRO over the data-parallel group: 1 shards the optimizer state, 2 also the gradients "
                         "(reduced into the shard as the backward makes them), 3 also the parameters (gathered "
-                        "block by block, one ahead) (docs/performance.md; default: 1)")
-    g.add_argument("--reshard", choices=("micro-batch", "step"), default="micro-batch",
+                        "block by block, one ahead) (docs/performance.md; default: 1; on --resume: the checkpoint's)")
+    g.add_argument("--reshard", choices=("micro-batch", "step"), default=argparse.SUPPRESS,
                    help="ZeRO-2/3 with several micro-batches (--grad-accum, --pp): 'micro-batch' gathers a block's "
                         "parameters (stage 3) for each micro-batch's forward and backward and reduce-scatters each "
                         "micro-batch's gradient (least memory); 'step' keeps what the step gathered and accumulates "
                         "the whole gradient through its micro-batches: one gather and one reduce-scatter per step, "
                         "more memory (torchtitan's choice under a pipeline) (docs/composition.md; default: "
-                        "micro-batch)")
-    g.add_argument("--recompute", action="store_true",
+                        "micro-batch; on --resume: the checkpoint's)")
+    g.add_argument("--recompute", action="store_true", default=argparse.SUPPRESS,
                    help="activation checkpointing: keep only each block's input and recompute the block in the "
-                        "backward pass (the same gradients, about a third more compute, far less memory)")
-    g.add_argument("--pp", type=int, default=1, metavar="K",
+                        "backward pass (the same gradients, about a third more compute, far less memory; default: "
+                        "off; on --resume: the checkpoint's)")
+    g.add_argument("--no-recompute", dest="recompute", action="store_false", default=argparse.SUPPRESS,
+                   help="no activation checkpointing (to resume a --recompute run without it)")
+    g.add_argument("--pp", type=int, default=argparse.SUPPRESS, metavar="K",
                    help="pipeline parallelism: the blocks in K contiguous stages on K ranks of the grid's pp axis, "
-                        "the step's --grad-accum micro-batches flowing through them (docs/pipeline.md; default: 1)")
-    g.add_argument("--pp-schedule", choices=("1f1b", "afab"), default=None,
+                        "the step's --grad-accum micro-batches flowing through them (docs/pipeline.md; default: 1; "
+                        "on --resume: the checkpoint's, if the ranks hold it)")
+    g.add_argument("--pp-schedule", choices=("1f1b", "afab"), default=argparse.SUPPRESS,
                    help="the pipeline's order of forwards and backwards: 1f1b (one forward one backward, at most "
                         "K micro-batches of activations per stage) or afab (all forwards, then all backwards: "
-                        "GPipe) (default: 1f1b)")
-    g.add_argument("--pp-layers", type=_counts, default=None, metavar="N,N,...",
+                        "GPipe) (default: 1f1b; on --resume: the checkpoint's)")
+    g.add_argument("--pp-layers", type=_counts, default=argparse.SUPPRESS, metavar="N,N,...",
                    help="blocks per pipeline stage, e.g. 3,3,2 (default: balanced, the first stages taking one "
-                        "more when K does not divide the blocks; fewer on the last stage eases a heavy LM head)")
+                        "more when K does not divide the blocks; fewer on the last stage eases a heavy LM head; "
+                        "'balanced' to say so on --resume, which keeps the checkpoint's)")
     g = p.add_argument_group("test hooks (fault injection, not for training)")
     g.add_argument("--stop-after", type=int, default=0, help="checkpoint and stop after this step, as if preempted (0: off)")
     g.add_argument("--sleep-per-step", type=float, default=0.0, help="sleep this many seconds per step")
@@ -280,7 +292,9 @@ def _fault_flags(p) -> None:
                         "to the end): from step 1, no update is ever applied")
 
 
-def _counts(text: str) -> tuple[int, ...]:
+def _counts(text: str) -> tuple[int, ...] | None:
+    if text == "balanced":
+        return None
     try:
         counts = tuple(int(x) for x in text.split(","))
     except ValueError:
@@ -311,7 +325,7 @@ def parse(argv=None) -> Settings:
         raise ConfigError(f"{error} {HELP}" if syntax else str(error), error.problems)
     resuming = opts.get("resume") is not None
     return Settings(model, train, RunOptions(**opts), explicit if resuming else {**preset, **explicit}, name, deferred,
-                    explicit, preset, (note,) if note and not resuming else ())
+                    explicit, preset, (note,) if note and not resuming else (), frozenset(opts) & set(KEPT))
 
 
 def preset_values(name: str | None, flags: dict) -> tuple[dict, str | None]:

@@ -18,7 +18,7 @@ import os
 import time
 
 from capstone import checkpoint, modes
-from capstone.checkpoint import files, judge, resume, rundir
+from capstone.checkpoint import files, judge, kept, resume, rundir
 from capstone.checkpoint.cadence import Cadence
 from capstone.checkpoint.saver import Checkpointer, RunIdentity
 from capstone.cli import RunOptions, Settings, check_preset
@@ -57,7 +57,7 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
         report.say(note, world.rank)
     ckpt_dir = os.path.join(out, "checkpoints")
     check_parallel_io(world)
-    modes.check(world.size, settings)                 # bad flags: ConfigError, nothing written
+    settings = _checked(world, settings)             # bad flags: ConfigError, nothing written
     if opts.tensorboard:
         from capstone.observe.tensorboard import check_writer
         check_writer(world)
@@ -70,8 +70,8 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
             check_preset(settings, saved["model_config"], saved["train_config"], path)
             if opts.init_from:
                 report.say(f"note: resuming from {path}; --init-from starts a run only, it is not used now", world.rank)
-            settings = settings.on_top_of(saved["model_config"], saved["train_config"])
-            modes.check(world.size, settings)
+            settings, why = _kept_modes(world, settings.on_top_of(saved["model_config"], saved["train_config"]),
+                                        saved.get("modes"))
         elif settings.deferred:   # --resume auto starting fresh: the flags alone must make a valid run
             raise ConfigError(settings.deferred)
         elif opts.init_from:      # fine-tuning: the source's model and weights (capstone.finetune)
@@ -79,7 +79,8 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
         elif settings.train.data and "vocab_size" not in settings.explicit:
             vocab = _agreed(world, lambda: load_meta(settings.train.data).vocab_size)
             settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, vocab_size=vocab))
-        tcfg, dp = settings.train, world.size // (opts.tp * opts.pp)
+        tcfg, opts = settings.train, settings.opts   # the modes kept from a checkpoint too
+        dp = world.size // (opts.tp * opts.pp)
         preflight.check_memory(world, settings.model, dataclasses.replace(tcfg, batch_size=tcfg.batch_for(dp)), opts)
         run = build(world, settings, out, hooks)
         if path is None and opts.init_from:
@@ -88,7 +89,7 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
         for line in settings.notes if path is None else ():
             report.say(line, world.rank)
         run.state.run_id = _agreed(world, lambda: (rundir.occupant(out) or {}).get("run_id") or rundir.new_id())
-        start(run, path, saved["train_config"] if path is not None else None)
+        start(run, path, saved["train_config"] if path is not None else None, why if path is not None else None)
         if world.rank == 0:
             lock.label(claim.lock_fd, run_id=run.state.run_id)
     except (ConfigError, checkpoint.CheckpointError) as exc:
@@ -99,6 +100,27 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
             return None
         raise
     return run
+
+
+def _checked(world: Comm, settings: Settings) -> Settings:
+    """`settings` if the flags make a run the product runs (modes.check), else ConfigError; resuming,
+    the flags' error waits (`deferred`): the checkpoint's modes may complete them (e.g. --pp-layers)."""
+    try:
+        modes.check(world.size, settings)
+    except ConfigError as exc:
+        if settings.opts.resume is None:
+            raise
+        return dataclasses.replace(settings, deferred=settings.deferred or str(exc))
+    return settings
+
+
+def _kept_modes(world: Comm, settings: Settings, saved: dict | None) -> tuple[Settings, dict]:
+    """The checkpoint's modes under the mode flags given (capstone.checkpoint.kept), checked; and
+    why a kept grid axis fell back."""
+    opts, why = kept.layered(settings.opts, saved, settings.modes_given, world.size)
+    settings = dataclasses.replace(settings, opts=opts)
+    modes.check(world.size, settings)
+    return settings, why
 
 
 def _out_dir(opts: RunOptions) -> tuple[str, str | None]:
@@ -134,7 +156,7 @@ def build(world: Comm, settings: Settings, out: str, hooks: Hooks | None = None)
     grid = Grid.build(world, opts.tp, opts.pp)
     batch = tcfg.batch_for(grid.dp.size)
     data, data_identity = open_data(mcfg, tcfg, batch)
-    identity = RunIdentity(mcfg, tcfg, data_identity, batch * tcfg.grad_accum * grid.dp.size)
+    identity = RunIdentity(mcfg, tcfg, data_identity, batch * tcfg.grad_accum * grid.dp.size, kept.of(opts))
     p = modes.make(grid, settings, data, hooks, 1.0 / (identity.global_batch * mcfg.seq_len))
     cadence = Cadence(tcfg, world.rank, opts.stop_after)
     ckpt = Checkpointer(world, os.path.join(out, "checkpoints"), p.full, identity, cadence, p.view, hooks)
@@ -158,12 +180,12 @@ def _hooks(world: Comm, opts: RunOptions) -> Hooks:
     return hooks
 
 
-def start(run: Run, path: str | None = None, saved_train: dict | None = None) -> None:
+def start(run: Run, path: str | None = None, saved_train: dict | None = None, why: dict | None = None) -> None:
     """Collective: call on all ranks. Restore checkpoint `path` (None: measure the starting loss
-    of a fresh run), then open metrics.jsonl."""
+    of a fresh run), then open metrics.jsonl. `why`: the kept modes that fell back, and why."""
     world = run.grid.world
     if path is not None:
-        _resume(run, path, saved_train if saved_train is not None else dataclasses.asdict(run.tcfg))
+        _resume(run, path, saved_train if saved_train is not None else dataclasses.asdict(run.tcfg), why or {})
     else:
         run.state.eval_start = run.state.best_eval = run.heldout.measure()
         run.guard.state.last_eval = run.state.eval_start
@@ -176,7 +198,7 @@ def start(run: Run, path: str | None = None, saved_train: dict | None = None) ->
     run.metrics.write({"event": "start", "run_id": run.state.run_id, "world": world.size, "grid": run.grid.describe(),
                        "start_step": run.state.step, "resumed_from": run.resumed_from, "time": time.time(),
                        "provenance": run.ckpt.provenance, "train_config": dataclasses.asdict(run.tcfg),
-                       "model_config": dataclasses.asdict(run.mcfg)})
+                       "model_config": dataclasses.asdict(run.mcfg), "modes": kept.of(run.opts)})
 
 
 def _agreed(world: Comm, read):
@@ -197,7 +219,7 @@ def check_parallel_io(world: Comm) -> None:
                       "or run on one rank, which writes the same format with serial h5py.")
 
 
-def _resume(run: Run, path: str, saved: dict) -> None:
+def _resume(run: Run, path: str, saved: dict, why: dict) -> None:
     while True:   # a stop's checkpoint the guard rejects on load: the newest older one (capstone.checkpoint.judge)
         shard, state, meta = run.ckpt.load(path)
         run.opt.load_state(shard)
@@ -221,5 +243,6 @@ def _resume(run: Run, path: str, saved: dict) -> None:
     changed = {k: (v, getattr(run.tcfg, k)) for k, v in saved.items() if getattr(run.tcfg, k, v) != v}
     if meta.get("global_batch", run.global_batch) != run.global_batch:   # batch_size x grad_accum x replicas
         changed["global batch (sequences per step)"] = (meta["global_batch"], run.global_batch)
+    changed.update(kept.changes(meta.get("modes"), run.opts, why))
     report.resumed(path, state, meta["world_size"], run.grid.world.size, changed,
                    -1 if run.opts.quiet else run.grid.world.rank)   # --quiet: the final line only

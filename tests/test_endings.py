@@ -113,7 +113,7 @@ def test_a_changed_global_batch_is_listed_on_resume(tmp_path):
     res = mpirun(4, "--out", out, "--resume", "latest", "--steps", 8)
     assert res.returncode == 0, res.stdout + res.stderr
     note = [ln for ln in res.stdout.splitlines() if ln.startswith("note: resuming with changed settings")]
-    assert note and "global batch (sequences per step) 8 -> 16" in note[0] and "steps 20 -> 8" in note[0], note
+    assert note and "global batch (sequences per step): 8 -> 16" in note[0] and "steps: 20 -> 8" in note[0], note
 
 
 def test_a_preset_on_resume_is_refused_when_it_contradicts_the_checkpoint(tmp_path):
@@ -137,4 +137,4 @@ def test_a_warmup_longer_than_the_run_is_refused(tmp_path):
     assert not out.exists()
     assert mpirun(2, "--out", out, "--steps", 40, "--stop-after", 2).returncode == 0
     res = mpirun(2, "--out", out, "--resume", "latest", "--warmup-steps", 30, "--stop-after", 3)
-    assert res.returncode == 0 and "warmup_steps 0 -> 30" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 0 and "warmup_steps: 0 -> 30" in res.stdout, res.stdout + res.stderr

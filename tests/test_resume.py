@@ -173,7 +173,7 @@ def test_resume_past_the_last_step_says_what_to_do(tmp_path):
     assert res.returncode == 2 and "nothing left to do" in res.stderr and "--steps larger than 4" in res.stderr
     res = mpirun(2, "--out", out, "--steps", "6", "--resume", "latest", "--lr", "0.005")
     assert res.returncode == 0, res.stderr
-    assert "resuming with changed settings:" in res.stdout and "lr 0.01 -> 0.005" in res.stdout
+    assert "resuming with changed settings:" in res.stdout and "lr: 0.01 -> 0.005" in res.stdout
     assert summary(out)["final_step"] == 6
 
 

@@ -134,9 +134,10 @@ def test_kill_during_a_stage3_save_then_resume_at_stage_1_on_2_ranks(tmp_path, s
     assert files.read_pointer(str(out / "checkpoints")).endswith(files.final_name(4))
     res = mpirun(1, "-m", "capstone.checkpoint", "verify", out / "checkpoints" / files.final_name(4))
     assert res.returncode == 0, res.stdout + res.stderr
-    res = mpirun(2, "--out", out, *flags, "--grad-accum", 2, "--resume", "latest")
+    res = mpirun(2, "--out", out, *flags, "--grad-accum", 2, "--zero-stage", 1, "--resume", "latest")
     assert res.returncode == 0 and "written by 4 ranks, now 2" in res.stdout, res.stdout + res.stderr
     assert summary(out)["start_step"] == 4 and all(v["ok"] for v in summary(out)["invariants"].values())
+    assert {r["stage"] for r in summary(out)["memory"]["per_rank"]} == {1}   # the flag, not the checkpoint's 3
     close_to(out, stage3)
 
 

@@ -31,10 +31,11 @@ class RunIdentity:
     train: TrainConfig
     data: dict            # the data stream's identity (e.g. seeds and corpus length)
     global_batch: int     # sequences per optimizer step
+    modes: dict = dataclasses.field(default_factory=dict)   # how the run is laid out (capstone.checkpoint.kept)
 
     def to_json(self) -> dict:
         return {"model_config": dataclasses.asdict(self.model), "train_config": dataclasses.asdict(self.train),
-                "data": self.data, "global_batch": self.global_batch}
+                "data": self.data, "global_batch": self.global_batch, "modes": self.modes}
 
     def must_match(self) -> dict:
         """The metadata a checkpoint must hold, key by key, to be resumed by this run."""

@@ -160,7 +160,7 @@ def rolled_back(r, guard_state, adam_t: int, rank: int) -> None:
 def resumed(path: str, state, saved_world: int, world: int, changed: dict, rank: int) -> None:
     if changed:
         say("note: resuming with changed settings: " +
-            ", ".join(f"{k} {a} -> {b}" for k, (a, b) in sorted(changed.items())), rank)
+            ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in sorted(changed.items())), rank)
     say(f"resumed from {path}: step {state.step}, written by {saved_world} ranks, now "
         f"{world}; sample cursor {state.cursor}; logical digests verified", rank)
 
