@@ -79,7 +79,7 @@ class Row:
         flags += ["--deterministic"] if self.det else []
         flags += ["--zero-stage", self.zero] + (["--recompute"] if self.recompute else [])
         flags += [] if self.reshard == "micro-batch" else ["--reshard", self.reshard]
-        flags += [] if self.pp == "off" else ["--pp", self.stages, "--pp-schedule", self.pp.split(":")[1]]
+        flags += ["--pp", 1] if self.pp == "off" else ["--pp", self.stages, "--pp-schedule", self.pp.split(":")[1]]
         flags += {"clean": [], "nan": ["--inject-nan", NAN_STEP], "spike": ["--inject-lr-spike", f"{SPIKE_STEP}:1000"]}[
             self.inject]
         return [str(f) for f in flags]
