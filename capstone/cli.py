@@ -34,7 +34,8 @@ class RunOptions:
     collective_timeout: float = 0.0   # seconds; 0: automatic (capstone.collective.deadline)
     overlap: bool = True              # reduce-scatter in buckets during the backward pass
     bucket_mb: float = 1.0            # bucket size of the overlapped reduce-scatter
-    zero_stage: int = 1               # ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters
+    zero_stage: int = 1               # ZeRO: 0 none (DDP), 1 shards the optimizer state, 2 also the grads, 3 also the params
+    guard_undo: bool = True           # the guard keeps the state before each update to undo a bad one (--no-guard-undo)
     recompute: bool = False           # activation checkpointing: each block recomputed in the backward pass
     reshard: str = "micro-batch"      # ZeRO-2/3: gather and reduce-scatter per micro-batch, or once per step
     pp: int = 1                       # pipeline stages per replica (capstone.parallel.pipeline)
@@ -188,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
                        ("spike_factor", "roll back when a loss exceeds this factor times the last accepted one"),
                        ("max_rollbacks", "stop with an error after this many triggers without an accepted update")):
         _flag(g, name, text)
+    g.add_argument("--no-guard-undo", dest="guard_undo", action="store_false",
+                   help="do not keep the optimizer state from before each update (12 bytes per parameter / N): the "
+                        "guard still skips a bad batch (non-finite or spiking loss or norm) but cannot undo an update; "
+                        "one that makes the state non-finite ends the run (exit 1, no checkpoint of it) "
+                        "(docs/invariants.md; default: undo)")
     _finetune_flags(p)
     _run_flags(p)
     _fault_flags(p)
@@ -222,8 +228,10 @@ def _run_flags(p) -> None:
                         "buckets started during it")
     g.add_argument("--bucket-mb", type=float, default=1.0, metavar="MB",
                    help="bucket size of the overlapped gradient reduce-scatter (default: 1.0)")
-    g.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=argparse.SUPPRESS,
-                   help="ZeRO over the data-parallel group: 1 shards the optimizer state, 2 also the gradients "
+    g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=argparse.SUPPRESS,
+                   help="ZeRO over the data-parallel group: 0 shards nothing (plain data parallelism, DDP: every "
+                        "rank holds the whole optimizer state; the gradient allreduced in buckets), 1 shards the "
+                        "optimizer state, 2 also the gradients "
                         "(reduced into the shard as the backward makes them), 3 also the parameters (gathered "
                         "block by block, one ahead) (docs/performance.md; default: 1; on --resume: the checkpoint's)")
     g.add_argument("--reshard", choices=("micro-batch", "step"), default=argparse.SUPPRESS,

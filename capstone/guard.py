@@ -11,6 +11,12 @@ is needed to agree):
 Evaluation steps include every checkpoint and the last step, so a diverged state never reaches a
 checkpoint or the end of the run, and survives at most into the next step's forward pass. Triggers count as consecutive until an update is accepted again; more
 than `max_consecutive` raise DivergenceError instead of looping.
+
+Without the undo (`undo` False, --no-guard-undo: the optimizer keeps no copy of the state before
+an update, 12 bytes per parameter / N less) only the batch verdict remains: a held-out spike is
+kept (the user loses the undo of a bad update), and an update that leaves any rank's state or the
+held-out loss non-finite raises DivergenceError at once, before anything saves that state (exit 1:
+resume from the last checkpoint).
 """
 
 from __future__ import annotations
@@ -45,8 +51,9 @@ class DivergenceError(RuntimeError):
 class Guard:
     """Batch and update verdicts with bounded consecutive triggers."""
 
-    def __init__(self, spike_factor: float = 2.0, max_consecutive: int = 3, state: GuardState | None = None):
-        self.spike_factor, self.max_consecutive = spike_factor, max_consecutive
+    def __init__(self, spike_factor: float = 2.0, max_consecutive: int = 3, state: GuardState | None = None,
+                 undo: bool = True):
+        self.spike_factor, self.max_consecutive, self.undo = spike_factor, max_consecutive, undo
         self.state = GuardState() if state is None else state  # updated in place (a RunState holds it)
 
     def batch_verdict(self, loss: float, grad_norm: float) -> str | None:
@@ -66,7 +73,7 @@ class Guard:
         if not state_finite or eval_loss is not None and not math.isfinite(eval_loss):
             return "update_nonfinite"
         last = self.state.last_eval
-        if eval_loss is not None and last is not None and eval_loss > self.spike_factor * last:
+        if self.undo and eval_loss is not None and last is not None and eval_loss > self.spike_factor * last:
             return "eval_spike"
         return None
 
@@ -78,10 +85,16 @@ class Guard:
 
     def undoes(self, reason: str) -> bool:
         """Whether a trigger for `reason` must revert the last update (it was applied and is not kept)."""
-        return reason in UPDATE_REASONS or self.state.pending
+        return self.undo and (reason in UPDATE_REASONS or self.state.pending)
 
     def triggered(self, step: int, reason: str) -> None:
-        """Count a trigger; raise DivergenceError past the allowed number without progress."""
+        """Count a trigger; raise DivergenceError past the allowed number without progress, or for a
+        bad update that cannot be undone."""
+        if reason in UPDATE_REASONS and not self.undo:
+            raise DivergenceError(
+                f"step {step}: the update made the optimizer state or the held-out loss non-finite, and "
+                f"--no-guard-undo keeps no copy to undo it; stopping before that state is saved. Resume from the "
+                f"last checkpoint (--resume latest) with a lower --lr or --clip, or without --no-guard-undo.")
         self.state.consecutive += 1
         self.state.pending = False
         if self.state.consecutive > self.max_consecutive:

@@ -222,26 +222,30 @@ def params_identical(mismatches: list[dict], steps_checked: int) -> dict:
             "mismatches": mismatches[:5], "n_mismatches": len(mismatches)}
 
 
-def optimizer_memory(per_rank_bytes: list[int], n_params: int, padded: int, world: int | None = None) -> dict:
-    """(c) measured optimizer bytes of every rank against 12 * padded / N (12 * P / N unpadded).
+def optimizer_memory(per_rank_bytes: list[int], n_params: int, padded: int, world: int | None = None,
+                     replicated: bool = False) -> dict:
+    """(c) measured optimizer bytes of every rank against 12 * padded / N (12 * P / N unpadded), or
+    12 * padded (`replicated`: ZeRO stage 0, the padding below N elements in all).
     With --tp, P and padded are a TP slice's and N is the DP group's size (`world`)."""
     world = len(per_rank_bytes) if world is None else world
-    expected = 12 * padded // world
-    formula = 12 * n_params / world
+    share = 1 if replicated else world
+    expected = 12 * padded // share
+    formula = 12 * n_params / share
     worst = max(abs(b - expected) for b in per_rank_bytes)
-    return {"ok": worst == 0 and expected - formula < 12, "expected_bytes": expected,
+    return {"ok": worst == 0 and expected - formula < 12 * (world if replicated else 1), "expected_bytes": expected,
             "formula_12P_over_N": formula, "padding_bytes_per_rank": expected - formula,
             "measured_bytes": per_rank_bytes, "max_deviation_bytes": worst}
 
 
 def memory(rows: list[dict], world: int) -> dict:
     """(c) from every rank's memory row (capstone.observe.memory.row): measured == formula, per
-    buffer; the optimizer's 12 * P / N for each part of the model (a pipeline stage's P is its own)."""
+    buffer; the optimizer's 12 * P / N for each part of the model (a pipeline stage's P is its own;
+    stage 0 replicates it: N = 1)."""
     from capstone.observe.memory import FIELDS
     parts: dict = {}
     for r in rows:
         parts.setdefault((r["n_params"], r["padded"]), []).append(r["optimizer_bytes"])
-    checks = [optimizer_memory(b, n, p, world) for (n, p), b in parts.items()]
+    checks = [optimizer_memory(b, n, p, world, rows[0]["stage"] == 0) for (n, p), b in parts.items()]
     result = {**checks[0], "ok": all(c["ok"] for c in checks), "measured_bytes": [r["optimizer_bytes"] for r in rows],
               "max_deviation_bytes": max(c["max_deviation_bytes"] for c in checks)}
     if len(checks) > 1:

@@ -74,12 +74,19 @@ def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
     full = Layout.for_model(mcfg, grid.world.size)
     view, params = _initial(grid, mcfg, tcfg, layout, full, stages, sharded=opts.zero_stage == 3)
     reducer = _reducer(grid, layout, settings)
+    if opts.zero_stage == 0:      # plain data parallelism: the whole state replicated (capstone.parallel.zero0)
+        from capstone.parallel import zero0
+        view = zero0.ReplicatedView(grid.dp, layout, view)
+        reducer = zero0.Allgathered(reducer) if tcfg.deterministic else reducer
     seam = _seam(grid, layout, params, reducer, opts.zero_stage, opts.reshard)
     model = Model(mcfg, layout, seam, grid.tp, opts.recompute)
     adam = ZeroAdam
     if opts.zero_stage == 3:      # the parameters are a shard too
         from capstone.parallel.zero3 import ShardedAdam as adam
-    opt = adam(grid.dp, layout, model.params, (tcfg.beta1, tcfg.beta2), tcfg.eps, tcfg.weight_decay, tcfg.clip)
+    elif opts.zero_stage == 0:
+        from capstone.parallel.zero0 import ReplicatedAdam as adam
+    opt = adam(grid.dp, layout, model.params, (tcfg.beta1, tcfg.beta2), tcfg.eps, tcfg.weight_decay, tcfg.clip,
+               undo=opts.guard_undo)
     schedule = Sequential(model, reducer, hooks, scale)
     if grid.pp.size > 1:
         from capstone.parallel.pipeline import Pipeline
@@ -132,11 +139,14 @@ def _reducer(grid: Grid, layout: Layout, settings: Settings) -> GradReducer:
         if opts.overlap and grid.world.rank == 0:
             report.say("note: --deterministic exchanges each micro-batch's gradient after its backward pass, in a "
                        "fixed order; the bucketed overlap (--bucket-mb) does not apply.")
-        grads = layout.zeros() if opts.zero_stage == 1 else None   # ZeRO-2/3: each group's exchanged as made
+        grads = layout.zeros() if opts.zero_stage <= 1 else None   # ZeRO-2/3: each group's exchanged as made
         return det.DeterministicReducer(grid, layout, grads, tcfg.grad_accum)
     floats = int(opts.bucket_mb * 2**20) // 4 if opts.overlap else layout.padded
     if opts.zero_stage == 1 or opts.reshard == "step":   # the whole gradient, reduce-scattered once a step
         return BucketReducer(grid, layout, layout.zeros(), floats, _loss_weight(grid))
+    if opts.zero_stage == 0:      # the same buckets, allreduced (capstone.parallel.zero0)
+        from capstone.parallel.zero0 import AllreduceReducer
+        return AllreduceReducer(grid, layout, layout.zeros(), floats, _loss_weight(grid))
     from capstone.parallel.progress import Progress
     from capstone.parallel.zero2 import ShardedGradReducer
     return ShardedGradReducer(grid, layout, floats, Progress(), _loss_weight(grid))

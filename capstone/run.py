@@ -161,7 +161,7 @@ def build(world: Comm, settings: Settings, out: str, hooks: Hooks | None = None)
     cadence = Cadence(tcfg, world.rank, opts.stop_after)
     ckpt = Checkpointer(world, os.path.join(out, "checkpoints"), p.full, identity, cadence, p.view, hooks)
     state = RunState()
-    guard = Guard(tcfg.spike_factor, tcfg.max_rollbacks, state.guard)
+    guard = Guard(tcfg.spike_factor, tcfg.max_rollbacks, state.guard, opts.guard_undo)
     return Run(grid=grid, mcfg=mcfg, tcfg=tcfg, opts=opts, out=out, model=p.model, opt=p.opt, reducer=p.reducer,
                schedule=p.schedule, data=data, heldout=p.heldout, guard=guard, cadence=cadence, ckpt=ckpt, state=state,
                replicas=p.replicas, hooks=hooks, batch_size=batch, global_batch=identity.global_batch,

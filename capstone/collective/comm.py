@@ -105,6 +105,11 @@ class Comm:
         self.hooks.at("reduce_scatter")
         return self.mpi.Ireduce_scatter(send, recv, counts, op=MPI.SUM)
 
+    def Iallreduce(self, buf: np.ndarray):
+        """Start summing `buf` over the group in place; `wait` for the request (or `Test` it)."""
+        self.hooks.at("allreduce")
+        return self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
     # ---- small values ---------------------------------------------------------------------------
     def sum(self, values, what: str = "allreduce (sums)", kind: str | None = None) -> list[float]:
         """Element-wise sums (float64) of a few numbers over the group."""

@@ -3,6 +3,7 @@ what the formula of its ZeRO stage says they should hold (invariant (c), the mem
 what-if's measured row). P is the padded length of the flat buffer (this rank's tensor-parallel
 slice), N the data-parallel group's size; the shard is P/N elements (`Layout.shard`).
 
+    stage 0: params 4P, grads 4P, reduce 0 (allreduced in place), optimizer 12P, guard 12P
     stage 1: params 4P, grads 4P, reduce 4P/N (+4P staging in tree order), optimizer 12P/N, guard 12P/N
     stage 2: params 4P, grads 4P/N, reduce <= the two largest buckets sent one after the other
     stage 3: params 4P/N, gathered <= the two largest consecutive groups, grads and reduce as stage 2
@@ -12,7 +13,8 @@ slice), N the data-parallel group's size; the shard is P/N elements (`Layout.sha
 
 The transient terms (`gathered`, `reduce` at stages 2-3) are measured as their peak over the run;
 the formula's is the layout's (two consecutive groups or buckets), which the double-buffered
-gather and reduction reach exactly whenever they run.
+gather and reduction reach exactly whenever they run. The guard's term is the optimizer's again
+(the state before the last update, what an undo restores), 0 with --no-guard-undo.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class ModelStates:
     grads: int       # the gradient kept across the step (the flat buffer, or the shard at stages 2-3)
     reduce: int      # the reduction's own buffers (receive shard, staging, buckets in flight, rows)
     optimizer: int   # fp32 master, Adam m and v of the shard
-    guard: int       # the optimizer state before the last update (the guard's exact undo)
+    guard: int       # the optimizer state before the last update (the guard's exact undo; 0: --no-guard-undo)
 
     @property
     def total(self) -> int:
@@ -51,7 +53,7 @@ def measured(run) -> ModelStates:
     grads = model.grads.nbytes if own_grads else reducer.grad_shard.nbytes
     return ModelStates(model.params.nbytes, model.seam.gathered_peak(), grads,
                        reducer.nbytes() - (0 if own_grads else reducer.grad_shard.nbytes),
-                       opt.state.nbytes, opt.before.nbytes)
+                       opt.state.nbytes, opt.before_nbytes())
 
 
 def formula(run) -> ModelStates:
@@ -64,7 +66,7 @@ def formula(run) -> ModelStates:
     grads = zero_row(1, layout.padded, run.grid.dp.size).grads_bytes if whole else row.grads_bytes
     reduce = run.reducer.bound(accum) - (0 if run.model.grads is not None else grads)
     return ModelStates(row.params_bytes, run.model.seam.gathered_bound(), grads, reduce,
-                       row.optimizer_bytes, row.optimizer_bytes)
+                       row.optimizer_bytes, row.optimizer_bytes if run.opts.guard_undo else 0)
 
 
 def row(run) -> dict:

@@ -45,10 +45,13 @@ class BucketReducer(GradReducer):
     """Sum `grads` over the data-parallel group into `grad_shard`, bucket by bucket (see the
     module). `bucket_floats` >= the buffer: one bucket, started after the backward pass."""
 
+    tree = True                              # sum in recursive-halving order (a power-of-2 world)
+    op, collective = "reduce_scatter", "reduce-scatter"
+
     def __init__(self, grid, layout: Layout, grads, bucket_floats: int, loss_weight: float = 1.0):
         super().__init__(grid, layout, grads, loss_weight)
         dp, rank = grid.dp, grid.dp.rank
-        self.order = tree_order(dp.size)
+        self.order = tree_order(dp.size) if self.tree else list(range(dp.size))
         if self.order == sorted(self.order):
             self.comm, self.staging = dp, None
         else:
@@ -97,17 +100,20 @@ class BucketReducer(GradReducer):
             self.pending.popleft()
 
     def _start(self, k: int) -> None:
-        b = self.buckets[k]
+        req = self._reduce(self.buckets[k])
+        self.requests.append(req)
+        self.pending.append(req)
+        self.next = k - 1
+
+    def _reduce(self, b) -> object:
+        """Start bucket b's collective: its reduce-scatter into this rank's piece of `grad_shard`."""
         if self.staging is None:
             send = self.grads[b.a:b.b]
         else:
             for dst, src in b.copies:
                 self.staging[dst] = self.grads[src]
             send = self.staging[b.a:b.b]
-        req = self.comm.Ireduce_scatter(send, self.grad_shard[b.recv], b.counts)
-        self.requests.append(req)
-        self.pending.append(req)
-        self.next = k - 1
+        return self.comm.Ireduce_scatter(send, self.grad_shard[b.recv], b.counts)
 
     def finish(self, losses: list[float], flags: Flags) -> GradStats:
         """Start what is left (bucket 0, and any bucket the backward pass did not complete), wait
@@ -115,9 +121,9 @@ class BucketReducer(GradReducer):
         self.watching = False
         while self.next >= 0:
             self._start(self.next)
-        what = "reduce-scatter of the gradient" + (f" ({len(self.buckets)} buckets, {self.overlapped} started "
+        what = f"{self.collective} of the gradient" + (f" ({len(self.buckets)} buckets, {self.overlapped} started "
                                                    f"during backward)" if len(self.buckets) > 1 else "")
-        self.comm.wait(self.requests, what, "reduce_scatter", "reduce_scatter", self.grads.nbytes)
+        self.comm.wait(self.requests, what, self.op, self.op, self.grads.nbytes)
         self._reset()
         return self.stats(sum(losses), flags)
 

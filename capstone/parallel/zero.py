@@ -4,7 +4,9 @@
 nothing else: the reduced gradient shard comes from the gradient reducer
 (capstone.parallel.reduce), Adam updates the shard, and the updated shard is allgathered into the
 flat parameter buffer in place. `revert` undoes the last update bit for bit (the divergence
-guard). Per-rank optimizer memory is 12 * padded / dp bytes.
+guard). Per-rank optimizer memory is 12 * padded / dp bytes, and as much again for the state
+before the last update (`before`, what `revert` restores) unless `undo` is False: then the update
+runs in place, `before` is None and nothing can be undone (--no-guard-undo).
 """
 
 from __future__ import annotations
@@ -23,20 +25,24 @@ class ZeroAdam:
     flat parameter buffer of `layout`, whose shard [lo, hi) this rank updates."""
 
     def __init__(self, dp, layout: Layout, params: np.ndarray, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                 clip: float = 0.0):
+                 clip: float = 0.0, undo: bool = True):
         """Collective: call on all ranks of `dp`. Broadcasts its rank 0's parameters (DDP-style, once)."""
         if layout.world != dp.size:
             raise ValueError(f"layout is padded for {layout.world} ranks but the data-parallel group has {dp.size}")
         self.dp, self.layout, self.params = dp, layout, params
-        self.lo, self.hi = layout.shard_range(dp.rank)
+        self.lo, self.hi = self._range(layout, dp.rank)
         self.beta1, self.beta2, self.eps, self.weight_decay = float(betas[0]), float(betas[1]), float(eps), float(weight_decay)
         self.clip = float(clip)   # the global gradient norm is clipped to this (0: off)
         master = self._adopt(params)
         self.state = ShardState(master, np.zeros_like(master), np.zeros_like(master))
-        self.before = ShardState(*(np.zeros_like(master) for _ in ROWS))  # the state before the last apply
+        self.before = ShardState(*(np.zeros_like(master) for _ in ROWS)) if undo else None  # before the last apply
         self.revertible = False                                            # `before` may be restored
         self.no_decay = no_decay_runs(layout, self.lo, self.hi, ADAM_CHUNK) if weight_decay > 0 else None
         self._scratch = np.empty((2, ADAM_CHUNK), dtype=np.float32)
+
+    def _range(self, layout: Layout, rank: int) -> tuple[int, int]:
+        """The elements [lo, hi) of the flat buffer this rank updates: its shard."""
+        return layout.shard_range(rank)
 
     def _adopt(self, params: np.ndarray) -> np.ndarray:
         """Check `params`, make it the same on every rank and return a copy of this rank's shard."""
@@ -50,18 +56,19 @@ class ZeroAdam:
         return self.state.nbytes
 
     def before_nbytes(self) -> int:
-        """Bytes of the state kept from before the last update (what `revert` restores)."""
-        return self.before.nbytes
+        """Bytes of the state kept from before the last update (what `revert` restores; 0: no undo)."""
+        return 0 if self.before is None else self.before.nbytes
 
     def apply(self, grad_shard: np.ndarray, lr: float, norm: float) -> float:
         """Collective: call on all ranks. Adam on the local shard with the reduced gradient shard,
         scaled in place by clip / norm when `norm` (the whole gradient's) exceeds `clip`, then
         allgather the shard into `params`; returns the norm after clipping. The update reads
         `state` and writes the spare arrays, which then become `state`: the state before it stays
-        intact in `before` for `revert`, without a copy."""
+        intact in `before` for `revert`, without a copy (no `before`: in place, the same bits)."""
         clip = self.clip if 0 < self.clip < norm else 0.0
         grad_scale = clip / norm if clip else 1.0
-        old, new = self.state, self.before
+        old = self.state
+        new = old if self.before is None else self.before
         new.t = old.t + 1
         b1, b2 = self.beta1, self.beta2
         k = (np.float32(grad_scale), np.float32(b1), np.float32(1 - b1), np.float32(b2), np.float32(1 - b2),
@@ -69,7 +76,8 @@ class ZeroAdam:
              np.float32(lr / (1 - b1 ** new.t)))
         for lo in range(0, old.master.size, ADAM_CHUNK):
             self._adam_chunk(grad_shard, slice(lo, lo + ADAM_CHUNK), old, new, *k)
-        self.state, self.before, self.revertible = new, old, True
+        if self.before is not None:
+            self.state, self.before, self.revertible = new, old, True
         self._publish()
         return clip or norm
 
