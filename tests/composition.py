@@ -34,10 +34,11 @@ AXES = {
     "det": (False, True),
     "inject": ("clean", "nan", "spike"),
     "resume": (False, True),
-    "zero": (1, 2, 3),
+    "zero": (0, 1, 2, 3),
     "recompute": (False, True),
     "pp": ("off", "2:1f1b", "2:afab", "4:1f1b", "4:afab"),    # pipeline stages and schedule
     "reshard": ("micro-batch", "step"),                       # ZeRO-2/3: gather and reduce per micro-batch or step
+    "undo": (True, False),    # the guard's undo copy (False: --no-guard-undo)
 }
 
 
@@ -54,6 +55,7 @@ class Row:
     recompute: bool = False
     pp: str = "off"
     reshard: str = "micro-batch"
+    undo: bool = True
 
     @property
     def stages(self) -> int:
@@ -70,6 +72,7 @@ class Row:
                 f"{'det' if self.det else 'default'}-{self.inject}-zero{self.zero}"
                 + ("-recompute" if self.recompute else "") + ("" if self.pp == "off" else f"-pp{self.pp.replace(':', '-')}")
                 + ("" if self.reshard == "micro-batch" else f"-reshard-{self.reshard}")
+                + ("" if self.undo else "-no-undo")
                 + (f"-stop{STOP_AT}-resume-{self.resumed_on()}" if self.resume else ""))
 
     def flags(self) -> list:
@@ -79,6 +82,7 @@ class Row:
         flags += ["--deterministic"] if self.det else []
         flags += ["--zero-stage", self.zero] + (["--recompute"] if self.recompute else [])
         flags += [] if self.reshard == "micro-batch" else ["--reshard", self.reshard]
+        flags += [] if self.undo else ["--no-guard-undo"]
         flags += ["--pp", 1] if self.pp == "off" else ["--pp", self.stages, "--pp-schedule", self.pp.split(":")[1]]
         flags += {"clean": [], "nan": ["--inject-nan", NAN_STEP], "spike": ["--inject-lr-spike", f"{SPIKE_STEP}:1000"]}[
             self.inject]
@@ -87,7 +91,8 @@ class Row:
     def resumed_on(self) -> str:
         """The other grid a stopped row resumes on: another world size (with the same micro-batch,
         so that a deterministic row stays bit-identical), tensor parallelism kept where it fits,
-        and another ZeRO stage (1 after 2 or 3; 3 after 1 where the row's modes allow it)."""
+        and another ZeRO stage (0 after 3, 1 after 2; 3 after 0 or 1 where the row's modes allow it, else
+        1 after 0 and 0 after 1)."""
         again = self.resumed()
         return (f"n{again.world}-tp{again.tp}-acc{again.accum}-zero{again.zero}"
                 + ("" if again.pp == "off" else f"-pp{again.stages}"))
@@ -99,7 +104,7 @@ class Row:
         pp = self.pp if world % (tp * self.stages) == 0 else "off"
         dp = world // (tp * (1 if pp == "off" else self.stages))
         accum = self.blocks // dp if self.blocks % dp == 0 else accum    # the same per-rank micro-batch
-        zero = 1 if self.zero > 1 or self.det or not self.overlap or pp != "off" else 3
+        zero = {3: 0, 2: 1}.get(self.zero, 1 - self.zero if self.det or not self.overlap or pp != "off" else 3)
         return dataclasses.replace(self, world=world, tp=tp, accum=accum, zero=zero, pp=pp, resume=False,
                                    reshard="micro-batch" if zero < 2 else self.reshard)
 
@@ -114,7 +119,7 @@ def det_partner(row: Row) -> Row | None:
         if other != dp and blocks % other == 0 and other * parts in AXES["world"]:
             overlap = not row.overlap
             return Row(other * parts, row.tp, blocks // other, overlap, True, row.inject, False, row.zero,
-                       not row.recompute, row.pp, row.reshard)
+                       not row.recompute, row.pp, row.reshard, row.undo)
     return None
 
 

@@ -2,14 +2,16 @@
 modes in some row, each row against the 1-rank run of the same global batch and injections.
 
 A row the product refuses must be refused at start (exit 2, its reason, nothing written). Every
-other row must complete with its invariants and match the 1-rank run at every step: loss,
-grad_norm, eval_loss and param_norm (whole-model values) within 1e-5 relative, the same steps
-accepted and the same samples. A deterministic row is also bit-identical to the same mode on
+other row must complete with its invariants (without the guard's undo: end as the 1-rank run with
+--no-guard-undo does, an lr spike it cannot take back failing invariant (a)) and match the 1-rank
+run at every step: loss, grad_norm, eval_loss and param_norm (whole-model values) within 1e-5
+relative, the same steps accepted and the same samples. A deterministic row is also bit-identical to the same mode on
 another data-parallel layout with the same per-rank micro-batch. A failing row prints the
 commands that reproduce it. CI runs the seeded all-pairs rows; `scripts/composition-matrix`
 runs every row (CAPSTONE_MATRIX=full).
 """
 
+import json
 import os
 import shlex
 import subprocess
@@ -55,29 +57,46 @@ def commands(row: mx.Row, out) -> list[list[str]]:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """The 1-rank run of the global batch in one micro-batch, per injection (made when first needed,
-    once for all pytest-xdist workers: conftest.made_once)."""
+    """The 1-rank run of the global batch in one micro-batch, per injection and guard undo (made when
+    first needed, once for all pytest-xdist workers: conftest.made_once). Without the undo an
+    update the guard cannot take back (the lr spike) ends the run failed, invariant (a): a row must
+    end the same way."""
     made = {}
 
-    def get(inject: str):
-        if inject not in made:
+    def get(inject: str, undo: bool = True):
+        if (inject, undo) not in made:
+            name = inject + ("" if undo else "-no-undo")
+
             def make(base):
-                out = base / inject
-                row = mx.Row(1, 1, 1, False, False, inject, False)
+                out = base / name
+                row = mx.Row(1, 1, 1, False, False, inject, False, undo=undo)
                 res = launch(commands(row, out))[-1]
-                return {"returncode": res.returncode, "output": res.stdout + res.stderr,
-                        "rows": step_rows(out) if res.returncode == 0 else None}
-            ref = made_once(tmp_path_factory, f"composition-reference-{inject}", make)
-            assert ref["returncode"] == 0, ref["output"]
-            made[inject] = ref["rows"]
-        return made[inject]
+                return {"returncode": res.returncode, "output": res.stdout + res.stderr, "ending": ending(out),
+                        "rows": step_rows(out) if res.returncode in (0, 1) else None}
+            ref = made_once(tmp_path_factory, f"composition-reference-{name}", make)
+            assert ref["returncode"] == 0 or not undo and ref["ending"] == ["a_loss_monotone"], ref["output"]
+            made[(inject, undo)] = ref
+        return made[(inject, undo)]
     return get
 
 
-def same_run(got: list, want: list, where: str) -> None:
+def ending(out) -> list | None:
+    """The invariants a finished run failed ([] if none; None: no summary)."""
+    path = os.path.join(out, "summary.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        invariants = json.load(f).get("invariants") or {}
+    return sorted(k for k, v in invariants.items() if not v.get("ok"))
+
+
+def same_run(got: list, want: list, where: str, upto: int = mx.STEPS) -> None:
+    """Every step's verdict and samples; the numbers of steps 1..`upto`."""
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, mx.STEPS + 1)), where
     for g, w in zip(got, want):
         assert (g["accepted"], g["samples"]) == (w["accepted"], w["samples"]), f"step {g['step']}\n{where}"
+        if g["step"] > upto:
+            continue
         for key in KEYS:
             a, b = g[key], w[key]
             if isinstance(a, float) and isinstance(b, float):
@@ -98,15 +117,21 @@ def test_row(row, references, tmp_path):
         assert results[0].returncode == 2 and reason in results[0].stderr, f"{where}\n{text[-3000:]}"
         assert results[0].stderr.count("error:") == 1 and not out.exists(), f"{where}\n{text[-3000:]}"
         return
-    assert results[-1].returncode == 0 and len(results) == len(cmds), f"{where}\n{text[-3000:]}"
+    want = references(row.inject, row.undo)
+    # the reference failed (a) (an lr spike kept without the undo): so must the row, but a resumed
+    # row's last segment (steps 5-8) holds too few evaluations for (a)'s jump test to see the spike
+    endings = [(want["returncode"], want["ending"])] + [(0, [])] * (row.resume and want["returncode"] == 1)
+    assert (results[-1].returncode, ending(out)) in endings and len(results) == len(cmds), f"{where}\n{text[-3000:]}"
     got = step_rows(out)
-    same_run(got, references(row.inject), where)
+    # a kept x1000 update (the lr spike without the undo) amplifies the 1e-6 differences of another
+    # summation order chaotically: the numbers after it are not comparable, its verdicts are
+    same_run(got, want["rows"], where, mx.SPIKE_STEP if row.inject == "spike" and not row.undo else mx.STEPS)
     if row.det:   # bit-identical to another data-parallel layout of the same tp, pp and per-rank micro-batch
         partner = mx.det_partner(row)
         if partner is not None:
             pcmds = commands(partner, tmp_path / "partner")
             res = launch(pcmds)[-1]
-            assert res.returncode == 0, res.stdout + res.stderr
+            assert res.returncode in {e[0] for e in endings}, res.stdout + res.stderr
             # a resume onto other parts (tp or pp dropped) or another micro-batch is the same to 1e-5 only
             again = row.resumed() if row.resume else row
             upto = mx.STEPS if (again.tp, again.pp, again.blocks) == (row.tp, row.pp, row.blocks) else mx.STOP_AT
