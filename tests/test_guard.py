@@ -261,3 +261,52 @@ def test_state_finiteness_sees_one_bad_value_anywhere(bad):
             assert ShardState(*arrays).finite()
             arrays[row][i] = bad
             assert not ShardState(*arrays).finite(), (row, i)
+
+
+def test_guard_without_the_undo_judges_the_batch_only():
+    """--no-guard-undo: the batch's verdicts stay; a held-out spike is kept (nothing can undo it);
+    a non-finite update cannot be taken back, so it ends the run."""
+    g = Guard(spike_factor=2.0, max_consecutive=3, undo=False)
+    g.accept(3.0, 2.5)
+    assert g.batch_verdict(6.5, 1.0) == "loss_spike" and g.batch_verdict(1.0, float("nan")) == "grad_nonfinite"
+    assert g.update_verdict(5.1, True) is None and g.update_verdict(1.0, False) == "update_nonfinite"
+    g.accept(3.0, None)   # an update not judged on the held-out set: a later bad batch cannot undo it either
+    assert not g.undoes("loss_spike") and not g.undoes("update_nonfinite")
+    g.triggered(8, "loss_spike")
+    with pytest.raises(Exception, match="step 9: the update made the optimizer state .* --no-guard-undo"):
+        g.triggered(9, "update_nonfinite")
+
+
+def test_adam_without_the_undo_copy_updates_in_place_to_the_same_bits():
+    from capstone.collective.launch import serial
+    from capstone.model.params import Layout
+    from capstone.parallel.grid import Grid
+    from capstone.parallel.zero import ZeroAdam
+    layout = Layout.for_model(ModelConfig(vocab_size=5, seq_len=2, d_model=4, n_heads=1, n_layers=1), 1)
+    grid, rng = Grid.build(serial()), np.random.default_rng(0)
+    start = rng.standard_normal(layout.padded).astype(np.float32)
+    opts = [ZeroAdam(grid.dp, layout, start.copy(), weight_decay=0.1, undo=undo) for undo in (True, False)]
+    assert opts[1].before is None and opts[1].before_nbytes() == 0 < opts[0].before_nbytes()
+    for _ in range(3):
+        g = rng.standard_normal(layout.padded).astype(np.float32)
+        for opt in opts:
+            opt.apply(g.copy(), 1e-2, 1.0)
+    assert opts[0].params.tobytes() == opts[1].params.tobytes() and opts[0].state.t == opts[1].state.t == 3
+
+
+def test_no_undo_overflowing_update_ends_the_run_before_anything_keeps_it(tmp_path):
+    """--no-guard-undo, lr 1e41 at step 10 (a checkpoint step of 5, 10...): the state turns non-finite and
+    cannot be restored, so the run stops in that step (exit 1, status diverged, the reason once);
+    no checkpoint of step 10 or later exists and the ones before it are finite."""
+    out = tmp_path / "run"
+    res = mpirun(2, "--out", out, "--no-guard-undo", "--inject-lr-spike", "10:1e41", "--ckpt-every", "5")
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert res.stderr.count("--no-guard-undo keeps no copy to undo it") == 1, res.stderr
+    s = summary(out)
+    assert s["status"] == "diverged" and s["final_step"] == 10
+    assert all(np.isfinite(m["param_norm"]) for m in metrics(out)) and max(m["step"] for m in metrics(out)) < 10
+    saved = sorted((out / "checkpoints").glob("ckpt-*.h5"))
+    assert [p.name for p in saved] == ["ckpt-00000005.h5"]
+    for path in saved:
+        with h5py.File(path, "r") as f:
+            assert all(np.isfinite(f[f"shards/rank{r:05d}"][...]).all() for r in range(2))

@@ -75,6 +75,10 @@ def test_optimizer_memory():
     too_few = invariants.optimizer_memory([12 * padded // N] * 3 + [8 * padded // N], P, padded)
     assert not too_few["ok"] and too_few["max_deviation_bytes"] == 4 * padded // N
     assert not invariants.optimizer_memory([12 * padded // N - 4] * N, P, padded)["ok"]
+    # stage 0 replicates the state: 12 * padded on every rank, and a shard is then too little
+    assert invariants.optimizer_memory([12 * padded] * N, P, padded, N, replicated=True)["ok"]
+    assert not invariants.optimizer_memory([12 * padded // N] * N, P, padded, N, replicated=True)["ok"]
+    assert not invariants.optimizer_memory([12 * (P + N)] * N, P, P + N, N, replicated=True)["ok"], "padding >= N"
 
 
 def test_resume_bytes_and_failure_lines():
