@@ -1,4 +1,4 @@
-"""ZeRO-2/3 and --recompute beyond the composition matrix (which proves their numbers against the
+"""ZeRO-0/2/3 and --recompute beyond the composition matrix (which proves their numbers against the
 1-rank run): the memory they save, measured (tracemalloc, which NumPy reports to) against the
 formulas of capstone.observe.memory; checkpoints across stages and world sizes; a kill -9 during
 a stage-3 save; gradients of --recompute bit-identical to the plain blocks'.
@@ -162,6 +162,45 @@ def test_stage_2_with_merged_buckets_and_accumulation_matches_stage_1(tmp_path):
         assert res.returncode == 0, res.stdout + res.stderr
     close_to(runs["merged"], runs["one"])
     close_to(runs["alone"], runs["one"])
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    """The matrix's model (4 blocks, several buckets at --bucket-mb 0.02) on 1 rank, 8 steps."""
+    out = tmp_path_factory.mktemp("one") / "run"
+    assert mpirun(1, "--out", out, *STAGE0).returncode == 0
+    return out
+
+
+STAGE0 = ["--steps", 8, "--ckpt-every", 4, "--global-batch", 96, "--n-layers", 4, "--bucket-mb", 0.02]
+
+
+@pytest.mark.parametrize("ranks, flags", [(4, ["--grad-accum", 2]), (3, ["--no-overlap"])])
+def test_stage_0_allreduces_in_buckets_like_the_1_rank_run(tmp_path, one_rank, ranks, flags):
+    """Plain data parallelism (the gradient allreduced bucket by bucket during the backward pass, a
+    power-of-2 and another data-parallel size, one bucket): the 1-rank run within 1e-5, every rank
+    holding the whole optimizer state (invariant (c)), the replicas identical (b)."""
+    out = tmp_path / "run"
+    res = mpirun(ranks, "--out", out, *STAGE0, "--zero-stage", 0, *flags)
+    assert res.returncode == 0, res.stdout + res.stderr
+    s = summary(out)
+    assert all(v["ok"] for v in s["invariants"].values())
+    padded = s["memory"]["per_rank"][0]["padded"]
+    assert [r["optimizer_bytes"] for r in s["memory"]["per_rank"]] == [12 * padded] * ranks
+    assert "allreduce" in s["comm"] and "reduce_scatter" not in s["comm"] and "allgather" not in s["comm"]
+    close_to(out, one_rank)
+
+
+def test_stage_0_checkpoints_resume_at_other_stages_and_sizes(tmp_path, one_rank):
+    """A stage-0 checkpoint is stage 1's file: it resumes at stage 3 on 2 ranks; a stage-1
+    checkpoint resumes at stage 0 on 4 ranks; both continue the 1-rank run."""
+    for name, (n, first), (m, then) in (("zero0", (3, 0), (2, 3)), ("zero1", (2, 1), (4, 0))):
+        out = tmp_path / name
+        assert mpirun(n, "--out", out, *STAGE0, "--zero-stage", first, "--stop-after", 4).returncode == 0
+        res = mpirun(m, "--out", out, *STAGE0, "--zero-stage", then, "--resume", "latest")
+        assert res.returncode == 0 and f"now {m}" in res.stdout, res.stdout + res.stderr
+        assert all(v["ok"] for v in summary(out)["invariants"].values())
+        close_to(out, one_rank)
 
 
 def memory_cgroup(tmp_name: str, limit: int):
