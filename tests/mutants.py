@@ -394,6 +394,24 @@ MUTANTS = [
            ("tests/test_composition.py::test_row[n2-tp1-acc2-overlap-default-clean-zero2-reshard-step]",),
            "--reshard step at ZeRO-2 still reduce-scatters every micro-batch (the memory its formula states is not "
            "what it holds)"),
+    # ---- issue 35: ZeRO stage 0 and the guard without its undo copy ---------------------------------
+    Mutant("zero0/norm-of-the-whole-replicated-buffer", "capstone/parallel/zero0.py",
+           "sum_squares(self.grads[self.lo:self.hi], self.norm_weight)", "sum_squares(self.grads, None)",
+           ("tests/test_zero_stages.py::test_stage_0_allreduces_in_buckets_like_the_1_rank_run",),
+           "stage 0's norm over the whole replicated gradient on every rank: counted N times (clip, guard)"),
+    Mutant("zero0/first-value-of-each-bucket-not-summed", "capstone/parallel/zero0.py",
+           "return self.comm.Iallreduce(self.grads[b.a:b.b])", "return self.comm.Iallreduce(self.grads[b.a + 1:b.b])",
+           ("tests/test_zero_stages.py::test_stage_0_allreduces_in_buckets_like_the_1_rank_run",),
+           "an off-by-one bucket: the replicas update one value per bucket with their own gradient"),
+    Mutant("guard/no-undo-keeps-a-non-finite-update", "capstone/guard.py",
+           "        if reason in UPDATE_REASONS and not self.undo:\n            raise DivergenceError(",
+           "        if False:\n            raise DivergenceError(",
+           ("tests/test_guard.py::test_no_undo_overflowing_update_ends_the_run_before_anything_keeps_it",),
+           "--no-guard-undo: a non-finite update is kept, trained on and checkpointed"),
+    Mutant("zero/no-undo-still-keeps-the-copy", "capstone/parallel/zero.py",
+           "for _ in ROWS)) if undo else None", "for _ in ROWS))",
+           ("tests/test_guard.py::test_adam_without_the_undo_copy_updates_in_place_to_the_same_bits",),
+           "--no-guard-undo still allocates the 12 bytes per parameter / N it promises to drop"),
 
     # ---- pipeline --------------------------------------------------------------------------------
     Mutant("pipeline/1f1b-one-warm-up-forward-too-many", "capstone/parallel/pipeline.py",

@@ -32,7 +32,7 @@ TRAIN_STEP_LINES = 35
 MODULE_LINES = 400
 PACKAGE = os.path.join(ROOT, "capstone")
 OPTIONAL = ("capstone.parallel.tensor", "capstone.parallel.deterministic", "capstone.parallel.pipeline",
-            "capstone.parallel.zero2", "capstone.parallel.zero3", "capstone.parallel.progress",
+            "capstone.parallel.zero0", "capstone.parallel.zero2", "capstone.parallel.zero3", "capstone.parallel.progress",
             "capstone.model.recompute", "capstone.faults", "capstone.plot", "capstone.observe.tensorboard", "benchmarks", "torch",
             "matplotlib", "tensorboardX")
 
