@@ -34,7 +34,7 @@ class RunOptions:
     collective_timeout: float = 0.0   # seconds; 0: automatic (capstone.collective.deadline)
     overlap: bool = True              # reduce-scatter in buckets during the backward pass
     bucket_mb: float = 1.0            # bucket size of the overlapped reduce-scatter
-    zero_stage: int = 1               # ZeRO: 0 none (DDP), 1 shards the optimizer state, 2 also the grads, 3 also the params
+    zero_stage: int = 1               # ZeRO: 0 none (DDP), 1 shards the optimizer state, 2 also grads, 3 also params
     guard_undo: bool = True           # the guard keeps the state before each update to undo a bad one (--no-guard-undo)
     recompute: bool = False           # activation checkpointing: each block recomputed in the backward pass
     reshard: str = "micro-batch"      # ZeRO-2/3: gather and reduce-scatter per micro-batch, or once per step
