@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not keep the optimizer state from before each update (12 bytes per parameter / N): the "
                         "guard still skips a bad batch (non-finite or spiking loss or norm) but cannot undo an update; "
                         "one that makes the state non-finite ends the run (exit 1, no checkpoint of it) "
-                        "(docs/invariants.md; default: undo)")
+                        "(docs/design.md, the divergence guard; default: undo)")
     _finetune_flags(p)
     _run_flags(p)
     _fault_flags(p)
