@@ -220,12 +220,12 @@ def memory(steps: int) -> None:
     held, peak_alloc = activation_bytes(st)
     m, opt = st.model, st.opt
     parts = {"params": m.params.nbytes, "grads": m.grads.nbytes + st.reducer.grad_shard.nbytes,
-             "optimizer state": opt.optimizer_nbytes() + opt.before_nbytes(), "activations": held}
+             "optimizer state": opt.state.nbytes + opt.before_nbytes(), "activations": held}
     budget = sum(parts.values())
     mib = lambda b: f"{b / 2**20:.1f}"  # noqa: E731
     print(f"memory of one rank at medium (C256 H8 L4 T128 B8 V256), {steps} training steps; {_load()}")
     print("  " + ", ".join(f"{k} {mib(v)}" for k, v in parts.items()) + f" MiB: sum {mib(budget)} MiB (the optimizer "
-          f"state is ZeroAdam's shard state, {mib(opt.optimizer_nbytes())}, and the spare it writes the update into, "
+          f"state is ZeroAdam's shard state, {mib(opt.state.nbytes)}, and the spare it writes the update into, "
           f"which keeps the state before the last update for the guard's undo)")
     print(f"  forward+backward allocates at most {mib(peak_alloc)} MiB at once (activations + backward "
           f"temporaries, tracemalloc)")

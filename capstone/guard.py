@@ -1,22 +1,15 @@
 """Divergence guard: decide, from globally agreed numbers, whether a step is kept.
 
-Each step is judged twice, on numbers every rank holds identically (so no further communication
-is needed to agree):
+Each step is judged twice, on numbers every rank holds identically (no further communication):
 - the batch, before the update: a non-finite training loss or gradient, or a training loss above
   `spike_factor` x the last accepted one, skips the batch; if the previous update was not judged
   on the held-out set (`pending`), it is undone too, since this batch is the first to see it;
 - the update, right after it: if any rank's master/m/v is non-finite, or (on evaluation steps)
-  the held-out loss rose above `spike_factor` x the last accepted one, the update is undone: the
-  optimizer restores the shard state from before it (`ZeroAdam.revert`).
-Evaluation steps include every checkpoint and the last step, so a diverged state never reaches a
-checkpoint or the end of the run, and survives at most into the next step's forward pass. Triggers count as consecutive until an update is accepted again; more
-than `max_consecutive` raise DivergenceError instead of looping.
-
-Without the undo (`undo` False, --no-guard-undo: the optimizer keeps no copy of the state before
-an update, 12 bytes per parameter / N less) only the batch verdict remains: a held-out spike is
-kept (the user loses the undo of a bad update), and an update that leaves any rank's state or the
-held-out loss non-finite raises DivergenceError at once, before anything saves that state (exit 1:
-resume from the last checkpoint).
+  the held-out loss rose above `spike_factor` x the last accepted one, the update is undone
+  (`ZeroAdam.revert`). Evaluation steps include every checkpoint and the last step, so a diverged
+  state reaches no checkpoint nor the run's end (at most the next forward pass). Triggers count as
+  consecutive until an update is accepted again; more than `max_consecutive` raise DivergenceError.
+Without the undo (--no-guard-undo) a held-out spike is kept; a non-finite update raises DivergenceError.
 """
 
 from __future__ import annotations
@@ -51,8 +44,7 @@ class DivergenceError(RuntimeError):
 class Guard:
     """Batch and update verdicts with bounded consecutive triggers."""
 
-    def __init__(self, spike_factor: float = 2.0, max_consecutive: int = 3, state: GuardState | None = None,
-                 undo: bool = True):
+    def __init__(self, spike_factor: float = 2.0, max_consecutive: int = 3, state: GuardState | None = None, undo=True):
         self.spike_factor, self.max_consecutive, self.undo = spike_factor, max_consecutive, undo
         self.state = GuardState() if state is None else state  # updated in place (a RunState holds it)
 
@@ -88,13 +80,11 @@ class Guard:
         return self.undo and (reason in UPDATE_REASONS or self.state.pending)
 
     def triggered(self, step: int, reason: str) -> None:
-        """Count a trigger; raise DivergenceError past the allowed number without progress, or for a
-        bad update that cannot be undone."""
+        """Count a trigger; raise DivergenceError past the allowed number without progress."""
         if reason in UPDATE_REASONS and not self.undo:
-            raise DivergenceError(
-                f"step {step}: the update made the optimizer state or the held-out loss non-finite, and "
-                f"--no-guard-undo keeps no copy to undo it; stopping before that state is saved. Resume from the "
-                f"last checkpoint (--resume latest) with a lower --lr or --clip, or without --no-guard-undo.")
+            raise DivergenceError(f"step {step}: the update made the optimizer state or the held-out loss non-finite, "
+                                  f"and --no-guard-undo keeps no copy to undo it; stopping before it is saved. Resume "
+                                  f"from the last checkpoint (--resume latest) with a lower --lr or --clip.")
         self.state.consecutive += 1
         self.state.pending = False
         if self.state.consecutive > self.max_consecutive:

@@ -400,7 +400,7 @@ MUTANTS = [
            ("tests/test_zero_stages.py::test_stage_0_allreduces_in_buckets_like_the_1_rank_run",),
            "stage 0's norm over the whole replicated gradient on every rank: counted N times (clip, guard)"),
     Mutant("zero0/first-value-of-each-bucket-not-summed", "capstone/parallel/zero0.py",
-           "return self.comm.Iallreduce(self.grads[b.a:b.b])", "return self.comm.Iallreduce(self.grads[b.a + 1:b.b])",
+           "req = self.comm.Iallreduce(self.grads[b.a:b.b])", "req = self.comm.Iallreduce(self.grads[b.a + 1:b.b])",
            ("tests/test_zero_stages.py::test_stage_0_allreduces_in_buckets_like_the_1_rank_run",),
            "an off-by-one bucket: the replicas update one value per bucket with their own gradient"),
     Mutant("guard/no-undo-keeps-a-non-finite-update", "capstone/guard.py",

@@ -10,23 +10,19 @@ received into the matching slice of rank r's `grad_shard`. Over all buckets ever
 shard is summed exactly once, so each rank ends with its ZeRO-1 shard of the summed gradient, as
 after the single reduce-scatter, and moves the same bytes (an allreduce per bucket would move 2x).
 
-When: between `start(micro_batches)` and `finish` (and only when there are several buckets), the
-model's seam calls `landed` as each group's gradient lands in the buffer (capstone.model.seam).
-Each call marks the gradients of the parameters in its sink (a group of them) final for that micro-batch;
-a bucket is ready when all its parameters are final on the LAST micro-batch (with gradient
-accumulation the earlier ones are partial sums). Ready buckets are started strictly in order
-(highest first), so every rank issues the same collectives in the same order whatever the order
-the gradients came in. Each call also Tests the oldest outstanding request: Open MPI's
-non-blocking collectives (libnbc) advance only inside MPI calls, so the backward loop drives them.
-Bucket 0 (it holds flat index 0: the embeddings, whose gradients come last, so there is nothing
-left to overlap) is started by `finish`, after the caller may have touched the buffer (the
---inject-nan fault writes grads[0]); so is any bucket a backward pass did not reach (an unused
-parameter). `finish` then waits for every bucket with the deadline.
+When: between `start(micro_batches)` and `finish` (only with several buckets), the model's seam
+calls `landed` as each group's gradient lands in the buffer (capstone.model.seam), marking its
+parameters final for that micro-batch; a bucket is ready when all its parameters are final on the
+LAST micro-batch (earlier ones are partial sums). Ready buckets start strictly highest first, so
+every rank issues the same collectives in the same order. Each call also Tests the oldest request:
+Open MPI's libnbc advances only inside MPI calls, so the backward loop drives them. `finish` starts
+bucket 0 (flat index 0: the embeddings, whose gradients come last; the --inject-nan fault writes
+grads[0] before it) and any bucket the backward did not reach (an unused parameter), then waits
+for every bucket with the deadline. With one bucket (--no-overlap, or a small model) nothing starts
+during the backward pass. ZeRO stage 0 (capstone.parallel.zero0) allreduces the same buckets.
 
 Why the result is bit-identical to one reduce-scatter, and the bit-reversed rank order of a
 power-of-2 world: docs/design.md ("The bucketed reduce-scatter").
-With a single bucket (--no-overlap, or a model smaller than one bucket) nothing starts during the
-backward pass: one reduce-scatter of the whole buffer after it.
 """
 
 from __future__ import annotations
@@ -45,8 +41,7 @@ class BucketReducer(GradReducer):
     """Sum `grads` over the data-parallel group into `grad_shard`, bucket by bucket (see the
     module). `bucket_floats` >= the buffer: one bucket, started after the backward pass."""
 
-    tree = True                              # sum in recursive-halving order (a power-of-2 world)
-    op, collective = "reduce_scatter", "reduce-scatter"
+    tree, op = True, "reduce_scatter"     # sums in recursive-halving order (a power-of-2 world); the collective
 
     def __init__(self, grid, layout: Layout, grads, bucket_floats: int, loss_weight: float = 1.0):
         super().__init__(grid, layout, grads, loss_weight)
@@ -100,20 +95,17 @@ class BucketReducer(GradReducer):
             self.pending.popleft()
 
     def _start(self, k: int) -> None:
-        req = self._reduce(self.buckets[k])
-        self.requests.append(req)
-        self.pending.append(req)
-        self.next = k - 1
-
-    def _reduce(self, b) -> object:
-        """Start bucket b's collective: its reduce-scatter into this rank's piece of `grad_shard`."""
+        b = self.buckets[k]
         if self.staging is None:
             send = self.grads[b.a:b.b]
         else:
             for dst, src in b.copies:
                 self.staging[dst] = self.grads[src]
             send = self.staging[b.a:b.b]
-        return self.comm.Ireduce_scatter(send, self.grad_shard[b.recv], b.counts)
+        req = self.comm.Ireduce_scatter(send, self.grad_shard[b.recv], b.counts)
+        self.requests.append(req)
+        self.pending.append(req)
+        self.next = k - 1
 
     def finish(self, losses: list[float], flags: Flags) -> GradStats:
         """Start what is left (bucket 0, and any bucket the backward pass did not complete), wait
@@ -121,7 +113,7 @@ class BucketReducer(GradReducer):
         self.watching = False
         while self.next >= 0:
             self._start(self.next)
-        what = f"{self.collective} of the gradient" + (f" ({len(self.buckets)} buckets, {self.overlapped} started "
+        what = f"{self.op.replace('_', '-')} of the gradient" + (f" ({len(self.buckets)} buckets, {self.overlapped} started "
                                                    f"during backward)" if len(self.buckets) > 1 else "")
         self.comm.wait(self.requests, what, self.op, self.op, self.grads.nbytes)
         self._reset()

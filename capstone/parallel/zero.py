@@ -4,9 +4,8 @@
 nothing else: the reduced gradient shard comes from the gradient reducer
 (capstone.parallel.reduce), Adam updates the shard, and the updated shard is allgathered into the
 flat parameter buffer in place. `revert` undoes the last update bit for bit (the divergence
-guard). Per-rank optimizer memory is 12 * padded / dp bytes, and as much again for the state
-before the last update (`before`, what `revert` restores) unless `undo` is False: then the update
-runs in place, `before` is None and nothing can be undone (--no-guard-undo).
+guard). Per-rank optimizer memory is 12 * padded / dp bytes, twice that with `before` (none if not
+`undo`: the update runs in place). `replicate` (ZeRO stage 0): the shard is the whole buffer.
 """
 
 from __future__ import annotations
@@ -25,12 +24,12 @@ class ZeroAdam:
     flat parameter buffer of `layout`, whose shard [lo, hi) this rank updates."""
 
     def __init__(self, dp, layout: Layout, params: np.ndarray, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                 clip: float = 0.0, undo: bool = True):
+                 clip: float = 0.0, undo: bool = True, replicate: bool = False):
         """Collective: call on all ranks of `dp`. Broadcasts its rank 0's parameters (DDP-style, once)."""
         if layout.world != dp.size:
             raise ValueError(f"layout is padded for {layout.world} ranks but the data-parallel group has {dp.size}")
         self.dp, self.layout, self.params = dp, layout, params
-        self.lo, self.hi = self._range(layout, dp.rank)
+        self.lo, self.hi = (0, layout.padded) if replicate else layout.shard_range(dp.rank)
         self.beta1, self.beta2, self.eps, self.weight_decay = float(betas[0]), float(betas[1]), float(eps), float(weight_decay)
         self.clip = float(clip)   # the global gradient norm is clipped to this (0: off)
         master = self._adopt(params)
@@ -40,20 +39,12 @@ class ZeroAdam:
         self.no_decay = no_decay_runs(layout, self.lo, self.hi, ADAM_CHUNK) if weight_decay > 0 else None
         self._scratch = np.empty((2, ADAM_CHUNK), dtype=np.float32)
 
-    def _range(self, layout: Layout, rank: int) -> tuple[int, int]:
-        """The elements [lo, hi) of the flat buffer this rank updates: its shard."""
-        return layout.shard_range(rank)
-
     def _adopt(self, params: np.ndarray) -> np.ndarray:
         """Check `params`, make it the same on every rank and return a copy of this rank's shard."""
         if params.dtype != DTYPE or params.shape != (self.layout.padded,) or not params.flags.c_contiguous:
             raise ValueError(f"params must be a contiguous float32 buffer of length {self.layout.padded}")
         self.dp.Bcast(params, "broadcast of the initial parameters")
         return params[self.lo:self.hi].copy()
-
-    def optimizer_nbytes(self) -> int:
-        """Bytes of optimizer state held by this rank: fp32 master + Adam m + Adam v."""
-        return self.state.nbytes
 
     def before_nbytes(self) -> int:
         """Bytes of the state kept from before the last update (what `revert` restores; 0: no undo)."""
@@ -67,8 +58,7 @@ class ZeroAdam:
         intact in `before` for `revert`, without a copy (no `before`: in place, the same bits)."""
         clip = self.clip if 0 < self.clip < norm else 0.0
         grad_scale = clip / norm if clip else 1.0
-        old = self.state
-        new = old if self.before is None else self.before
+        old, new = self.state, self.before or self.state     # no `before`: in place
         new.t = old.t + 1
         b1, b2 = self.beta1, self.beta2
         k = (np.float32(grad_scale), np.float32(b1), np.float32(1 - b1), np.float32(b2), np.float32(1 - b2),
@@ -76,8 +66,7 @@ class ZeroAdam:
              np.float32(lr / (1 - b1 ** new.t)))
         for lo in range(0, old.master.size, ADAM_CHUNK):
             self._adam_chunk(grad_shard, slice(lo, lo + ADAM_CHUNK), old, new, *k)
-        if self.before is not None:
-            self.state, self.before, self.revertible = new, old, True
+        self.state, self.before, self.revertible = new, old if self.before else None, self.before is not None
         self._publish()
         return clip or norm
 

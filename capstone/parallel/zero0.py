@@ -29,16 +29,19 @@ class AllreduceReducer(BucketReducer):
     """Sum `grads` over the data-parallel group in place, bucket by bucket: `grad_shard` is the
     whole buffer (what the replicated optimizer updates with)."""
 
-    tree = False      # no staging: the allreduce sums whole buckets, its order is the library's
-    op, collective = "allreduce", "allreduce"
+    tree, op = False, "allreduce"      # no staging: the allreduce sums whole buckets, in the library's order
 
     def __init__(self, grid, layout: Layout, grads, bucket_floats: int, loss_weight: float = 1.0):
         super().__init__(grid, layout, grads, bucket_floats, loss_weight)
         self.grad_shard = grads
         self.lo, self.hi = layout.shard_range(grid.dp.rank)
 
-    def _reduce(self, b) -> object:
-        return self.comm.Iallreduce(self.grads[b.a:b.b])
+    def _start(self, k: int) -> None:
+        b = self.buckets[k]
+        req = self.comm.Iallreduce(self.grads[b.a:b.b])
+        self.requests.append(req)
+        self.pending.append(req)
+        self.next = k - 1
 
     def stats(self, loss: float, flags: Flags, sumsq: float | None = None) -> GradStats:
         """The norm over this rank's shard of the (replicated) sum: each element counted once."""
@@ -73,8 +76,8 @@ class Allgathered:
 class ReplicatedAdam(ZeroAdam):
     """Adam(W) on every element on every rank (no allgather): the state is the whole buffer's."""
 
-    def _range(self, layout: Layout, rank: int) -> tuple[int, int]:
-        return 0, layout.padded
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, replicate=True, **kwargs)
 
     def _publish(self) -> None:
         self.params[...] = self.state.master
