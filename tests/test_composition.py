@@ -136,6 +136,11 @@ def test_row(row, references, tmp_path):
             again = row.resumed() if row.resume else row
             upto = mx.STEPS if (again.tp, again.pp, again.blocks) == (row.tp, row.pp, row.blocks) else mx.STOP_AT
             keys = (*KEYS, "fingerprint", "accepted")
-            table = [{k: r[k] for k in keys} for r in step_rows(tmp_path / "partner")]
-            assert table[:upto] == [{k: r[k] for k in keys} for r in got][:upto], \
+            # ZeRO-3 fingerprints the groups it gathered, the other stages the buffer: a resume across
+            # that line has the same numbers, bit for bit, under another kind of fingerprint
+            digest = mx.STEPS if (again.zero == 3) == (row.zero == 3) else mx.STOP_AT
+
+            def table(rows):
+                return [{k: r[k] for k in keys if k != "fingerprint" or r["step"] <= digest} for r in rows][:upto]
+            assert table(step_rows(tmp_path / "partner")) == table(got), \
                 f"not bit-identical to {partner.name}\n{where}\n{shown(pcmds)}"
