@@ -48,7 +48,7 @@ class RunOptions:
 
 # the run options that lay the run out, kept by its checkpoints (capstone.checkpoint.kept): their flags
 # have no argparse default, so that a resume tells the flags given from the checkpoint's modes
-KEPT = ("zero_stage", "reshard", "recompute", "tp", "pp", "pp_schedule", "pp_layers")
+KEPT = ("zero_stage", "reshard", "recompute", "tp", "pp", "pp_schedule", "pp_layers", "guard_undo")
 
 
 @dataclass(frozen=True)
@@ -189,11 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
                        ("spike_factor", "roll back when a loss exceeds this factor times the last accepted one"),
                        ("max_rollbacks", "stop with an error after this many triggers without an accepted update")):
         _flag(g, name, text)
-    g.add_argument("--no-guard-undo", dest="guard_undo", action="store_false",
+    g.add_argument("--no-guard-undo", dest="guard_undo", action="store_false", default=argparse.SUPPRESS,
                    help="do not keep the optimizer state from before each update (12 bytes per parameter / N): the "
                         "guard still skips a bad batch (non-finite or spiking loss or norm) but cannot undo an update; "
                         "one that makes the state non-finite ends the run (exit 1, no checkpoint of it) "
-                        "(docs/design.md, the divergence guard; default: undo)")
+                        "(docs/design.md, the divergence guard; default: undo; on --resume: the checkpoint's)")
+    g.add_argument("--guard-undo", dest="guard_undo", action="store_true", default=argparse.SUPPRESS,
+                   help="keep the undo copy (to resume a --no-guard-undo run with it)")
     _finetune_flags(p)
     _run_flags(p)
     _fault_flags(p)

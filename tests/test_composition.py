@@ -60,10 +60,10 @@ def references(tmp_path_factory):
     """The 1-rank run of the global batch in one micro-batch, per injection and guard undo (made when
     first needed, once for all pytest-xdist workers: conftest.made_once). Without the undo an
     update the guard cannot take back (the lr spike) ends the run failed, invariant (a): a row must
-    end the same way."""
+    end the same way. `get` gives the step rows, `get.outcome` the dict with how the run ended."""
     made = {}
 
-    def get(inject: str, undo: bool = True):
+    def outcome(inject: str, undo: bool = True) -> dict:
         if (inject, undo) not in made:
             name = inject + ("" if undo else "-no-undo")
 
@@ -77,6 +77,10 @@ def references(tmp_path_factory):
             assert ref["returncode"] == 0 or not undo and ref["ending"] == ["a_loss_monotone"], ref["output"]
             made[(inject, undo)] = ref
         return made[(inject, undo)]
+
+    def get(inject: str, undo: bool = True) -> list:
+        return outcome(inject, undo)["rows"]
+    get.outcome = outcome
     return get
 
 
@@ -117,7 +121,7 @@ def test_row(row, references, tmp_path):
         assert results[0].returncode == 2 and reason in results[0].stderr, f"{where}\n{text[-3000:]}"
         assert results[0].stderr.count("error:") == 1 and not out.exists(), f"{where}\n{text[-3000:]}"
         return
-    want = references(row.inject, row.undo)
+    want = references.outcome(row.inject, row.undo)
     # the reference failed (a) (an lr spike kept without the undo): so must the row, but a resumed
     # row's last segment (steps 5-8) holds too few evaluations for (a)'s jump test to see the spike
     endings = [(want["returncode"], want["ending"])] + [(0, [])] * (row.resume and want["returncode"] == 1)

@@ -310,3 +310,16 @@ def test_no_undo_overflowing_update_ends_the_run_before_anything_keeps_it(tmp_pa
     for path in saved:
         with h5py.File(path, "r") as f:
             assert all(np.isfinite(f[f"shards/rank{r:05d}"][...]).all() for r in range(2))
+
+
+def test_a_resume_keeps_the_guard_without_its_undo(tmp_path):
+    """--no-guard-undo is a memory mode the checkpoint keeps: a resume without the flag holds no copy,
+    and says nothing changed; --guard-undo brings the copy back and the start lists the change."""
+    out, flags = tmp_path / "run", ("--steps", 6, "--ckpt-every", 2)
+    assert mpirun(2, "--out", out, *flags, "--no-guard-undo", "--stop-after", 2).returncode == 0
+    res = mpirun(2, "--out", out, *flags, "--stop-after", 4, "--resume", "latest")
+    assert res.returncode == 0 and "guard_undo" not in res.stdout, res.stdout + res.stderr
+    assert {r["guard_bytes"] for r in summary(out)["memory"]["per_rank"]} == {0}
+    res = mpirun(2, "--out", out, *flags, "--guard-undo", "--resume", "latest")
+    assert res.returncode == 0 and "guard_undo: False -> True" in res.stdout, res.stdout + res.stderr
+    assert all(r["guard_bytes"] == r["optimizer_bytes"] > 0 for r in summary(out)["memory"]["per_rank"])

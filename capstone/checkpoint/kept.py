@@ -1,7 +1,7 @@
 """The run's modes a checkpoint keeps: how the run is laid out on its ranks and in memory.
 
 Every checkpoint's metadata holds `modes` (`of`): the ZeRO stage and its reshard policy, recompute,
-and the grid's model-parallel axes (tp, pp, the pipeline's schedule and its blocks per stage). On `--resume` a mode
+the guard's undo copy, and the grid's model-parallel axes (tp, pp, the pipeline's schedule and its blocks per stage). On `--resume` a mode
 the command line does not give takes the checkpoint's value and a mode flag given wins (`layered`),
 as the configs' settings do (capstone.cli.Settings.on_top_of). Not kept: the bucket size and the
 overlap (tuning of the gradient exchange's messages: the same run and about the same memory), the
