@@ -159,8 +159,9 @@ def _seam(grid: Grid, layout: Layout, params, reducer: GradReducer, stage: int, 
     if stage == 3:
         from capstone.parallel.progress import Progress
         from capstone.parallel.zero3 import Gatherer
-        return Gatherer(grid.dp, layout, params, tuple(layout.group_ranges()), getattr(reducer, "progress", None) or Progress(),
-                        reducer.landed, reducer.grads, keep=reshard == "step")
+        progress = getattr(reducer, "progress", None) or Progress()   # ZeRO-2's thread, else one of its own
+        return Gatherer(grid.dp, layout, params, tuple(layout.group_ranges()), progress, reducer.landed, reducer.grads,
+                        keep=reshard == "step")
     return Resident.over(layout, params, reducer.grads, reducer.landed)
 
 
