@@ -147,7 +147,7 @@ def _flag(group, name: str, help: str, **kw) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m capstone.train",
-                description="Train the MiniGPT on MPI (data, tensor and pipeline parallelism; ZeRO stages 1-3) with "
+                description="Train the MiniGPT on MPI (data, tensor and pipeline parallelism; ZeRO stages 0-3) with "
                             "sharded HDF5 checkpoints; run under mpirun/srun (any number of ranks). Checks the four invariants and exits non-zero if one fails.")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="named settings (capstone/presets.py); explicit flags override them; on --resume the "
@@ -180,8 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(g, "lr_schedule", "decay after warmup", choices=("constant", "cosine"))
     g.add_argument("--deterministic", action="store_true", default=argparse.SUPPRESS,
                    help="sum gradients, losses and norms in a fixed order by sample index, so that every layout of ranks "
-                        "x grad-accum with the same global batch and batch size gives bit-identical results "
-                        "(docs/deterministic.md; default: off)")
+                        "x grad-accum with the same global batch and batch size gives bit-identical results (with "
+                        "--tp, --pp: every data-parallel layout at the same tp and pp; any --zero-stage) "
+                        "(docs/deterministic.md; default: off; on --resume: the checkpoint's)")
+    g.add_argument("--no-deterministic", dest="deterministic", action="store_false", default=argparse.SUPPRESS,
+                   help="the default reduction (to resume a --deterministic run without it)")
     g = p.add_argument_group("checkpoints and guard")
     for name, text in (("ckpt_every", "checkpoint every K steps (0: off)"),
                        ("ckpt_every_minutes", "also checkpoint after this many minutes of wall clock (0: off)"),
@@ -217,8 +220,8 @@ def _run_flags(p) -> None:
                         "(0: 1 when --steps <= 100, else about steps/50)")
     g.add_argument("--tp", type=int, default=argparse.SUPPRESS, metavar="K",
                    help="tensor parallelism: K consecutive ranks split each block (Megatron-style) and the "
-                        "ranks / K replicas run ZeRO-1 data parallelism (docs/tensor-parallel.md; default: 1; "
-                        "on --resume: the checkpoint's, if the ranks hold it)")
+                        "ranks / K replicas run data parallelism at the --zero-stage (docs/tensor-parallel.md; "
+                        "default: 1; on --resume: the checkpoint's, if the ranks hold it)")
     g.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also write the step rows as TensorBoard scalars to DIR (needs: pip install tensorboardX)")
     g.add_argument("--collective-timeout", type=float, default=0.0, metavar="SECONDS",
@@ -226,8 +229,9 @@ def _run_flags(p) -> None:
                         "agreement, checkpoint barrier) has waited this long: a peer is dead or unreachable "
                         "(0: automatic, max(300 s, 20 x the longest step so far); docs/multinode.md)")
     g.add_argument("--no-overlap", dest="overlap", action="store_false",
-                   help="reduce-scatter the gradient in one collective after the backward pass, instead of in "
-                        "buckets started during it")
+                   help="reduce the gradient in one collective after the backward pass (a reduce-scatter; at "
+                        "--zero-stage 0 an allreduce), instead of in buckets started during it (at --zero-stage 2/3: "
+                        "with --reshard step only)")
     g.add_argument("--bucket-mb", type=float, default=1.0, metavar="MB",
                    help="bucket size of the overlapped gradient reduce-scatter (default: 1.0)")
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=argparse.SUPPRESS,
