@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 
-from capstone.checkpoint import integrity
+from capstone.checkpoint import integrity, kept
 from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError
 from capstone.checkpoint.serial import checks, load_all
 from capstone.state import ROWS
@@ -32,6 +32,9 @@ def manifest(path: str, meta: dict) -> None:
           f"{meta['world_size']} ranks, {meta['n_params']} parameters (padded {meta['padded']}), "
           f"Adam step {meta['adam_t']}, data cursor {meta.get('run', {}).get('data_cursor')}")
     print(f"  model {json.dumps(meta.get('model_config'), sort_keys=True)}")
+    modes = meta.get("modes")   # what a --resume without mode flags keeps (capstone.checkpoint.kept)
+    print("  modes " + (", ".join(f"{k} {kept.shown(k, modes[k])}" for k in kept.KEPT if k in modes) if modes else
+                        "none recorded (written before the modes were kept: a resume takes the flags' defaults)"))
     for name, info in sorted(meta["datasets"].items()):
         print(f"  /{name}  ({len(ROWS)}, {info['length']}) float32  offset {info['offset']}  sha256 {info['sha256']}")
     for row, root in meta["logical_sha256"].items():
