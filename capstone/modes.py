@@ -136,9 +136,8 @@ def _reducer(grid: Grid, layout: Layout, settings: Settings) -> GradReducer:
     tcfg, opts = settings.train, settings.opts
     if tcfg.deterministic:   # fixed-order sums (capstone.parallel.deterministic)
         from capstone.parallel import deterministic as det
-        if opts.overlap and grid.world.rank == 0:
-            report.say("note: --deterministic exchanges each micro-batch's gradient after its backward pass, in a "
-                       "fixed order; the bucketed overlap (--bucket-mb) does not apply.")
+        if grid.world.rank == 0:
+            _deterministic_notes(opts)
         grads = layout.zeros() if opts.zero_stage <= 1 else None   # ZeRO-2/3: each group's exchanged as made
         return det.DeterministicReducer(grid, layout, grads, tcfg.grad_accum)
     floats = int(opts.bucket_mb * 2**20) // 4 if opts.overlap else layout.padded
@@ -150,6 +149,17 @@ def _reducer(grid: Grid, layout: Layout, settings: Settings) -> GradReducer:
     from capstone.parallel.progress import Progress
     from capstone.parallel.zero2 import ShardedGradReducer
     return ShardedGradReducer(grid, layout, floats, Progress(), _loss_weight(grid))
+
+
+def _deterministic_notes(opts) -> None:
+    """What --deterministic changes of the other flags given, said once at start (rank 0)."""
+    if opts.overlap:
+        report.say("note: --deterministic exchanges each micro-batch's gradient after its backward pass, in a "
+                   "fixed order; the bucketed overlap (--bucket-mb) does not apply.")
+    if opts.reshard == "step":   # the fixed-order exchange keeps no whole gradient (capstone.observe.memory)
+        kept = "only the gathered parameters stay through the step" if opts.zero_stage == 3 else "it changes nothing"
+        report.say(f"note: --deterministic exchanges each micro-batch's gradient as it is made, so --reshard step "
+                   f"keeps no whole gradient through the step: {kept} (docs/composition.md).")
 
 
 def _seam(grid: Grid, layout: Layout, params, reducer: GradReducer, stage: int, reshard: str) -> Weights:
