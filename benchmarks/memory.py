@@ -1,7 +1,7 @@
 """Memory of ZeRO stages 1/2/3 with and without --recompute, measured against the formulas.
 
   python -m benchmarks.memory table   [--preset large] [--ranks 4] [--steps 4] [--repeats 1] [-- FLAGS]
-  python -m benchmarks.memory policies [--preset medium] [--ranks 4] [-- FLAGS]   (default FLAGS: --pp 2 --grad-accum 4)
+  python -m benchmarks.memory policies --preset medium [--ranks 4] [-- FLAGS]   (default FLAGS: --pp 2 --grad-accum 4)
   python -m benchmarks.memory largest [--ranks 4] [--limit-mib 1024] [-- FLAGS]
   python -m benchmarks.memory worker  (under mpirun: one setting, prints JSON)
 
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("what", choices=("table", "policies", "largest"))
-    p.add_argument("--preset", default="large", help="table: the model and batch")
+    p.add_argument("--preset", default="large", help="table, policies: the model and batch")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--steps", type=int, default=4, help="table: timed steps per launch (the first is not timed)")
     p.add_argument("--repeats", type=int, default=1, help="table: timed launches per setting, interleaved")
