@@ -39,6 +39,8 @@ def banner(run, header: str | None = None) -> None:
     say(f"capstone: {run.grid.world.size} ranks{grid}, {run.n_params} parameters (padded {layout.padded}, shard "
         f"{layout.shard}{' per model-parallel rank' if grid else ''}), global batch {run.global_batch} x "
         f"{run.mcfg.seq_len} tokens, run dir {run.out}", run.grid.world.rank)
+    if run.grid.placement():   # several hosts: which holds which grid position (capstone.parallel.placement)
+        say(f"placement: {run.grid.placement()}", run.grid.world.rank)
     say(step_header() if header is None else header, run.grid.world.rank)
 
 

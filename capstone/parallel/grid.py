@@ -13,12 +13,14 @@ builds no communicator at all. The `Grid` is built once and passed in; nothing i
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 from mpi4py import MPI
 
 from capstone.config import ConfigError
 from capstone.collective.comm import Comm
+from capstone.parallel import placement
 
 
 def check(world: int, tp: int, pp: int, mcfg) -> None:
@@ -48,10 +50,14 @@ class Grid:
     pp: Comm
     tp: Comm
     mp: Comm              # the pp x tp ranks of this replica (one whole model)
+    hosts: tuple = ()     # every rank's host name, by world rank (capstone.parallel.placement)
 
     @classmethod
     def build(cls, world: Comm, tp: int = 1, pp: int = 1) -> "Grid":
-        """Collective: call on all ranks of `world` (sizes already `check`ed)."""
+        """Collective: call on all ranks of `world` (sizes already `check`ed). ConfigError on every
+        rank if the launcher split a tensor-parallel group over hosts."""
+        hosts = tuple(world.allgather_json(socket.gethostname()))
+        placement.check(list(hosts), pp, tp)
         dp = world.size // (tp * pp)
         d, rest = divmod(world.rank, tp * pp)
         p, t = divmod(rest, tp)
@@ -63,12 +69,18 @@ class Grid:
                 return world.derived(MPI.COMM_SELF)
             return world.split(color, key, name)
         return cls(world, axis(dp, p * tp + t, d, "data parallel"), axis(pp, d * tp + t, p, "pipeline"),
-                   axis(tp, d * pp + p, t, "tensor parallel"), axis(tp * pp, d, rest, "model parallel"))
+                   axis(tp, d * pp + p, t, "tensor parallel"), axis(tp * pp, d, rest, "model parallel"), hosts)
 
     @property
     def shape(self) -> tuple[int, int, int]:
         """(dp, pp, tp)."""
         return self.dp.size, self.pp.size, self.tp.size
+
+    def placement(self) -> str:
+        """Which host holds which grid position ('' on one host)."""
+        if len(set(self.hosts)) < 2:
+            return ""
+        return placement.describe(list(self.hosts), self.pp.size, self.tp.size)
 
     def describe(self) -> dict:
         dp, pp, tp = self.shape

@@ -1,0 +1,281 @@
+"""Slurm across nodes, on a real multi-node Slurm on this machine (scripts/slurm/local-slurm --nodes N).
+
+Run serially, NOT under mpirun (the jobs start their own ranks through Slurm):
+
+    python -m pytest tests/test_slurm_nodes.py
+
+Each node is a network-namespace host (scripts/hosts: own address, TCP only, own host name) with its
+own slurmd; slurmctld runs on a head host; the run directories are on the filesystem they share.
+Root only; elsewhere skipped with the reason, unless CAPSTONE_REQUIRE_SLURM=1 (CI), which makes
+that a failure. The module starts a fresh 2-node cluster, restarts it with 4 nodes for the 8-rank
+job, and always takes it down at the end (`local-slurm --nodes N --stop`), failed tests or not.
+
+What is proven:
+  - the cluster: one slurmd per host, each in its own network namespace; MPI hello world across
+    two nodes under `srun --mpi=pmix` and under `mpirun` inside the allocation;
+  - the shipped capstone.sbatch on 2 nodes x 2 tasks with each launcher: every invariant, and a
+    step-20 checkpoint bit-identical (its logical digests) to the same script's 1-node x 4-task run;
+  - rank placement: at --tp 2 each tensor-parallel group inside one node, shown in the banner; a
+    cyclic placement (`sbatch --distribution=cyclic`) refused at start, exit 2, with the reason;
+  - 4 nodes x 2 tasks (dp 2 x pp 2 x tp 2) matches the 1-rank run's loss, grad norm, held-out
+    loss and parameter norm within 1e-5 relative at every step (tests/test_composition.py's rows);
+  - `--stop` takes down the daemons, the hosts and a job still running on them.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import composition as mx
+import hosts as namespace_hosts
+from conftest import made_once, step_rows
+from test_composition import commands, launch, same_run
+from test_slurm import (REQUIRE, _unavailable, assert_invariants_ok, job_env, job_info, read_json, run, show,
+                        tail, wait_until)
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL_SLURM = ROOT / "scripts" / "slurm" / "local-slurm"
+SBATCH_SCRIPT = ROOT / "scripts" / "slurm" / "capstone.sbatch"
+PREFIX = os.environ.get("CAPSTONE_SLURM_HOSTS_PREFIX", "slm")
+
+if any(int(os.environ.get(k, "1") or 1) > 1 for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")):
+    _WHY = "tests/test_slurm_nodes.py must run serially, not under mpirun (the jobs start their own ranks)"
+    if REQUIRE:
+        pytest.fail(f"{_WHY} (and CAPSTONE_REQUIRE_SLURM=1)", pytrace=False)
+    pytest.skip(_WHY, allow_module_level=True)
+
+
+class Cluster:
+    """The local multi-node cluster: (re)started with `ensure(n)` nodes; `env()` submits to it."""
+
+    def __init__(self):
+        self.n, self.conf, self.bin = 0, "", ""
+
+    def ensure(self, n: int) -> "Cluster":
+        if self.n == n:
+            return self
+        t0 = time.monotonic()
+        try:
+            p = subprocess.run(["bash", str(LOCAL_SLURM), "--nodes", str(n)], capture_output=True, text=True,
+                               timeout=600)
+        except subprocess.TimeoutExpired:
+            _unavailable(f"scripts/slurm/local-slurm --nodes {n} did not finish within 600 s")
+        m = re.search(r"^export SLURM_CONF=(\S+) PATH=(\S+):\$PATH$", p.stdout, re.M)
+        if p.returncode != 0 or not m:
+            _unavailable(f"scripts/slurm/local-slurm --nodes {n} could not start Slurm (exit {p.returncode}):\n"
+                         f"{p.stdout}{p.stderr[-3000:]}")
+        self.n, self.conf, self.bin = n, m.group(1), m.group(2)
+        print(f"local-slurm --nodes {n}: up in {time.monotonic() - t0:.1f} s", flush=True)
+        return self
+
+    def env(self, **extra: str) -> dict:
+        e = job_env(self.conf, **extra)
+        e["PATH"] = f"{self.bin}:{e['PATH']}"
+        return e
+
+    def stop(self) -> subprocess.CompletedProcess:
+        self.n = 0
+        return subprocess.run(["bash", str(LOCAL_SLURM), "--nodes", "2", "--stop"], capture_output=True, text=True,
+                              timeout=300)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    why = namespace_hosts.unavailable_reason()
+    if why:
+        _unavailable(why)
+    if not Path("/etc/debian_version").exists() and not os.path.exists("/usr/sbin/slurmctld"):
+        _unavailable("Slurm is not installed and this is not Debian/Ubuntu (local-slurm installs it with apt-get)")
+    c = Cluster()
+    try:
+        yield c.ensure(2)
+    finally:
+        c.stop()
+
+
+@pytest.fixture
+def jobs(cluster):
+    """Job ids to cancel if still alive at the end of the test."""
+    ids: list[str] = []
+    yield ids
+    for jid in ids:
+        if job_info(jid, cluster.env()).get("JobState") in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING"):
+            run(["scancel", jid], cluster.env(), check=False, timeout=30)
+
+
+def sbatch(cluster, cwd: Path, jobs: list, *args, env=None, timeout: float = 300):
+    """`sbatch --wait` of capstone.sbatch (ARGS: sbatch options, then the script and its flags);
+    returns (job id, job info, run dir, log path, seconds)."""
+    (cwd / "runs").mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    p = run(["sbatch", "--wait", "--parsable", *args], env or cluster.env(), cwd=cwd, timeout=timeout, check=False)
+    jid = p.stdout.strip().split(";")[0]
+    assert jid.isdigit(), f"sbatch exited {p.returncode}: {p.stdout}{p.stderr}"
+    jobs.append(jid)
+    return jid, job_info(jid, env or cluster.env()), cwd / "runs" / f"slurm-{jid}", \
+        cwd / "runs" / f"slurm-{jid}.out", time.monotonic() - t0
+
+
+def completed(jid, info, run_dir, out, seconds, where) -> dict:
+    summary = read_json(run_dir / "summary.json")
+    show(f"{where} ({seconds:.0f} s)", jid, info, summary)
+    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", f"{info}\n{tail(out)}"
+    assert summary and summary["status"] == "completed", tail(out)
+    assert_invariants_ok(summary, where)
+    return summary
+
+
+def final_digests(run_dir: Path):
+    """(step, logical sha256 digests) of the run's newest checkpoint."""
+    from capstone import checkpoint
+    path = sorted(glob.glob(str(run_dir / "checkpoints" / "ckpt-*.h5")))[-1]
+    meta = checkpoint.read_meta_file(path)
+    return meta["step"], meta["logical_sha256"]
+
+
+def netns_of(pid: int) -> str:
+    return subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True, timeout=30).stdout.strip()
+
+
+# ---- the cluster ---------------------------------------------------------------------------------
+
+def test_each_slurmd_runs_in_its_own_host(cluster):
+    env = cluster.env()
+    nodes = run(["sinfo", "-h", "-N", "-o", "%N %T"], env).stdout.split("\n")
+    assert sorted(n.split()[0] for n in nodes if n) == ["h1", "h2"], nodes
+    assert all(n.split()[1] in ("idle", "mixed", "allocated", "completing") for n in nodes if n), nodes
+    state = Path(cluster.conf).parent
+    for host in ("h1", "h2"):
+        pid = int((state / "run" / f"slurmd-{host}.pid").read_text())
+        assert netns_of(pid) == f"{PREFIX}-{host}", f"slurmd of {host} (pid {pid}) is in '{netns_of(pid)}'"
+    assert netns_of(int((state / "run" / "slurmctld.pid").read_text())) == f"{PREFIX}-head"
+
+
+HELLO = """\
+import socket
+from mpi4py import MPI
+c = MPI.COMM_WORLD
+print(f"hello {c.rank}/{c.size} on {socket.gethostname()} sum={c.allreduce(c.rank)}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("launcher", ["srun --mpi=pmix", "mpirun"])
+def test_mpi_hello_world_across_two_nodes(cluster, tmp_path, jobs, launcher):
+    from test_slurm import _venv
+    (tmp_path / "hello.py").write_text(HELLO)
+    env = cluster.env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = f"{launcher} {'-n 4 ' if launcher == 'mpirun' else ''}{Path(_venv()) / 'bin' / 'python'} {tmp_path / 'hello.py'}"
+    out = tmp_path / "hello.out"
+    p = run(["sbatch", "--wait", "-N", "2", "--ntasks-per-node", "2", "-t", "5", "-o", out, "--wrap", cmd], env,
+            cwd=tmp_path, timeout=150, check=False)
+    log = out.read_text() if out.exists() else ""
+    assert p.returncode == 0, f"{p.stdout}{p.stderr}\n{log}"
+    found = sorted(re.findall(r"hello (\d+)/(\d+) on (\S+) sum=(\d+)", log))
+    assert found == [("0", "4", "h1", "6"), ("1", "4", "h1", "6"), ("2", "4", "h2", "6"), ("3", "4", "h2", "6")], log
+
+
+# ---- the batch script across nodes ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_node(cluster, tmp_path_factory):
+    """capstone.sbatch on 1 node x 4 tasks (the shipped defaults): the run the 2-node runs must equal."""
+    ids: list[str] = []
+    got = sbatch(cluster, tmp_path_factory.mktemp("one-node"), ids, SBATCH_SCRIPT)
+    summary = completed(*got, "1 node x 4 tasks")
+    assert summary["provenance"]["hosts"] == ["h1"] * 4
+    return got[2], summary
+
+
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
+def test_two_nodes_bit_identical_to_one_node(cluster, one_node, tmp_path, jobs, launcher):
+    """`sbatch --nodes=2 --ntasks-per-node=2 capstone.sbatch`: ranks 0-1 on h1, 2-3 on h2, every
+    invariant, and the step-20 checkpoint's digests equal to the 1-node run's."""
+    got = sbatch(cluster, tmp_path, jobs, "--nodes=2", "--ntasks-per-node=2", SBATCH_SCRIPT,
+                 env=cluster.env(CAPSTONE_LAUNCHER=launcher))
+    summary = completed(*got, f"2 nodes x 2 tasks ({launcher})")
+    assert summary["provenance"]["hosts"] == ["h1", "h1", "h2", "h2"], summary["provenance"]["hosts"]
+    assert summary["final_step"] == 20 and summary["world_size"] == 4
+    assert final_digests(got[2]) == final_digests(one_node[0])
+    assert final_digests(got[2])[0] == 20
+
+
+def test_tp_groups_stay_inside_a_node_and_a_cyclic_placement_is_refused(cluster, tmp_path, jobs):
+    """--tp 2 on 2 nodes x 2 tasks: each TP group on one node, printed in the banner. The same job
+    with `--distribution=cyclic` (rank 0 on h1, rank 1 on h2) is refused at start: exit 2, the reason
+    printed once, no checkpoint."""
+    got = sbatch(cluster, tmp_path / "block", jobs, "--nodes=2", "--ntasks-per-node=2", SBATCH_SCRIPT, "--tp", "2")
+    completed(*got, "2 nodes x 2 tasks, --tp 2 (block)")
+    assert "placement: h1: ranks 0-1 = [dp0 pp0 tp0-1]; h2: ranks 2-3 = [dp1 pp0 tp0-1]" in got[3].read_text()
+
+    jid, info, run_dir, out, seconds = sbatch(cluster, tmp_path / "cyclic", jobs, "--distribution=cyclic", "--nodes=2",
+                                              "--ntasks-per-node=2", SBATCH_SCRIPT, "--tp", "2")
+    show(f"cyclic placement ({seconds:.0f} s)", jid, info, read_json(run_dir / "summary.json"))
+    log = out.read_text()
+    assert info.get("JobState") == "FAILED" and info.get("ExitCode") == "2:0", f"{info}\n{tail(out)}"
+    assert log.count("error: --tp 2: the tensor-parallel group of ranks 0-1 (dp 0, pp 0) is split over 2 hosts "
+                     "(rank 0 on h1, rank 1 on h2)") == 1, tail(out)
+    assert "srun --distribution=block" in log
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+
+
+# ---- 4 nodes x 2 tasks against the 1-rank run ----------------------------------------------------
+
+def test_four_nodes_dp2_pp2_tp2_match_the_one_rank_run(cluster, tmp_path_factory, tmp_path, jobs):
+    """8 ranks on 4 nodes (2 each): dp 2 x pp 2 x tp 2, the composition matrix's flags; every step's
+    loss, grad norm, held-out loss and parameter norm within 1e-5 relative of the 1-rank run."""
+    one = mx.Row(1, 1, 1, False, False, "clean", False)
+
+    def make(base):   # the same run as tests/test_composition.py's reference (shared with it)
+        res = launch(commands(one, base / "clean"))[-1]
+        return {"returncode": res.returncode, "output": res.stdout + res.stderr,
+                "rows": step_rows(base / "clean") if res.returncode == 0 else None}
+    ref = made_once(tmp_path_factory, "composition-reference-clean", make)
+    assert ref["returncode"] == 0, ref["output"]
+
+    row = mx.Row(8, 2, 1, True, False, "clean", False, pp="2:1f1b")
+    cluster.ensure(4)
+    got = sbatch(cluster, tmp_path, jobs, "--nodes=4", "--ntasks-per-node=2", "--ntasks=8", SBATCH_SCRIPT,
+                 *row.flags(), timeout=600)
+    summary = completed(*got, "4 nodes x 2 tasks, dp 2 x pp 2 x tp 2")
+    assert summary["grid"]["dp"] == summary["grid"]["pp"] == summary["grid"]["tp"] == 2, summary["grid"]
+    assert summary["provenance"]["hosts"] == ["h1", "h1", "h2", "h2", "h3", "h3", "h4", "h4"]
+    same_run(step_rows(got[2]), ref["rows"], f"{row.name} on 4 nodes x 2 tasks\n{tail(got[3])}")
+
+
+# ---- taking it down --------------------------------------------------------------------------------
+
+def test_stop_takes_down_daemons_hosts_and_a_running_job(cluster, tmp_path, jobs):
+    """A job still running on both nodes (as after a failed test): `--stop` ends it, the daemons
+    and every host."""
+    cluster.ensure(2)
+    env = cluster.env()
+    p = run(["sbatch", "--parsable", "-N", "2", "--ntasks-per-node", "1", "-o", tmp_path / "sleep.out",
+             "--wrap", "srun sleep 300"], env, cwd=tmp_path)
+    jid = p.stdout.strip().split(";")[0]
+    jobs.append(jid)
+    wait_until("the sleep to run on h2", lambda: any(
+        Path(f"/proc/{pid}/comm").read_text().strip() == "sleep" for pid in namespace_pids("h2")
+        if Path(f"/proc/{pid}").exists()), 60)
+    left = {h: namespace_pids(h) for h in ("h1", "h2", "head")}
+    state = Path(cluster.conf).parent
+    daemons = [int((state / "run" / f).read_text()) for f in ("slurmctld.pid", "slurmd-h1.pid", "slurmd-h2.pid")]
+    t0 = time.monotonic()
+    stop = cluster.stop()
+    print(f"local-slurm --nodes 2 --stop: {time.monotonic() - t0:.1f} s", flush=True)
+    assert stop.returncode == 0, stop.stderr
+    alive = [pid for pids in left.values() for pid in pids + daemons if Path(f"/proc/{pid}").exists()]
+    assert not alive, f"still running after --stop: {alive}"
+    netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    assert not re.search(rf"^{PREFIX}-", netns, re.M), netns
+
+
+def namespace_pids(host: str) -> list[int]:
+    p = subprocess.run(["ip", "netns", "pids", f"{PREFIX}-{host}"], capture_output=True, text=True, timeout=30)
+    return [int(x) for x in p.stdout.split()]
