@@ -19,6 +19,8 @@ What is proven:
     cyclic placement (`sbatch --distribution=cyclic`) refused at start, exit 2, with the reason;
   - 4 nodes x 2 tasks (dp 2 x pp 2 x tp 2) matches the 1-rank run's loss, grad norm, held-out
     loss and parameter norm within 1e-5 relative at every step (tests/test_composition.py's rows);
+  - preemption across nodes: `scancel --signal=USR1 --batch`; all ranks stop at one step boundary,
+    the job requeues itself and resumes on 2 nodes, bit-identical to the job left alone;
   - `--stop` takes down the daemons, the hosts and a job still running on them.
 """
 
@@ -38,7 +40,7 @@ import hosts as namespace_hosts
 from conftest import made_once, step_rows
 from test_composition import commands, launch, same_run
 from test_slurm import (REQUIRE, _unavailable, assert_invariants_ok, job_env, job_info, read_json, run, show,
-                        tail, wait_until)
+                        signal_when_running, tail, wait_finished, wait_until)
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_SLURM = ROOT / "scripts" / "slurm" / "local-slurm"
@@ -111,16 +113,17 @@ def jobs(cluster):
 
 
 def sbatch(cluster, cwd: Path, jobs: list, *args, env=None, timeout: float = 300):
-    """`sbatch --wait` of capstone.sbatch (ARGS: sbatch options, then the script and its flags);
-    returns (job id, job info, run dir, log path, seconds)."""
+    """Submit capstone.sbatch (ARGS: sbatch options, then the script and its flags) and wait for the
+    job to end (polling each second: `sbatch --wait` polls ever more slowly); returns (job id, job
+    info, run dir, log path, seconds)."""
+    env = env or cluster.env()
     (cwd / "runs").mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    p = run(["sbatch", "--wait", "--parsable", *args], env or cluster.env(), cwd=cwd, timeout=timeout, check=False)
-    jid = p.stdout.strip().split(";")[0]
-    assert jid.isdigit(), f"sbatch exited {p.returncode}: {p.stdout}{p.stderr}"
+    jid = run(["sbatch", "--parsable", *args], env, cwd=cwd).stdout.strip().split(";")[0]
     jobs.append(jid)
-    return jid, job_info(jid, env or cluster.env()), cwd / "runs" / f"slurm-{jid}", \
-        cwd / "runs" / f"slurm-{jid}.out", time.monotonic() - t0
+    out = cwd / "runs" / f"slurm-{jid}.out"
+    info = wait_finished(jid, env, timeout, out)
+    return jid, info, cwd / "runs" / f"slurm-{jid}", out, time.monotonic() - t0
 
 
 def completed(jid, info, run_dir, out, seconds, where) -> dict:
@@ -249,6 +252,46 @@ def test_four_nodes_dp2_pp2_tp2_match_the_one_rank_run(cluster, tmp_path_factory
     same_run(step_rows(got[2]), ref["rows"], f"{row.name} on 4 nodes x 2 tasks\n{tail(got[3])}")
 
 
+# ---- preemption across nodes ----------------------------------------------------------------------
+
+STEPS, SLEEP = 30, 0.3
+
+
+def test_preempted_two_node_job_requeues_and_resumes_bit_identically(cluster, tmp_path, jobs):
+    """`scancel --signal=USR1 --batch` to a 2-node job: every rank on both nodes stops at the same
+    step boundary (one checkpoint, written by all 4 ranks), the job requeues itself, resumes from
+    it on 2 nodes and ends bit-identical to the same job left alone."""
+    cluster.ensure(2)
+    flags = ["--steps", STEPS, "--ckpt-every", 10, "--sleep-per-step", SLEEP]
+    alone = sbatch(cluster, tmp_path / "alone", jobs, "--nodes=2", "--ntasks-per-node=2", SBATCH_SCRIPT, *flags)
+    completed(*alone, "2 nodes, not preempted")
+
+    env = cluster.env()
+    cwd = tmp_path / "preempted"
+    (cwd / "runs").mkdir(parents=True)
+    jid = run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", SBATCH_SCRIPT, *flags], env,
+              cwd=cwd).stdout.strip().split(";")[0]
+    jobs.append(jid)
+    run_dir, out = cwd / "runs" / f"slurm-{jid}", cwd / "runs" / f"slurm-{jid}.out"
+    signal_when_running(jid, run_dir, env, out)
+    first = wait_until("summary.json with status preempted", lambda: (lambda s: s if s and s.get("status") ==
+                       "preempted" else None)(read_json(run_dir / "summary.json")), 60,
+                       diagnose=lambda: f"{job_info(jid, env)}\n{tail(out)}")
+    k = first["final_step"]
+    assert 0 < k < STEPS and first["provenance"]["hosts"] == ["h1", "h1", "h2", "h2"], first
+    assert_invariants_ok(first, "preempted run")
+    saved = final_digests(run_dir)
+    assert saved[0] == k, f"the preemption checkpoint is at step {saved[0]}, the ranks stopped at {k}"
+    t0 = time.monotonic()
+    info = wait_finished(jid, env, 180, out, restarts=1)
+    second = completed(jid, info, run_dir, out, time.monotonic() - t0, "requeued on 2 nodes")
+    assert int(info["Restarts"]) == 1 and "requeueing job" in out.read_text(), tail(out)
+    assert second["start_step"] == k and second["final_step"] == STEPS and second["resumed_from"], second
+    assert second["provenance"]["hosts"] == ["h1", "h1", "h2", "h2"]
+    assert final_digests(run_dir) == final_digests(alone[2])
+    assert second["final_param_fingerprint"] == read_json(alone[2] / "summary.json")["final_param_fingerprint"]
+
+
 # ---- taking it down --------------------------------------------------------------------------------
 
 def test_stop_takes_down_daemons_hosts_and_a_running_job(cluster, tmp_path, jobs):
@@ -270,10 +313,19 @@ def test_stop_takes_down_daemons_hosts_and_a_running_job(cluster, tmp_path, jobs
     stop = cluster.stop()
     print(f"local-slurm --nodes 2 --stop: {time.monotonic() - t0:.1f} s", flush=True)
     assert stop.returncode == 0, stop.stderr
-    alive = [pid for pids in left.values() for pid in pids + daemons if Path(f"/proc/{pid}").exists()]
-    assert not alive, f"still running after --stop: {alive}"
+    pids = [pid for p in left.values() for pid in p] + daemons
+    still = [pid for pid in pids if running(pid)]
+    assert not still, f"still running after --stop: {[(pid, Path(f'/proc/{pid}/cmdline').read_bytes()) for pid in still]}"
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     assert not re.search(rf"^{PREFIX}-", netns, re.M), netns
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a killed process its parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def namespace_pids(host: str) -> list[int]:
