@@ -93,8 +93,11 @@ do_stop() {
   say "stopped the $KIND cluster and its hosts (state kept in $DIR; remove it for a clean start)"
 }
 
-start_slurm() {  # always a fresh start: new hosts, empty Slurm state (no job of an earlier cluster)
+start_slurm() {  # a fresh start (new hosts, empty Slurm state), or the repair of a running cluster
   local i _
+  if [[ "$1" == 0 && -n "$(live_pid "$DIR/run/slurmctld.pid" slurmctld)" && "$(cat "$DIR/nodes" 2>/dev/null)" == "$N" ]]; then
+    repair; return 0
+  fi
   stop_cluster
   rm -rf "$DIR/state" "$DIR"/spool* "$DIR/nodetmp" && mkdir -p "$DIR/state"
   # srun --mpi=pmix: each node's PMIx directory (<base>/spmix_appdir_<uid>_<job>.<step>, the same
@@ -112,13 +115,26 @@ start_slurm() {  # always a fresh start: new hosts, empty Slurm state (no job of
   done
   SLURM_CONF="$CONF" timeout 10 "$DIR/bin/scontrol" ping >/dev/null 2>&1 \
     || die "slurmctld does not answer 'scontrol ping' (log: $DIR/log/slurmctld.log)"
+  for i in $(seq 1 "$N"); do start_slurmd "$i"; done
+}
+
+repair() {  # the same cluster with a lost node (killed, cut off): its link back up, its slurmd again
+  local i
   for i in $(seq 1 "$N"); do
-    say "starting slurmd on h$i ($NET.$i)"
-    mkdir -p "$DIR/spool-h$i" "$DIR/nodetmp/h$i" "$DIR/nodetmp/local"
-    hosts exec "h$i" sh -c "$(cgroup_mounts) mount --bind '$DIR/nodetmp/h$i' '$DIR/nodetmp/local' &&
-      exec slurmd -f '$CONF' -N h$i" \
-      || die "slurmd on h$i failed to start: $(tail -n 5 "$DIR/log/slurmd-h$i.log" 2>/dev/null)"
+    hosts heal "h$i" >/dev/null 2>&1 || true
+    [[ -n "$(live_pid "$DIR/run/slurmd-h$i.pid" slurmd)" ]] && continue
+    start_slurmd "$i"
+    SLURM_CONF="$CONF" timeout 10 "$DIR/bin/scontrol" update NodeName="h$i" State=RESUME >/dev/null 2>&1 || true
   done
+}
+
+start_slurmd() {
+  local i="$1"
+  say "starting slurmd on h$i ($NET.$i)"
+  mkdir -p "$DIR/spool-h$i" "$DIR/nodetmp/h$i" "$DIR/nodetmp/local"
+  hosts exec "h$i" sh -c "$(cgroup_mounts) mount --bind '$DIR/nodetmp/h$i' '$DIR/nodetmp/local' &&
+    exec slurmd -f '$CONF' -N h$i" \
+    || die "slurmd on h$i failed to start: $(tail -n 5 "$DIR/log/slurmd-h$i.log" 2>/dev/null)"
 }
 
 # `ip netns exec` mounts a fresh /sys for the host, without /sys/fs/cgroup, which slurmd needs (its
