@@ -52,7 +52,7 @@ ORDER = ["timing", "hosts", "test_trials.py", "test_finetune.py", "test_zero_sta
          "test_integrity.py", "test_deterministic.py", "test_tp.py", "test_pipeline.py", "test_sample.py"]
 QUICK = {"test_accounting.py", "test_architecture.py", "test_backward.py", "test_cli.py", "test_digest.py", "test_usage.py",
          "test_heap.py", "test_invariants.py", "test_model.py", "test_no_pickle.py", "test_packaging.py",
-         "test_prepare.py", "test_textdata.py", "test_tokenizer.py"}
+         "test_prepare.py", "test_textdata.py", "test_tokenizer.py", "test_placement.py"}
 QUICK_ROW_RANKS = 2
 
 

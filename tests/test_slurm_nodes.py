@@ -144,7 +144,8 @@ def final_digests(run_dir: Path):
 
 
 def netns_of(pid: int) -> str:
-    return subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True, timeout=30).stdout.strip()
+    p = subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True, timeout=30)
+    return p.stdout.strip()
 
 
 # ---- the cluster ---------------------------------------------------------------------------------
@@ -174,7 +175,8 @@ def test_mpi_hello_world_across_two_nodes(cluster, tmp_path, jobs, launcher):
     from test_slurm import _venv
     (tmp_path / "hello.py").write_text(HELLO)
     env = cluster.env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = f"{launcher} {'-n 4 ' if launcher == 'mpirun' else ''}{Path(_venv()) / 'bin' / 'python'} {tmp_path / 'hello.py'}"
+    python = Path(_venv()) / "bin" / "python"
+    cmd = f"{launcher} {'-n 4 ' if launcher == 'mpirun' else ''}{python} {tmp_path / 'hello.py'}"
     out = tmp_path / "hello.out"
     p = run(["sbatch", "--wait", "-N", "2", "--ntasks-per-node", "2", "-t", "5", "-o", out, "--wrap", cmd], env,
             cwd=tmp_path, timeout=150, check=False)
@@ -315,7 +317,7 @@ def test_stop_takes_down_daemons_hosts_and_a_running_job(cluster, tmp_path, jobs
     assert stop.returncode == 0, stop.stderr
     pids = [pid for p in left.values() for pid in p] + daemons
     still = [pid for pid in pids if running(pid)]
-    assert not still, f"still running after --stop: {[(pid, Path(f'/proc/{pid}/cmdline').read_bytes()) for pid in still]}"
+    assert not still, f"still running after --stop: {[(p, Path(f'/proc/{p}/cmdline').read_bytes()) for p in still]}"
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     assert not re.search(rf"^{PREFIX}-", netns, re.M), netns
 
