@@ -21,6 +21,9 @@ What is proven:
     loss and parameter norm within 1e-5 relative at every step (tests/test_composition.py's rows);
   - preemption across nodes: `scancel --signal=USR1 --batch`; all ranks stop at one step boundary,
     the job requeues itself and resumes on 2 nodes, bit-identical to the job left alone;
+  - a node lost mid-job (its processes killed; its link cut): the job requeues itself and resumes
+    on the node left (template.sbatch, `--nodes=1-2`), bit-identical to a 2-rank run resumed from
+    the same checkpoint;
   - `--stop` takes down the daemons, the hosts and a job still running on them.
 """
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -37,14 +41,16 @@ import pytest
 
 import composition as mx
 import hosts as namespace_hosts
-from conftest import made_once, step_rows
+from conftest import made_once, mpirun, step_rows
 from test_composition import commands, launch, same_run
 from test_slurm import (REQUIRE, _unavailable, assert_invariants_ok, job_env, job_info, read_json, run, show,
-                        signal_when_running, tail, wait_finished, wait_until)
+                        signal_when_running, step_lines, tail, wait_finished, wait_until)
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_SLURM = ROOT / "scripts" / "slurm" / "local-slurm"
 SBATCH_SCRIPT = ROOT / "scripts" / "slurm" / "capstone.sbatch"
+TEMPLATE = ROOT / "scripts" / "slurm" / "template.sbatch"
+HOSTS = ROOT / "scripts" / "hosts"
 PREFIX = os.environ.get("CAPSTONE_SLURM_HOSTS_PREFIX", "slm")
 
 if any(int(os.environ.get(k, "1") or 1) > 1 for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")):
@@ -60,8 +66,9 @@ class Cluster:
     def __init__(self):
         self.n, self.conf, self.bin = 0, "", ""
 
-    def ensure(self, n: int) -> "Cluster":
-        if self.n == n:
+    def ensure(self, n: int, repair: bool = False) -> "Cluster":
+        """n nodes up (repair: a node lost by a test back: link up, slurmd again, node resumed)."""
+        if self.n == n and not repair:
             return self
         t0 = time.monotonic()
         try:
@@ -294,6 +301,47 @@ def test_preempted_two_node_job_requeues_and_resumes_bit_identically(cluster, tm
     assert second["final_param_fingerprint"] == read_json(alone[2] / "summary.json")["final_param_fingerprint"]
 
 
+# ---- a node lost mid-job ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fault", ["kill", "cut"])
+def test_a_lost_node_requeues_the_job_and_it_resumes_on_the_node_left(cluster, tmp_path, jobs, fault):
+    """template.sbatch with `--nodes=1-2` (2 tasks per node): every process of h2 killed, or h2's link
+    cut, at step 13. The ranks on h1 end the step at --collective-timeout, the job requeues itself,
+    Slurm marks h2 down, and the requeued job starts on h1 alone, resumes from `latest` (step 10) on
+    2 ranks with the same global batch, and ends bit-identical to a 2-rank run resumed from the
+    same checkpoint."""
+    cluster.ensure(2)
+    flags = ["--steps", 40, "--ckpt-every", 10, "--sleep-per-step", 0.3, "--global-batch", 16,
+             "--collective-timeout", 5]
+    env = cluster.env(CAPSTONE_ROOT=str(ROOT), CAPSTONE_TASKS_PER_NODE="2")
+    (tmp_path / "runs").mkdir()
+    try:
+        jid = run(["sbatch", "--parsable", "--nodes=1-2", TEMPLATE, *flags], env, cwd=tmp_path).stdout.strip()
+        jobs.append(jid)
+        run_dir, out = tmp_path / "runs" / f"slurm-{jid}", tmp_path / "runs" / f"slurm-{jid}.out"
+        wait_until("13 steps", lambda: step_lines(run_dir) >= 13, 120, diagnose=lambda: tail(out))
+        run(["bash", HOSTS, fault, "h2"], {**env, "CAPSTONE_HOSTS_PREFIX": PREFIX})
+        t0, lost = time.monotonic(), time.time()
+        saved = tmp_path / "saved"        # the checkpoints as the node was lost (retention may drop them later)
+        shutil.copytree(run_dir / "checkpoints", saved)
+        info = wait_finished(jid, env, 240, out, restarts=1)
+        summary = completed(jid, info, run_dir, out, time.monotonic() - t0, f"h2 {fault}, requeued on h1")
+    finally:
+        cluster.ensure(2, repair=True)
+    assert "ended after a collective timeout" in out.read_text() and int(info["Restarts"]) >= 1, tail(out)
+    ended = step_ended(out.read_text(), lost)
+    print(f"h2 {fault}: the job step ended {ended:.0f} s after (--collective-timeout 5, CAPSTONE_ABORT_GRACE 10)")
+    assert ended <= 5 + 10 + 15, f"the step ended {ended:.0f} s after h2 was lost\n{tail(out)}"
+    assert summary["provenance"]["hosts"] == ["h1", "h1"] and summary["world_size"] == 2, summary["provenance"]
+    assert summary["start_step"] == 10 and summary["final_step"] == 40, summary
+    first = os.path.basename(summary["resumed_from"])
+    alone = tmp_path / "alone"
+    res = mpirun(2, "--out", alone, "--resume", saved / first, *flags[:-2])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert final_digests(run_dir) == final_digests(alone)
+    assert summary["final_param_fingerprint"] == read_json(alone / "summary.json")["final_param_fingerprint"]
+
+
 # ---- taking it down --------------------------------------------------------------------------------
 
 def test_stop_takes_down_daemons_hosts_and_a_running_job(cluster, tmp_path, jobs):
@@ -320,6 +368,15 @@ def test_stop_takes_down_daemons_hosts_and_a_running_job(cluster, tmp_path, jobs
     assert not still, f"still running after --stop: {[(p, Path(f'/proc/{p}/cmdline').read_bytes()) for p in still]}"
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     assert not re.search(rf"^{PREFIX}-", netns, re.M), netns
+
+
+def step_ended(log: str, since: float) -> float:
+    """Seconds from `since` (epoch) to the batch script's first 'job step exited' line (HH:MM:SS, today)."""
+    hms = re.search(r"\[capstone.sbatch (\d\d):(\d\d):(\d\d)\] job step exited", log)
+    assert hms, log[-3000:]
+    day = time.localtime(since)
+    at = time.mktime((day.tm_year, day.tm_mon, day.tm_mday, *map(int, hms.groups()), 0, 0, -1))
+    return at - since
 
 
 def running(pid: int) -> bool:
