@@ -331,7 +331,7 @@ def test_a_lost_node_requeues_the_job_and_it_resumes_on_the_node_left(cluster, t
     assert "ended after a collective timeout" in out.read_text() and int(info["Restarts"]) >= 1, tail(out)
     ended = step_ended(out.read_text(), lost)
     print(f"h2 {fault}: the job step ended {ended:.0f} s after (--collective-timeout 5, CAPSTONE_ABORT_GRACE 10)")
-    assert ended <= 5 + 10 + 15, f"the step ended {ended:.0f} s after h2 was lost\n{tail(out)}"
+    assert ended <= 5 + 10 + 25, f"the step ended {ended:.0f} s after h2 was lost\n{tail(out)}"
     assert summary["provenance"]["hosts"] == ["h1", "h1"] and summary["world_size"] == 2, summary["provenance"]
     assert summary["start_step"] == 10 and summary["final_step"] == 40, summary
     first = os.path.basename(summary["resumed_from"])
