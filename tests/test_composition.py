@@ -65,15 +65,7 @@ def references(tmp_path_factory):
 
     def outcome(inject: str, undo: bool = True) -> dict:
         if (inject, undo) not in made:
-            name = inject + ("" if undo else "-no-undo")
-
-            def make(base):
-                out = base / name
-                row = mx.Row(1, 1, 1, False, False, inject, False, undo=undo)
-                res = launch(commands(row, out))[-1]
-                return {"returncode": res.returncode, "output": res.stdout + res.stderr, "ending": ending(out),
-                        "rows": step_rows(out) if res.returncode in (0, 1) else None}
-            ref = made_once(tmp_path_factory, f"composition-reference-{name}", make)
+            ref = reference_run(tmp_path_factory, inject, undo)
             assert ref["returncode"] == 0 or not undo and ref["ending"] == ["a_loss_monotone"], ref["output"]
             made[(inject, undo)] = ref
         return made[(inject, undo)]
@@ -82,6 +74,20 @@ def references(tmp_path_factory):
         return outcome(inject, undo)["rows"]
     get.outcome = outcome
     return get
+
+
+def reference_run(tmp_path_factory, inject: str = "clean", undo: bool = True) -> dict:
+    """The 1-rank run of a row's injection and guard undo, made once for every worker, phase and
+    module that reads it (tests/test_slurm_nodes.py too): returncode, output, ending, step rows."""
+    name = inject + ("" if undo else "-no-undo")
+
+    def make(base):
+        out = base / name
+        row = mx.Row(1, 1, 1, False, False, inject, False, undo=undo)
+        res = launch(commands(row, out))[-1]
+        return {"returncode": res.returncode, "output": res.stdout + res.stderr, "ending": ending(out),
+                "rows": step_rows(out) if res.returncode in (0, 1) else None}
+    return made_once(tmp_path_factory, f"composition-reference-{name}", make)
 
 
 def ending(out) -> list | None:

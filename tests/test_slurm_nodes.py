@@ -41,8 +41,8 @@ import pytest
 
 import composition as mx
 import hosts as namespace_hosts
-from conftest import made_once, mpirun, step_rows
-from test_composition import commands, launch, same_run
+from conftest import mpirun, step_rows
+from test_composition import reference_run, same_run
 from test_slurm import (REQUIRE, _unavailable, assert_invariants_ok, job_env, job_info, read_json, run, show,
                         signal_when_running, step_lines, tail, wait_finished, wait_until)
 
@@ -242,13 +242,7 @@ def test_tp_groups_stay_inside_a_node_and_a_cyclic_placement_is_refused(cluster,
 def test_four_nodes_dp2_pp2_tp2_match_the_one_rank_run(cluster, tmp_path_factory, tmp_path, jobs):
     """8 ranks on 4 nodes (2 each): dp 2 x pp 2 x tp 2, the composition matrix's flags; every step's
     loss, grad norm, held-out loss and parameter norm within 1e-5 relative of the 1-rank run."""
-    one = mx.Row(1, 1, 1, False, False, "clean", False)
-
-    def make(base):   # the same run as tests/test_composition.py's reference (shared with it)
-        res = launch(commands(one, base / "clean"))[-1]
-        return {"returncode": res.returncode, "output": res.stdout + res.stderr,
-                "rows": step_rows(base / "clean") if res.returncode == 0 else None}
-    ref = made_once(tmp_path_factory, "composition-reference-clean", make)
+    ref = reference_run(tmp_path_factory)   # tests/test_composition.py's reference (made once, shared)
     assert ref["returncode"] == 0, ref["output"]
 
     row = mx.Row(8, 2, 1, True, False, "clean", False, pp="2:1f1b")
