@@ -243,3 +243,15 @@ def reference(tmp_path_factory):
 @pytest.fixture
 def run_train():
     return mpirun
+
+
+def code_at(tmp_path_factory, commit: str):
+    """The capstone package of `commit`, unpacked from git into a directory of its own (the test is
+    skipped, with the reason, when the checkout does not have that commit)."""
+    from benchmarks.compare import unpack
+    where = tmp_path_factory.mktemp("before")
+    try:
+        unpack(commit, str(where))
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"commit {commit} is not in this checkout's history ({exc}): clone the repository to run this")
+    return where

@@ -12,8 +12,7 @@ import subprocess
 import pytest
 
 import composition as mx
-from benchmarks.compare import unpack
-from conftest import mpi_env, mpirun, step_rows, summary
+from conftest import code_at, mpi_env, mpirun, step_rows, summary
 from test_composition import command, launch, references, same_run, shown   # noqa: F401 (a fixture)
 
 BEFORE = "d1f6535"   # main before the modes were kept: its checkpoints have none
@@ -83,12 +82,7 @@ def test_mode_flags_given_win_and_every_change_is_listed(tmp_path):
 
 @pytest.fixture(scope="module")
 def before_code(tmp_path_factory):
-    where = tmp_path_factory.mktemp("before")
-    try:
-        unpack(BEFORE, str(where))
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"commit {BEFORE} is not in this checkout's history ({exc}): clone the repository to run this")
-    return where
+    return code_at(tmp_path_factory, BEFORE)
 
 
 def test_a_checkpoint_without_modes_resumes_with_the_defaults(before_code, tmp_path):

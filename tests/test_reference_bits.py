@@ -7,8 +7,7 @@ import subprocess
 
 import pytest
 
-from benchmarks.compare import unpack
-from conftest import ROOT, mpi_env, step_rows, summary
+from conftest import code_at, ROOT, mpi_env, step_rows, summary
 
 BEFORE = "0d6c940"   # main before the one design of issue 24 (the 47-mutant suite's code)
 KEYS = ("loss", "eval_loss", "grad_norm", "grad_norm_clipped", "lr", "param_norm", "fingerprint", "accepted")
@@ -17,12 +16,7 @@ KEYS = ("loss", "eval_loss", "grad_norm", "grad_norm_clipped", "lr", "param_norm
 @pytest.fixture(scope="module")
 def before_code(tmp_path_factory):
     """The capstone package of commit BEFORE, unpacked from git into a directory of its own."""
-    where = tmp_path_factory.mktemp("before")
-    try:
-        unpack(BEFORE, str(where))
-    except (OSError, subprocess.SubprocessError) as exc:
-        pytest.skip(f"commit {BEFORE} is not in this checkout's history ({exc}): clone the repository to run this")
-    return where
+    return code_at(tmp_path_factory, BEFORE)
 
 
 def run_with(code_dir, out, *args):
