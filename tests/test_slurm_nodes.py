@@ -322,10 +322,17 @@ def test_a_lost_node_requeues_the_job_and_it_resumes_on_the_node_left(cluster, t
         summary = completed(jid, info, run_dir, out, time.monotonic() - t0, f"h2 {fault}, requeued on h1")
     finally:
         cluster.ensure(2, repair=True)
-    assert "ended after a collective timeout" in out.read_text() and int(info["Restarts"]) >= 1, tail(out)
-    ended = step_ended(out.read_text(), lost)
-    print(f"h2 {fault}: the job step ended {ended:.0f} s after (--collective-timeout 5, CAPSTONE_ABORT_GRACE 10)")
-    assert ended <= 5 + 10 + 25, f"the step ended {ended:.0f} s after h2 was lost\n{tail(out)}"
+    first_run = out.read_text().split(" restart 1: ")[0]
+    ranks_ended = seconds_after(first_run, lost, r"STEP \d+\.0 ON h1 CANCELLED AT \S+T(\d\d):(\d\d):(\d\d)")
+    ended = seconds_after(first_run, lost, r"\[capstone.sbatch (\d\d):(\d\d):(\d\d)\] job step exited")
+    print(f"h2 {fault}: the ranks on h1 ended {ranks_ended:.0f} s, the job step {ended:.0f} s after "
+          f"(--collective-timeout 5, KillWait 2, CAPSTONE_ABORT_GRACE 3)")
+    # Either the ranks on h1 timed out and the batch script requeued the job, or (a killed node) srun
+    # or slurmctld noticed h2's end first and Slurm requeued the job on h2's failure.
+    assert "ended after a collective timeout" in first_run or "DUE TO NODE FAILURE" in first_run, tail(out)
+    assert ranks_ended <= 5 + 3 and ended <= 5 + 7, f"the ranks ended {ranks_ended:.0f} s, the step {ended:.0f} s " \
+                                                   f"after h2 was lost\n{tail(out)}"
+    assert int(info["Restarts"]) >= 1, tail(out)
     assert summary["provenance"]["hosts"] == ["h1", "h1"] and summary["world_size"] == 2, summary["provenance"]
     assert summary["start_step"] == 10 and summary["final_step"] == 40, summary
     first = os.path.basename(summary["resumed_from"])
@@ -364,10 +371,10 @@ def test_stop_takes_down_daemons_hosts_and_a_running_job(cluster, tmp_path, jobs
     assert not re.search(rf"^{PREFIX}-", netns, re.M), netns
 
 
-def step_ended(log: str, since: float) -> float:
-    """Seconds from `since` (epoch) to the batch script's first 'job step exited' line (HH:MM:SS, today)."""
-    hms = re.search(r"\[capstone.sbatch (\d\d):(\d\d):(\d\d)\] job step exited", log)
-    assert hms, log[-3000:]
+def seconds_after(log: str, since: float, pattern: str) -> float:
+    """Seconds from `since` (epoch) to the first line of LOG matching PATTERN (HH, MM, SS groups, today)."""
+    hms = re.search(pattern, log)
+    assert hms, f"no line matches {pattern!r}:\n{log[-3000:]}"
     day = time.localtime(since)
     at = time.mktime((day.tm_year, day.tm_mon, day.tm_mday, *map(int, hms.groups()), 0, 0, -1))
     return at - since
