@@ -367,11 +367,14 @@ def test_a_lost_node_requeues_the_job_and_it_resumes_on_the_node_left(cluster, t
     ranks_ended = seconds_after(first_run, lost, r"STEP \d+\.0 ON h1 CANCELLED AT \S+T(\d\d):(\d\d):(\d\d)")
     ended = seconds_after(first_run, lost, r"\[capstone.sbatch (\d\d):(\d\d):(\d\d)\] job step exited")
     print(f"h2 {fault}: the ranks on h1 ended {ranks_ended:.0f} s, the job step {ended:.0f} s after "
-          f"(--collective-timeout 5, KillWait 2, CAPSTONE_ABORT_GRACE 3)")
+          f"(--collective-timeout 5, CAPSTONE_ABORT_GRACE 3, Slurm's KillWait 30)")
     # Either the ranks on h1 timed out and the batch script requeued the job, or (a killed node) srun
     # or slurmctld noticed h2's end first and Slurm requeued the job on h2's failure.
     assert "ended after a collective timeout" in first_run or "DUE TO NODE FAILURE" in first_run, tail(out)
-    assert ranks_ended <= 5 + 3 and ended <= 5 + 7, f"the ranks ended {ranks_ended:.0f} s, the step {ended:.0f} s " \
+    # the step: the deadline, the grace (3 s), SIGTERM to SIGKILL (2 s), the script's 1-s polling, and
+    # slack for a loaded machine (8-9 s measured at rest, 10-11 s at load 15 on 2 cores); srun on its
+    # own would wait for h2's step until KillWait (30 s) + 2 s
+    assert ranks_ended <= 5 + 3 and ended <= 5 + 9, f"the ranks ended {ranks_ended:.0f} s, the step {ended:.0f} s " \
                                                    f"after h2 was lost\n{tail(out)}"
     assert int(info["Restarts"]) >= 1 and re.search(r" restart 0\b.*: 2 nodes x 2 tasks", first_run), tail(out)
     assert "step 10, written by 4 ranks, now 2;" in out.read_text(), tail(out)   # 2 x 2 ranks, then 1 x 2

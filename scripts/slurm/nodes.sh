@@ -25,8 +25,6 @@ nodes_setup() {  # nodes_setup N: the variables of an N-node cluster
   KIND="$N-node" CTLD_HOST="head($NET.254)" PER_NODE="-%n" NODES_EXPR="h[1-$N]"
   # a node whose slurmd is gone for this long is DOWN (its jobs requeued or failed)
   SLURMD_TIMEOUT="${CAPSTONE_SLURM_SLURMD_TIMEOUT:-20}"
-  # srun waits KillWait + 2 s for the step of a node that is gone (Slurm's default 30 s)
-  KILL_WAIT="${CAPSTONE_SLURM_KILL_WAIT:-2}"
   # a requeued job may start again this long after it ended (Slurm's default 120 s, local-slurm's 30)
   CRED_EXPIRE="${CAPSTONE_SLURM_CRED_EXPIRE:-10}"
   NODE=h1
