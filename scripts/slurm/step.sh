@@ -5,7 +5,8 @@
 # not: so the step runs in the background and this shell waits for it in a loop.
 # A collective timeout (a rank writes RUN_DIR/collective-timeout.json, capstone/collective/deadline.py, then
 # aborts): if the step is still running CAPSTONE_ABORT_GRACE seconds later (mpirun waiting for an
-# unreachable node's daemon, docs/multinode.md), this script kills it; then, with a checkpoint to
+# unreachable node's daemon, srun for a lost node's slurmstepd: docs/multinode.md), this script
+# ends it; then, with a checkpoint to
 # resume from, it requeues the job like a preemption (the node is probably bad: see the note printed).
 # Environment: CAPSTONE_REQUEUE (1: requeue after a preemption checkpoint or a collective timeout;
 # 0: just exit), CAPSTONE_MAX_REQUEUES (default 20), CAPSTONE_ABORT_GRACE (default 3).
