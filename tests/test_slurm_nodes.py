@@ -29,7 +29,6 @@ What is proven:
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import shutil
@@ -42,57 +41,18 @@ import pytest
 import composition as mx
 import hosts as namespace_hosts
 from conftest import mpirun, step_rows
+from slurm_nodes import (HOSTS, PREFIX, ROOT, SBATCH_SCRIPT, TEMPLATE, Cluster, completed, final_digests, namespace_pids,
+                         netns_of, running, sbatch, seconds_after)
 from test_composition import reference_run, same_run
-from test_slurm import (REQUIRE, _unavailable, assert_invariants_ok, job_env, job_info, read_json, run, show,
-                        signal_when_running, step_lines, tail, wait_finished, wait_until)
+from test_slurm import (REQUIRE, _unavailable, assert_invariants_ok, job_info, read_json, run, signal_when_running,
+                        step_lines, tail, wait_finished, wait_until)
 
-ROOT = Path(__file__).resolve().parents[1]
-LOCAL_SLURM = ROOT / "scripts" / "slurm" / "local-slurm"
-SBATCH_SCRIPT = ROOT / "scripts" / "slurm" / "capstone.sbatch"
-TEMPLATE = ROOT / "scripts" / "slurm" / "template.sbatch"
-HOSTS = ROOT / "scripts" / "hosts"
-PREFIX = os.environ.get("CAPSTONE_SLURM_HOSTS_PREFIX", "slm")
 
 if any(int(os.environ.get(k, "1") or 1) > 1 for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")):
     _WHY = "tests/test_slurm_nodes.py must run serially, not under mpirun (the jobs start their own ranks)"
     if REQUIRE:
         pytest.fail(f"{_WHY} (and CAPSTONE_REQUIRE_SLURM=1)", pytrace=False)
     pytest.skip(_WHY, allow_module_level=True)
-
-
-class Cluster:
-    """The local multi-node cluster: (re)started with `ensure(n)` nodes; `env()` submits to it."""
-
-    def __init__(self):
-        self.n, self.conf, self.bin = 0, "", ""
-
-    def ensure(self, n: int, repair: bool = False) -> "Cluster":
-        """n nodes up (repair: a node lost by a test back: link up, slurmd again, node resumed)."""
-        if self.n == n and not repair:
-            return self
-        t0 = time.monotonic()
-        try:
-            p = subprocess.run(["bash", str(LOCAL_SLURM), "--nodes", str(n)], capture_output=True, text=True,
-                               timeout=600)
-        except subprocess.TimeoutExpired:
-            _unavailable(f"scripts/slurm/local-slurm --nodes {n} did not finish within 600 s")
-        m = re.search(r"^export SLURM_CONF=(\S+) PATH=(\S+):\$PATH$", p.stdout, re.M)
-        if p.returncode != 0 or not m:
-            _unavailable(f"scripts/slurm/local-slurm --nodes {n} could not start Slurm (exit {p.returncode}):\n"
-                         f"{p.stdout}{p.stderr[-3000:]}")
-        self.n, self.conf, self.bin = n, m.group(1), m.group(2)
-        print(f"local-slurm --nodes {n}: up in {time.monotonic() - t0:.1f} s", flush=True)
-        return self
-
-    def env(self, **extra: str) -> dict:
-        e = job_env(self.conf, **extra)
-        e["PATH"] = f"{self.bin}:{e['PATH']}"
-        return e
-
-    def stop(self) -> subprocess.CompletedProcess:
-        self.n = 0
-        return subprocess.run(["bash", str(LOCAL_SLURM), "--nodes", "2", "--stop"], capture_output=True, text=True,
-                              timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -117,42 +77,6 @@ def jobs(cluster):
     for jid in ids:
         if job_info(jid, cluster.env()).get("JobState") in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING"):
             run(["scancel", jid], cluster.env(), check=False, timeout=30)
-
-
-def sbatch(cluster, cwd: Path, jobs: list, *args, env=None, timeout: float = 300):
-    """Submit capstone.sbatch (ARGS: sbatch options, then the script and its flags) and wait for the
-    job to end (polling each second: `sbatch --wait` polls ever more slowly); returns (job id, job
-    info, run dir, log path, seconds)."""
-    env = env or cluster.env()
-    (cwd / "runs").mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    jid = run(["sbatch", "--parsable", *args], env, cwd=cwd).stdout.strip().split(";")[0]
-    jobs.append(jid)
-    out = cwd / "runs" / f"slurm-{jid}.out"
-    info = wait_finished(jid, env, timeout, out)
-    return jid, info, cwd / "runs" / f"slurm-{jid}", out, time.monotonic() - t0
-
-
-def completed(jid, info, run_dir, out, seconds, where) -> dict:
-    summary = read_json(run_dir / "summary.json")
-    show(f"{where} ({seconds:.0f} s)", jid, info, summary)
-    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", f"{info}\n{tail(out)}"
-    assert summary and summary["status"] == "completed", tail(out)
-    assert_invariants_ok(summary, where)
-    return summary
-
-
-def final_digests(run_dir: Path):
-    """(step, logical sha256 digests) of the run's newest checkpoint."""
-    from capstone import checkpoint
-    path = sorted(glob.glob(str(run_dir / "checkpoints" / "ckpt-*.h5")))[-1]
-    meta = checkpoint.read_meta_file(path)
-    return meta["step"], meta["logical_sha256"]
-
-
-def netns_of(pid: int) -> str:
-    p = subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True, timeout=30)
-    return p.stdout.strip()
 
 
 # ---- the cluster ---------------------------------------------------------------------------------
@@ -428,25 +352,3 @@ def test_stop_takes_down_daemons_hosts_and_a_running_job(cluster, tmp_path, jobs
     assert not still, f"still running after --stop: {[(p, Path(f'/proc/{p}/cmdline').read_bytes()) for p in still]}"
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     assert not re.search(rf"^{PREFIX}-", netns, re.M), netns
-
-
-def seconds_after(log: str, since: float, pattern: str) -> float:
-    """Seconds from `since` (epoch) to the first line of LOG matching PATTERN (HH, MM, SS groups, today)."""
-    hms = re.search(pattern, log)
-    assert hms, f"no line matches {pattern!r}:\n{log[-3000:]}"
-    day = time.localtime(since)
-    at = time.mktime((day.tm_year, day.tm_mon, day.tm_mday, *map(int, hms.groups()), 0, 0, -1))
-    return at - since
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (a killed process its parent has not reaped yet)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def namespace_pids(host: str) -> list[int]:
-    p = subprocess.run(["ip", "netns", "pids", f"{PREFIX}-{host}"], capture_output=True, text=True, timeout=30)
-    return [int(x) for x in p.stdout.split()]
