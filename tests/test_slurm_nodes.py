@@ -44,7 +44,7 @@ from conftest import mpirun, step_rows
 from slurm_nodes import (HOSTS, PREFIX, ROOT, SBATCH_SCRIPT, TEMPLATE, Cluster, completed, final_digests, namespace_pids,
                          netns_of, running, sbatch, seconds_after)
 from test_composition import reference_run, same_run
-from test_slurm import (REQUIRE, _unavailable, assert_invariants_ok, job_info, read_json, run, signal_when_running,
+from test_slurm import (REQUIRE, _unavailable, assert_invariants_ok, job_info, read_json, run, show, signal_when_running,
                         step_lines, tail, wait_finished, wait_until)
 
 
