@@ -29,7 +29,6 @@ What is proven:
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import shutil
@@ -42,57 +41,18 @@ import pytest
 import composition as mx
 import hosts as namespace_hosts
 from conftest import mpirun, step_rows
+from slurm_nodes import (HOSTS, PREFIX, ROOT, SBATCH_SCRIPT, TEMPLATE, Cluster, completed, final_digests, namespace_pids,
+                         netns_of, running, sbatch, seconds_after)
 from test_composition import reference_run, same_run
-from test_slurm import (REQUIRE, _unavailable, assert_invariants_ok, job_env, job_info, read_json, run, show,
-                        signal_when_running, step_lines, tail, wait_finished, wait_until)
+from test_slurm import (REQUIRE, _unavailable, assert_invariants_ok, job_info, read_json, run, show, signal_when_running,
+                        step_lines, tail, wait_finished, wait_until)
 
-ROOT = Path(__file__).resolve().parents[1]
-LOCAL_SLURM = ROOT / "scripts" / "slurm" / "local-slurm"
-SBATCH_SCRIPT = ROOT / "scripts" / "slurm" / "capstone.sbatch"
-TEMPLATE = ROOT / "scripts" / "slurm" / "template.sbatch"
-HOSTS = ROOT / "scripts" / "hosts"
-PREFIX = os.environ.get("CAPSTONE_SLURM_HOSTS_PREFIX", "slm")
 
 if any(int(os.environ.get(k, "1") or 1) > 1 for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")):
     _WHY = "tests/test_slurm_nodes.py must run serially, not under mpirun (the jobs start their own ranks)"
     if REQUIRE:
         pytest.fail(f"{_WHY} (and CAPSTONE_REQUIRE_SLURM=1)", pytrace=False)
     pytest.skip(_WHY, allow_module_level=True)
-
-
-class Cluster:
-    """The local multi-node cluster: (re)started with `ensure(n)` nodes; `env()` submits to it."""
-
-    def __init__(self):
-        self.n, self.conf, self.bin = 0, "", ""
-
-    def ensure(self, n: int, repair: bool = False) -> "Cluster":
-        """n nodes up (repair: a node lost by a test back: link up, slurmd again, node resumed)."""
-        if self.n == n and not repair:
-            return self
-        t0 = time.monotonic()
-        try:
-            p = subprocess.run(["bash", str(LOCAL_SLURM), "--nodes", str(n)], capture_output=True, text=True,
-                               timeout=600)
-        except subprocess.TimeoutExpired:
-            _unavailable(f"scripts/slurm/local-slurm --nodes {n} did not finish within 600 s")
-        m = re.search(r"^export SLURM_CONF=(\S+) PATH=(\S+):\$PATH$", p.stdout, re.M)
-        if p.returncode != 0 or not m:
-            _unavailable(f"scripts/slurm/local-slurm --nodes {n} could not start Slurm (exit {p.returncode}):\n"
-                         f"{p.stdout}{p.stderr[-3000:]}")
-        self.n, self.conf, self.bin = n, m.group(1), m.group(2)
-        print(f"local-slurm --nodes {n}: up in {time.monotonic() - t0:.1f} s", flush=True)
-        return self
-
-    def env(self, **extra: str) -> dict:
-        e = job_env(self.conf, **extra)
-        e["PATH"] = f"{self.bin}:{e['PATH']}"
-        return e
-
-    def stop(self) -> subprocess.CompletedProcess:
-        self.n = 0
-        return subprocess.run(["bash", str(LOCAL_SLURM), "--nodes", "2", "--stop"], capture_output=True, text=True,
-                              timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -117,42 +77,6 @@ def jobs(cluster):
     for jid in ids:
         if job_info(jid, cluster.env()).get("JobState") in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING"):
             run(["scancel", jid], cluster.env(), check=False, timeout=30)
-
-
-def sbatch(cluster, cwd: Path, jobs: list, *args, env=None, timeout: float = 300):
-    """Submit capstone.sbatch (ARGS: sbatch options, then the script and its flags) and wait for the
-    job to end (polling each second: `sbatch --wait` polls ever more slowly); returns (job id, job
-    info, run dir, log path, seconds)."""
-    env = env or cluster.env()
-    (cwd / "runs").mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-    jid = run(["sbatch", "--parsable", *args], env, cwd=cwd).stdout.strip().split(";")[0]
-    jobs.append(jid)
-    out = cwd / "runs" / f"slurm-{jid}.out"
-    info = wait_finished(jid, env, timeout, out)
-    return jid, info, cwd / "runs" / f"slurm-{jid}", out, time.monotonic() - t0
-
-
-def completed(jid, info, run_dir, out, seconds, where) -> dict:
-    summary = read_json(run_dir / "summary.json")
-    show(f"{where} ({seconds:.0f} s)", jid, info, summary)
-    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", f"{info}\n{tail(out)}"
-    assert summary and summary["status"] == "completed", tail(out)
-    assert_invariants_ok(summary, where)
-    return summary
-
-
-def final_digests(run_dir: Path):
-    """(step, logical sha256 digests) of the run's newest checkpoint."""
-    from capstone import checkpoint
-    path = sorted(glob.glob(str(run_dir / "checkpoints" / "ckpt-*.h5")))[-1]
-    meta = checkpoint.read_meta_file(path)
-    return meta["step"], meta["logical_sha256"]
-
-
-def netns_of(pid: int) -> str:
-    p = subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True, timeout=30)
-    return p.stdout.strip()
 
 
 # ---- the cluster ---------------------------------------------------------------------------------
@@ -258,17 +182,38 @@ def test_four_nodes_dp2_pp2_tp2_match_the_one_rank_run(cluster, tmp_path_factory
 # ---- preemption across nodes ----------------------------------------------------------------------
 
 STEPS, SLEEP = 30, 0.3
+FLAGS = ["--steps", STEPS, "--ckpt-every", 10]
 
 
-def test_preempted_two_node_job_requeues_and_resumes_bit_identically(cluster, tmp_path, jobs):
+@pytest.fixture(scope="module")
+def alone(cluster, tmp_path_factory) -> Path:
+    """The 2-node job the preempted ones must equal, left alone (its run directory)."""
+    cluster.ensure(2)
+    ids: list[str] = []
+    got = sbatch(cluster, tmp_path_factory.mktemp("alone"), ids, "--nodes=2", "--ntasks-per-node=2", SBATCH_SCRIPT,
+                 *FLAGS, "--sleep-per-step", SLEEP)
+    completed(*got, "2 nodes, not preempted")
+    return got[2]
+
+
+def wait_preempted(jid, run_dir: Path, env, out: Path, timeout: float) -> int:
+    """The step at which every rank stopped (summary.json "preempted", and the checkpoint there)."""
+    first = wait_until("summary.json with status preempted", lambda: (lambda s: s if s and s.get("status") ==
+                       "preempted" else None)(read_json(run_dir / "summary.json")), timeout,
+                       diagnose=lambda: f"{job_info(jid, env)}\n{tail(out)}")
+    k = first["final_step"]
+    assert 0 < k < STEPS and first["provenance"]["hosts"] == ["h1", "h1", "h2", "h2"], first
+    assert_invariants_ok(first, "preempted run")
+    saved = final_digests(run_dir)
+    assert saved[0] == k, f"the preemption checkpoint is at step {saved[0]}, the ranks stopped at {k}"
+    return k
+
+
+def test_preempted_two_node_job_requeues_and_resumes_bit_identically(cluster, alone, tmp_path, jobs):
     """`scancel --signal=USR1 --batch` to a 2-node job: every rank on both nodes stops at the same
     step boundary (one checkpoint, written by all 4 ranks), the job requeues itself, resumes from
     it on 2 nodes and ends bit-identical to the same job left alone."""
-    cluster.ensure(2)
-    flags = ["--steps", STEPS, "--ckpt-every", 10, "--sleep-per-step", SLEEP]
-    alone = sbatch(cluster, tmp_path / "alone", jobs, "--nodes=2", "--ntasks-per-node=2", SBATCH_SCRIPT, *flags)
-    completed(*alone, "2 nodes, not preempted")
-
+    flags = [*FLAGS, "--sleep-per-step", SLEEP]
     env = cluster.env()
     cwd = tmp_path / "preempted"
     (cwd / "runs").mkdir(parents=True)
@@ -277,40 +222,60 @@ def test_preempted_two_node_job_requeues_and_resumes_bit_identically(cluster, tm
     jobs.append(jid)
     run_dir, out = cwd / "runs" / f"slurm-{jid}", cwd / "runs" / f"slurm-{jid}.out"
     signal_when_running(jid, run_dir, env, out)
-    first = wait_until("summary.json with status preempted", lambda: (lambda s: s if s and s.get("status") ==
-                       "preempted" else None)(read_json(run_dir / "summary.json")), 60,
-                       diagnose=lambda: f"{job_info(jid, env)}\n{tail(out)}")
-    k = first["final_step"]
-    assert 0 < k < STEPS and first["provenance"]["hosts"] == ["h1", "h1", "h2", "h2"], first
-    assert_invariants_ok(first, "preempted run")
-    saved = final_digests(run_dir)
-    assert saved[0] == k, f"the preemption checkpoint is at step {saved[0]}, the ranks stopped at {k}"
+    k = wait_preempted(jid, run_dir, env, out, 60)
     t0 = time.monotonic()
     info = wait_finished(jid, env, 180, out, restarts=1)
     second = completed(jid, info, run_dir, out, time.monotonic() - t0, "requeued on 2 nodes")
     assert int(info["Restarts"]) == 1 and "requeueing job" in out.read_text(), tail(out)
     assert second["start_step"] == k and second["final_step"] == STEPS and second["resumed_from"], second
     assert second["provenance"]["hosts"] == ["h1", "h1", "h2", "h2"]
-    assert final_digests(run_dir) == final_digests(alone[2])
-    assert second["final_param_fingerprint"] == read_json(alone[2] / "summary.json")["final_param_fingerprint"]
+    assert final_digests(run_dir) == final_digests(alone)
+    assert second["final_param_fingerprint"] == read_json(alone / "summary.json")["final_param_fingerprint"]
+
+
+def test_time_limit_signal_requeues_and_resumes_bit_identically(cluster, alone, tmp_path, jobs):
+    """The time limit's own signal: `sbatch --time=1 --signal=B:USR1@20` (Slurm's smallest limit, 1
+    minute; it sends the signal about 40 s after the start, give or take its periodic check) to a
+    job of about 50 s. Every rank on both nodes stops at one step boundary, the job requeues itself
+    before the limit, and the requeued job (a fresh minute, enough for the rest) ends bit-identical
+    to the job left alone."""
+    env = cluster.env()
+    cwd = tmp_path / "time-limit"
+    (cwd / "runs").mkdir(parents=True)
+    t0 = time.monotonic()
+    jid = run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", "--time=1", "--signal=B:USR1@20",
+               SBATCH_SCRIPT, *FLAGS, "--sleep-per-step", 1.5], env, cwd=cwd).stdout.strip().split(";")[0]
+    jobs.append(jid)
+    run_dir, out = cwd / "runs" / f"slurm-{jid}", cwd / "runs" / f"slurm-{jid}.out"
+    k = wait_preempted(jid, run_dir, env, out, 75)
+    assert "SIGUSR1 (time limit near or preemption)" in out.read_text(), tail(out)
+    info = wait_finished(jid, env, 240, out, restarts=1)
+    last = completed(jid, info, run_dir, out, time.monotonic() - t0, f"time limit at step {k}, requeued")
+    assert "TIMEOUT" not in out.read_text() and "DUE TO TIME LIMIT" not in out.read_text(), tail(out)
+    assert last["start_step"] >= k and last["final_step"] == STEPS and last["resumed_from"], last
+    assert last["provenance"]["hosts"] == ["h1", "h1", "h2", "h2"]
+    assert final_digests(run_dir) == final_digests(alone)
+    assert last["final_param_fingerprint"] == read_json(alone / "summary.json")["final_param_fingerprint"]
 
 
 # ---- a node lost mid-job ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("fault", ["kill", "cut"])
-def test_a_lost_node_requeues_the_job_and_it_resumes_on_the_node_left(cluster, tmp_path, jobs, fault):
-    """template.sbatch with `--nodes=1-2` (2 tasks per node): every process of h2 killed, or h2's link
-    cut, at step 13. The ranks on h1 end the step at --collective-timeout, the job requeues itself,
-    Slurm marks h2 down, and the requeued job starts on h1 alone, resumes from `latest` (step 10) on
-    2 ranks with the same global batch, and ends bit-identical to a 2-rank run resumed from the
-    same checkpoint."""
+@pytest.mark.parametrize("fault,script", [("kill", "template"), ("cut", "capstone.sbatch")])
+def test_a_lost_node_requeues_the_job_and_it_resumes_on_the_node_left(cluster, tmp_path, jobs, fault, script):
+    """A node range, 2 tasks per node: template.sbatch with `--nodes=1-2` (every process of h2 killed
+    at step 13), or the shipped capstone.sbatch with `--nodes=1-2 --ntasks=2 --exclusive` and
+    CAPSTONE_TASKS_PER_NODE=2 (h2's link cut at step 13). The ranks on h1 end at --collective-timeout
+    and the step soon after, the job requeues itself, Slurm marks h2 down, and the requeued job starts
+    on h1 alone, resumes from `latest` (step 10) on 2 ranks with the same global batch, and ends
+    bit-identical to a 2-rank run resumed from the same checkpoint."""
     cluster.ensure(2)
     flags = ["--steps", 40, "--ckpt-every", 10, "--sleep-per-step", 0.3, "--global-batch", 16,
              "--collective-timeout", 5]
     env = cluster.env(CAPSTONE_ROOT=str(ROOT), CAPSTONE_TASKS_PER_NODE="2")
+    submit = [TEMPLATE] if script == "template" else ["--ntasks=2", "--exclusive", SBATCH_SCRIPT]
     (tmp_path / "runs").mkdir()
     try:
-        jid = run(["sbatch", "--parsable", "--nodes=1-2", TEMPLATE, *flags], env, cwd=tmp_path).stdout.strip()
+        jid = run(["sbatch", "--parsable", "--nodes=1-2", *submit, *flags], env, cwd=tmp_path).stdout.strip()
         jobs.append(jid)
         run_dir, out = tmp_path / "runs" / f"slurm-{jid}", tmp_path / "runs" / f"slurm-{jid}.out"
         wait_until("13 steps", lambda: step_lines(run_dir) >= 13, 120, diagnose=lambda: tail(out))
@@ -319,13 +284,24 @@ def test_a_lost_node_requeues_the_job_and_it_resumes_on_the_node_left(cluster, t
         saved = tmp_path / "saved"        # the checkpoints as the node was lost (retention may drop them later)
         shutil.copytree(run_dir / "checkpoints", saved)
         info = wait_finished(jid, env, 240, out, restarts=1)
-        summary = completed(jid, info, run_dir, out, time.monotonic() - t0, f"h2 {fault}, requeued on h1")
+        summary = completed(jid, info, run_dir, out, time.monotonic() - t0, f"h2 {fault} ({script}), requeued on h1")
     finally:
         cluster.ensure(2, repair=True)
-    assert "ended after a collective timeout" in out.read_text() and int(info["Restarts"]) >= 1, tail(out)
-    ended = step_ended(out.read_text(), lost)
-    print(f"h2 {fault}: the job step ended {ended:.0f} s after (--collective-timeout 5, CAPSTONE_ABORT_GRACE 10)")
-    assert ended <= 5 + 10 + 25, f"the step ended {ended:.0f} s after h2 was lost\n{tail(out)}"
+    first_run = re.split(r" restart [1-9]", out.read_text())[0]
+    ranks_ended = seconds_after(first_run, lost, r"STEP \d+\.0 ON h1 CANCELLED AT \S+T(\d\d):(\d\d):(\d\d)")
+    ended = seconds_after(first_run, lost, r"\[capstone.sbatch (\d\d):(\d\d):(\d\d)\] job step exited")
+    print(f"h2 {fault}: the ranks on h1 ended {ranks_ended:.0f} s, the job step {ended:.0f} s after "
+          f"(--collective-timeout 5, CAPSTONE_ABORT_GRACE 3, Slurm's KillWait 30)")
+    # Either the ranks on h1 timed out and the batch script requeued the job, or (a killed node) srun
+    # or slurmctld noticed h2's end first and Slurm requeued the job on h2's failure.
+    assert "ended after a collective timeout" in first_run or "DUE TO NODE FAILURE" in first_run, tail(out)
+    # the step: the deadline, the grace (3 s), SIGTERM to SIGKILL (2 s), the script's 1-s polling, and
+    # slack for a loaded machine (8-9 s measured at rest, 10-11 s at load 15 on 2 cores); srun on its
+    # own would wait for h2's step until KillWait (30 s) + 2 s
+    assert ranks_ended <= 5 + 3 and ended <= 5 + 9, f"the ranks ended {ranks_ended:.0f} s, the step {ended:.0f} s " \
+                                                   f"after h2 was lost\n{tail(out)}"
+    assert int(info["Restarts"]) >= 1 and re.search(r" restart 0\b.*: 2 nodes x 2 tasks", first_run), tail(out)
+    assert "step 10, written by 4 ranks, now 2;" in out.read_text(), tail(out)   # 2 x 2 ranks, then 1 x 2
     assert summary["provenance"]["hosts"] == ["h1", "h1"] and summary["world_size"] == 2, summary["provenance"]
     assert summary["start_step"] == 10 and summary["final_step"] == 40, summary
     first = os.path.basename(summary["resumed_from"])
@@ -334,6 +310,20 @@ def test_a_lost_node_requeues_the_job_and_it_resumes_on_the_node_left(cluster, t
     assert res.returncode == 0, res.stdout + res.stderr
     assert final_digests(run_dir) == final_digests(alone)
     assert summary["final_param_fingerprint"] == read_json(alone / "summary.json")["final_param_fingerprint"]
+
+
+@pytest.mark.parametrize("per_node,launcher", [("two", "srun"), ("2", "mpirun")])
+def test_tasks_per_node_switch_refuses_bad_input(tmp_path, per_node, launcher):
+    """capstone.sbatch's CAPSTONE_TASKS_PER_NODE: not a number, or with mpirun (which takes its slots
+    from the job's task count): exit 2 before any rank starts, naming the variable. (No Slurm needed.)"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CAPSTONE_"))}
+    env.update(SLURM_JOB_ID="1", SLURM_JOB_NUM_NODES="2", CAPSTONE_ROOT=str(ROOT), CAPSTONE_RUN_DIR=str(tmp_path / "run"),
+               CAPSTONE_TASKS_PER_NODE=per_node, CAPSTONE_LAUNCHER=launcher)
+    p = subprocess.run(["bash", str(SBATCH_SCRIPT), "--steps", "2"], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stdout.count(f"error: CAPSTONE_TASKS_PER_NODE='{per_node}' (CAPSTONE_LAUNCHER={launcher})") == 1, p.stdout
+    assert "running:" not in p.stdout
 
 
 # ---- taking it down --------------------------------------------------------------------------------
@@ -362,25 +352,3 @@ def test_stop_takes_down_daemons_hosts_and_a_running_job(cluster, tmp_path, jobs
     assert not still, f"still running after --stop: {[(p, Path(f'/proc/{p}/cmdline').read_bytes()) for p in still]}"
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     assert not re.search(rf"^{PREFIX}-", netns, re.M), netns
-
-
-def step_ended(log: str, since: float) -> float:
-    """Seconds from `since` (epoch) to the batch script's first 'job step exited' line (HH:MM:SS, today)."""
-    hms = re.search(r"\[capstone.sbatch (\d\d):(\d\d):(\d\d)\] job step exited", log)
-    assert hms, log[-3000:]
-    day = time.localtime(since)
-    at = time.mktime((day.tm_year, day.tm_mon, day.tm_mday, *map(int, hms.groups()), 0, 0, -1))
-    return at - since
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (a killed process its parent has not reaped yet)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def namespace_pids(host: str) -> list[int]:
-    p = subprocess.run(["ip", "netns", "pids", f"{PREFIX}-{host}"], capture_output=True, text=True, timeout=30)
-    return [int(x) for x in p.stdout.split()]

@@ -5,10 +5,11 @@
 # not: so the step runs in the background and this shell waits for it in a loop.
 # A collective timeout (a rank writes RUN_DIR/collective-timeout.json, capstone/collective/deadline.py, then
 # aborts): if the step is still running CAPSTONE_ABORT_GRACE seconds later (mpirun waiting for an
-# unreachable node's daemon, docs/multinode.md), this script kills it; then, with a checkpoint to
+# unreachable node's daemon, srun for a lost node's slurmstepd: docs/multinode.md), this script
+# ends it; then, with a checkpoint to
 # resume from, it requeues the job like a preemption (the node is probably bad: see the note printed).
 # Environment: CAPSTONE_REQUEUE (1: requeue after a preemption checkpoint or a collective timeout;
-# 0: just exit), CAPSTONE_MAX_REQUEUES (default 20), CAPSTONE_ABORT_GRACE (default 10).
+# 0: just exit), CAPSTONE_MAX_REQUEUES (default 20), CAPSTONE_ABORT_GRACE (default 3).
 
 step_log() { echo "[capstone.sbatch $(date +%H:%M:%S)] $*"; }
 
@@ -87,16 +88,18 @@ timeout_record() {
 }
 
 # The ranks gave up on a collective and aborted; if the step outlives them by the grace period,
-# end it (SIGTERM, then SIGKILL): mpirun would wait for the lost node's daemon for many minutes.
+# end it (SIGTERM, then SIGKILL 2 s later): mpirun would wait for the lost node's daemon for many
+# minutes, srun for its slurmstepd until Slurm's KillWait (30 s by default) has passed.
 stop_lingering_step() {
-  local pid="$1" record="$2" age
+  local pid="$1" record="$2" age _
   age=$(( $(date +%s) - $(stat -c %Y "$record") ))
-  (( age >= ${CAPSTONE_ABORT_GRACE:-10} )) || return 0
+  (( age >= ${CAPSTONE_ABORT_GRACE:-3} )) || return 0
   step_log "a rank's collective timed out ${age} s ago and the job step is still running (waiting for an" \
            "unreachable node): ending it. $(cat "$record" 2>/dev/null)"
   kill -TERM "$pid" 2>/dev/null || true
-  sleep 5
+  for _ in $(seq 1 20); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
   kill -KILL "$pid" 2>/dev/null || true
+  for _ in $(seq 1 20); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
 }
 
 # After a collective timeout: requeue to resume from the last checkpoint (Slurm may pick the same
