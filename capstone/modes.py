@@ -47,6 +47,11 @@ def check(world: int, settings: Settings) -> None:
     """ConfigError (exit 2) for a combination of flags the product does not run, with the reason."""
     mcfg, tcfg, opts = settings.model, settings.train, settings.opts
     grids.check(world, opts.tp, opts.pp, mcfg)
+    if opts.pp > 1 and mcfg.tie_embeddings:
+        raise ConfigError(f"--tie-embeddings with --pp {opts.pp}: the head (last stage) would use wte, which the "
+                          f"first stage holds; the two stages would each keep a copy and sum its gradient between "
+                          f"them (Megatron's embedding group), which capstone does not do yet. Drop --pp (tie with "
+                          f"--tp and any --zero-stage), or drop --tie-embeddings.")
     if opts.pp > 1:
         from capstone.parallel.pipeline import stage_layers
         stage_layers(mcfg.n_layers, opts.pp, opts.pp_layers)      # counts that do not fit the model

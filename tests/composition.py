@@ -39,6 +39,7 @@ AXES = {
     "pp": ("off", "2:1f1b", "2:afab", "4:1f1b", "4:afab"),    # pipeline stages and schedule
     "reshard": ("micro-batch", "step"),                       # ZeRO-2/3: gather and reduce per micro-batch or step
     "undo": (True, False),    # the guard's undo copy (False: --no-guard-undo)
+    "tie": (False, True),     # --tie-embeddings: the LM head is wte
 }
 
 
@@ -56,6 +57,7 @@ class Row:
     pp: str = "off"
     reshard: str = "micro-batch"
     undo: bool = True
+    tie: bool = False
 
     @property
     def stages(self) -> int:
@@ -72,7 +74,7 @@ class Row:
                 f"{'det' if self.det else 'default'}-{self.inject}-zero{self.zero}"
                 + ("-recompute" if self.recompute else "") + ("" if self.pp == "off" else f"-pp{self.pp.replace(':', '-')}")
                 + ("" if self.reshard == "micro-batch" else f"-reshard-{self.reshard}")
-                + ("" if self.undo else "-no-undo")
+                + ("" if self.undo else "-no-undo") + ("-tie" if self.tie else "")
                 + (f"-stop{STOP_AT}-resume-{self.resumed_on()}" if self.resume else ""))
 
     def flags(self) -> list:
@@ -83,6 +85,7 @@ class Row:
         flags += ["--zero-stage", self.zero] + (["--recompute"] if self.recompute else [])
         flags += [] if self.reshard == "micro-batch" else ["--reshard", self.reshard]
         flags += [] if self.undo else ["--no-guard-undo"]
+        flags += ["--tie-embeddings"] if self.tie else []
         flags += ["--pp", 1] if self.pp == "off" else ["--pp", self.stages, "--pp-schedule", self.pp.split(":")[1]]
         flags += {"clean": [], "nan": ["--inject-nan", NAN_STEP], "spike": ["--inject-lr-spike", f"{SPIKE_STEP}:1000"]}[
             self.inject]
@@ -119,7 +122,7 @@ def det_partner(row: Row) -> Row | None:
         if other != dp and blocks % other == 0 and other * parts in AXES["world"]:
             overlap = not row.overlap
             return Row(other * parts, row.tp, blocks // other, overlap, True, row.inject, False, row.zero,
-                       not row.recompute, row.pp, row.reshard, row.undo)
+                       not row.recompute, row.pp, row.reshard, row.undo, row.tie)
     return None
 
 
@@ -136,6 +139,8 @@ def reasons(row: Row) -> list[str]:
     found, k = [], row.stages
     if row.world % (row.tp * k):
         found.append(f"--tp {row.tp} x --pp {k} = {row.tp * k} does not divide the {row.world} ranks")
+    if row.tie and k > 1:
+        found.append(f"--tie-embeddings with --pp {k}: the head (last stage) would use wte")
     if row.reshard != "micro-batch" and row.zero < 2:
         found.append(f"--reshard {row.reshard} is about ZeRO-2/3's sharded gradient and parameters")
     if not row.overlap and row.zero > 1 and row.reshard == "micro-batch" and not row.det:

@@ -446,6 +446,20 @@ MUTANTS = [
             "tests/test_deadlines.py::test_a_rank_stopped_before_a_collective_ends_the_job[pipeline-message]"),
            "a pipeline receive outside the deadline: a stopped neighbour hangs the stage"),
 
+    # ---- --tie-embeddings (capstone.model.tied) ---------------------------------------------------
+    Mutant("tie/head-share-of-wte-dropped", "capstone/model/tied.py",
+           "        gw[:tie.grad.size] += tie.grad.reshape(-1)\n", "",
+           ("tests/test_tie.py::test_the_tied_gradient_of_wte_is_the_sum_of_both_uses",),
+           "wte's gradient is the embedding's alone: the tied head's use of it does not train it"),
+    Mutant("tie/head-share-overwrites-the-embedding's", "capstone/model/tied.py",
+           "        gw[:tie.grad.size] += tie.grad.reshape(-1)\n", "        gw[:tie.grad.size] = tie.grad.reshape(-1)\n",
+           ("tests/test_tie.py::test_the_tied_gradient_of_wte_is_the_sum_of_both_uses",),
+           "wte's gradient is the head's alone (written over the embedding's instead of added)"),
+    Mutant("tie/head-share-untransposed", "capstone/model/tied.py",
+           "    K._mm(gz.T, z_in, out=gwte)", "    gwte[...] = K._mm(z_in.T, gz).reshape(gwte.shape)",
+           ("tests/test_tie.py::test_the_tied_gradient_of_wte_is_the_sum_of_both_uses",),
+           "the head's (C, V) gradient reshaped, not transposed, into wte's (V, C)"),
+
     # ---- exit codes, no pickle, setup -----------------------------------------------------------
     Mutant("nopickle/lowercase-allreduce", "capstone/collective/comm.py",
            '        self.wait(self.mpi.Iallreduce(MPI.IN_PLACE, v, op=MPI.SUM), what, kind, "allreduce", v.nbytes)\n'

@@ -1,13 +1,11 @@
-"""MiniGPT in NumPy + autograd, float32 end to end (pre-LN GPT-2 blocks, untied LM head).
+"""MiniGPT in NumPy + autograd, float32 end to end (pre-LN GPT-2 blocks; the LM head untied, or wte).
 
-Activations are 2-D (B*T, C) so every linear layer is one matmul. The model is the embedding, L
-transformer blocks and the head with the loss (capstone.model.blocks), each over one flat
-parameter group, run as autograd nodes by the one driver (capstone.model.backward). `Model` is
-this rank's part of the model, whatever the modes: the groups it holds (all of them, or a
-pipeline stage's), the tensor-parallel group its blocks are split over (`blocks.ALONE`: none),
-and its seam (capstone.model.seam), which says where each group's weights come from and where its
-gradient goes (the flat buffers, ZeRO-2's reduce-scatter, ZeRO-3's gathers). `logits` and
-`loss_sum` are the forward alone over a dict of groups.
+Activations are 2-D (B*T, C): every linear layer is one matmul. The embedding, L blocks and the
+head with the loss (capstone.model.blocks) are autograd nodes over flat parameter groups, run by
+the one driver (capstone.model.backward; tied: capstone.model.tied's). `Model` is this rank's
+part, whatever the modes: its groups (all, or a pipeline stage's), its tensor-parallel group
+(`blocks.ALONE`: none) and its seam (capstone.model.seam: where a group's weights come from and its
+gradient goes). `logits` and `loss_sum` are the forward alone over a dict of groups.
 """
 
 from __future__ import annotations
@@ -34,15 +32,19 @@ def hidden(ps: Pass, cfg: ModelConfig, names, start, idx):
 def run_layers(ps: Pass, cfg: ModelConfig, names, start, idx, targets, scale):
     """The part of the model of group `names`: scale * (summed cross-entropy against targets), or
     (without the head) the hidden states it hands the next pipeline stage."""
-    h = hidden(ps, cfg, names, start, idx)
-    if "head" not in names:
-        return h
-    return head_loss(h, ps, targets.reshape(-1), group_shapes(cfg, ps.tp.size)["head"]) * scale
+    if cfg.tie_embeddings:      # the head is wte (capstone.model.tied)
+        from capstone.model import tied
+        return tied.run_layers(ps, cfg, names, start, idx, targets, scale)
+    h, shapes = hidden(ps, cfg, names, start, idx), group_shapes(cfg, ps.tp.size)
+    return h if "head" not in names else head_loss(h, ps, targets.reshape(-1), shapes["head"]) * scale
 
 
 def logits(groups: dict, idx, cfg: ModelConfig, tp=ALONE):
     """Next-token logits (B*T, V) for token ids idx (B, T), forward only."""
     x = hidden(Pass(Resident(groups), tp, train=False), cfg, tuple(groups), 0.0, idx)
+    if cfg.tie_embeddings:
+        from capstone.model import tied
+        return tied.logits(x, groups, cfg, tp.size)
     return head_logits(x, groups["head"], group_shapes(cfg, tp.size)["head"])[0]
 
 
