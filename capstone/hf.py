@@ -58,7 +58,7 @@ def model_config(hf: dict, seq_len: int | None, path: str) -> ModelConfig:
                         f"has no rows beyond it; pass --seq-len {n_positions} or less")
     if problems:
         raise ConfigError(f"--init-from {path}: capstone cannot represent this GPT-2 model: " + "; ".join(problems)
-                          + ". Only GPT-2's own architecture is read (docs/finetune.md).")
+                          + ". Only GPT-2's own architecture is read (docs/gpt2.md).")
     try:
         return ModelConfig(vocab_size=hf["vocab_size"], seq_len=seq_len or n_positions, d_model=C,
                            n_heads=hf["n_head"], n_layers=hf["n_layer"], head_bias=False,
