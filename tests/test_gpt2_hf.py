@@ -5,6 +5,7 @@ vocab.json + merges.txt. The round trip runs transformers in the torch venv (TOR
 tied GPT-2 made and saved there, its logits equal to capstone's before training, trained on 2
 ranks, exported with --format hf and loaded back with the same logits. No network."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -130,3 +131,30 @@ def test_gpt2_round_trip_through_transformers(tmp_path):
     sample = subprocess.run([os.sys.executable, "-m", "capstone.sample", str(tmp_path / "run"), "--prompt",
                              "The quick", "--tokens", "8"], capture_output=True, text=True, cwd=ROOT)
     assert sample.returncode == 0 and "The quick" in sample.stdout, sample.stdout + sample.stderr     # BPE decoded
+
+
+def test_the_gpt2_presets_are_gpt2s_shape():
+    from capstone import cli
+    for name, (L, C, T) in {"gpt2": (12, 768, 1024), "gpt2-mini": (4, 256, 256)}.items():
+        m = cli.parse(["--preset", name]).model
+        assert (m.n_layers, m.d_model, m.seq_len, m.vocab_size, m.tie_embeddings, m.head_bias) == (L, C, T, 50257,
+                                                                                                    True, False)
+        V = m.vocab_size     # GPT-2's count: wte, wpe, L blocks of 12 C^2 + 13 C, ln_f
+        assert Layout.for_model(m, 1).n_params == V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
+    assert Layout.for_model(cli.parse(["--preset", "gpt2"]).model, 1).n_params == 124_439_808   # GPT-2 small
+
+
+@pytest.mark.parametrize("cap_mib", [1536, 3072, 6144])
+def test_the_preflight_says_how_many_ranks_fit_a_cap(cap_mib):
+    import re
+    from capstone import cli
+    from capstone.runtime import preflight
+    s = cli.parse(["--preset", "gpt2", "--no-tie-embeddings", "--pp", "2"])
+    said = preflight.ranks_needed(s.model, s.train, s.opts, cap_mib << 20)
+    sharded = dataclasses.replace(s.opts, zero_stage=3, recompute=True)
+    if "no number of ranks fits" in said:     # one micro-batch's activations alone exceed the cap
+        assert preflight.estimate(s.model, s.train, sharded, 4096)[0] > cap_mib << 20 and cap_mib == 1536, said
+        return
+    ranks = int(re.search(r"it needs (\d+) ranks", said).group(1))
+    assert sum(preflight.estimate(s.model, s.train, sharded, ranks)) <= cap_mib << 20
+    assert ranks == 2 or sum(preflight.estimate(s.model, s.train, sharded, ranks - 2)) > cap_mib << 20   # the fewest
