@@ -459,6 +459,21 @@ MUTANTS = [
            "    K._mm(gz.T, z_in, out=gwte)", "    gwte[...] = K._mm(z_in.T, gz).reshape(gwte.shape)",
            ("tests/test_tie.py::test_the_tied_gradient_of_wte_is_the_sum_of_both_uses",),
            "the head's (C, V) gradient reshaped, not transposed, into wte's (V, C)"),
+    Mutant("hf/positions-not-cropped", "capstone/hf.py",
+           'got[:cfg.seq_len] if name == "wpe" else got', "got",
+           ("tests/test_gpt2_hf.py::test_both_key_sets_are_read_and_the_positions_cropped",),
+           "--seq-len shorter than n_positions: the whole position table is read, and refused as the wrong shape"),
+    Mutant("hf/hub-names-not-read", "capstone/hf.py",
+           '    name = name.removeprefix("transformer.")\n', "",
+           ("tests/test_gpt2_hf.py::test_both_key_sets_are_read_and_the_positions_cropped",),
+           "only save_pretrained's `transformer.`-prefixed names are read, not the hub files' unprefixed ones"),
+    Mutant("hf/bpe-with-a-prefix-space", "capstone/data/tokenizer.py",
+           "    tok.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)\n"
+           "    tok.decoder = lib.decoders.ByteLevel()\n    return BPETokenizer(tok.to_str())\n\n\ndef from_description",
+           "    tok.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=True)\n"
+           "    tok.decoder = lib.decoders.ByteLevel()\n    return BPETokenizer(tok.to_str())\n\n\ndef from_description",
+           ("tests/test_gpt2_hf.py::test_gpt2_round_trip_through_transformers",),
+           "GPT-2's BPE with a space added before the text: other ids than transformers' GPT2Tokenizer"),
 
     # ---- exit codes, no pickle, setup -----------------------------------------------------------
     Mutant("nopickle/lowercase-allreduce", "capstone/collective/comm.py",
