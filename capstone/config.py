@@ -46,16 +46,16 @@ class _Checks:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """MiniGPT dimensions (GPT-2 names): V vocab, T context, C width, H heads, L blocks; `head_bias`:
-    whether the LM head has a bias (GPT-2's has none; --no-head-bias); `tie_embeddings`: it is wte."""
+    """MiniGPT dimensions (GPT-2 names: V vocab, T context, C width, H heads, L blocks) and GPT-2's options."""
 
     vocab_size: int = 64
     seq_len: int = 16
     d_model: int = 32
     n_heads: int = 4
     n_layers: int = 2
-    head_bias: bool = True
-    tie_embeddings: bool = False
+    head_bias: bool = True         # the LM head has a bias (GPT-2's has none: --no-head-bias)
+    tie_embeddings: bool = False   # the LM head is wte (capstone.model.tied)
+    dropout: float = 0.0           # GPT-2's dropout while training (capstone.model.dropout)
 
     def __post_init__(self):
         _require = _Checks()
@@ -64,6 +64,8 @@ class ModelConfig:
                      f"{name} must be a positive integer, got {value!r}; pass e.g. --{name.replace('_', '-')} 4.")
         for name in ("head_bias", "tie_embeddings"):
             _require(isinstance(value := getattr(self, name), bool), f"{name} must be true or false, got {value!r}.")
+        _require(type(self.dropout) in (int, float) and 0 <= self.dropout < 1, f"dropout must be in [0, 1), got "
+                 f"{self.dropout!r}; GPT-2 trained with --dropout 0.1.")
         if not _require.failed:   # the checks between fields, once each field is valid
             _require(self.d_model % self.n_heads == 0,
                      f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}): each head gets "

@@ -172,12 +172,12 @@ def model_for(settings, source: Source) -> ModelConfig:
     """The source's model config; ConfigError if a flag (or --preset) asks for another."""
     want = dataclasses.asdict(source.model)
     differ = [f"--{k.replace('_', '-')} {settings.explicit[k]} (it has {want[k]})" for k in MODEL_KEYS
-              if k in settings.explicit and settings.explicit[k] != want[k]]
+              if k in settings.explicit and settings.explicit[k] != want[k] and k != "dropout"]
     if differ:
         raise ConfigError(f"--init-from {source.path}: the model comes from it, but {', '.join(differ)} asks for "
                           f"another. Drop those flags (and a --preset that sets them): a fine-tuned model keeps "
                           f"its shape.")
-    return source.model
+    return dataclasses.replace(source.model, dropout=settings.explicit.get("dropout", source.model.dropout))
 
 
 def check_vocabulary(source: Source, data: dict, data_dir: str) -> None:

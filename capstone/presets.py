@@ -35,7 +35,7 @@ PRESETS: dict[str, dict] = {
         "n_layers": 12, "n_heads": 12, "d_model": 768, "seq_len": 1024, "vocab_size": 50257, "head_bias": False,
         "tie_embeddings": True, "batch_size": 1, "grad_accum": 4, "steps": 100, "lr": 3e-5, "beta1": 0.9,
         "beta2": 0.99, "weight_decay": 0.0, "clip": 1.0, "lr_schedule": "constant", "eval_every": 20,
-        "eval_batches": 2, "eval_batch_size": 1, "ckpt_every": 50,
+        "eval_batches": 1, "eval_batch_size": 8, "ckpt_every": 50,
     },
     "gpt2-mini": {
         "n_layers": 4, "n_heads": 4, "d_model": 256, "seq_len": 256, "vocab_size": 50257, "head_bias": False,

@@ -21,6 +21,7 @@ GLOBAL = 96          # sequences per step: divisible by every data-parallel size
 STEPS = 8
 STOP_AT = 4          # the stopped rows stop here and resume on another grid
 NAN_STEP, SPIKE_STEP = 3, 6
+DROPOUT = 0.1
 # the reference model with 4 blocks (room for 4 pipeline stages) and buckets small enough for several
 # of them, healthy settings
 COMMON = ("--steps", STEPS, "--global-batch", GLOBAL, "--ckpt-every", STOP_AT, "--bucket-mb", "0.02", "--n-layers", 4,
@@ -40,6 +41,7 @@ AXES = {
     "reshard": ("micro-batch", "step"),                       # ZeRO-2/3: gather and reduce per micro-batch or step
     "undo": (True, False),    # the guard's undo copy (False: --no-guard-undo)
     "tie": (False, True),     # --tie-embeddings: the LM head is wte
+    "dropout": (False, True), # --dropout 0.1 (the mask a pure function of the sample's indices)
 }
 
 
@@ -58,6 +60,7 @@ class Row:
     reshard: str = "micro-batch"
     undo: bool = True
     tie: bool = False
+    dropout: bool = False
 
     @property
     def stages(self) -> int:
@@ -74,7 +77,7 @@ class Row:
                 f"{'det' if self.det else 'default'}-{self.inject}-zero{self.zero}"
                 + ("-recompute" if self.recompute else "") + ("" if self.pp == "off" else f"-pp{self.pp.replace(':', '-')}")
                 + ("" if self.reshard == "micro-batch" else f"-reshard-{self.reshard}")
-                + ("" if self.undo else "-no-undo") + ("-tie" if self.tie else "")
+                + ("" if self.undo else "-no-undo") + ("-tie" if self.tie else "") + ("-dropout" if self.dropout else "")
                 + (f"-stop{STOP_AT}-resume-{self.resumed_on()}" if self.resume else ""))
 
     def flags(self) -> list:
@@ -86,6 +89,7 @@ class Row:
         flags += [] if self.reshard == "micro-batch" else ["--reshard", self.reshard]
         flags += [] if self.undo else ["--no-guard-undo"]
         flags += ["--tie-embeddings"] if self.tie else []
+        flags += ["--dropout", DROPOUT] if self.dropout else []
         flags += ["--pp", 1] if self.pp == "off" else ["--pp", self.stages, "--pp-schedule", self.pp.split(":")[1]]
         flags += {"clean": [], "nan": ["--inject-nan", NAN_STEP], "spike": ["--inject-lr-spike", f"{SPIKE_STEP}:1000"]}[
             self.inject]
@@ -122,7 +126,7 @@ def det_partner(row: Row) -> Row | None:
         if other != dp and blocks % other == 0 and other * parts in AXES["world"]:
             overlap = not row.overlap
             return Row(other * parts, row.tp, blocks // other, overlap, True, row.inject, False, row.zero,
-                       not row.recompute, row.pp, row.reshard, row.undo, row.tie)
+                       not row.recompute, row.pp, row.reshard, row.undo, row.tie, row.dropout)
     return None
 
 

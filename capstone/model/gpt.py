@@ -1,11 +1,10 @@
-"""MiniGPT in NumPy + autograd, float32 end to end (pre-LN GPT-2 blocks; the LM head untied, or wte).
+"""MiniGPT in NumPy + autograd, float32 end to end (pre-LN GPT-2 blocks; options: capstone.model.options).
 
 Activations are 2-D (B*T, C): every linear layer is one matmul. The embedding, L blocks and the
 head with the loss (capstone.model.blocks) are autograd nodes over flat parameter groups, run by
-the one driver (capstone.model.backward; tied: capstone.model.tied's). `Model` is this rank's
-part, whatever the modes: its groups (all, or a pipeline stage's), its tensor-parallel group
-(`blocks.ALONE`: none) and its seam (capstone.model.seam: where a group's weights come from and its
-gradient goes). `logits` and `loss_sum` are the forward alone over a dict of groups.
+the one driver (capstone.model.backward). `Model` is this rank's part, whatever the modes: its
+groups (all, or a pipeline stage's), its tensor-parallel group (`blocks.ALONE`: none) and its seam
+(capstone.model.seam: where a group's weights come from and its gradient goes).
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ from capstone.model.seam import Resident, Weights
 
 
 def hidden(ps: Pass, cfg: ModelConfig, names, start, idx):
-    """Hidden states (B*T, C) after the embedding and blocks among group `names` (in order), from
-    token ids idx (B, T); without the embedding, from `start` (the previous stage's activations)."""
+    """Hidden states (B*T, C) after the embedding and blocks of `names` for ids idx (B, T), or from `start`."""
     shapes, H = group_shapes(cfg, ps.tp.size), cfg.n_heads // ps.tp.size
     x = embedding(start, ps, idx, shapes["embed"]) if "embed" in names else start
     for name in (g for g in names if g not in ("embed", "head")):
@@ -32,9 +30,9 @@ def hidden(ps: Pass, cfg: ModelConfig, names, start, idx):
 def run_layers(ps: Pass, cfg: ModelConfig, names, start, idx, targets, scale):
     """The part of the model of group `names`: scale * (summed cross-entropy against targets), or
     (without the head) the hidden states it hands the next pipeline stage."""
-    if cfg.tie_embeddings:      # the head is wte (capstone.model.tied)
-        from capstone.model import tied
-        return tied.run_layers(ps, cfg, names, start, idx, targets, scale)
+    if cfg.tie_embeddings or cfg.dropout:      # the model's options (capstone.model.options)
+        from capstone.model import options
+        return options.run_layers(ps, cfg, names, start, idx, targets, scale)
     h, shapes = hidden(ps, cfg, names, start, idx), group_shapes(cfg, ps.tp.size)
     return h if "head" not in names else head_loss(h, ps, targets.reshape(-1), shapes["head"]) * scale
 

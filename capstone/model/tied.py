@@ -4,8 +4,9 @@ The tied model has no lm_head.w (capstone.model.params): its head computes z = l
 (+ lm_head.b), reading wte from the embedding group through the seam (capstone.model.seam; at
 ZeRO-3 the group is gathered for it, asked for as a backward's so nothing is prefetched after it).
 wte's gradient is the sum of its two uses: the head's backward (first in the backward pass) makes
-its share, a (V, C) array the pass's `Tie` carries to the embedding's backward (last), which adds it
-to the embedding's own before the group's gradient lands, so every reducer, ZeRO stage and
+its share, a (V, C) array the pass's `Tie` carries to the embedding's backward (last: the
+embedding of capstone.model.options), which adds it to the embedding's own before the group's
+gradient lands, so every reducer, ZeRO stage and
 accumulation sees one gradient of wte, as for any parameter. Under tensor parallelism the
 embedding and head are whole on every rank, as they are untied. A pipeline would put the two uses
 on different stages (refused: capstone.modes).
@@ -18,7 +19,7 @@ import numpy as np
 from capstone.config import ModelConfig
 from capstone.model import blocks
 from capstone.model import kernels as K
-from capstone.model.backward import Pass, block
+from capstone.model.backward import Pass
 from capstone.model.params import group_shapes
 from capstone.model.seam import Resident
 
@@ -61,23 +62,6 @@ def head_backward(g, saved, w, targets, shapes, gw, wte, gwte):
     return d[0]
 
 
-def _embedding_fwd(start, ps: Pass, idx, shapes, tie: Tie):
-    out = blocks.embedding_forward(ps.seam.weights("embed", False), idx, shapes)[0]
-    ps.seam.release("embed")
-    return out, None
-
-
-def _embedding_bwd(g, saved, argnums, start, ps: Pass, idx, shapes, tie: Tie):
-    w, gw = ps.seam.weights("embed", True), ps.seam.grad_out("embed", ps.fresh)
-    blocks.embedding_backward(g, w, idx, shapes, gw)
-    if tie.grad is not None:       # wte's gradient: the sum of its two uses
-        gw[:tie.grad.size] += tie.grad.reshape(-1)
-        tie.grad = None
-    ps.seam.landed("embed", gw, ps.fresh)
-    ps.seam.release("embed")
-    return {0: np.zeros_like(start)}
-
-
 def _head_fwd(x, ps: Pass, targets, shapes, tie: Tie):
     z, (z_in, s_ln) = head_logits(x, ps.seam.weights("head", False), shapes, tie.wte(ps.seam))
     ps.seam.release("head")
@@ -96,18 +80,7 @@ def _head_bwd(g, saved, argnums, x, ps: Pass, targets, shapes, tie: Tie):
     return {0: gx}
 
 
-embedding = K.define("tied_embedding", _embedding_fwd, _embedding_bwd)
 head_loss = K.define("tied_head_loss", _head_fwd, _head_bwd)
-
-
-def run_layers(ps: Pass, cfg: ModelConfig, names, start, idx, targets, scale):
-    """capstone.model.gpt.run_layers of the tied model (the whole model: a pipeline is refused)."""
-    shapes, H = group_shapes(cfg, ps.tp.size), cfg.n_heads // ps.tp.size
-    tie = Tie(shapes["embed"][0])
-    x = embedding(start, ps, idx, shapes["embed"], tie)
-    for name in (g for g in names if g not in ("embed", "head")):
-        x = block(x, ps, name, idx.shape[1], H, shapes[name])
-    return head_loss(x, ps, targets.reshape(-1), shapes["head"], tie) * scale
 
 
 def logits(x, groups: dict, cfg: ModelConfig, tp: int = 1):
