@@ -22,6 +22,12 @@ STEPS = 8
 STOP_AT = 4          # the stopped rows stop here and resume on another grid
 NAN_STEP, SPIKE_STEP = 3, 6
 DROPOUT = 0.1
+# the learning rate of the rows with a tied head or dropout (and of their 1-rank references): at the
+# reference's 1e-2 these 8-step runs amplify the float32 rounding of another summation order past 1e-5
+# by themselves (one rank, 4 micro-batches against 1: tied and dropout 1.1e-5 apart at step 6, dropout
+# alone 1.5e-5, tied alone 6.4e-6 at step 8); at 3e-3 at most 1.9e-6, while a mask or a tied gradient
+# gone wrong is off by far more
+OPTION_LR = 3e-3
 # the reference model with 4 blocks (room for 4 pipeline stages) and buckets small enough for several
 # of them, healthy settings
 COMMON = ("--steps", STEPS, "--global-batch", GLOBAL, "--ckpt-every", STOP_AT, "--bucket-mb", "0.02", "--n-layers", 4,
@@ -41,7 +47,7 @@ AXES = {
     "reshard": ("micro-batch", "step"),                       # ZeRO-2/3: gather and reduce per micro-batch or step
     "undo": (True, False),    # the guard's undo copy (False: --no-guard-undo)
     "tie": (False, True),     # --tie-embeddings: the LM head is wte
-    "dropout": (False, True), # --dropout 0.1 (the mask a pure function of the sample's indices)
+    "dropout": (False, True), # --dropout DROPOUT (the mask a pure function of the sample's indices)
 }
 
 
@@ -90,6 +96,7 @@ class Row:
         flags += [] if self.undo else ["--no-guard-undo"]
         flags += ["--tie-embeddings"] if self.tie else []
         flags += ["--dropout", DROPOUT] if self.dropout else []
+        flags += ["--lr", OPTION_LR] if self.tie or self.dropout else []
         flags += ["--pp", 1] if self.pp == "off" else ["--pp", self.stages, "--pp-schedule", self.pp.split(":")[1]]
         flags += {"clean": [], "nan": ["--inject-nan", NAN_STEP], "spike": ["--inject-lr-spike", f"{SPIKE_STEP}:1000"]}[
             self.inject]
