@@ -160,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
         _flag(g, name, text)
     g.add_argument("--no-head-bias", dest="head_bias", action="store_false", default=argparse.SUPPRESS,
                    help="no bias in the LM head, as GPT-2 (needed by `capstone.export --format hf`; default: a bias)")
+    g.add_argument("--tie-embeddings", dest="tie_embeddings", action=argparse.BooleanOptionalAction,
+                   default=argparse.SUPPRESS,
+                   help="the LM head is the token embedding wte (GPT-2's weight tying; its gradient is the sum of "
+                        "both uses; default: a head of its own; --no-tie-embeddings unties a preset's)")
+    g.add_argument("--dropout", type=float, default=argparse.SUPPRESS, metavar="P",
+                   help="dropout probability at GPT-2's three sites while training, the same mask on any grid "
+                        "(docs/gpt2.md; default: 0.0)")
     g = p.add_argument_group("data and training")
     for name, text in (
             ("data", "directory made by `python -m capstone.prepare` ('' for the synthetic corpus)"),

@@ -46,23 +46,26 @@ class _Checks:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """MiniGPT dimensions (GPT-2 names): V vocab, T context, C width, H heads, L blocks; `head_bias`:
-    whether the LM head has a bias (GPT-2's has none; --no-head-bias)."""
+    """MiniGPT dimensions (GPT-2 names: V vocab, T context, C width, H heads, L blocks) and GPT-2's options."""
 
     vocab_size: int = 64
     seq_len: int = 16
     d_model: int = 32
     n_heads: int = 4
     n_layers: int = 2
-    head_bias: bool = True
+    head_bias: bool = True         # the LM head has a bias (GPT-2's has none: --no-head-bias)
+    tie_embeddings: bool = False   # the LM head is wte (capstone.model.tied)
+    dropout: float = 0.0           # GPT-2's dropout while training (capstone.model.dropout)
 
     def __post_init__(self):
         _require = _Checks()
         for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 1,
+            _require(isinstance(value := getattr(self, name), int) and value >= 1,
                      f"{name} must be a positive integer, got {value!r}; pass e.g. --{name.replace('_', '-')} 4.")
-        _require(isinstance(self.head_bias, bool), f"head_bias must be true or false, got {self.head_bias!r}.")
+        for name in ("head_bias", "tie_embeddings"):
+            _require(isinstance(value := getattr(self, name), bool), f"{name} must be true or false, got {value!r}.")
+        _require(type(self.dropout) in (int, float) and 0 <= self.dropout < 1, f"dropout must be in [0, 1), got "
+                 f"{self.dropout!r}; GPT-2 trained with --dropout 0.1.")
         if not _require.failed:   # the checks between fields, once each field is valid
             _require(self.d_model % self.n_heads == 0,
                      f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}): each head gets "
@@ -124,25 +127,21 @@ class TrainConfig:
         _require = _Checks()
         for name in ("steps", "batch_size", "grad_accum", "max_rollbacks", "eval_every", "eval_batches",
                      "eval_batch_size"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 1,
+            _require(isinstance(value := getattr(self, name), int) and value >= 1,
                      f"{name} must be a positive integer, got {value!r}; pass e.g. --{name.replace('_', '-')} 1.")
         _require(isinstance(self.corpus_tokens, int) and self.corpus_tokens >= 2,
                  f"corpus_tokens must be an integer >= 2, got {self.corpus_tokens!r}; the default is {1 << 18}.")
         for name in ("warmup_steps", "ckpt_every", "keep_last", "seed", "corpus_seed", "global_batch"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 0,
+            _require(isinstance(value := getattr(self, name), int) and value >= 0,
                      f"{name} must be an integer >= 0, got {value!r} (0 disables it where that applies).")
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, float):
+            if isinstance(value := getattr(self, f.name), float):
                 _require(math.isfinite(value), f"{f.name} must be a finite number, got {value}.")
         _require(self.lr > 0, f"lr must be > 0, got {self.lr}; the reference uses --lr 1e-2.")
         _require(self.lr_schedule in ("constant", "cosine"),
                  f"lr_schedule must be 'constant' or 'cosine', got {self.lr_schedule!r}.")
         for name in ("beta1", "beta2"):
-            value = getattr(self, name)
-            _require(0 <= value < 1, f"{name} must be in [0, 1), got {value}.")
+            _require(0 <= (value := getattr(self, name)) < 1, f"{name} must be in [0, 1), got {value}.")
         _require(self.eps > 0, f"eps must be > 0, got {self.eps}.")
         _require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}.")
         _require(self.clip >= 0, f"clip must be >= 0 (0 disables clipping), got {self.clip}.")

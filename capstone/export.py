@@ -4,7 +4,7 @@ The checkpoint is read and verified as `capstone.sample` does; its float32 param
 with `safetensors` (never pickle) under Hugging Face GPT-2 names: `transformer.wte.weight`,
 `transformer.h.{i}.attn.c_attn.weight`, ... Block weights stay (in, out) like GPT-2's Conv1D; the
 untied head is two extra tensors, `lm_head.weight` (vocab, d_model) as nn.Linear stores it and
-`lm_head.bias`. The metadata holds the GPT-2 config, capstone's model config, the step and the
+`lm_head.bias` (a tied head, --tie-embeddings, is wte: no lm_head.weight, `tie_word_embeddings` true). The metadata holds the GPT-2 config, capstone's model config, the step and the
 tokenizer (docs/export.md). `--format hf` writes a directory that transformers'
 `GPT2LMHeadModel.from_pretrained` loads (config.json + model.safetensors, as `save_pretrained` writes
 them), for a model without an LM-head bias: GPT-2 has none, so a model with one is refused. An existing --out is replaced only with --force; files get the
@@ -65,7 +65,8 @@ def gpt2_config(cfg: ModelConfig, head_bias: bool = True) -> dict:
     """The Hugging Face GPT2Config fields this model has, plus what GPT-2 lacks (an untied head, its bias if any)."""
     return {"model_type": "gpt2", "vocab_size": cfg.vocab_size, "n_positions": cfg.seq_len, "n_ctx": cfg.seq_len,
             "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": 4 * cfg.d_model,
-            "layer_norm_epsilon": LAYER_NORM_EPS, "activation_function": "gelu_new", "tie_word_embeddings": False,
+            "layer_norm_epsilon": LAYER_NORM_EPS, "activation_function": "gelu_new",
+            "tie_word_embeddings": cfg.tie_embeddings,
             "lm_head_bias": head_bias, "scale_attn_weights": True}
 
 
@@ -146,7 +147,7 @@ def hf_config(cfg: ModelConfig) -> dict:
             "n_ctx": cfg.seq_len, "n_embd": cfg.d_model, "n_head": cfg.n_heads, "n_inner": 4 * cfg.d_model,
             "n_layer": cfg.n_layers, "n_positions": cfg.seq_len, "reorder_and_upcast_attn": False,
             "resid_pdrop": 0.0, "scale_attn_by_inverse_layer_idx": False, "scale_attn_weights": True,
-            "tie_word_embeddings": False, "use_cache": True, "vocab_size": cfg.vocab_size}
+            "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "vocab_size": cfg.vocab_size}
 
 
 def write_hf(views: dict[str, np.ndarray], cfg: ModelConfig, md: dict, out: str, save) -> dict[str, np.ndarray]:

@@ -63,11 +63,15 @@ class Source:
                 "model_config": dataclasses.asdict(self.model), "data_digest": self.data.get("digest")}
 
 
-def read(target: str) -> Source:
-    """One process: the weights of a checkpoint or an export. CheckpointError for an invalid file,
-    ConfigError for a path that is neither."""
+def read(target: str, seq_len: int | None = None) -> Source:
+    """One process: the weights of a checkpoint, an export or a Hugging Face GPT-2 directory (capstone.hf:
+    `seq_len` crops its positions). CheckpointError for an invalid file, ConfigError for a path that is none."""
     if target.endswith(".safetensors"):
         return _read_export(target)
+    if all(os.path.isfile(os.path.join(target, n)) for n in ("config.json", "model.safetensors")):
+        from capstone import hf
+        cfg, params, data = hf.read(target, seq_len)
+        return Source(target, "export", 0, cfg, data, params)
     try:
         path = serial.find(target)
         meta, cfg, params = serial.load_weights(path)
@@ -126,12 +130,12 @@ def _read_export(path: str) -> Source:
     return Source(path, "export", int(meta.get("step", 0)), cfg, data, flat[:layout.n_params].copy())
 
 
-def fetch(world, target: str) -> Source:
+def fetch(world, target: str, seq_len: int | None = None) -> Source:
     """Collective: rank 0 reads `target`; every rank gets the Source (or the same error)."""
     found = []   # rank 0's Source, whose weights are broadcast below
 
     def describe() -> dict:
-        found.append(read(target))
+        found.append(read(target, seq_len))
         return {"path": found[0].path, "kind": found[0].kind, "step": found[0].step, "data": found[0].data,
                 "model": dataclasses.asdict(found[0].model), "train": found[0].train}
     head = agreed(world, describe, errors=(ConfigError, CheckpointError))
@@ -168,12 +172,12 @@ def model_for(settings, source: Source) -> ModelConfig:
     """The source's model config; ConfigError if a flag (or --preset) asks for another."""
     want = dataclasses.asdict(source.model)
     differ = [f"--{k.replace('_', '-')} {settings.explicit[k]} (it has {want[k]})" for k in MODEL_KEYS
-              if k in settings.explicit and settings.explicit[k] != want[k]]
+              if k in settings.explicit and settings.explicit[k] != want[k] and k != "dropout"]
     if differ:
         raise ConfigError(f"--init-from {source.path}: the model comes from it, but {', '.join(differ)} asks for "
                           f"another. Drop those flags (and a --preset that sets them): a fine-tuned model keeps "
                           f"its shape.")
-    return source.model
+    return dataclasses.replace(source.model, dropout=settings.explicit.get("dropout", source.model.dropout))
 
 
 def check_vocabulary(source: Source, data: dict, data_dir: str) -> None:

@@ -65,7 +65,8 @@ class KVCache:
             x = x + linear(u, p[h + "mlp.c_proj.w"], p[h + "mlp.c_proj.b"])
         self.n = s + n
         z = layer_norm(x, p["ln_f.w"], p["ln_f.b"])
-        return linear(z, p["lm_head.w"], p["lm_head.b"]) if "lm_head.b" in p else z @ p["lm_head.w"]
+        w = p["lm_head.w"] if "lm_head.w" in p else p["wte"].T                # --tie-embeddings: the head is wte
+        return linear(z, w, p["lm_head.b"]) if "lm_head.b" in p else z @ w
 
 
 def pick(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Generator, top_p: float = 1.0,

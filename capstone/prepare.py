@@ -99,14 +99,15 @@ def reuse(tok: CharTokenizer | BPETokenizer, text: str, n_train: int, source: st
     return tok.encode(text[:n_train]).astype(DTYPE), tok.encode(text[n_train:]).astype(DTYPE)
 
 
-def build(texts: list[Text], kind: str, vocab_size: int | None, vocab_from: str | None = None) -> Dataset:
+def build(texts: list[Text], kind: str, vocab_size: int | None, vocab_from: str | None = None,
+          given: BPETokenizer | None = None) -> Dataset:
     """Split the text by characters, then tokenize each split (a BPE is trained on the train split only;
-    with `vocab_from`, a dataset directory, its tokenizer is used instead)."""
+    with `vocab_from`, a dataset directory, its tokenizer is used instead; `given`: this tokenizer)."""
     text = "".join(t.text for t in texts)
     n_val = split_text(text)
     n_train = len(text) - n_val
-    if vocab_from is not None:
-        tok = load_meta(vocab_from).tokenizer
+    if vocab_from is not None or given is not None:
+        tok = given or load_meta(vocab_from).tokenizer
         train, val = reuse(tok, text, n_train, vocab_from)
     elif kind == "char":
         tok, ids = char_tokenizer(text)
@@ -224,8 +225,10 @@ def load_written(data: Dataset, files: dict[str, bytes]):
 
 
 def prepare(inputs: list[str], out: str, members: str | None = None, tokenizer: str = "char",
-            vocab_size: int | None = None, force: bool = False, vocab_from: str | None = None) -> dict:
-    """Check everything, then write DIR; returns a summary. Raises PrepareError (nothing written)."""
+            vocab_size: int | None = None, force: bool = False, vocab_from: str | None = None,
+            tokenizer_from: str | None = None) -> dict:
+    """Check everything, then write DIR; returns a summary. Raises PrepareError (nothing written).
+    `tokenizer_from`: a GPT-2 directory whose vocab.json + merges.txt tokenize the text (capstone.hf)."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise PrepareError(f"--out {out} is a file, not a directory; pass a new or existing directory.")
     if tokenizer == "char" and vocab_size is not None:
@@ -235,8 +238,12 @@ def prepare(inputs: list[str], out: str, members: str | None = None, tokenizer: 
         check_bpe_options(vocab_size)   # before any download
     if vocab_from is not None:
         tokenizer = load_meta(vocab_from).tokenizer.kind   # a bad directory: its DatasetError, before reading
+    given = None
+    if tokenizer_from is not None:
+        from capstone.hf import gpt2_tokenizer
+        given, tokenizer = gpt2_tokenizer(tokenizer_from), "bpe"
     texts = read_inputs(inputs, members)
-    data = build(texts, tokenizer, vocab_size, vocab_from)
+    data = build(texts, tokenizer, vocab_size, vocab_from, given)
     files = data.files()
     state = target(out, data, files, force)
     if state != "unchanged":
@@ -269,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-from", default=None, metavar="DIR",
                    help="encode with the tokenizer of the dataset in DIR instead of making one, so that a model "
                         "trained on DIR can be fine-tuned on this text (train --init-from; docs/finetune.md)")
+    p.add_argument("--tokenizer-from", default=None, metavar="DIR",
+                   help="encode with the GPT-2 byte-level BPE of DIR/vocab.json + DIR/merges.txt (a Hugging Face "
+                        "GPT-2 directory), for a model started with train --init-from DIR (docs/gpt2.md)")
     p.add_argument("--force", action="store_true",
                    help="replace another dataset in DIR, or write into a non-empty DIR that is not a dataset")
     return p
@@ -281,13 +291,18 @@ def main(argv=None) -> int:
         if args.vocab_from is not None and (args.vocab_size is not None or args.tokenizer != "char"):
             raise PrepareError("--vocab-from takes the tokenizer of its dataset as it is: drop --tokenizer and "
                                "--vocab-size.")
-        s = prepare(args.inputs, args.out, args.members, args.tokenizer, args.vocab_size, args.force, args.vocab_from)
+        if args.tokenizer_from is not None and (args.vocab_from is not None or args.vocab_size is not None
+                                                or args.tokenizer != "char"):
+            raise PrepareError("--tokenizer-from takes the GPT-2 tokenizer of its directory as it is: drop "
+                               "--vocab-from, --tokenizer and --vocab-size.")
+        s = prepare(args.inputs, args.out, args.members, args.tokenizer, args.vocab_size, args.force, args.vocab_from,
+                    args.tokenizer_from)
         load_meta(args.out)                 # what we wrote must read back
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     asked = args.vocab_size or DEFAULT_BPE_VOCAB
-    if s["kind"] == "bpe" and args.vocab_from is None and s["vocab_size"] < asked:
+    if s["kind"] == "bpe" and args.vocab_from is None and args.tokenizer_from is None and s["vocab_size"] < asked:
         print(f"note: --vocab-size {asked}{'' if args.vocab_size else ' (the default)'} was not reached: this text "
               f"gives {s['vocab_size']} tokens, the byte-level BPE found no more pairs to merge. The dataset's "
               f"vocabulary is {s['vocab_size']}; a longer text gives more.", file=sys.stderr)

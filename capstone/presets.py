@@ -2,7 +2,10 @@
 
 `reference` is the product's experiment (every default). `shakespeare-char` is nanoGPT's CPU
 "baby GPT" on character-level Shakespeare; `medium` and `large` are sizes where speed matters
-(docs/performance.md measures them).
+(docs/performance.md measures them). `gpt2` is GPT-2 small's shape (124M parameters: tied head, no
+head bias, 1024 positions, its 50257 BPE tokens) for fine-tuning GPT-2 weights on CPU ranks
+(`--init-from DIR`, with `--zero-stage 3 --recompute`: docs/gpt2.md); `gpt2-mini` the same model
+family at 4 blocks of width 256 and 256 positions (16.1M parameters), to try the route quickly.
 
 A warmup that comes from a preset (or, fine-tuning, from the source run) keeps its share of the run
 when the run is shorter than the one it was set for (`fit_warmup`): `--preset medium --steps 6`
@@ -27,6 +30,18 @@ PRESETS: dict[str, dict] = {
         "lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "clip": 1.0,
         "lr_schedule": "cosine", "warmup_steps": 40, "min_lr": 1e-4,
         "eval_every": 100, "eval_batches": 2, "eval_batch_size": 16, "ckpt_every": 100,
+    },
+    "gpt2": {
+        "n_layers": 12, "n_heads": 12, "d_model": 768, "seq_len": 1024, "vocab_size": 50257, "head_bias": False,
+        "tie_embeddings": True, "batch_size": 1, "grad_accum": 4, "steps": 100, "lr": 3e-5, "beta1": 0.9,
+        "beta2": 0.99, "weight_decay": 0.0, "clip": 1.0, "lr_schedule": "constant", "eval_every": 20,
+        "eval_batches": 1, "eval_batch_size": 8, "ckpt_every": 50,
+    },
+    "gpt2-mini": {
+        "n_layers": 4, "n_heads": 4, "d_model": 256, "seq_len": 256, "vocab_size": 50257, "head_bias": False,
+        "tie_embeddings": True, "batch_size": 4, "steps": 200, "lr": 3e-4, "beta1": 0.9, "beta2": 0.99,
+        "weight_decay": 0.1, "clip": 1.0, "lr_schedule": "cosine", "warmup_steps": 20, "min_lr": 3e-5,
+        "eval_every": 50, "eval_batches": 2, "eval_batch_size": 4, "ckpt_every": 100,
     },
     "large": {
         "n_layers": 6, "n_heads": 8, "d_model": 512, "seq_len": 256, "vocab_size": 512, "batch_size": 8,

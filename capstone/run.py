@@ -138,7 +138,7 @@ def _init_from(world: Comm, settings: Settings):
     """--init-from on a fresh start: (the Source, the settings with its model), the new data's
     vocabulary checked against the source's (ConfigError/CheckpointError on every rank)."""
     from capstone import finetune
-    source = finetune.fetch(world, settings.opts.init_from)
+    source = finetune.fetch(world, settings.opts.init_from, settings.explicit.get("seq_len"))
     data = settings.train.data
     finetune.check_vocabulary(source, _agreed(world, lambda: identity(load_meta(data))) if data else {}, data)
     settings = finetune.settings_for(settings, source)

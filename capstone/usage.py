@@ -22,7 +22,7 @@ OTHER_NAMES = {
     "--per-device-train-batch-size": "--batch-size", "--resume-from-checkpoint": "--resume",
     "--max-steps": "--steps", "--warmup-ratio": "--warmup-steps",
 }
-NOT_HERE = {"--dropout": "this model has no dropout", "--compile": "NumPy has nothing to compile",
+NOT_HERE = {"--compile": "NumPy has nothing to compile",
             "--device": "capstone runs on CPUs under MPI (ranks: mpirun -n N)", "--dtype": "it trains in float32"}
 
 

@@ -21,6 +21,13 @@ GLOBAL = 96          # sequences per step: divisible by every data-parallel size
 STEPS = 8
 STOP_AT = 4          # the stopped rows stop here and resume on another grid
 NAN_STEP, SPIKE_STEP = 3, 6
+DROPOUT = 0.1
+# the learning rate of the rows with a tied head or dropout (and of their 1-rank references): at the
+# reference's 1e-2 these 8-step runs amplify the float32 rounding of another summation order past 1e-5
+# by themselves (one rank, 4 micro-batches against 1: tied and dropout 1.1e-5 apart at step 6, dropout
+# alone 1.5e-5, tied alone 6.4e-6 at step 8); at 3e-3 at most 1.9e-6, while a mask or a tied gradient
+# gone wrong is off by far more
+OPTION_LR = 3e-3
 # the reference model with 4 blocks (room for 4 pipeline stages) and buckets small enough for several
 # of them, healthy settings
 COMMON = ("--steps", STEPS, "--global-batch", GLOBAL, "--ckpt-every", STOP_AT, "--bucket-mb", "0.02", "--n-layers", 4,
@@ -39,6 +46,8 @@ AXES = {
     "pp": ("off", "2:1f1b", "2:afab", "4:1f1b", "4:afab"),    # pipeline stages and schedule
     "reshard": ("micro-batch", "step"),                       # ZeRO-2/3: gather and reduce per micro-batch or step
     "undo": (True, False),    # the guard's undo copy (False: --no-guard-undo)
+    "tie": (False, True),     # --tie-embeddings: the LM head is wte
+    "dropout": (False, True), # --dropout DROPOUT (the mask a pure function of the sample's indices)
 }
 
 
@@ -56,6 +65,8 @@ class Row:
     pp: str = "off"
     reshard: str = "micro-batch"
     undo: bool = True
+    tie: bool = False
+    dropout: bool = False
 
     @property
     def stages(self) -> int:
@@ -72,7 +83,7 @@ class Row:
                 f"{'det' if self.det else 'default'}-{self.inject}-zero{self.zero}"
                 + ("-recompute" if self.recompute else "") + ("" if self.pp == "off" else f"-pp{self.pp.replace(':', '-')}")
                 + ("" if self.reshard == "micro-batch" else f"-reshard-{self.reshard}")
-                + ("" if self.undo else "-no-undo")
+                + ("" if self.undo else "-no-undo") + ("-tie" if self.tie else "") + ("-dropout" if self.dropout else "")
                 + (f"-stop{STOP_AT}-resume-{self.resumed_on()}" if self.resume else ""))
 
     def flags(self) -> list:
@@ -83,6 +94,9 @@ class Row:
         flags += ["--zero-stage", self.zero] + (["--recompute"] if self.recompute else [])
         flags += [] if self.reshard == "micro-batch" else ["--reshard", self.reshard]
         flags += [] if self.undo else ["--no-guard-undo"]
+        flags += ["--tie-embeddings"] if self.tie else []
+        flags += ["--dropout", DROPOUT] if self.dropout else []
+        flags += ["--lr", OPTION_LR] if self.tie or self.dropout else []
         flags += ["--pp", 1] if self.pp == "off" else ["--pp", self.stages, "--pp-schedule", self.pp.split(":")[1]]
         flags += {"clean": [], "nan": ["--inject-nan", NAN_STEP], "spike": ["--inject-lr-spike", f"{SPIKE_STEP}:1000"]}[
             self.inject]
@@ -119,7 +133,7 @@ def det_partner(row: Row) -> Row | None:
         if other != dp and blocks % other == 0 and other * parts in AXES["world"]:
             overlap = not row.overlap
             return Row(other * parts, row.tp, blocks // other, overlap, True, row.inject, False, row.zero,
-                       not row.recompute, row.pp, row.reshard, row.undo)
+                       not row.recompute, row.pp, row.reshard, row.undo, row.tie, row.dropout)
     return None
 
 
@@ -136,6 +150,8 @@ def reasons(row: Row) -> list[str]:
     found, k = [], row.stages
     if row.world % (row.tp * k):
         found.append(f"--tp {row.tp} x --pp {k} = {row.tp * k} does not divide the {row.world} ranks")
+    if row.tie and k > 1:
+        found.append(f"--tie-embeddings with --pp {k}: the head (last stage) would use wte")
     if row.reshard != "micro-batch" and row.zero < 2:
         found.append(f"--reshard {row.reshard} is about ZeRO-2/3's sharded gradient and parameters")
     if not row.overlap and row.zero > 1 and row.reshard == "micro-batch" and not row.det:

@@ -63,27 +63,28 @@ def references(tmp_path_factory):
     end the same way. `get` gives the step rows, `get.outcome` the dict with how the run ended."""
     made = {}
 
-    def outcome(inject: str, undo: bool = True) -> dict:
-        if (inject, undo) not in made:
-            ref = reference_run(tmp_path_factory, inject, undo)
+    def outcome(inject: str, undo: bool = True, tie: bool = False, dropout: bool = False) -> dict:
+        if (inject, undo, tie, dropout) not in made:
+            ref = reference_run(tmp_path_factory, inject, undo, tie, dropout)
             assert ref["returncode"] == 0 or not undo and ref["ending"] == ["a_loss_monotone"], ref["output"]
-            made[(inject, undo)] = ref
-        return made[(inject, undo)]
+            made[(inject, undo, tie, dropout)] = ref
+        return made[(inject, undo, tie, dropout)]
 
-    def get(inject: str, undo: bool = True) -> list:
-        return outcome(inject, undo)["rows"]
+    def get(inject: str, undo: bool = True, tie: bool = False, dropout: bool = False) -> list:
+        return outcome(inject, undo, tie, dropout)["rows"]
     get.outcome = outcome
     return get
 
 
-def reference_run(tmp_path_factory, inject: str = "clean", undo: bool = True) -> dict:
-    """The 1-rank run of a row's injection and guard undo, made once for every worker, phase and
-    module that reads it (tests/test_slurm_nodes.py too): returncode, output, ending, step rows."""
-    name = inject + ("" if undo else "-no-undo")
+def reference_run(tmp_path_factory, inject: str = "clean", undo: bool = True, tie: bool = False,
+                  dropout: bool = False) -> dict:
+    """The 1-rank run of a row's injection, guard undo, tying and dropout, made once for every worker,
+    phase and module that reads it (tests/test_slurm_nodes.py too): returncode, output, ending, step rows."""
+    name = inject + ("" if undo else "-no-undo") + ("-tie" if tie else "") + ("-dropout" if dropout else "")
 
     def make(base):
         out = base / name
-        row = mx.Row(1, 1, 1, False, False, inject, False, undo=undo)
+        row = mx.Row(1, 1, 1, False, False, inject, False, undo=undo, tie=tie, dropout=dropout)
         res = launch(commands(row, out))[-1]
         return {"returncode": res.returncode, "output": res.stdout + res.stderr, "ending": ending(out),
                 "rows": step_rows(out) if res.returncode in (0, 1) else None}
@@ -100,14 +101,14 @@ def ending(out) -> list | None:
     return sorted(k for k, v in invariants.items() if not v.get("ok"))
 
 
-def same_run(got: list, want: list, where: str, upto: int = mx.STEPS) -> None:
-    """Every step's verdict and samples; the numbers of steps 1..`upto`."""
+def same_run(got: list, want: list, where: str, upto: int = mx.STEPS, skip: tuple = ()) -> None:
+    """Every step's verdict and samples; the numbers of steps 1..`upto` but the (step, key)s of `skip`."""
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, mx.STEPS + 1)), where
     for g, w in zip(got, want):
         assert (g["accepted"], g["samples"]) == (w["accepted"], w["samples"]), f"step {g['step']}\n{where}"
         if g["step"] > upto:
             continue
-        for key in KEYS:
+        for key in (k for k in KEYS if (g["step"], k) not in skip):
             a, b = g[key], w[key]
             if isinstance(a, float) and isinstance(b, float):
                 assert abs(a - b) <= RTOL * abs(b), f"step {g['step']} {key}: {a!r} vs the 1-rank {b!r}\n{where}"
@@ -127,7 +128,7 @@ def test_row(row, references, tmp_path):
         assert results[0].returncode == 2 and reason in results[0].stderr, f"{where}\n{text[-3000:]}"
         assert results[0].stderr.count("error:") == 1 and not out.exists(), f"{where}\n{text[-3000:]}"
         return
-    want = references.outcome(row.inject, row.undo)
+    want = references.outcome(row.inject, row.undo, row.tie, row.dropout)
     # the reference failed (a) (an lr spike kept without the undo): so must the row, but a resumed
     # row's last segment (steps 5-8) holds too few evaluations for (a)'s jump test to see the spike
     endings = [(want["returncode"], want["ending"])] + [(0, [])] * (row.resume and want["returncode"] == 1)
@@ -135,7 +136,11 @@ def test_row(row, references, tmp_path):
     got = step_rows(out)
     # a kept x1000 update (the lr spike without the undo) amplifies the 1e-6 differences of another
     # summation order chaotically: the numbers after it are not comparable, its verdicts are
-    same_run(got, want["rows"], where, mx.SPIKE_STEP if row.inject == "spike" and not row.undo else mx.STEPS)
+    # a tied head's held-out loss right after the x1000 update (before the guard undoes it) is ~1600:
+    # the logits scale with wte twice, and the update of a near-zero gradient entry is Adam's
+    # normalised rounding noise x1000 (1.2e-5 relative apart on 8 ranks): that one number is not compared
+    skip = ((mx.SPIKE_STEP, "eval_loss"),) if row.tie and row.inject == "spike" else ()
+    same_run(got, want["rows"], where, mx.SPIKE_STEP if row.inject == "spike" and not row.undo else mx.STEPS, skip)
     if row.det:   # bit-identical to another data-parallel layout of the same tp, pp and per-rank micro-batch
         partner = mx.det_partner(row)
         if partner is not None:
@@ -147,10 +152,13 @@ def test_row(row, references, tmp_path):
             upto = mx.STEPS if (again.tp, again.pp, again.blocks) == (row.tp, row.pp, row.blocks) else mx.STOP_AT
             keys = (*KEYS, "fingerprint", "accepted")
             # ZeRO-3 fingerprints the groups it gathered, the other stages the buffer: a resume across
-            # that line has the same numbers, bit for bit, under another kind of fingerprint
+            # that line has the same numbers, bit for bit, under another kind of fingerprint; and its
+            # parameter norm is summed in another order (the same parameters: the same losses; with
+            # --tp 2 the float64 norm's last bit can differ, e.g. a dropout row resumed at stage 0)
             digest = mx.STEPS if (again.zero == 3) == (row.zero == 3) else mx.STOP_AT
 
             def table(rows):
-                return [{k: r[k] for k in keys if k != "fingerprint" or r["step"] <= digest} for r in rows][:upto]
+                return [{k: r[k] for k in keys if k not in ("fingerprint", "param_norm") or r["step"] <= digest}
+                        for r in rows][:upto]
             assert table(step_rows(tmp_path / "partner")) == table(got), \
                 f"not bit-identical to {partner.name}\n{where}\n{shown(pcmds)}"

@@ -55,7 +55,7 @@ def test_a_combination_is_still_judged_once_each_flag_is_valid():
     (["--block_size", "64"], "did you mean --seq-len?"), (["--n_embd", "64"], "did you mean --d-model?"),
     (["--gradient_accumulation_steps", "4"], "did you mean --grad-accum?"),
     (["--n_layers", "3"], "spelled with dashes: --n-layers 3"), (["--init_from=resume"], "--resume latest"),
-    (["--dropout", "0.1"], "no dropout"), (["--stpes", "5"], "did you mean --steps?"),
+    (["--dtype", "bfloat16"], "float32"), (["--stpes", "5"], "did you mean --steps?"),
     (["config/train_shakespeare_char.py"], "--preset NAME"),
 ])
 def test_other_trainers_flag_names_get_a_suggestion(given, want):

@@ -146,6 +146,19 @@ def train_bpe(text: str, vocab_size: int) -> BPETokenizer:
     return BPETokenizer(tok.to_str())
 
 
+def from_gpt2_files(vocab: str, merges: str) -> BPETokenizer:
+    """GPT-2's byte-level BPE from its vocab.json and merges.txt (capstone.hf): the same ids as
+    transformers' GPT2Tokenizer; no special tokens added (<|endoftext|> is an ordinary entry)."""
+    lib = _library()
+    try:
+        tok = lib.Tokenizer(lib.models.BPE.from_file(vocab, merges))
+    except Exception as exc:    # the library's own exception types
+        raise TokenizerError(f"{vocab} and {merges} are not a GPT-2 BPE vocabulary ({exc}).") from None
+    tok.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = lib.decoders.ByteLevel()
+    return BPETokenizer(tok.to_str())
+
+
 def from_description(desc) -> CharTokenizer | BPETokenizer:
     """Rebuild a tokenizer from `describe()`'s output (ValueError if it is not one)."""
     if isinstance(desc, dict) and desc.get("kind") == "char" and isinstance(desc.get("chars"), str):

@@ -1,13 +1,10 @@
-"""MiniGPT in NumPy + autograd, float32 end to end (pre-LN GPT-2 blocks, untied LM head).
+"""MiniGPT in NumPy + autograd, float32 end to end (pre-LN GPT-2 blocks; options: capstone.model.options).
 
-Activations are 2-D (B*T, C) so every linear layer is one matmul. The model is the embedding, L
-transformer blocks and the head with the loss (capstone.model.blocks), each over one flat
-parameter group, run as autograd nodes by the one driver (capstone.model.backward). `Model` is
-this rank's part of the model, whatever the modes: the groups it holds (all of them, or a
-pipeline stage's), the tensor-parallel group its blocks are split over (`blocks.ALONE`: none),
-and its seam (capstone.model.seam), which says where each group's weights come from and where its
-gradient goes (the flat buffers, ZeRO-2's reduce-scatter, ZeRO-3's gathers). `logits` and
-`loss_sum` are the forward alone over a dict of groups.
+Activations are 2-D (B*T, C): every linear layer is one matmul. The embedding, L blocks and the
+head with the loss (capstone.model.blocks) are autograd nodes over flat parameter groups, run by
+the one driver (capstone.model.backward). `Model` is this rank's part, whatever the modes: its
+groups (all, or a pipeline stage's), its tensor-parallel group (`blocks.ALONE`: none) and its seam
+(capstone.model.seam: where a group's weights come from and its gradient goes).
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ from capstone.model.seam import Resident, Weights
 
 
 def hidden(ps: Pass, cfg: ModelConfig, names, start, idx):
-    """Hidden states (B*T, C) after the embedding and blocks among group `names` (in order), from
-    token ids idx (B, T); without the embedding, from `start` (the previous stage's activations)."""
+    """Hidden states (B*T, C) after the embedding and blocks of `names` for ids idx (B, T), or from `start`."""
     shapes, H = group_shapes(cfg, ps.tp.size), cfg.n_heads // ps.tp.size
     x = embedding(start, ps, idx, shapes["embed"]) if "embed" in names else start
     for name in (g for g in names if g not in ("embed", "head")):
@@ -34,15 +30,19 @@ def hidden(ps: Pass, cfg: ModelConfig, names, start, idx):
 def run_layers(ps: Pass, cfg: ModelConfig, names, start, idx, targets, scale):
     """The part of the model of group `names`: scale * (summed cross-entropy against targets), or
     (without the head) the hidden states it hands the next pipeline stage."""
-    h = hidden(ps, cfg, names, start, idx)
-    if "head" not in names:
-        return h
-    return head_loss(h, ps, targets.reshape(-1), group_shapes(cfg, ps.tp.size)["head"]) * scale
+    if cfg.tie_embeddings or cfg.dropout:      # the model's options (capstone.model.options)
+        from capstone.model import options
+        return options.run_layers(ps, cfg, names, start, idx, targets, scale)
+    h, shapes = hidden(ps, cfg, names, start, idx), group_shapes(cfg, ps.tp.size)
+    return h if "head" not in names else head_loss(h, ps, targets.reshape(-1), shapes["head"]) * scale
 
 
 def logits(groups: dict, idx, cfg: ModelConfig, tp=ALONE):
     """Next-token logits (B*T, V) for token ids idx (B, T), forward only."""
     x = hidden(Pass(Resident(groups), tp, train=False), cfg, tuple(groups), 0.0, idx)
+    if cfg.tie_embeddings:
+        from capstone.model import tied
+        return tied.logits(x, groups, cfg, tp.size)
     return head_logits(x, groups["head"], group_shapes(cfg, tp.size)["head"])[0]
 
 

@@ -51,7 +51,8 @@ def param_shapes(cfg: ModelConfig, tp: int = 1) -> list[tuple[str, tuple[int, ..
             ("ln_1.w", (C,)), ("ln_1.b", (C,)), ("attn.c_attn.w", (C, 3 * C)), ("attn.c_attn.b", (3 * C,)),
             ("attn.c_proj.w", (C, C)), ("attn.c_proj.b", (C,)), ("ln_2.w", (C,)), ("ln_2.b", (C,)),
             ("mlp.c_fc.w", (C, 4 * C)), ("mlp.c_fc.b", (4 * C,)), ("mlp.c_proj.w", (4 * C, C)), ("mlp.c_proj.b", (C,)))]
-    shapes += [("ln_f.w", (C,)), ("ln_f.b", (C,)), ("lm_head.w", (C, V))] + [("lm_head.b", (V,))] * cfg.head_bias
+    shapes += [("ln_f.w", (C,)), ("ln_f.b", (C,))] + [("lm_head.w", (C, V))] * (not cfg.tie_embeddings)
+    shapes += [("lm_head.b", (V,))] * cfg.head_bias      # tied: the head is wte (capstone.model.tied)
     return [(name, _split_shape(shape, tp_split(name), tp)) for name, shape in shapes]
 
 

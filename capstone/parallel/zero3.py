@@ -66,7 +66,11 @@ class Gatherer:
         sizes = [4 * (self.plans[g].b - self.plans[g].a) for g in self.order]
         if self.keep:
             return sum(sizes)
-        return max([sizes[0]] + [x + y for x, y in zip(sizes, sizes[1:])])
+        bound = max([sizes[0]] + [x + y for x, y in zip(sizes, sizes[1:])])
+        names = {name for name, _, _ in self.layout.entries}
+        if "head" not in self.order or "embed" not in self.order or "lm_head.w" in names:
+            return bound
+        return max(bound, sizes[0] + sum(sizes[-2:]))   # tied: the head's backward borrows wte, the last block in flight
 
     def _start(self, name: str) -> None:
         plan = self.plans[name]

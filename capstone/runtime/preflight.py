@@ -11,6 +11,7 @@ directories and the lock file it created, so it leaves nothing behind.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -117,6 +118,26 @@ def _per_rank(mcfg, tcfg, opts, world: int) -> tuple[int, int]:
                 for groups in stages))
 
 
+def estimate(mcfg, tcfg, opts, world: int) -> tuple[int, int]:
+    """(activations, model states) in bytes of the heaviest rank of a run on `world` ranks (benchmarks.gpt2_finetune)."""
+    return _per_rank(mcfg, tcfg, opts, world)
+
+
+def ranks_needed(mcfg, tcfg, opts, cap: int) -> str:
+    """In words: the fewest ranks (the data-parallel size grown, tp and pp kept) at which a rank's step
+    fits in `cap` bytes, with ZeRO-3 and --recompute, whose model states shrink as the ranks grow."""
+    sharded = dataclasses.replace(opts, zero_stage=3, recompute=True, reshard="micro-batch")
+    parts = opts.tp * opts.pp
+    for dp in (d for d in range(1, 4097) if tcfg.global_batch % (d * tcfg.grad_accum) == 0 or not tcfg.global_batch):
+        acts, states = _per_rank(mcfg, tcfg, sharded, dp * parts)
+        if acts + states <= cap:
+            return (f"at {cap / MIB:.0f} MiB per rank it needs {dp * parts} ranks (--zero-stage 3 --recompute, data "
+                    f"parallel {dp} x pp {opts.pp} x tp {opts.tp}: {(acts + states) / MIB:.0f} MiB each)")
+    acts = _per_rank(mcfg, tcfg, sharded, 4096 * parts)[0]
+    return (f"at {cap / MIB:.0f} MiB per rank no number of ranks fits it: one micro-batch's activations alone take "
+            f"{acts / MIB:.0f} MiB (lower --batch-size or --seq-len, or add --pp stages)")
+
+
 def check_memory(comm, mcfg, tcfg, opts) -> None:
     """Collective. ConfigError on every rank if a step's model states and activations do not fit on some node."""
     acts, states = _per_rank(mcfg, tcfg, opts, comm.size)
@@ -131,8 +152,9 @@ def check_memory(comm, mcfg, tcfg, opts) -> None:
                 f"of activations{' with --recompute' if opts.recompute else ''}, {states / MIB:.0f} MiB of model "
                 f"states at --zero-stage {opts.zero_stage}; {local} ranks on {socket.gethostname()}: "
                 f"{need * local / MIB:.0f} MiB), but only {avail / MIB:.0f} MiB is available ({source}); the kernel "
-                f"would kill the run in its first step. Lower --batch-size (raise --grad-accum to keep the global "
-                f"batch), add --recompute, raise --zero-stage, or run fewer ranks per node.")
+                f"would kill the run in its first step; {ranks_needed(mcfg, tcfg, opts, avail // local)}. Lower "
+                f"--batch-size (raise --grad-accum to keep the global batch), add --recompute, raise --zero-stage, or "
+                f"run fewer ranks per node.")
     agreed(comm, check, errors=(ConfigError,), every=True, explain=lambda failed: ConfigError(failed[0][1]))
 
 

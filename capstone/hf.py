@@ -1,0 +1,136 @@
+"""A Hugging Face GPT-2 directory in: `--init-from DIR` and `prepare --tokenizer-from DIR`.
+
+DIR is what `GPT2LMHeadModel.save_pretrained` writes (config.json + model.safetensors), or a hub
+download of GPT-2 (the same files, its tensor names without the `transformer.` prefix), optionally
+with the GPT-2 byte-level BPE beside it (vocab.json + merges.txt). It is read with `safetensors`'
+NumPy API and the `tokenizers` library: no torch, no network. The config maps to capstone's
+ModelConfig (n_embd, n_head, n_layer, n_positions, vocab_size, tie_word_embeddings; GPT-2 has no
+head bias); what capstone's model cannot compute the same way (another activation, LayerNorm
+epsilon, MLP width, attention scaling, cross-attention) is refused with the reason. A --seq-len
+shorter than n_positions keeps the first rows of the position table, as nanoGPT's crop_block_size.
+Imported only when such a directory is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from capstone.config import ConfigError, ModelConfig
+from capstone.model.params import Layout
+
+FILES = ("config.json", "model.safetensors")
+TOKENIZER_FILES = ("vocab.json", "merges.txt")
+GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")      # capstone's GELU is the tanh approximation
+LAYER_NORM_EPS = 1e-5                              # capstone.model.kernels' LayerNorm
+BUFFERS = (".attn.bias", ".attn.masked_bias")      # older files' causal-mask buffers: not parameters
+
+
+def is_hf_dir(path: str) -> bool:
+    """Whether `path` is a directory holding a Hugging Face model (config.json + model.safetensors)."""
+    return os.path.isdir(path) and all(os.path.isfile(os.path.join(path, n)) for n in FILES)
+
+
+def model_config(hf: dict, seq_len: int | None, path: str) -> ModelConfig:
+    """capstone's ModelConfig of a GPT-2 config.json (`seq_len`: a crop of n_positions, None: all of it);
+    ConfigError naming every setting capstone cannot represent."""
+    C = hf.get("n_embd")
+    problems = []
+    if hf.get("model_type") != "gpt2":
+        problems.append(f"model_type is {hf.get('model_type')!r}, not 'gpt2'")
+    if hf.get("activation_function", "gelu_new") not in GELU_TANH:
+        problems.append(f"activation_function {hf.get('activation_function')!r}: capstone's MLP uses GELU's tanh "
+                        f"approximation (gelu_new) only")
+    if abs(float(hf.get("layer_norm_epsilon", LAYER_NORM_EPS)) - LAYER_NORM_EPS) > 1e-12:
+        problems.append(f"layer_norm_epsilon {hf.get('layer_norm_epsilon')}: capstone's LayerNorm uses {LAYER_NORM_EPS}")
+    if hf.get("n_inner") not in (None, 4 * (C or 0)):
+        problems.append(f"n_inner {hf.get('n_inner')}: capstone's MLP is 4 x n_embd = {4 * (C or 0)} wide")
+    if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
+        problems.append("the attention scaling differs from 1/sqrt(head size) (scale_attn_weights false or "
+                        "scale_attn_by_inverse_layer_idx true)")
+    if hf.get("add_cross_attention"):
+        problems.append("add_cross_attention: capstone's blocks have no cross-attention")
+    n_positions = hf.get("n_positions")
+    if seq_len is not None and isinstance(n_positions, int) and seq_len > n_positions:
+        problems.append(f"--seq-len {seq_len} is longer than its n_positions {n_positions}: the position table "
+                        f"has no rows beyond it; pass --seq-len {n_positions} or less")
+    if problems:
+        raise ConfigError(f"--init-from {path}: capstone cannot represent this GPT-2 model: " + "; ".join(problems)
+                          + ". Only GPT-2's own architecture is read (docs/gpt2.md).")
+    try:
+        return ModelConfig(vocab_size=hf["vocab_size"], seq_len=seq_len or n_positions, d_model=C,
+                           n_heads=hf["n_head"], n_layers=hf["n_layer"], head_bias=False,
+                           tie_embeddings=bool(hf.get("tie_word_embeddings", True)))
+    except KeyError as exc:
+        raise ConfigError(f"--init-from {path}: config.json lacks {exc.args[0]!r}; it is not a GPT-2 config.") from None
+
+
+def capstone_name(name: str) -> str:
+    """capstone's parameter name of a GPT-2 tensor name (either key set), or "" for one it has no use for."""
+    from capstone.export import BLOCK
+    name = name.removeprefix("transformer.")
+    if name.endswith(BUFFERS):
+        return ""
+    top = {"wte.weight": "wte", "wpe.weight": "wpe", "ln_f.weight": "ln_f.w", "ln_f.bias": "ln_f.b",
+           "lm_head.weight": "lm_head.w"}
+    if name in top:
+        return top[name]
+    parts = name.split(".", 2)
+    inverse = {v: k for k, v in BLOCK.items()}
+    if len(parts) == 3 and parts[0] == "h" and parts[1].isdigit() and parts[2] in inverse:
+        return f"h{parts[1]}.{inverse[parts[2]]}"
+    return name       # unknown: reported by `read_weights`
+
+
+def read_weights(path: str, cfg: ModelConfig) -> np.ndarray:
+    """The flat 1-rank parameters of model `cfg` from DIR/model.safetensors (wpe cropped to cfg.seq_len;
+    a tied model's lm_head.weight, if stored, must be wte); ConfigError for missing or extra tensors."""
+    from safetensors import safe_open
+    layout = Layout.for_model(cfg, 1)
+    flat = layout.zeros()
+    views, seen = layout.views(flat), set()
+    with safe_open(os.path.join(path, FILES[1]), framework="numpy") as f:
+        for key in f.keys():
+            name = capstone_name(key)
+            if not name or name == "lm_head.w" and cfg.tie_embeddings:
+                continue      # a buffer, or the tied head's copy of wte (save_pretrained may keep it)
+            if name not in views:
+                raise ConfigError(f"--init-from {path}: tensor {key} is not part of a GPT-2 of this config.")
+            got = f.get_tensor(key).astype(np.float32)
+            got = got.T if name == "lm_head.w" else got[:cfg.seq_len] if name == "wpe" else got
+            if got.shape != views[name].shape:
+                raise ConfigError(f"--init-from {path}: tensor {key} has shape {got.shape}, the config's model "
+                                  f"needs {views[name].shape}.")
+            views[name][...] = got
+            seen.add(name)
+    missing = sorted(set(views) - seen)
+    if missing:
+        raise ConfigError(f"--init-from {path}: model.safetensors lacks {', '.join(missing[:4])}"
+                          f"{' and more' if len(missing) > 4 else ''}.")
+    return flat[:layout.n_params].copy()
+
+
+def read(path: str, seq_len: int | None = None):
+    """(ModelConfig, flat parameters, data identity with the tokenizer if vocab.json + merges.txt are there)."""
+    with open(os.path.join(path, FILES[0])) as f:
+        try:
+            hf = json.load(f)
+        except ValueError as exc:
+            raise ConfigError(f"--init-from {path}: config.json is not JSON ({exc}).") from None
+    cfg = model_config(hf, seq_len, path)
+    params = read_weights(path, cfg)
+    has_bpe = all(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES)
+    return cfg, params, {"tokenizer": gpt2_tokenizer(path).describe()} if has_bpe else {}
+
+
+def gpt2_tokenizer(path: str):
+    """The GPT-2 byte-level BPE of DIR/vocab.json + DIR/merges.txt (capstone.data.tokenizer.from_gpt2_files)."""
+    from capstone.data.tokenizer import TokenizerError, from_gpt2_files
+    files = [os.path.join(path, n) for n in TOKENIZER_FILES]
+    if not all(os.path.isfile(f) for f in files):
+        raise TokenizerError(f"--tokenizer-from {path}: it needs the GPT-2 tokenizer's vocab.json and merges.txt "
+                             f"(as GPT2Tokenizer.save_pretrained writes them); missing: "
+                             f"{', '.join(n for n, f in zip(TOKENIZER_FILES, files) if not os.path.isfile(f))}.")
+    return from_gpt2_files(*files)

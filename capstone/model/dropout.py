@@ -1,0 +1,181 @@
+"""--dropout P: GPT-2's dropout at its three sites, the same mask on every grid (imported only when P > 0).
+
+The sites: the embedding's output, the attention probabilities, and each residual branch's output
+(the attention's and the MLP's projections) before it is added. A kept value is scaled by 1/(1-P);
+evaluation and sampling run without dropout. The mask is a pure function of (seed, step, the
+sample's index in the step's global batch, layer, site, global position, and channel, or global head
+and key position): a counter-based hash (SplitMix64's finaliser over those integers), not a random
+stream, so every data-parallel layout, accumulation, tensor-parallel split (a rank's heads are named
+by their global index), pipeline stage, recomputation and resume draws the same mask for the same
+element as one rank does. The sample's index: micro-batch j on data-parallel rank r of size R with
+B rows holds the step's samples (j R + r) B ... (j R + r) B + B - 1, as capstone.data deals them.
+
+`Stream` wraps the run's seam (capstone.model.seam) and counts the micro-batches of a step as their
+forwards begin (every stage runs them in order); `Stepped` wraps the schedule and tells it the step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from capstone.model import blocks
+from capstone.model import kernels as K
+
+M64 = (1 << 64) - 1
+GOLD = 0x9E3779B97F4A7C15
+SITES = ("embed", "attention", "attn_out", "mlp_out")   # a mask's site: its index in the hash
+
+
+def mix(z: int) -> int:
+    """SplitMix64's finaliser of a Python integer (mod 2^64)."""
+    z &= M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def mix_array(z: np.ndarray) -> np.ndarray:
+    """`mix` over a uint64 array (wrapping arithmetic)."""
+    z = z ^ (z >> np.uint64(30))
+    z *= np.uint64(0xBF58476D1CE4E5B9)
+    z ^= z >> np.uint64(27)
+    z *= np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+class Masks:
+    """The masks of one micro-batch: `samples` (B,) their indices in the step's global batch."""
+
+    def __init__(self, p: float, seed: int, step: int, samples: np.ndarray):
+        self.p, self.seed, self.step, self.samples = p, seed, step, samples.astype(np.uint64)
+        self.scale = np.float32(1.0 / (1.0 - p))
+        self.threshold = np.uint64(round(p * (1 << 24)))
+
+    def keep(self, layer: int, site: str, inner: np.ndarray) -> np.ndarray:
+        """(B, inner.size) float32: 0 or 1/(1-p) for element ids `inner` (uint64) of each sample."""
+        key = mix(mix(mix(self.seed * GOLD + self.step) ^ (layer + 1) * GOLD) ^ SITES.index(site))
+        base = mix_array(np.uint64(key) ^ (self.samples * np.uint64(GOLD)))
+        h = mix_array(base[:, None] ^ inner[None, :])
+        return np.where((h >> np.uint64(40)) >= self.threshold, self.scale, np.float32(0))
+
+    def channels(self, layer: int, site: str, T: int, C: int) -> np.ndarray:
+        """(B*T, C): element (position t, channel c) of each sample, id t C + c."""
+        return self.keep(layer, site, np.arange(T * C, dtype=np.uint64)).reshape(-1, C)
+
+    def attention(self, layer: int, T: int, H: int, first_head: int) -> np.ndarray:
+        """(B, H, T, T): this rank's H heads (global first_head ...), query t, key u: id (head T + t) T + u."""
+        ids = (np.arange(first_head, first_head + H, dtype=np.uint64)[:, None] * np.uint64(T * T)
+               + np.arange(T * T, dtype=np.uint64)[None, :]).reshape(-1)
+        return self.keep(layer, "attention", ids).reshape(-1, H, T, T)
+
+
+class Stream:
+    """The run's seam with the dropout masks of each micro-batch (everything else is the seam's)."""
+
+    def __init__(self, inner, p: float, seed: int, dp_rank: int, dp_size: int):
+        self.inner, self.p, self.seed, self.dp_rank, self.dp_size = inner, p, seed, dp_rank, dp_size
+        self.step_no, self.micro = 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def begin(self, step: int) -> None:
+        self.step_no, self.micro = step, 0
+
+    def next_masks(self, B: int) -> Masks:
+        """The masks of the step's next micro-batch of B rows on this rank."""
+        first = (self.micro * self.dp_size + self.dp_rank) * B
+        self.micro += 1
+        return Masks(self.p, self.seed, self.step_no, np.arange(first, first + B))
+
+
+class Stepped:
+    """The run's schedule, telling the Stream which step its micro-batches belong to."""
+
+    def __init__(self, inner, stream: Stream):
+        self.inner, self.stream = inner, stream
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward_backward(self, batches: list, step: int) -> list[float]:
+        self.stream.begin(step)
+        return self.inner.forward_backward(batches, step)
+
+
+def attention_forward(qkv, T, H, keep):
+    """Causal attention with the probabilities dropped by `keep` (B, H, T, T): (B*T, 3C) -> (B*T, C)."""
+    q, k, v = K._split_heads(qkv, T, H)
+    B, _, _, D = q.shape
+    s = K._mm(q, k.swapaxes(-1, -2)) * np.float32(1.0 / math.sqrt(D)) + K._cached_mask(T)
+    s -= s.max(axis=-1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    y = K._mm(p * keep, v)                                                    # (B, H, T, D)
+    return np.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B * T, -1), (p, keep)
+
+
+def attention_backward(g, saved, qkv, T, H):
+    p, keep = saved
+    q, k, v = K._split_heads(qkv, T, H)
+    B, _, _, D = q.shape
+    gy = K._heads(g, B, T, H)
+    gqkv = np.empty((B, T, 3, H, D), dtype=np.float32)
+    gq, gk, gv = (gqkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
+    gv[...] = K._mm((p * keep).swapaxes(-1, -2), gy)
+    gp = K._mm(gy, v.swapaxes(-1, -2)) * keep
+    gs = p * (gp - (gp * p).sum(axis=-1, keepdims=True))
+    gq[...] = K._mm(gs, k) * np.float32(1.0 / math.sqrt(D))
+    gk[...] = K._mm(gs.swapaxes(-1, -2), q) * np.float32(1.0 / math.sqrt(D))
+    return gqkv.reshape(qkv.shape)
+
+
+def block_forward(x, w, T, H, shapes, tp, masks: Masks, layer: int):
+    """capstone.model.blocks.block_forward with dropout at the attention and both residual branches."""
+    ln1w, ln1b, aw, ab, pw, pb, ln2w, ln2b, fw, fb, mw, mb = blocks.unpack(w, shapes)
+    C, rank = x.shape[1], getattr(tp, "rank", 0)
+    a, s_ln1 = K._ln_fwd(x, ln1w, ln1b)
+    qkv, _ = K._linear_fwd(a, aw, ab)
+    y, s_att = attention_forward(qkv, T, H, masks.attention(layer, T, H, rank * H))
+    m1, m2 = masks.channels(layer, "attn_out", T, C), masks.channels(layer, "mlp_out", T, C)
+    x1 = x + blocks._row_parallel(y, pw, pb, tp) * m1
+    m, s_ln2 = K._ln_fwd(x1, ln2w, ln2b)
+    h, s_fc = K._linear_gelu_fwd(m, fw, fb)
+    return x1 + blocks._row_parallel(h, mw, mb, tp) * m2, [a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc, m1, m2]
+
+
+def block_backward(g, saved, x, w, T, H, shapes, tp, gw):
+    """The dropout block's gradient into gw; returns its input's (capstone.model.blocks.block_backward)."""
+    a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc, m1, m2 = saved
+    ln1w, _, aw, _, pw, _, ln2w, _, fw, _, mw, _ = blocks.unpack(w, shapes)
+    d_ln1w, d_ln1b, d_aw, d_ab, d_pw, d_pb, d_ln2w, d_ln2b, d_fw, d_fb, d_mw, d_mb = blocks.unpack(gw, shapes)
+    gh = blocks._linear_back(g * m2, h, mw, d_mw, d_mb)
+    gm = blocks._linear_back(K._gelu_grad(gh, *s_fc, out=gh), m, fw, d_fw, d_fb)
+    tp.Allreduce(gm, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")
+    gx1 = g + blocks._ln_back(gm, s_ln2, ln2w, d_ln2w, d_ln2b)
+    gqkv = attention_backward(blocks._linear_back(gx1 * m1, y, pw, d_pw, d_pb), s_att, qkv, T, H)
+    ga = blocks._linear_back(gqkv, a, aw, d_aw, d_ab)
+    tp.Allreduce(ga, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")
+    return gx1 + blocks._ln_back(ga, s_ln1, ln1w, d_ln1w, d_ln1b)
+
+
+def _block_fwd(x, ps, name: str, T: int, H: int, shapes, masks: Masks):
+    out, saved = block_forward(x, ps.seam.weights(name, False), T, H, shapes, ps.tp, masks, int(name[1:]))
+    ps.seam.release(name)
+    return out, None if ps.recompute else saved
+
+
+def _block_bwd(g, saved, argnums, x, ps, name: str, T: int, H: int, shapes, masks: Masks):
+    w = ps.seam.weights(name, True)
+    if saved is None:     # recomputation: the same masks, a pure function of their indices
+        saved = block_forward(x, w, T, H, shapes, ps.tp, masks, int(name[1:]))[1]
+    gw = ps.seam.grad_out(name, ps.fresh)
+    gx = block_backward(g, saved, x, w, T, H, shapes, ps.tp, gw)
+    ps.seam.landed(name, gw, ps.fresh)
+    ps.seam.release(name)
+    return {0: gx}
+
+
+block = K.define("dropout_block", _block_fwd, _block_bwd)
