@@ -215,8 +215,10 @@ def _heldout(grid: Grid, data, settings: Settings, schedule: Schedule) -> HeldOu
         from capstone.parallel import deterministic as det
         return det.HeldOutBlocks(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp, schedule.loss,
                                  _loss_weight(grid), in_step=settings.opts.zero_stage == 3)
-    weight = _loss_weight(grid)
-    return HeldOut(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp.rank, grid.dp.size,
-                   schedule.loss, weight)
+    kind = HeldOut
+    if settings.opts.zero_stage == 3:   # a forward gathers: a rank without rows still runs one
+        from capstone.parallel.zero3 import GatheredHeldOut as kind
+    return kind(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp.rank, grid.dp.size,
+                schedule.loss, _loss_weight(grid))
 
 

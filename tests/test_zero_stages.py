@@ -244,3 +244,18 @@ def test_preflight_counts_the_stage_and_recompute_under_a_real_memory_limit(tmp_
         assert fits.returncode == 0, fits.stdout[-2000:] + fits.stderr[-2000:]
     finally:
         os.rmdir(group)
+
+
+def test_stage3_evaluates_fewer_held_out_rows_than_ranks(tmp_path):
+    """At ZeRO-3 each forward gathers over the data-parallel group: with 2 held-out rows per batch
+    on 4 ranks, the two ranks without rows still run (uncounted) forwards, so nothing waits for a
+    timeout and the held-out loss is the 1-rank run's (it hung until the collective deadline)."""
+    runs = {}
+    for ranks, flags in ((1, []), (4, ["--zero-stage", 3])):
+        runs[ranks] = tmp_path / f"n{ranks}"
+        res = mpirun(ranks, "--out", runs[ranks], "--steps", 3, "--global-batch", 8, "--eval-every", 1, "--eval-batch-size", 2,
+                     "--eval-batches", 2, "--collective-timeout", 20, *flags, timeout=120)
+        assert res.returncode == 0, res.stdout + res.stderr
+    want, got = step_rows(runs[1], "eval_loss"), step_rows(runs[4], "eval_loss")
+    assert len(got) == 3 and None not in got
+    np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 
+from capstone.data.heldout import HeldOut
 from capstone.model.fingerprint import sum_squares, word_sum
 from capstone.model.params import DTYPE, Layout
 from capstone.model.seam import Sinks
@@ -171,3 +172,23 @@ class ShardedReplicaCheck:
             from capstone.parallel.deterministic import tree_sum
             return float(np.sqrt(tree_sum(every[:self.parts, 0]))), digest
         return float(np.sqrt(np.add.reduce(every[:, 0]))), digest
+
+
+class GatheredHeldOut(HeldOut):
+    """The held-out loss at ZeRO-3, where every forward gathers over the data-parallel group: a rank
+    left without rows of a batch (fewer rows than ranks) runs a forward on another rank's rows and
+    does not count it, so every rank makes the same gathers."""
+
+    def __init__(self, data, batches: int, batch_size: int, seq_len: int, world, dp_rank: int, dp: int,
+                 loss, weight: float = 1.0):
+        super().__init__(data, batches, batch_size, seq_len, world, dp_rank, dp, loss, weight)
+        self.spare = data.val_batch(0, batch_size, 0, dp)
+
+    def loss_share(self) -> float:
+        share = 0.0
+        for x, y in self.batches:
+            if len(x):
+                share += self.loss(x, y, self.scale)
+            else:
+                self.loss(*self.spare, self.scale)   # not counted: the gathers of the ranks with rows
+        return share * self.weight
