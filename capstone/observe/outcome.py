@@ -11,6 +11,7 @@ import os
 import time
 
 from capstone.checkpoint import best, files
+from capstone.checkpoint.files import CheckpointError
 from capstone.guard import DivergenceError
 from capstone.observe.jsonout import write_json
 from capstone.observe.runlog import parse_lines, step_rows
@@ -40,6 +41,8 @@ def recorded(run, start_step: int, started: float, log):
         yield
     except DivergenceError as exc:
         log.close()
+        with contextlib.suppress(CheckpointError):   # the divergence is the run's error: a failed write only follows it
+            run.ckpt.drain()
         if run.grid.world.rank == 0:
             write_json(path, ended(run, "diverged", str(exc), start_step, started))
         run.metrics.close()
