@@ -309,7 +309,9 @@ def _report(summary: Summary, verified: dict | None, rank: int) -> None:
 
 
 def stopped(run, step: int, why: str | None) -> None:
-    """The line of a run stopped on request: what asked, what was saved, how to go on."""
+    """Collective. The line of a run stopped on request: what asked, what was saved (once it is written: a stop
+    waits for the background write), how to go on."""
+    run.ckpt.drain()
     if run.opts.quiet:   # the final line says how to go on
         return
     man = run.ckpt.manifests[-1] if run.ckpt.manifests else {"path": run.resumed_from}
