@@ -39,6 +39,7 @@ AXES = {
     "pp": ("off", "2:1f1b", "2:afab", "4:1f1b", "4:afab"),    # pipeline stages and schedule
     "reshard": ("micro-batch", "step"),                       # ZeRO-2/3: gather and reduce per micro-batch or step
     "undo": (True, False),    # the guard's undo copy (False: --no-guard-undo)
+    "ckpt_async": (True, False),   # checkpoints written in the background (False: --no-ckpt-async)
 }
 
 
@@ -56,6 +57,7 @@ class Row:
     pp: str = "off"
     reshard: str = "micro-batch"
     undo: bool = True
+    ckpt_async: bool = True
 
     @property
     def stages(self) -> int:
@@ -72,7 +74,7 @@ class Row:
                 f"{'det' if self.det else 'default'}-{self.inject}-zero{self.zero}"
                 + ("-recompute" if self.recompute else "") + ("" if self.pp == "off" else f"-pp{self.pp.replace(':', '-')}")
                 + ("" if self.reshard == "micro-batch" else f"-reshard-{self.reshard}")
-                + ("" if self.undo else "-no-undo")
+                + ("" if self.undo else "-no-undo") + ("" if self.ckpt_async else "-sync-ckpt")
                 + (f"-stop{STOP_AT}-resume-{self.resumed_on()}" if self.resume else ""))
 
     def flags(self) -> list:
@@ -83,6 +85,7 @@ class Row:
         flags += ["--zero-stage", self.zero] + (["--recompute"] if self.recompute else [])
         flags += [] if self.reshard == "micro-batch" else ["--reshard", self.reshard]
         flags += [] if self.undo else ["--no-guard-undo"]
+        flags += [] if self.ckpt_async else ["--no-ckpt-async"]
         flags += ["--pp", 1] if self.pp == "off" else ["--pp", self.stages, "--pp-schedule", self.pp.split(":")[1]]
         flags += {"clean": [], "nan": ["--inject-nan", NAN_STEP], "spike": ["--inject-lr-spike", f"{SPIKE_STEP}:1000"]}[
             self.inject]
@@ -119,7 +122,7 @@ def det_partner(row: Row) -> Row | None:
         if other != dp and blocks % other == 0 and other * parts in AXES["world"]:
             overlap = not row.overlap
             return Row(other * parts, row.tp, blocks // other, overlap, True, row.inject, False, row.zero,
-                       not row.recompute, row.pp, row.reshard, row.undo)
+                       not row.recompute, row.pp, row.reshard, row.undo, row.ckpt_async)
     return None
 
 
