@@ -5,8 +5,10 @@ the same run without periodic checkpoints, and the save's own throughput against
   python -m benchmarks.ckpt write [--preset medium] [--ranks 2] [--saves 5] [--dir DIR]
 
 `runs`: each repeat launches the three runs in an order that alternates between repeats (none,
-async, sync; then sync, async, none; ...): `--ckpt-every 0` (the last step's checkpoint only),
-`--ckpt-every 1` with --ckpt-async (the default) and with --no-ckpt-async. A run's wall time is from
+async, sync; then sync, async, none; ...): `--ckpt-every 0 --eval-every 1` (the last step's
+checkpoint only, and the held-out evaluation every step that a checkpoint every step also makes: a
+checkpoint is always of a judged state), `--ckpt-every 1` with --ckpt-async (the default) and with
+--no-ckpt-async. A run's wall time is from
 its "start" row (training begins: the interpreter, MPI and the start-up are left out) to its
 summary.json (the last write waited for, invariant (d) checked), so every checkpoint is in it.
 Prints each run and the median ratios over `none`.
@@ -33,7 +35,8 @@ import sys
 import tempfile
 import time
 
-MODES = {"none": ["--ckpt-every", "0"], "async": ["--ckpt-every", "1", "--ckpt-async"],
+# every checkpoint is of an evaluated state (capstone.checkpoint.cadence): `none` evaluates every step too
+MODES = {"none": ["--ckpt-every", "0", "--eval-every", "1"], "async": ["--ckpt-every", "1", "--ckpt-async"],
          "sync": ["--ckpt-every", "1", "--no-ckpt-async"]}
 MB = 1e6
 
