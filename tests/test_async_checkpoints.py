@@ -9,12 +9,23 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from capstone.checkpoint import files
 
 from conftest import by_step, launch, mpi_env, mpirun, summary
 
-# a model whose checkpoint (about 21 MB on 2 ranks) takes a while to hash and write, saved every step
-FLAGS = ["--steps", 12, "--ckpt-every", 1, "--keep-last", 2, "--d-model", 192, "--n-layers", 4]
+# a model whose checkpoint (about 10 MB on 2 ranks) takes a while to hash and write, saved every step
+FLAGS = ["--steps", 10, "--ckpt-every", 1, "--keep-last", 2, "--d-model", 128, "--n-layers", 4]
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The uninterrupted run (made once for this module)."""
+    out = tmp_path_factory.mktemp("async") / "whole"
+    res = mpirun(2, "--out", out, *FLAGS)
+    assert res.returncode == 0, res.stderr
+    return out
 
 
 def steps_logged(out) -> int:
@@ -65,17 +76,15 @@ def killed_launch(out, pids, rng) -> tuple[int, bool]:
     return job.returncode, during
 
 
-def test_kill_9_at_random_moments_of_async_writes_then_resume_auto_is_bit_identical(tmp_path):
+def test_kill_9_at_random_moments_of_async_writes_then_resume_auto_is_bit_identical(tmp_path, whole):
     """A run checkpointing every step in the background is killed (SIGKILL to a random rank) at random
     moments, half of them the moment a write is seen in flight, then resumed with --resume auto, four
     times: after every kill `latest` names a complete checkpoint that verifies, and the run that
     finishes at last is bit-identical, step by step, to the uninterrupted one."""
     seed = int(os.environ.get("CAPSTONE_TEST_SEED", time.time_ns() % 100_000))
     rng = random.Random(seed)
-    whole, out, pids = tmp_path / "whole", tmp_path / "run", tmp_path / "pids"
+    out, pids = tmp_path / "run", tmp_path / "pids"
     pids.mkdir()
-    res = mpirun(2, "--out", whole, *FLAGS)
-    assert res.returncode == 0, res.stderr
     kills, mid_write = 0, 0
     for _ in range(4):
         code, during = killed_launch(out, pids, rng)
@@ -92,16 +101,13 @@ def test_kill_9_at_random_moments_of_async_writes_then_resume_auto_is_bit_identi
     print(f"seed {seed}: {kills} kills, {mid_write} of them with a write in flight")
 
 
-def test_a_stop_during_an_async_write_waits_for_it_then_saves(tmp_path):
+def test_a_stop_during_an_async_write_waits_for_it_then_saves(tmp_path, whole):
     """SIGUSR1 to mpirun the moment a background write is seen in flight: that write completes
     and is published, the stop then saves its own checkpoint as a synchronous run does (status
     preempted, exit 0, `latest` names the stop's step), every checkpoint left verifies, and --resume
     latest finishes bit-identical to the uninterrupted run."""
-    whole, out = tmp_path / "whole", tmp_path / "run"
-    flags = [*FLAGS[:2], "--ckpt-every", 2, *FLAGS[4:]]
-    res = mpirun(2, "--out", whole, *flags)
-    assert res.returncode == 0, res.stderr
-    job = launch(2, "--out", out, *flags, "--sleep-per-step", 0.2)
+    out = tmp_path / "run"
+    job = launch(2, "--out", out, *FLAGS, "--sleep-per-step", 0.2)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and job.poll() is None and not writing(out / "checkpoints"):
@@ -121,6 +127,6 @@ def test_a_stop_during_an_async_write_waits_for_it_then_saves(tmp_path):
         in stdout
     assert files.read_pointer(str(out / "checkpoints")).endswith(files.final_name(step))
     assert not writing(out / "checkpoints") and all(verified(c["path"]) for c in s["checkpoints"][-2:])
-    res = mpirun(2, "--out", out, *flags, "--resume", "latest")
+    res = mpirun(2, "--out", out, *FLAGS, "--resume", "latest")
     assert res.returncode == 0, res.stderr
     assert by_step(out) == by_step(whole)
