@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -57,9 +58,11 @@ def mpirun(ranks: int) -> list[str]:
     return ["mpirun", "-n", str(ranks), "--oversubscribe", sys.executable]
 
 
-def run_once(args, mode: str, out: str) -> tuple[float, float]:
-    """One run: seconds from its start row to its summary.json, and its median step row (ms; the
-    steps' own time, without a synchronous save, with the CPU a background write takes from them)."""
+def run_once(args, mode: str, out: str) -> tuple[float, float, float]:
+    """One run: seconds from its start row to its summary.json, its median step row (ms; the steps'
+    own time, without a synchronous save, with the CPU a background write takes from them), and the
+    CPU seconds (user + system) of the whole job, every rank and thread: what load cannot change."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     cmd = mpirun(args.ranks) + ["-m", "capstone.train", "--preset", args.preset, "--steps", str(args.steps),
                                 "--out", out, "--quiet", *MODES[mode]]
     res = subprocess.run(cmd, env=env(), capture_output=True, text=True)
@@ -69,27 +72,33 @@ def run_once(args, mode: str, out: str) -> tuple[float, float]:
         rows = list(map(json.loads, f))
     started = next(r["time"] for r in rows if r.get("event") == "start")
     step_ms = statistics.median(r["step_ms"] for r in rows if "step" in r and r["step"] > 1)
-    return os.path.getmtime(os.path.join(out, "summary.json")) - started, step_ms
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return os.path.getmtime(os.path.join(out, "summary.json")) - started, step_ms, cpu
 
 
 def runs(args) -> None:
     print(f"{args.preset} on {args.ranks} ranks, {args.steps} steps; load average before: {load()}")
     walls: dict = {m: [] for m in MODES}
     steps: dict = {m: [] for m in MODES}
+    cpus: dict = {m: [] for m in MODES}
     order = list(MODES)
     for rep in range(args.repeats):
         for mode in (order if rep % 2 == 0 else order[::-1]):
             out = os.path.join(args.dir, f"{mode}-{rep}")
-            wall, step_ms = run_once(args, mode, out)
+            wall, step_ms, cpu = run_once(args, mode, out)
             walls[mode].append(wall)
             steps[mode].append(step_ms)
-            print(f"  repeat {rep} {mode:>5}: {wall:7.2f} s, median step row {step_ms:7.1f} ms", flush=True)
+            cpus[mode].append(cpu)
+            print(f"  repeat {rep} {mode:>5}: {wall:7.2f} s, median step row {step_ms:7.1f} ms, job CPU {cpu:6.1f} s",
+                  flush=True)
             shutil.rmtree(out, ignore_errors=True)
-    base = statistics.median(walls["none"])
+    base, base_cpu = statistics.median(walls["none"]), statistics.median(cpus["none"])
     for mode in MODES:
         print(f"{mode:>5}: median {statistics.median(walls[mode]):7.2f} s = "
               f"{statistics.median(walls[mode]) / base:.3f}x none  ({' '.join(f'{w:.2f}' for w in walls[mode])}); "
-              f"step rows {statistics.median(steps[mode]):.0f} ms")
+              f"step rows {statistics.median(steps[mode]):.0f} ms; job CPU {statistics.median(cpus[mode]):.1f} s = "
+              f"{statistics.median(cpus[mode]) / base_cpu:.3f}x none")
     print(f"load average after: {load()}")
 
 
