@@ -123,7 +123,8 @@ MUTANTS = [
            ("tests/test_architecture.py::test_a_default_run_imports_no_optional_layer",),
            "invariant (d) and the summary do not wait for the last background write (a run saving once fails (d))"),
     Mutant("checkpoint/async-crash-drops-the-write", "capstone/observe/outcome.py",
-           "        with contextlib.suppress(CheckpointError):\n            run.ckpt.drain()\n        raise\n    finally:",
+           "        with contextlib.suppress(CheckpointError):\n            run.ckpt.drain()\n"
+           "        raise\n    finally:",
            "        raise\n    finally:",
            ("tests/test_observe.py::test_resumed_run_marks_repeats",),
            "an exception in a step aborts the job before the checkpoint being written in the background is published"),

@@ -101,10 +101,12 @@ def test_kill_9_at_random_moments_of_async_writes_then_resume_auto_is_bit_identi
     print(f"seed {seed}: {kills} kills, {mid_write} of them with a write in flight")
 
 
-def test_a_stop_during_an_async_write_waits_for_it_then_saves(tmp_path, whole):
-    """SIGUSR1 to mpirun the moment a background write is seen in flight: that write completes
-    and is published, the stop then saves its own checkpoint as a synchronous run does (status
-    preempted, exit 0, `latest` names the stop's step), every checkpoint left verifies, and --resume
+@pytest.mark.parametrize("how", ["SIGUSR1 to mpirun", "Ctrl-C"])
+def test_a_stop_during_an_async_write_waits_for_it_then_saves(tmp_path, whole, how):
+    """SIGUSR1 to mpirun, or a Ctrl-C (SIGINT to mpirun's process group, under scripts/env.sh's kill
+    sequence), the moment a background write is seen in flight: that write completes and is
+    published, the stop then saves its own checkpoint as a synchronous run does (status preempted,
+    the ranks exit 0, `latest` names the stop's step), every checkpoint left verifies, and --resume
     latest finishes bit-identical to the uninterrupted run."""
     out = tmp_path / "run"
     job = launch(2, "--out", out, *FLAGS, "--sleep-per-step", 0.2)
@@ -113,18 +115,21 @@ def test_a_stop_during_an_async_write_waits_for_it_then_saves(tmp_path, whole):
         while time.time() < deadline and job.poll() is None and not writing(out / "checkpoints"):
             time.sleep(0.001)
         assert writing(out / "checkpoints"), "no write was seen in flight"
-        job.send_signal(signal.SIGUSR1)   # mpirun forwards it to every rank
+        if how == "Ctrl-C":
+            os.killpg(job.pid, signal.SIGINT)   # as a terminal sends it
+        else:
+            job.send_signal(signal.SIGUSR1)     # mpirun forwards it to every rank
         stdout, stderr = job.communicate(timeout=120)
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.communicate()
-    assert job.returncode == 0, stderr
+    assert job.returncode == (1 if how == "Ctrl-C" else 0), stderr   # mpirun exits 1 once interrupted
     s = summary(out)
     step, saved = s["final_step"], [c["step"] for c in s["checkpoints"]]
     assert s["status"] == "preempted" and saved[-1] == step and all(v["ok"] for v in s["invariants"].values())
-    assert f"stopped at step {step} on SIGUSR1: saved checkpoint {out / 'checkpoints' / files.final_name(step)}" \
-        in stdout
+    path = out / "checkpoints" / files.final_name(step)
+    assert f"stopped at step {step} on " in stdout and f": saved checkpoint {path}" in stdout
     assert files.read_pointer(str(out / "checkpoints")).endswith(files.final_name(step))
     assert not writing(out / "checkpoints") and all(verified(c["path"]) for c in s["checkpoints"][-2:])
     res = mpirun(2, "--out", out, *FLAGS, "--resume", "latest")
