@@ -28,6 +28,7 @@ import traceback
 import numpy as np
 
 from capstone.checkpoint.files import CheckpointError
+from capstone.hooks import Hooks
 from capstone.state import ROWS
 
 
@@ -48,6 +49,17 @@ class Snapshot:
         return self.rows
 
 
+class SaveHooks(Hooks):
+    """The run's hooks (a test's faults) at the collectives of one background save, which belong to
+    that save's step, whatever step the training thread has reached meanwhile."""
+
+    def __init__(self, hooks, step: int):
+        self.hooks, self.save_step = hooks, step
+
+    def at(self, point: str, step: int | None = None) -> None:
+        self.hooks.at(point, self.save_step if step is None else step)
+
+
 class Writer:
     """The thread that writes checkpoints in the background, one at a time, on its own communicator."""
 
@@ -56,10 +68,12 @@ class Writer:
         self.thread: threading.Thread | None = None
         self.outcome: dict = {}
 
-    def start(self, job) -> None:
-        """Run `job()` (a collective write; it returns the manifest) in the thread. The previous
-        write must have been waited for."""
+    def start(self, job, hooks, step: int) -> None:
+        """Run `job()` (the collective write of checkpoint `step`; it returns the manifest) in the
+        thread, its collectives calling `hooks` as the step's own do. The previous write must have
+        been waited for."""
         assert self.thread is None, "one checkpoint write in flight at a time"
+        self.comm.hooks = SaveHooks(hooks, step)
         deadline, main = self.comm.deadline, self.main.deadline
         deadline.explicit, deadline.step, deadline.longest_step = main.explicit, main.step, main.longest_step
         deadline.record, deadline.on_expire = main.record, getattr(main, "on_expire", None)

@@ -98,7 +98,7 @@ class Checkpointer:
             first = rows.copy() if self.snapshot is None else None
             self.writer.start(lambda: self._written(checkpoint.write(
                 self.writer.comm, self.directory, step, rows, t, self.layout, extra, self.keep_last, protect,
-                self.hooks), judged))
+                self.hooks), judged), self.hooks, step)
             man = {"path": os.path.join(self.directory, files.final_name(step)), "step": step}
         self.snapshot = first if first is not None else self.snapshot
         self.last_judged = man["path"] if judged else self.last_judged
