@@ -44,6 +44,7 @@ class RunOptions:
     inject_grad_sign: tuple[int, int] | None = None   # test hook: negate the gradient from STEP for COUNT steps
     inject_no_update: tuple[int, int] | None = None   # test hook: zero the gradient from STEP for COUNT steps
     init_from: str | None = None      # start a new run from these weights (capstone.finetune)
+    ckpt_async: bool = True           # checkpoints written by a background thread (capstone.checkpoint.background)
 
 
 # the run options that lay the run out, kept by its checkpoints (capstone.checkpoint.kept): their flags
@@ -239,6 +240,11 @@ def _run_flags(p) -> None:
                    help="reduce the gradient in one collective after the backward pass (a reduce-scatter; at "
                         "--zero-stage 0 an allreduce), instead of in buckets started during it (at --zero-stage 2/3: "
                         "with --reshard step only)")
+    g.add_argument("--ckpt-async", action=argparse.BooleanOptionalAction, default=True,
+                   help="write checkpoints behind training: the step copies its optimizer shard and the run state "
+                        "into a snapshot buffer (12 bytes per parameter / ranks) and goes on while a thread writes, "
+                        "publishes and rotates the file exactly as a synchronous save; --no-ckpt-async writes "
+                        "them in the step (docs/checkpoints.md; default: on)")
     g.add_argument("--bucket-mb", type=float, default=1.0, metavar="MB",
                    help="bucket size of the overlapped gradient reduce-scatter (default: 1.0)")
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=argparse.SUPPRESS,

@@ -84,7 +84,7 @@ class Faults(Hooks):
         action = self._mine(point, self.step if step is None else step)
         if action is None or action == "flip_param_bit":
             return
-        where = f"{point} of step {self.step or 0}"
+        where = f"{point} of step {(self.step if step is None else step) or 0}"   # a save's step: its own thread's
         if action == "raise_in_step":
             raise InjectedFault(f"injected failure on rank {self.rank} at step {self.step} (CAPSTONE_FAULT)")
         if action == "usr1":

@@ -19,7 +19,8 @@ INSTALL = "pip install matplotlib   (or: pip install -e '.[plot]')"
 MIB, KIB = 1024 * 1024, 1024
 NAMES = {"fwd_bwd": "compute (fwd+bwd)", "ckpt": "checkpoint"}  # legend names of step-time phases
 # the model states as held (capstone.observe.memory); runs from before ZeRO-2/3 have no gathered/reduce
-MEMORY = ("params_bytes", "gathered_bytes", "grads_bytes", "reduce_bytes", "optimizer_bytes", "guard_bytes")
+MEMORY = ("params_bytes", "gathered_bytes", "grads_bytes", "reduce_bytes", "optimizer_bytes", "guard_bytes",
+          "snapshot_bytes")
 COLORS = tuple(f"C{i}" for i in range(10))  # one colour per run: the default cycle
 
 

@@ -18,7 +18,7 @@ import os
 import time
 
 from capstone import checkpoint, modes
-from capstone.checkpoint import files, judge, kept, resume, rundir
+from capstone.checkpoint import background, files, judge, kept, resume, rundir
 from capstone.checkpoint.cadence import Cadence
 from capstone.checkpoint.saver import Checkpointer, RunIdentity
 from capstone.cli import RunOptions, Settings, check_preset
@@ -159,7 +159,8 @@ def build(world: Comm, settings: Settings, out: str, hooks: Hooks | None = None)
     identity = RunIdentity(mcfg, tcfg, data_identity, batch * tcfg.grad_accum * grid.dp.size, kept.of(opts))
     p = modes.make(grid, settings, data, hooks, 1.0 / (identity.global_batch * mcfg.seq_len))
     cadence = Cadence(tcfg, world.rank, opts.stop_after)
-    ckpt = Checkpointer(world, os.path.join(out, "checkpoints"), p.full, identity, cadence, p.view, hooks)
+    ckpt = Checkpointer(world, os.path.join(out, "checkpoints"), p.full, identity, cadence, p.view, hooks,
+                        background.writer(world) if opts.ckpt_async else None)
     state = RunState()
     guard = Guard(tcfg.spike_factor, tcfg.max_rollbacks, state.guard, opts.guard_undo)
     return Run(grid=grid, mcfg=mcfg, tcfg=tcfg, opts=opts, out=out, model=p.model, opt=p.opt, reducer=p.reducer,

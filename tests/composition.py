@@ -48,6 +48,7 @@ AXES = {
     "undo": (True, False),    # the guard's undo copy (False: --no-guard-undo)
     "tie": (False, True),     # --tie-embeddings: the LM head is wte
     "dropout": (False, True), # --dropout DROPOUT (the mask a pure function of the sample's indices)
+    "ckpt_async": (True, False),   # checkpoints written in the background (False: --no-ckpt-async)
 }
 
 
@@ -67,6 +68,7 @@ class Row:
     undo: bool = True
     tie: bool = False
     dropout: bool = False
+    ckpt_async: bool = True
 
     @property
     def stages(self) -> int:
@@ -84,6 +86,7 @@ class Row:
                 + ("-recompute" if self.recompute else "") + ("" if self.pp == "off" else f"-pp{self.pp.replace(':', '-')}")
                 + ("" if self.reshard == "micro-batch" else f"-reshard-{self.reshard}")
                 + ("" if self.undo else "-no-undo") + ("-tie" if self.tie else "") + ("-dropout" if self.dropout else "")
+                + ("" if self.ckpt_async else "-sync-ckpt")
                 + (f"-stop{STOP_AT}-resume-{self.resumed_on()}" if self.resume else ""))
 
     def flags(self) -> list:
@@ -97,6 +100,7 @@ class Row:
         flags += ["--tie-embeddings"] if self.tie else []
         flags += ["--dropout", DROPOUT] if self.dropout else []
         flags += ["--lr", OPTION_LR] if self.tie or self.dropout else []
+        flags += [] if self.ckpt_async else ["--no-ckpt-async"]
         flags += ["--pp", 1] if self.pp == "off" else ["--pp", self.stages, "--pp-schedule", self.pp.split(":")[1]]
         flags += {"clean": [], "nan": ["--inject-nan", NAN_STEP], "spike": ["--inject-lr-spike", f"{SPIKE_STEP}:1000"]}[
             self.inject]
@@ -133,7 +137,7 @@ def det_partner(row: Row) -> Row | None:
         if other != dp and blocks % other == 0 and other * parts in AXES["world"]:
             overlap = not row.overlap
             return Row(other * parts, row.tp, blocks // other, overlap, True, row.inject, False, row.zero,
-                       not row.recompute, row.pp, row.reshard, row.undo, row.tie, row.dropout)
+                       not row.recompute, row.pp, row.reshard, row.undo, row.tie, row.dropout, row.ckpt_async)
     return None
 
 

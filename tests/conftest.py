@@ -38,6 +38,7 @@ SERIAL = {"test_checkpoint_retention.py": None,   # Ctrl-C under Open MPI's 2 s 
           "test_ctrl_c.py": {"test_ctrl_c_on_the_readme_route_saves_a_checkpoint_that_resumes"}}
 TIMING = {
     "test_deadlines.py": None, "test_stop.py": None, "test_disk_full.py": None, "test_ctrl_c.py": None,
+    "test_async_checkpoints.py": None,
     "test_endings.py": {"test_a_collective_timeout_writes_summary_json"},
     "test_startup.py": {"test_second_run_on_the_same_out_is_refused_and_a_killed_run_leaves_no_stale_lock"},
     "test_resume.py": {"test_sigusr1_checkpoints_at_step_boundary_and_resume_finishes", "test_wall_clock_checkpoints"},

@@ -154,9 +154,11 @@ def assert_named(rc: int, text: str, ended: float, what: str, step, timeout: flo
 def test_a_rank_stopped_before_a_collective_ends_the_job(tmp_path, kind, flags, what):
     """Rank 1 stops itself (SIGSTOP) at step 3 right before it would take part in the collective;
     the others wait in it until the deadline, which names it and the step; the last checkpoint
-    (step 2) still verifies."""
+    (step 2) still verifies. Synchronous checkpoints: the subject is the step's collectives, and in
+    the background the write of step 2 may still be in flight when rank 1 stops, so that it is never
+    published (tests/test_async_checkpoints.py; a stop inside a background save: below)."""
     out = tmp_path / "run"
-    rc, text, ended = stopped_job(out, 4, f"stop:1:3:{kind}", "--steps", "6", *flags)
+    rc, text, ended = stopped_job(out, 4, f"stop:1:3:{kind}", "--steps", "6", "--no-ckpt-async", *flags)
     assert_named(rc, text, ended, what, 3)
     assert (out / "checkpoints" / "latest").read_text().strip() == "ckpt-00000002.h5"
     inspect_ok(out / "checkpoints" / "ckpt-00000002.h5")
@@ -165,7 +167,9 @@ def test_a_rank_stopped_before_a_collective_ends_the_job(tmp_path, kind, flags, 
 def test_a_rank_stopped_in_a_checkpoint_save_ends_the_job_and_never_publishes_it(tmp_path):
     """At the save of step 4 rank 1 stops before the collective parallel-HDF5 open; the others are
     inside it, holding the GIL in MPI-IO, where only the watchdog process can end the wait: it
-    prints the line and kills its rank, the job ends. Checkpoint 4 is never published."""
+    prints the line and kills its rank, the job ends. Checkpoint 4 is never published. (The save is
+    written in the background, --ckpt-async: the open is the writer thread's, under its own
+    deadline's watchdog.)"""
     out = tmp_path / "run"
     rc, text, ended = stopped_job(out, 4, "stop:1:4:blocking", "--steps", "6")
     assert_named(rc, text, ended, "parallel HDF5 open of ckpt-00000004.h5.partial-", 4)
@@ -218,7 +222,7 @@ def test_tp_allreduce_of_a_stopped_rank_ends_the_job(tmp_path):
     """--tp 2: rank 1 stops (SIGSTOP) at the start of step 3; its tensor-parallel partner waits in
     the first block's allreduce, which the deadline ends with a message naming it (issue 24:
     tensor parallelism used to ignore --collective-timeout and hang)."""
-    rc, text, ended = stopped_job(tmp_path / "tp", 4, "stop:1:3", "--tp", "2", "--steps", "6")
+    rc, text, ended = stopped_job(tmp_path / "tp", 4, "stop:1:3", "--tp", "2", "--steps", "6", "--no-ckpt-async")
     assert_named(rc, text, ended, "tensor-parallel allreduce of a block's output", 3)
     assert (tmp_path / "tp" / "checkpoints" / "latest").read_text().strip() == "ckpt-00000002.h5"
 

@@ -43,7 +43,7 @@ def synthetic_lines():
 
 SUMMARY = {"status": "completed", "train_config": {"clip": 1.5},
            "memory": {"per_rank": [{"rank": r, "params_bytes": 4096, "gathered_bytes": 2048, "grads_bytes": 8192,
-                                    "reduce_bytes": 3072, "optimizer_bytes": 6144, "guard_bytes": 100, "peak_rss_bytes": 50 << 20} for r in (1, 0)]}}
+                                    "reduce_bytes": 3072, "optimizer_bytes": 6144, "guard_bytes": 100, "snapshot_bytes": 200, "peak_rss_bytes": 50 << 20} for r in (1, 0)]}}
 
 
 @pytest.fixture
@@ -114,7 +114,8 @@ def test_figures_plot_the_file_values(syn, tmp_path):
     assert lines_of(figs["step_time"])["step_ms (measured total)"][1] == [10.0] * 6
     mem = figs["memory"].axes[0]
     assert [t.get_text() for t in mem.get_xticklabels()] == ["0", "1"]
-    assert [p.get_height() for p in mem.patches] == [4.0, 4.0, 2.0, 2.0, 8.0, 8.0, 3.0, 3.0, 6.0, 6.0, 100 / 1024, 100 / 1024]  # KiB
+    assert [p.get_height() for p in mem.patches] == [4.0, 4.0, 2.0, 2.0, 8.0, 8.0, 3.0, 3.0, 6.0, 6.0, 100 / 1024, 100 / 1024, 200 / 1024,
+                                                  200 / 1024]  # KiB
     paths = plot.save_figures(figs, str(tmp_path / "png"))
     for p in paths:
         with open(p, "rb") as f:

@@ -48,7 +48,7 @@ from capstone.state import ROWS, ShardState
 
 __all__ = ["CheckpointError", "CorruptCheckpoint", "FORMAT", "HEADER", "VERSION", "agree", "check_file",
            "dataset_name", "load", "mpi_io_available", "open_verified", "read_dataset", "read_meta", "read_meta_file",
-           "root_attributes", "save", "verify_contents", "verify_snapshot"]
+           "root_attributes", "save", "verify_contents", "verify_snapshot", "write"]
 MIB = 1 << 20
 
 
@@ -89,14 +89,21 @@ def save(comm, directory: str, step: int, state: ShardState, layout, extra: dict
     """Collective: call on all ranks. Write `state` (this rank's optimizer shard) and `extra`
     (JSON-able run metadata) as checkpoint `step` in `directory`, publish it atomically, move
     `latest` to it and apply retention. Returns the manifest."""
-    rank, world, shard = comm.rank, comm.size, layout.shard
     data = np.stack(state.rows()).astype("<f4", copy=False)     # (len(ROWS), shard)
+    return write(comm, directory, step, data, int(state.t), layout, extra, keep_last, protect, hooks)
+
+
+def write(comm, directory: str, step: int, data: np.ndarray, adam_t: int, layout, extra: dict,
+          keep_last: int = 0, protect=(), hooks=NONE) -> dict:
+    """Collective: `save` of the rows `data` (len(ROWS), shard) at Adam step `adam_t`, e.g. a
+    snapshot written by a background thread (capstone.checkpoint.background)."""
+    rank, world, shard = comm.rank, comm.size, layout.shard
     digests = comm.allgather_json(sha256_hex(data))
-    roots = distributed_roots(comm, dict(zip(ROWS, state.rows())), rank * shard, layout.n_params)
+    roots = distributed_roots(comm, dict(zip(ROWS, data)), rank * shard, layout.n_params)
     token = comm.bcast_json(secrets.token_hex(6) if rank == 0 else None)
     meta = {"format": FORMAT, "format_version": VERSION, "step": step, "world_size": world,
             "n_params": layout.n_params, "padded": layout.padded, "shard": shard,
-            "layout": json.loads(layout.to_json()), "adam_t": int(state.t), "rows": list(ROWS),
+            "layout": json.loads(layout.to_json()), "adam_t": adam_t, "rows": list(ROWS),
             "datasets": {dataset_name(r): {"rank": r, "offset": r * shard, "length": shard, "sha256": digests[r]}
                          for r in range(world)},
             "logical_sha256": roots, "logical_chunk": CHUNK, **extra}

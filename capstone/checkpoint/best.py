@@ -32,6 +32,7 @@ def keep(run, r) -> None:
 def save(ckpt, state, shard) -> dict:
     """Collective: checkpoint `state` into OUT/checkpoints/best, keeping only it; returns its manifest
     (with "held_out", the best loss)."""
+    ckpt.drain()   # one parallel-HDF5 file at a time (capstone.checkpoint.background)
     directory = os.path.join(ckpt.directory, DIRECTORY)
     man = checkpoint.save(ckpt.comm, directory, state.step, ckpt.view.to_stored(shard), ckpt.layout,
                           {**ckpt.extra(state), "best": {"held_out": state.best_eval, "step": state.step}},

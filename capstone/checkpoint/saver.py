@@ -10,13 +10,14 @@ invariant (d) can check it reloads byte-equal. File format and I/O are `capstone
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from capstone import checkpoint
-from capstone.checkpoint import files
+from capstone.checkpoint import background, files
 from capstone.config import ModelConfig, TrainConfig
 from capstone.hooks import NONE
 from capstone.state import ShardState
@@ -61,9 +62,12 @@ class AsIs:
 class Checkpointer:
     """Checkpoints of one run in `directory` (collective methods: call on all ranks)."""
 
-    def __init__(self, comm, directory: str, layout, identity: RunIdentity, cadence, view=None, hooks=NONE):
+    def __init__(self, comm, directory: str, layout, identity: RunIdentity, cadence, view=None, hooks=NONE,
+                 writer=None):
         self.comm, self.directory, self.layout, self.identity = comm, directory, layout, identity
         self.cadence, self.view, self.hooks = cadence, view or AsIs(), hooks
+        self.writer = writer   # capstone.checkpoint.background.Writer: saves written behind training (None: sync)
+        self.buffer = background.Snapshot(layout.shard) if writer is not None else None
         self.keep_last = identity.train.keep_last
         self.manifests: list[dict] = []
         self.snapshot: np.ndarray | None = None   # (rows, shard) of the first save, for invariant (d)
@@ -79,19 +83,38 @@ class Checkpointer:
         """Collective. Write checkpoint `state.step`; returns its manifest. `judged` False (a stop's
         checkpoint of a state the guard has not judged): so marked in its metadata, and the newest
         judged checkpoint is kept from --keep-last's rotation, as the fall-back of its judgement."""
+        self.drain()   # one write in flight: the previous one is published first
         extra = {**self.extra(state), "judged": judged}
         stored = self.view.to_stored(shard)
         protect = [self.manifests[0]["path"]] if self.manifests else []
         protect += [self.last_judged] if self.last_judged and not judged else []
-        man = checkpoint.save(self.comm, self.directory, state.step, stored, self.layout, extra,
-                              self.keep_last, protect, self.hooks)
-        if self.snapshot is None:
-            self.snapshot = np.stack(stored.rows())
-        man["judged"] = judged
+        if self.writer is None:
+            man = checkpoint.save(self.comm, self.directory, state.step, stored, self.layout, extra,
+                                  self.keep_last, protect, self.hooks)
+            self._written(man, judged)
+            first = np.stack(stored.rows()) if self.snapshot is None else None
+        else:   # the snapshot: the rows and the run state copied now, written by the thread
+            rows, extra, t, step = self.buffer.take(stored), json.loads(json.dumps(extra)), int(stored.t), state.step
+            first = rows.copy() if self.snapshot is None else None
+            self.writer.start(lambda: self._written(checkpoint.write(
+                self.writer.comm, self.directory, step, rows, t, self.layout, extra, self.keep_last, protect,
+                self.hooks), judged), self.hooks, step)
+            man = {"path": os.path.join(self.directory, files.final_name(step)), "step": step}
+        self.snapshot = first if first is not None else self.snapshot
         self.last_judged = man["path"] if judged else self.last_judged
-        self.manifests.append(man)
         self.cadence.saved()
+        return {**man, "judged": judged}
+
+    def _written(self, man: dict, judged: bool) -> dict:
+        man["judged"] = judged
+        self.manifests.append(man)
         return man
+
+    def drain(self) -> None:
+        """Wait for the checkpoint being written in the background, if any (collective: every rank
+        has the same writes in flight); raises its CheckpointError."""
+        if self.writer is not None:
+            self.writer.wait()
 
     def holds(self, path: str | None, step: int) -> bool:
         """Whether `path` (the checkpoint this run resumed from) is this run's checkpoint of `step`."""
@@ -105,6 +128,7 @@ class Checkpointer:
 
     def verify_first(self) -> dict | None:
         """Collective. Reload the run's first checkpoint and compare it with its snapshot (d)."""
+        self.drain()
         if not self.manifests:
             return None
         return checkpoint.verify_snapshot(self.comm, self.manifests[0]["path"], self.layout,

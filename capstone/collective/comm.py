@@ -1,16 +1,11 @@
 """`Comm`: a group of ranks through which every collective of a run goes.
 
-Each collective is issued non-blocking and waited on with the run's `Deadline`, so a dead or
-stopped peer ends the job with one line that names the collective instead of a hang; what MPI or
-HDF5 offers only blocking (a `Split`, a parallel-HDF5 open/write/close) runs under the deadline's
-watchdog (`blocking`). Buffers only: the buffer collectives are named as mpi4py's uppercase
-(buffer, never pickle) methods they wrap, `Allreduce`, `Allgather`, ...; the optional modes'
-exchanges (all-to-all, variable-size gathers, point-to-point) follow, and small values go as JSON
-(which checkpoint to resume, errors every rank must raise, reports), each a pair of uint8 buffer
-collectives. Each wait is counted in `traffic` by kind (bytes as nccl-tests count them, the seconds
-spent waiting, calls) for the step's accounting. A communicator of one rank (`MPI.COMM_SELF`, e.g.
-the tensor-parallel group without tensor parallelism) skips its reductions: one code path. No
-other module of capstone holds an MPI communicator (tests/test_architecture.py checks it).
+Each collective is issued non-blocking and waited on with the run's `Deadline` (a dead or stopped peer ends the job
+with one line naming the collective, not a hang); what MPI or HDF5 offers only blocking (`Split`, a parallel-HDF5
+open/write/close) runs under the deadline's watchdog (`blocking`). Buffers only, never pickle: mpi4py's uppercase
+methods, `Allreduce`, `Allgather`, ..., the optional modes' exchanges, and small values as JSON in uint8 buffers. Each
+wait is counted in `traffic` by kind (bytes as nccl-tests count them, seconds waiting, calls). A group of one rank
+(`MPI.COMM_SELF`) skips its reductions: one code path. No other module holds an MPI communicator (test_architecture).
 """
 
 from __future__ import annotations
@@ -195,6 +190,14 @@ class Comm:
         with self.blocking(f"communicator split ({what})"):
             return self.derived(self.mpi.Split(color, key))
 
+    def for_thread(self, what: str) -> "Comm | None":
+        """This group again for another thread's collectives (own deadline; no hooks); None without THREAD_MULTIPLE."""
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            return None
+        dup, request = self.mpi.Idup()
+        self.wait(request, f"communicator duplicate ({what})")
+        return Comm(dup, Deadline(dup, self.deadline.explicit, self.deadline.spin_s))
+
     def node_size(self) -> int:
         """How many ranks of this group share this rank's node."""
         with self.blocking("split by node"):
@@ -211,8 +214,4 @@ class Comm:
 
 
 def _split_json(buf: np.ndarray, sizes: list[int]) -> list:
-    out, pos = [], 0
-    for n in sizes:
-        out.append(json.loads(buf[pos:pos + n].tobytes()))
-        pos += n
-    return out
+    return [json.loads(buf[end - n:end].tobytes()) for n, end in zip(sizes, np.cumsum(sizes))]

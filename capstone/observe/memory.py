@@ -14,7 +14,10 @@ slice), N the data-parallel group's size; the shard is P/N elements (`Layout.sha
 The transient terms (`gathered`, `reduce` at stages 2-3) are measured as their peak over the run;
 the formula's is the layout's (two consecutive groups or buckets), which the double-buffered
 gather and reduction reach exactly whenever they run. The guard's term is the optimizer's again
-(the state before the last update, what an undo restores), 0 with --no-guard-undo.
+(the state before the last update, what an undo restores), 0 with --no-guard-undo. The snapshot
+(--ckpt-async, the default) is the buffer a checkpoint's rows are copied into for the background
+write: 12 bytes for each value of the checkpoint's shard (the canonical vectors over the world's
+ranks: 12P/N without tensor or pipeline parallelism), allocated once (capstone.checkpoint.background).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import resource
 from dataclasses import asdict, dataclass
 
 from capstone.observe.accounting import zero_row
+from capstone.state import ROWS
 
-FIELDS = ("params", "gathered", "grads", "reduce", "optimizer", "guard")
+FIELDS = ("params", "gathered", "grads", "reduce", "optimizer", "guard", "snapshot")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class ModelStates:
     reduce: int      # the reduction's own buffers (receive shard, staging, buckets in flight, rows)
     optimizer: int   # fp32 master, Adam m and v of the shard
     guard: int       # the optimizer state before the last update (the guard's exact undo; 0: --no-guard-undo)
+    snapshot: int    # the asynchronous checkpoint's copy of the stored rows (0: --no-ckpt-async)
 
     @property
     def total(self) -> int:
@@ -53,7 +58,7 @@ def measured(run) -> ModelStates:
     grads = model.grads.nbytes if own_grads else reducer.grad_shard.nbytes
     return ModelStates(model.params.nbytes, model.seam.gathered_peak(), grads,
                        reducer.nbytes() - (0 if own_grads else reducer.grad_shard.nbytes),
-                       opt.state.nbytes, opt.before_nbytes())
+                       opt.state.nbytes, opt.before_nbytes(), run.ckpt.buffer.nbytes if run.ckpt.buffer else 0)
 
 
 def formula(run) -> ModelStates:
@@ -66,7 +71,8 @@ def formula(run) -> ModelStates:
     grads = zero_row(1, layout.padded, run.grid.dp.size).grads_bytes if whole else row.grads_bytes
     reduce = run.reducer.bound(accum) - (0 if run.model.grads is not None else grads)
     return ModelStates(row.params_bytes, run.model.seam.gathered_bound(), grads, reduce,
-                       row.optimizer_bytes, row.optimizer_bytes if run.opts.guard_undo else 0)
+                       row.optimizer_bytes, row.optimizer_bytes if run.opts.guard_undo else 0,
+                       4 * len(ROWS) * run.ckpt.layout.shard if run.ckpt.writer else 0)
 
 
 def row(run) -> dict:

@@ -11,6 +11,7 @@ import os
 import time
 
 from capstone.checkpoint import best, files
+from capstone.checkpoint.files import CheckpointError
 from capstone.guard import DivergenceError
 from capstone.observe.jsonout import write_json
 from capstone.observe.runlog import parse_lines, step_rows
@@ -32,7 +33,9 @@ def recorded(run, start_step: int, started: float, log):
     """Around the training loop: a DivergenceError (raised on every rank together) writes summary.json
     with status "diverged" (rank 0) before it propagates; a collective timeout makes the rank whose
     wait expired write status "timeout" (best effort: the job is being aborted; any rank may, since
-    every rank holds the same record of the run, and the file is replaced atomically)."""
+    every rank holds the same record of the run, and the file is replaced atomically). Any other exception
+    first waits for the checkpoint being written in the background (the other ranks' writers finish it
+    with this one), so a crash in a step keeps the checkpoint a synchronous save would have kept."""
     path, deadline = os.path.join(run.out, "summary.json"), run.grid.world.deadline
     deadline.on_expire = lambda record: write_json(path, ended(run, "timeout", record["collective"], start_step,
                                                                started, {"timeout": record}))
@@ -40,9 +43,15 @@ def recorded(run, start_step: int, started: float, log):
         yield
     except DivergenceError as exc:
         log.close()
+        with contextlib.suppress(CheckpointError):   # the divergence is the run's error: a failed write only follows it
+            run.ckpt.drain()
         if run.grid.world.rank == 0:
             write_json(path, ended(run, "diverged", str(exc), start_step, started))
         run.metrics.close()
+        raise
+    except Exception:   # a crash (an exception on this rank): the checkpoint being written is finished first
+        with contextlib.suppress(CheckpointError):
+            run.ckpt.drain()
         raise
     finally:
         deadline.on_expire = None

@@ -176,9 +176,10 @@ def step_row(m: dict) -> str:
 def memory_table(rows: list[dict]) -> str:
     """Per-rank memory rows (capstone.observe.memory), max and mean across ranks, and the formula of
     the run's ZeRO stage (bytes; peak RSS in MiB)."""
-    keys = ("params_bytes", "gathered_bytes", "grads_bytes", "reduce_bytes", "optimizer_bytes", "guard_bytes")
+    keys = ("params_bytes", "gathered_bytes", "grads_bytes", "reduce_bytes", "optimizer_bytes", "guard_bytes",
+            "snapshot_bytes")
     lines = [f"{'rank':>8} {'params':>10} {'gathered':>10} {'grads':>10} {'reduce':>10} {'optimizer':>10} "
-             f"{'guard':>10} {'total':>11} {'peak_rss_MiB':>13}"]
+             f"{'guard':>10} {'snapshot':>10} {'total':>11} {'peak_rss_MiB':>13}"]
 
     def fmt(label, vals, rss):
         return (f"{label:>8} " + " ".join(f"{v:>10.0f}" for v in vals) + f" {sum(vals):>11.0f}"
@@ -308,7 +309,9 @@ def _report(summary: Summary, verified: dict | None, rank: int) -> None:
 
 
 def stopped(run, step: int, why: str | None) -> None:
-    """The line of a run stopped on request: what asked, what was saved, how to go on."""
+    """Collective. The line of a run stopped on request: what asked, what was saved (once it is written: a stop
+    waits for the background write), how to go on."""
+    run.ckpt.drain()
     if run.opts.quiet:   # the final line says how to go on
         return
     man = run.ckpt.manifests[-1] if run.ckpt.manifests else {"path": run.resumed_from}

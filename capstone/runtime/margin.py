@@ -72,6 +72,7 @@ def probe(run) -> float | None:
     in OUT/checkpoints/.stop-probe, removed after; None if it could not be saved (e.g. no space)."""
     world = run.grid.world
     directory = os.path.join(run.ckpt.directory, files.PROBE)
+    run.ckpt.drain()                          # one parallel-HDF5 file at a time (capstone.checkpoint.background)
     hooks, world.hooks = world.hooks, NONE    # a test's faults are for the run's own saves
     t0 = time.perf_counter()
     try:

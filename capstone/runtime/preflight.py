@@ -39,11 +39,12 @@ def activation_bytes(mcfg, tcfg, recompute: bool = False, layers: int | None = N
 
 
 def model_state_bytes(mcfg, dp: int, tp: int, stage: int, groups: tuple | None = None, step: bool = False,
-                      undo: bool = True) -> int:
+                      undo: bool = True, snapshot: bool = False) -> int:
     """Bytes of the model's state on one rank at ZeRO `stage` (capstone.observe.memory's formula,
     with two of the largest parameter groups for what is in flight); `groups`: a pipeline stage's;
     `step` (--reshard step at stages 2-3): the whole gradient kept, stage 3's groups all gathered;
-    `undo`: the guard's copy of the optimizer state (--no-guard-undo: none)."""
+    `undo`: the guard's copy of the optimizer state (--no-guard-undo: none); `snapshot`: the asynchronous
+    checkpoint's copy of the stored rows (--ckpt-async: 12 bytes per value of the shard)."""
     from capstone.model.params import Layout
     from capstone.observe.accounting import zero_row
     layout = Layout.for_model(mcfg, dp, tp, groups)
@@ -53,7 +54,8 @@ def model_state_bytes(mcfg, dp: int, tp: int, stage: int, groups: tuple | None =
     grads = 4 * layout.padded if whole else row.grads_bytes
     reduce = 4 * layout.shard + 4 * layout.padded if stage == 1 or whole else 0 if stage == 0 else 2 * group
     gathered = (4 * layout.padded if whole else 2 * group) if stage == 3 else 0
-    return row.params_bytes + grads + (1 + undo) * row.optimizer_bytes + reduce + gathered
+    copy = 12 * layout.shard if snapshot else 0   # about the canonical vectors' shard over the world's ranks
+    return row.params_bytes + grads + (1 + undo) * row.optimizer_bytes + reduce + gathered + copy
 
 
 def available_bytes() -> tuple[int | None, str]:
@@ -107,14 +109,14 @@ def _per_rank(mcfg, tcfg, opts, world: int) -> tuple[int, int]:
     micro-batches its schedule keeps in flight (1f1b: up to K of them; afab: all)."""
     dp, step = world // (opts.tp * opts.pp), opts.reshard == "step"
     if opts.pp == 1:
-        return activation_bytes(mcfg, tcfg, opts.recompute), model_state_bytes(mcfg, dp, opts.tp, opts.zero_stage,
-                                                                               step=step, undo=opts.guard_undo)
+        return activation_bytes(mcfg, tcfg, opts.recompute), model_state_bytes(
+            mcfg, dp, opts.tp, opts.zero_stage, step=step, undo=opts.guard_undo, snapshot=opts.ckpt_async)
     from capstone.parallel.pipeline import stage_groups
     stages = stage_groups(mcfg.n_layers, opts.pp, opts.pp_layers)
     in_flight = tcfg.grad_accum if opts.pp_schedule == "afab" else min(opts.pp, tcfg.grad_accum)
     layers = max(sum(g not in ("embed", "head") for g in groups) for groups in stages)
     return (in_flight * activation_bytes(mcfg, tcfg, opts.recompute, layers),
-            max(model_state_bytes(mcfg, dp, opts.tp, opts.zero_stage, groups, step, opts.guard_undo)
+            max(model_state_bytes(mcfg, dp, opts.tp, opts.zero_stage, groups, step, opts.guard_undo, opts.ckpt_async)
                 for groups in stages))
 
 
