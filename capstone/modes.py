@@ -41,18 +41,25 @@ class Parts:
     heldout: HeldOut
     opt: ZeroAdam
     schedule: Schedule
+    data: object             # the run's batches (--cp: this rank's part of each sequence)
 
 
 def check(world: int, settings: Settings) -> None:
     """ConfigError (exit 2) for a combination of flags the product does not run, with the reason."""
     mcfg, tcfg, opts = settings.model, settings.train, settings.opts
-    grids.check(world, opts.tp, opts.pp, mcfg)
+    grids.check(world, opts.tp, opts.pp, mcfg, opts.cp)
     if opts.pp > 1:
         from capstone.parallel.pipeline import stage_layers
         stage_layers(mcfg.n_layers, opts.pp, opts.pp_layers)      # counts that do not fit the model
     elif opts.pp_layers is not None or opts.pp_schedule is not None:
         raise ConfigError(f"{'--pp-layers' if opts.pp_layers is not None else '--pp-schedule'} is about pipeline "
                           f"stages: it needs --pp K > 1 (docs/pipeline.md).")
+    if opts.cp > 1 and tcfg.deterministic:
+        raise ConfigError(f"--deterministic is not supported with --cp {opts.cp}: its fixed-order trees sum the "
+                          f"gradient, loss and held-out loss of each whole sample block in an order set by the sample "
+                          f"index, but at --cp {opts.cp} each sample's terms are {opts.cp} partial sums made on "
+                          f"{opts.cp} ranks (each over its chunks' tokens), which those trees do not order. Drop "
+                          f"--deterministic or --cp (docs/context-parallel.md).")
     if opts.reshard != "micro-batch" and opts.zero_stage < 2:
         raise ConfigError(f"--reshard {opts.reshard} is about ZeRO-2/3's sharded gradient and parameters: at "
                           f"--zero-stage {opts.zero_stage} the whole gradient is kept through the step anyway. Drop "
@@ -69,6 +76,11 @@ def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
     Every mode is the one model (capstone.model.gpt.Model) over this rank's groups, with the seam
     and gradient reducer the modes choose (capstone.model.seam)."""
     mcfg, tcfg, opts = settings.model, settings.train, settings.opts
+    ring = None
+    if grid.cp_size > 1:          # context parallelism: each sequence split over the cp ring (capstone.model.ring)
+        from capstone.model import ring as rings
+        ring = rings.Ring(grid.cp)
+        data = rings.Chunks(data, ring)
     stages = _stages(grid, settings)
     layout = Layout.for_model(mcfg, grid.dp.size, grid.tp.size, stages[grid.pp.rank % len(stages)])
     full = Layout.for_model(mcfg, grid.world.size)
@@ -79,7 +91,8 @@ def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
         view = zero0.ReplicatedView(grid.dp, layout, view)
         reducer = zero0.Allgathered(reducer) if tcfg.deterministic else reducer
     seam = _seam(grid, layout, params, reducer, opts.zero_stage, opts.reshard)
-    model = Model(mcfg, layout, seam, grid.tp, opts.recompute)
+    model = Model(mcfg, layout, seam, grid.tp, opts.recompute) if ring is None else \
+        Model(mcfg, layout, seam, grid.tp, opts.recompute, ring)
     adam = ZeroAdam
     if opts.zero_stage == 3:      # the parameters are a shard too
         from capstone.parallel.zero3 import ShardedAdam as adam
@@ -93,7 +106,7 @@ def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
         schedule = Pipeline(model, reducer, hooks, scale, opts.pp_schedule or "1f1b", grid.pp)
     return Parts(layout=layout, full=full, view=view, model=model, reducer=reducer,
                  replicas=_replicas(grid, layout, seam, settings), heldout=_heldout(grid, data, settings, schedule),
-                 opt=opt, schedule=schedule)
+                 opt=opt, schedule=schedule, data=data)
 
 
 def _stages(grid: Grid, settings: Settings) -> list:

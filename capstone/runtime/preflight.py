@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from capstone.checkpoint import files
 from capstone.collective.agree import agreed
@@ -104,16 +104,18 @@ def _cgroup_files(controllers: str, path: str) -> list[tuple[str, str, str]]:
 def _per_rank(mcfg, tcfg, opts, world: int) -> tuple[int, int]:
     """(activations, model states) of the heaviest rank: with --pp, the largest stage holding the
     micro-batches its schedule keeps in flight (1f1b: up to K of them; afab: all)."""
-    dp, step = world // (opts.tp * opts.pp), opts.reshard == "step"
+    whole, dp, step = mcfg, world // (opts.tp * opts.pp), opts.reshard == "step"     # dp: the dp x cp ranks sharing the states
+    if opts.cp > 1:   # a rank's part of each sequence: T / cp rows, the ring's blocks smaller than the kernel's T x T
+        mcfg = replace(mcfg, seq_len=mcfg.seq_len // opts.cp)
     if opts.pp == 1:
-        return activation_bytes(mcfg, tcfg, opts.recompute), model_state_bytes(mcfg, dp, opts.tp, opts.zero_stage,
+        return activation_bytes(mcfg, tcfg, opts.recompute), model_state_bytes(whole, dp, opts.tp, opts.zero_stage,
                                                                                step=step, undo=opts.guard_undo)
     from capstone.parallel.pipeline import stage_groups
     stages = stage_groups(mcfg.n_layers, opts.pp, opts.pp_layers)
     in_flight = tcfg.grad_accum if opts.pp_schedule == "afab" else min(opts.pp, tcfg.grad_accum)
     layers = max(sum(g not in ("embed", "head") for g in groups) for groups in stages)
     return (in_flight * activation_bytes(mcfg, tcfg, opts.recompute, layers),
-            max(model_state_bytes(mcfg, dp, opts.tp, opts.zero_stage, groups, step, opts.guard_undo)
+            max(model_state_bytes(whole, dp, opts.tp, opts.zero_stage, groups, step, opts.guard_undo)
                 for groups in stages))
 
 

@@ -7,7 +7,7 @@ from mpi4py import MPI
 
 from capstone.collective.comm import Comm
 from capstone.model import kernels as K
-from capstone.parallel import ring
+from capstone.model import ring
 
 WORLD, RANK = MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()
 B, H, D = 2, 2, 4

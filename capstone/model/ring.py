@@ -182,5 +182,5 @@ class Chunks:
         return self.ring.part(x), self.ring.part(y)
 
     def val_batch(self, k: int, count: int, rank: int = 0, world: int = 1):
-        x, y = self.data.val_batch(k, count, rank // self.k, world // self.k)
+        x, y = self.data.val_batch(k, count, rank // self.k, max(1, world // self.k))
         return self.ring.part(x), self.ring.part(y)
