@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 GLOBAL = 96          # sequences per step: divisible by every data-parallel size x accumulation
 STEPS = 8
+CP_SEQ_LEN = 32      # the rows with context parallelism (and their references): 2 x cp chunks (docs/context-parallel.md)
 STOP_AT = 4          # the stopped rows stop here and resume on another grid
 NAN_STEP, SPIKE_STEP = 3, 6
 # the reference model with 4 blocks (room for 4 pipeline stages) and buckets small enough for several
@@ -39,6 +40,7 @@ AXES = {
     "pp": ("off", "2:1f1b", "2:afab", "4:1f1b", "4:afab"),    # pipeline stages and schedule
     "reshard": ("micro-batch", "step"),                       # ZeRO-2/3: gather and reduce per micro-batch or step
     "undo": (True, False),    # the guard's undo copy (False: --no-guard-undo)
+    "cp": (1, 2, 4),          # context parallelism: each sequence split over cp ranks (at --seq-len CP_SEQ_LEN)
 }
 
 
@@ -56,6 +58,12 @@ class Row:
     pp: str = "off"
     reshard: str = "micro-batch"
     undo: bool = True
+    cp: int = 1
+    long: bool = False     # at --seq-len CP_SEQ_LEN without cp (a cp row's reference, or its resume at cp 1)
+
+    @property
+    def seq_len(self) -> int | None:
+        return CP_SEQ_LEN if self.cp > 1 or self.long else None
 
     @property
     def stages(self) -> int:
@@ -64,7 +72,7 @@ class Row:
     @property
     def blocks(self) -> int:
         """Micro-batches per step over the data-parallel group: with GLOBAL, the per-rank micro-batch."""
-        return self.world // (self.tp * self.stages) * self.accum
+        return self.world // (self.tp * self.stages * self.cp) * self.accum
 
     @property
     def name(self) -> str:
@@ -72,7 +80,7 @@ class Row:
                 f"{'det' if self.det else 'default'}-{self.inject}-zero{self.zero}"
                 + ("-recompute" if self.recompute else "") + ("" if self.pp == "off" else f"-pp{self.pp.replace(':', '-')}")
                 + ("" if self.reshard == "micro-batch" else f"-reshard-{self.reshard}")
-                + ("" if self.undo else "-no-undo")
+                + ("" if self.undo else "-no-undo") + ("" if self.cp == 1 else f"-cp{self.cp}")
                 + (f"-stop{STOP_AT}-resume-{self.resumed_on()}" if self.resume else ""))
 
     def flags(self) -> list:
@@ -83,6 +91,7 @@ class Row:
         flags += ["--zero-stage", self.zero] + (["--recompute"] if self.recompute else [])
         flags += [] if self.reshard == "micro-batch" else ["--reshard", self.reshard]
         flags += [] if self.undo else ["--no-guard-undo"]
+        flags += [] if self.seq_len is None else ["--cp", self.cp, "--seq-len", self.seq_len]
         flags += ["--pp", 1] if self.pp == "off" else ["--pp", self.stages, "--pp-schedule", self.pp.split(":")[1]]
         flags += {"clean": [], "nan": ["--inject-nan", NAN_STEP], "spike": ["--inject-lr-spike", f"{SPIKE_STEP}:1000"]}[
             self.inject]
@@ -95,31 +104,33 @@ class Row:
         1 after 0 and 0 after 1)."""
         again = self.resumed()
         return (f"n{again.world}-tp{again.tp}-acc{again.accum}-zero{again.zero}"
-                + ("" if again.pp == "off" else f"-pp{again.stages}"))
+                + ("" if again.pp == "off" else f"-pp{again.stages}") + ("" if again.cp == 1 else f"-cp{again.cp}"))
 
     def resumed(self) -> "Row":
         """The row of the resumed launch (its flags; `resume` False)."""
         world, accum = other_layout(self.world, self.accum)
         tp = self.tp if world % self.tp == 0 else 1
         pp = self.pp if world % (tp * self.stages) == 0 else "off"
-        dp = world // (tp * (1 if pp == "off" else self.stages))
+        cp = self.cp if world % (tp * (1 if pp == "off" else self.stages) * self.cp) == 0 else 1
+        dp = world // (tp * (1 if pp == "off" else self.stages) * cp)
         accum = self.blocks // dp if self.blocks % dp == 0 else accum    # the same per-rank micro-batch
         zero = {3: 0, 2: 1}.get(self.zero, 1 - self.zero if self.det or not self.overlap or pp != "off" else 3)
         return dataclasses.replace(self, world=world, tp=tp, accum=accum, zero=zero, pp=pp, resume=False,
-                                   reshard="micro-batch" if zero < 2 else self.reshard)
+                                   reshard="micro-batch" if zero < 2 else self.reshard, cp=cp,
+                                   long=self.seq_len is not None)
 
 
 def det_partner(row: Row) -> Row | None:
     """Another data-parallel layout of a deterministic row, which must give the same bits: the same
     tp, pp and per-rank micro-batch (data-parallel size x accumulation kept), the other bucketing
     and recomputation; None if no other world size of the axis fits."""
-    parts = row.tp * row.stages
+    parts = row.tp * row.stages * row.cp
     dp, blocks = row.world // parts, row.world // parts * row.accum
     for other in (2, 4, 1, 3, 8):
         if other != dp and blocks % other == 0 and other * parts in AXES["world"]:
             overlap = not row.overlap
             return Row(other * parts, row.tp, blocks // other, overlap, True, row.inject, False, row.zero,
-                       not row.recompute, row.pp, row.reshard, row.undo)
+                       not row.recompute, row.pp, row.reshard, row.undo, row.cp, row.long)
     return None
 
 
@@ -136,6 +147,10 @@ def reasons(row: Row) -> list[str]:
     found, k = [], row.stages
     if row.world % (row.tp * k):
         found.append(f"--tp {row.tp} x --pp {k} = {row.tp * k} does not divide the {row.world} ranks")
+    elif row.world // (row.tp * k) % row.cp:
+        found.append(f"--cp {row.cp} does not divide the {row.world // (row.tp * k)} ranks per tensor- and pipeline-")
+    if row.cp > 1 and row.det:
+        found.append(f"--deterministic is not supported with --cp {row.cp}")
     if row.reshard != "micro-batch" and row.zero < 2:
         found.append(f"--reshard {row.reshard} is about ZeRO-2/3's sharded gradient and parameters")
     if not row.overlap and row.zero > 1 and row.reshard == "micro-batch" and not row.det:
