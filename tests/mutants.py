@@ -446,6 +446,22 @@ MUTANTS = [
             "tests/test_deadlines.py::test_a_rank_stopped_before_a_collective_ends_the_job[pipeline-message]"),
            "a pipeline receive outside the deadline: a stopped neighbour hangs the stage"),
 
+    # ---- issue 37: context parallelism (ring attention) ------------------------------------------
+    Mutant("cp/balanced-split-second-chunk", "capstone/model/ring.py",
+           "    return c, 2 * k - 1 - c\n", "    return c, k + c\n",
+           ("mpi: tests/mpi/test_ring.py",),
+           "cp rank c's second chunk is k + c (still every chunk once, so the numbers hold): the work unbalanced"),
+    Mutant("cp/block-lse-not-rescaled", "capstone/model/ring.py",
+           "    return [o * a + block[0] * b, top, lo * a + block[2] * b]\n",
+           "    return [o * a + block[0] * b, top, lo * a + block[2]]\n",
+           ("mpi: tests/mpi/test_ring.py",),
+           "a new block's sum of exponentials is added without rescaling it to the running maximum"),
+    Mutant("cp/key-gradient-sent-the-wrong-way", "capstone/model/ring.py",
+           "            got, got_req = self._shift(dkv, self.k + hop)\n",
+           "            got, got_req = self._shift(dkv, self.k + hop, -1)\n",
+           ("mpi: tests/mpi/test_ring.py",),
+           "the key and value gradients travel back round the ring against their keys: they reach the wrong owner"),
+
     # ---- exit codes, no pickle, setup -----------------------------------------------------------
     Mutant("nopickle/lowercase-allreduce", "capstone/collective/comm.py",
            '        self.wait(self.mpi.Iallreduce(MPI.IN_PLACE, v, op=MPI.SUM), what, kind, "allreduce", v.nbytes)\n'

@@ -85,10 +85,11 @@ class Ring:
                 if b <= a:
                     yield slice(i * n, (i + 1) * n), slice(j * n, (j + 1) * n), a == b
 
-    def _shift(self, send: np.ndarray, hop: int):
-        """Start sending `send` to the next rank and receiving its like from the previous one."""
+    def _shift(self, send: np.ndarray, hop: int, way: int = 1):
+        """Start sending `send` to the next rank (`way` -1: the previous) and receiving its like from
+        the previous one (the next)."""
         got = np.empty(send.shape, dtype=send.dtype)
-        nxt, prev = (self.c + 1) % self.k, (self.c - 1) % self.k
+        nxt, prev = (self.c + way) % self.k, (self.c - way) % self.k
         return got, [self.cp.Irecv(got, prev, TAG + hop), self.cp.Isend(send, nxt, TAG + hop)]
 
     def _wait(self, requests, nbytes: int, what: str, hop: int) -> None:
