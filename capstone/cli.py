@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deterministic", action="store_true", default=argparse.SUPPRESS,
                    help="sum gradients, losses and norms in a fixed order by sample index, so that every layout of ranks "
                         "x grad-accum with the same global batch and batch size gives bit-identical results (with "
-                        "--tp, --pp: every data-parallel layout at the same tp and pp; any --zero-stage) "
+                        "--tp, --pp, --cp: every data-parallel layout at the same tp, pp and cp; any --zero-stage) "
                         "(docs/deterministic.md; default: off; on --resume: the checkpoint's)")
     g.add_argument("--no-deterministic", dest="deterministic", action="store_false", default=argparse.SUPPRESS,
                    help="the default reduction (to resume a --deterministic run without it)")

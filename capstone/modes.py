@@ -54,12 +54,6 @@ def check(world: int, settings: Settings) -> None:
     elif opts.pp_layers is not None or opts.pp_schedule is not None:
         raise ConfigError(f"{'--pp-layers' if opts.pp_layers is not None else '--pp-schedule'} is about pipeline "
                           f"stages: it needs --pp K > 1 (docs/pipeline.md).")
-    if opts.cp > 1 and tcfg.deterministic:
-        raise ConfigError(f"--deterministic is not supported with --cp {opts.cp}: its fixed-order trees sum the "
-                          f"gradient, loss and held-out loss of each whole sample block in an order set by the sample "
-                          f"index, but at --cp {opts.cp} each sample's terms are {opts.cp} partial sums made on "
-                          f"{opts.cp} ranks (each over its chunks' tokens), which those trees do not order. Drop "
-                          f"--deterministic or --cp (docs/context-parallel.md).")
     if opts.reshard != "micro-batch" and opts.zero_stage < 2:
         raise ConfigError(f"--reshard {opts.reshard} is about ZeRO-2/3's sharded gradient and parameters: at "
                           f"--zero-stage {opts.zero_stage} the whole gradient is kept through the step anyway. Drop "
@@ -215,7 +209,7 @@ def _heldout(grid: Grid, data, settings: Settings, schedule: Schedule) -> HeldOu
     if tcfg.deterministic:
         from capstone.parallel import deterministic as det
         return det.HeldOutBlocks(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp, schedule.loss,
-                                 _loss_weight(grid), in_step=settings.opts.zero_stage == 3)
+                                 _loss_weight(grid), in_step=settings.opts.zero_stage == 3, cp=grid.cp_size)
     weight = _loss_weight(grid)
     return HeldOut(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp.rank, grid.dp.size,
                    schedule.loss, weight)

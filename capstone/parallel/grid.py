@@ -106,9 +106,11 @@ class Grid:
         """The part of the model (pp_rank * tp + tp_rank) that world rank `rank` holds."""
         return rank // (self.cp_size * self.tp.size) % self.pp.size * self.tp.size + rank % self.tp.size
 
-    def replica_ranks(self) -> list[int]:
-        """The world ranks of this rank's replica (its dp and cp coordinates), in part order."""
-        per, tp, cp, me = self.world.size // self.replicas, self.tp.size, self.cp_size, self.world.rank
+    def replica_ranks(self, of: int | None = None) -> list[int]:
+        """The world ranks of world rank `of`'s replica (its dp and cp coordinates; None: this rank's),
+        in part order."""
+        per, tp, cp = self.world.size // self.replicas, self.tp.size, self.cp_size
+        me = self.world.rank if of is None else of
         return [r for r in range(self.world.size) if r // per == me // per and r // tp % cp == me // tp % cp]
 
     @property
