@@ -33,6 +33,7 @@ import numpy as np
 from capstone.model import kernels as K
 
 TAG = 7100   # + the hop: the ring's messages on the cp communicator
+TILE = 64    # query rows at a time within a chunk block: its temporaries are (B, H, TILE, n), not (B, H, n, n)
 
 
 def chunks(c: int, k: int) -> tuple[int, int]:
@@ -79,11 +80,18 @@ class Ring:
         return np.concatenate([np.arange(i * n, (i + 1) * n) for i in self.mine])
 
     def _pairs(self, src: int, n: int):
-        """(query slice, key slice, diagonal) of the blocks between this rank's chunks and src's."""
+        """(query rows, key rows, mask or None) of the tiles of the causal blocks between this rank's
+        chunks and src's, TILE query rows at a time; on a diagonal block only the keys up to the
+        tile's last row, masked above the diagonal."""
         for i, a in enumerate(self.mine):
             for j, b in enumerate(chunks(src, self.k)):
-                if b <= a:
-                    yield slice(i * n, (i + 1) * n), slice(j * n, (j + 1) * n), a == b
+                for r in range(0, n, TILE) if b <= a else ():
+                    e = min(n, r + TILE)
+                    rows = slice(i * n + r, i * n + e)
+                    if a == b:
+                        yield rows, slice(j * n, j * n + e), K._cached_mask(n)[r:e, :e]
+                    else:
+                        yield rows, slice(j * n, (j + 1) * n), None
 
     def _shift(self, send: np.ndarray, hop: int, way: int = 1):
         """Start sending `send` to the next rank (`way` -1: the previous) and receiving its like from
@@ -107,16 +115,16 @@ class Ring:
             src = (self.c - hop) % self.k
             if hop < self.k - 1:
                 nxt, reqs = self._shift(kv, hop)
-            for qi, ki, diag in self._pairs(src, n):
+            for qi, ki, mask in self._pairs(src, n):
                 s = K._mm(qs[:, :, qi], kv[0][:, :, ki].swapaxes(-1, -2))
-                if diag:
-                    s += K._cached_mask(n)
+                if mask is not None:
+                    s += mask
                 acc[qi.start] = merge(acc.get(qi.start), s, kv[1][:, :, ki])
-                self.computed += 1
+                self.computed += qi.start % n == 0          # a chunk block's first tile
             if hop < self.k - 1:
                 self._wait(reqs, kv.nbytes, "keys and values", hop)
                 kv = nxt
-        parts = [acc[i * n] for i in range(2)]
+        parts = [acc[start] for start in sorted(acc)]   # the tiles in row order
         yh = np.concatenate([o / l for o, _, l in parts], axis=2)                 # (B, H, t, D)
         lse = np.concatenate([m + np.log(l) for _, m, l in parts], axis=2)        # (B, H, t, 1)
         y = np.ascontiguousarray(yh.transpose(0, 2, 1, 3)).reshape(bsz * t, -1)
@@ -153,10 +161,10 @@ class Ring:
     def _block_grads(self, qs, kv, gy, dot, lse, gq, src: int, n: int):
         """This rank's part of src's key and value gradients (2, B, H, t, D); gq gains the blocks'."""
         dkv = np.zeros(kv.shape, dtype=kv.dtype)
-        for qi, ki, diag in self._pairs(src, n):
+        for qi, ki, mask in self._pairs(src, n):
             s = K._mm(qs[:, :, qi], kv[0][:, :, ki].swapaxes(-1, -2))
-            if diag:
-                s += K._cached_mask(n)
+            if mask is not None:
+                s += mask
             p = np.exp(s - lse[:, :, qi])
             dkv[1][:, :, ki] += K._mm(p.swapaxes(-1, -2), gy[:, :, qi])
             ds = K._mm(gy[:, :, qi], kv[1][:, :, ki].swapaxes(-1, -2))
