@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, res in runs.items():
         ms = [statistics.median(r["ms"][1:]) for r in res["ranks"]]
         base = max(statistics.median(r["ms"][1:]) for r in runs[1]["ranks"]) if 1 in runs else None
-        print(f"   cp {k} on {k} ranks: {max(ms):.0f} ms" + (f" ({max(ms) / base:.2f} x cp 1)" if base and k > 1 else ""))
+        ratio = f" ({max(ms) / base:.2f} x cp 1)" if base and k > 1 else ""
+        print(f"   cp {k} on {k} ranks: {max(ms):.0f} ms{ratio}")
     if not a.no_reach:
         print(f"4. the longest sequence under {a.cap_mib:.0f} MiB peak RSS per rank (batch 1 per rank):")
         for k in cps:

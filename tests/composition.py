@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 GLOBAL = 96          # sequences per step: divisible by every data-parallel size x accumulation
 STEPS = 8
-CP_SEQ_LEN = 32      # the rows with context parallelism (and their references): 2 x cp chunks (docs/context-parallel.md)
+CP_SEQ_LEN = 32      # the rows with context parallelism and their references (docs/context-parallel.md)
 STOP_AT = 4          # the stopped rows stop here and resume on another grid
 NAN_STEP, SPIKE_STEP = 3, 6
 # the reference model with 4 blocks (room for 4 pipeline stages) and buckets small enough for several

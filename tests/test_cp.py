@@ -14,6 +14,7 @@ import pytest
 from conftest import ROOT, by_step, launch, mpi_env, mpirun, step_rows, summary
 
 KEYS = ("loss", "grad_norm", "eval_loss", "param_norm")
+CKPT = "ckpt-00000003.h5"
 
 
 def close(got, want, rtol=1e-5, steps=None) -> None:
@@ -76,7 +77,7 @@ def test_a_cp2_tp2_checkpoint_resumes_on_one_rank_and_samples(tmp_path):
     res = mpirun(1, "--out", grid, *flags, "--resume", "latest", "--tp", 1)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     close(grid, one)
-    text, again = (subprocess.run([sys.executable, "-m", "capstone.sample", str(run / "checkpoints" / "ckpt-00000003.h5"),
+    text, again = (subprocess.run([sys.executable, "-m", "capstone.sample", str(run / "checkpoints" / CKPT),
                                    "--tokens", "12", "--seed", "1"], capture_output=True, text=True, env=mpi_env(),
                                   cwd=ROOT, timeout=120) for run in (grid, one))
     assert text.returncode == 0 and text.stdout.strip(), text.stderr

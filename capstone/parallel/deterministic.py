@@ -249,5 +249,5 @@ class HeldOutBlocks(HeldOut):
             self.loss(*self.spare, self.scale)   # the other ranks' last block: the same collectives
         every = np.empty((self.comm.size, self.per_rank), dtype=np.float64)
         self.comm.Allgather(every, "allgather of the held-out block losses", "allgather_eval", send=local)
-        total = tree_sum(every.T.reshape(-1)[:self.n_blocks * self.cp])   # index i*world + q = block b (x cp + part)
+        total = tree_sum(every.T.reshape(-1)[:self.n_blocks * self.cp])   # index i*world + q = block b * cp + part
         return total * self.weight if self.comm.rank == 0 else 0.0

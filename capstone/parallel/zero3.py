@@ -139,7 +139,7 @@ class ShardedReplicaCheck:
     def __init__(self, grid, layout: Layout, gatherer: Gatherer, exact: Callable | None = None):
         from capstone.parallel.replicas import ReplicaCheck
         self.world, self.gatherer, self.weight = grid.world, gatherer, None
-        self.exact, self.first = exact, grid.replica_ranks(0)   # --deterministic: the part's sum of squares, in fixed order
+        self.exact, self.first = exact, grid.replica_ranks(0)   # --deterministic: replica 0's parts' sums, in order
         if grid.tp.size > 1:
             from capstone.parallel import tensor
             self.weight = tensor.norm_weight(layout, grid.tp.rank, *layout.shard_range(grid.dp.rank))
