@@ -1,6 +1,6 @@
 """Context parallelism measured (docs/context-parallel.md): messages, attention memory, step time, reach.
 
-  python -m benchmarks.cp [--preset medium] [--cps 1,2,4] [--cap-mib 1024] [--steps 3] [--no-reach]
+  python -m benchmarks.cp [--preset medium] [--cps 1,2,4] [--seq-len T] [--cap-mib 1024] [--steps 3] [--no-reach]
   python -m benchmarks.cp worker  (under mpirun: a short run, every rank's ring bytes and step times)
 
 1. Bytes sent round the ring per step per rank, measured by the cp Comm's traffic count (the bytes
@@ -124,13 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.cp", description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="medium", help="model size (default: medium)")
     p.add_argument("--cps", default="1,2,4", help="context-parallel sizes (default: 1,2,4)")
+    p.add_argument("--seq-len", type=int, default=0, help="sections 1-3's sequence length (default: the preset's)")
     p.add_argument("--cap-mib", type=float, default=1024, help="per-rank peak RSS cap of section 4 (default: 1024)")
     p.add_argument("--steps", type=int, default=3, help="steps of the timed runs (default: 3)")
     p.add_argument("--no-reach", action="store_true", help="skip section 4 (the longest sequence: many launches)")
     a = p.parse_args(argv)
     cps = [int(k) for k in a.cps.split(",")]
+    seq = ["--seq-len", a.seq_len] if a.seq_len else []
     runs = {k: workers.launch("benchmarks.cp", k, ["--preset", a.preset, "--cp", k, "--steps", a.steps,
-                                                   "--batch-size", 4]) for k in cps}
+                                                   "--batch-size", 4, *seq]) for k in cps}
     print("1. bytes sent round the ring per step per rank (step 2; formula 2 S (3K - 2) L m):")
     for k, res in runs.items():
         got = [r["sent"][1] for r in res["ranks"]]
