@@ -39,6 +39,7 @@ class RunOptions:
     recompute: bool = False           # activation checkpointing: each block recomputed in the backward pass
     reshard: str = "micro-batch"      # ZeRO-2/3: gather and reduce-scatter per micro-batch, or once per step
     pp: int = 1                       # pipeline stages per replica (capstone.parallel.pipeline)
+    cp: int = 1                       # context parallelism: ranks splitting each sequence (capstone.model.ring)
     pp_schedule: str | None = None    # the order of the micro-batches' forwards and backwards (None: 1f1b)
     pp_layers: tuple[int, ...] | None = None   # blocks per pipeline stage (None: balanced)
     inject_grad_sign: tuple[int, int] | None = None   # test hook: negate the gradient from STEP for COUNT steps
@@ -189,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--deterministic", action="store_true", default=argparse.SUPPRESS,
                    help="sum gradients, losses and norms in a fixed order by sample index, so that every layout of ranks "
                         "x grad-accum with the same global batch and batch size gives bit-identical results (with "
-                        "--tp, --pp: every data-parallel layout at the same tp and pp; any --zero-stage) "
+                        "--tp, --pp, --cp: every data-parallel layout at the same tp, pp and cp; any --zero-stage) "
                         "(docs/deterministic.md; default: off; on --resume: the checkpoint's)")
     g.add_argument("--no-deterministic", dest="deterministic", action="store_false", default=argparse.SUPPRESS,
                    help="the default reduction (to resume a --deterministic run without it)")
@@ -270,6 +271,10 @@ def _run_flags(p) -> None:
                    help="pipeline parallelism: the blocks in K contiguous stages on K ranks of the grid's pp axis, "
                         "the step's --grad-accum micro-batches flowing through them (docs/pipeline.md; default: 1; "
                         "on --resume: the checkpoint's, if the ranks hold it)")
+    g.add_argument("--cp", type=int, default=1, metavar="K",
+                   help="context parallelism: each sequence split over K ranks (balanced: 2K chunks, rank i taking "
+                        "i and 2K-1-i), attention a causal ring passing keys and values; --seq-len a multiple of 2K "
+                        "(docs/context-parallel.md; default: 1; not kept by checkpoints: resume at any --cp)")
     g.add_argument("--pp-schedule", choices=("1f1b", "afab"), default=argparse.SUPPRESS,
                    help="the pipeline's order of forwards and backwards: 1f1b (one forward one backward, at most "
                         "K micro-batches of activations per stage) or afab (all forwards, then all backwards: "

@@ -41,17 +41,24 @@ class Parts:
     heldout: HeldOut
     opt: ZeroAdam
     schedule: Schedule
+    data: object             # the run's batches (--cp: this rank's part of each sequence)
 
 
 def check(world: int, settings: Settings) -> None:
     """ConfigError (exit 2) for a combination of flags the product does not run, with the reason."""
     mcfg, tcfg, opts = settings.model, settings.train, settings.opts
-    grids.check(world, opts.tp, opts.pp, mcfg)
+    grids.check(world, opts.tp, opts.pp, mcfg, opts.cp)
     if opts.pp > 1 and mcfg.tie_embeddings:
         raise ConfigError(f"--tie-embeddings with --pp {opts.pp}: the head (last stage) would use wte, which the "
                           f"first stage holds; the two stages would each keep a copy and sum its gradient between "
                           f"them (Megatron's embedding group), which capstone does not do yet. Drop --pp (tie with "
                           f"--tp and any --zero-stage), or drop --tie-embeddings.")
+    if opts.cp > 1 and mcfg.dropout:
+        raise ConfigError(f"--dropout {mcfg.dropout} with --cp {opts.cp}: the ring attention merges each block's "
+                          f"softmax without ever forming the probabilities that attention dropout masks, and the "
+                          f"masks are drawn at a sequence's whole positions, which a cp rank does not see; this "
+                          f"is not built yet. Drop --cp (dropout runs with --tp, --pp and any --zero-stage), or "
+                          f"train without --dropout (docs/context-parallel.md).")
     if opts.pp > 1:
         from capstone.parallel.pipeline import stage_layers
         stage_layers(mcfg.n_layers, opts.pp, opts.pp_layers)      # counts that do not fit the model
@@ -74,6 +81,11 @@ def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
     Every mode is the one model (capstone.model.gpt.Model) over this rank's groups, with the seam
     and gradient reducer the modes choose (capstone.model.seam)."""
     mcfg, tcfg, opts = settings.model, settings.train, settings.opts
+    ring = None
+    if grid.cp_size > 1:          # context parallelism: each sequence split over the cp ring (capstone.model.ring)
+        from capstone.model import ring as rings
+        ring = rings.Ring(grid.cp)
+        data = rings.Chunks(data, ring)
     stages = _stages(grid, settings)
     layout = Layout.for_model(mcfg, grid.dp.size, grid.tp.size, stages[grid.pp.rank % len(stages)])
     full = Layout.for_model(mcfg, grid.world.size)
@@ -88,7 +100,8 @@ def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
     if mcfg.dropout:              # the seam counts each step's micro-batches for their masks (capstone.model.dropout)
         from capstone.model.dropout import Stream
         stream = Stream(seam, mcfg.dropout, tcfg.seed, grid.dp.rank, grid.dp.size)
-    model = Model(mcfg, layout, stream, grid.tp, opts.recompute)
+    model = Model(mcfg, layout, stream, grid.tp, opts.recompute) if ring is None else \
+        Model(mcfg, layout, stream, grid.tp, opts.recompute, ring)
     adam = ZeroAdam
     if opts.zero_stage == 3:      # the parameters are a shard too
         from capstone.parallel.zero3 import ShardedAdam as adam
@@ -105,7 +118,7 @@ def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
         schedule = Stepped(schedule, stream)
     return Parts(layout=layout, full=full, view=view, model=model, reducer=reducer,
                  replicas=_replicas(grid, layout, seam, settings), heldout=_heldout(grid, data, settings, schedule),
-                 opt=opt, schedule=schedule)
+                 opt=opt, schedule=schedule, data=data)
 
 
 def _stages(grid: Grid, settings: Settings) -> list:
@@ -214,7 +227,7 @@ def _heldout(grid: Grid, data, settings: Settings, schedule: Schedule) -> HeldOu
     if tcfg.deterministic:
         from capstone.parallel import deterministic as det
         return det.HeldOutBlocks(data, tcfg.eval_batches, tcfg.eval_batch_size, T, grid.world, grid.dp, schedule.loss,
-                                 _loss_weight(grid), in_step=settings.opts.zero_stage == 3)
+                                 _loss_weight(grid), in_step=settings.opts.zero_stage == 3, cp=grid.cp_size)
     kind = HeldOut
     if settings.opts.zero_stage == 3:   # a forward gathers: a rank without rows still runs one
         from capstone.parallel.zero3 import GatheredHeldOut as kind

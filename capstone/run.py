@@ -80,7 +80,7 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
             vocab = _agreed(world, lambda: load_meta(settings.train.data).vocab_size)
             settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, vocab_size=vocab))
         tcfg, opts = settings.train, settings.opts   # the modes kept from a checkpoint too
-        dp = world.size // (opts.tp * opts.pp)
+        dp = world.size // (opts.tp * opts.pp * opts.cp)
         preflight.check_memory(world, settings.model, dataclasses.replace(tcfg, batch_size=tcfg.batch_for(dp)), opts)
         run = build(world, settings, out, hooks)
         if path is None and opts.init_from:
@@ -153,10 +153,10 @@ def build(world: Comm, settings: Settings, out: str, hooks: Hooks | None = None)
     hooks = _hooks(world, opts) if hooks is None else hooks
     world.deadline.set_timeout(opts.collective_timeout)
     world.deadline.record_to(os.path.join(out, TIMEOUT_RECORD))   # for the batch script's watchdog
-    grid = Grid.build(world, opts.tp, opts.pp)
-    batch = tcfg.batch_for(grid.dp.size)
+    grid = Grid.build(world, opts.tp, opts.pp, opts.cp)
+    batch = tcfg.batch_for(grid.replicas)
     data, data_identity = open_data(mcfg, tcfg, batch)
-    identity = RunIdentity(mcfg, tcfg, data_identity, batch * tcfg.grad_accum * grid.dp.size, kept.of(opts))
+    identity = RunIdentity(mcfg, tcfg, data_identity, batch * tcfg.grad_accum * grid.replicas, kept.of(opts))
     p = modes.make(grid, settings, data, hooks, 1.0 / (identity.global_batch * mcfg.seq_len))
     cadence = Cadence(tcfg, world.rank, opts.stop_after)
     ckpt = Checkpointer(world, os.path.join(out, "checkpoints"), p.full, identity, cadence, p.view, hooks,
@@ -164,7 +164,7 @@ def build(world: Comm, settings: Settings, out: str, hooks: Hooks | None = None)
     state = RunState()
     guard = Guard(tcfg.spike_factor, tcfg.max_rollbacks, state.guard, opts.guard_undo)
     return Run(grid=grid, mcfg=mcfg, tcfg=tcfg, opts=opts, out=out, model=p.model, opt=p.opt, reducer=p.reducer,
-               schedule=p.schedule, data=data, heldout=p.heldout, guard=guard, cadence=cadence, ckpt=ckpt, state=state,
+               schedule=p.schedule, data=p.data, heldout=p.heldout, guard=guard, cadence=cadence, ckpt=ckpt, state=state,
                replicas=p.replicas, hooks=hooks, batch_size=batch, global_batch=identity.global_batch,
                n_params=p.full.n_params)
 

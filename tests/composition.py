@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 GLOBAL = 96          # sequences per step: divisible by every data-parallel size x accumulation
 STEPS = 8
+CP_SEQ_LEN = 32      # the rows with context parallelism and their references (docs/context-parallel.md)
 STOP_AT = 4          # the stopped rows stop here and resume on another grid
 NAN_STEP, SPIKE_STEP = 3, 6
 DROPOUT = 0.1
@@ -49,6 +50,7 @@ AXES = {
     "tie": (False, True),     # --tie-embeddings: the LM head is wte
     "dropout": (False, True), # --dropout DROPOUT (the mask a pure function of the sample's indices)
     "ckpt_async": (True, False),   # checkpoints written in the background (False: --no-ckpt-async)
+    "cp": (1, 2, 4),          # context parallelism: each sequence split over cp ranks (at --seq-len CP_SEQ_LEN)
 }
 
 
@@ -69,6 +71,12 @@ class Row:
     tie: bool = False
     dropout: bool = False
     ckpt_async: bool = True
+    cp: int = 1
+    long: bool = False     # at --seq-len CP_SEQ_LEN without cp (a cp row's reference, or its resume at cp 1)
+
+    @property
+    def seq_len(self) -> int | None:
+        return CP_SEQ_LEN if self.cp > 1 or self.long else None
 
     @property
     def stages(self) -> int:
@@ -77,7 +85,7 @@ class Row:
     @property
     def blocks(self) -> int:
         """Micro-batches per step over the data-parallel group: with GLOBAL, the per-rank micro-batch."""
-        return self.world // (self.tp * self.stages) * self.accum
+        return self.world // (self.tp * self.stages * self.cp) * self.accum
 
     @property
     def name(self) -> str:
@@ -86,7 +94,7 @@ class Row:
                 + ("-recompute" if self.recompute else "") + ("" if self.pp == "off" else f"-pp{self.pp.replace(':', '-')}")
                 + ("" if self.reshard == "micro-batch" else f"-reshard-{self.reshard}")
                 + ("" if self.undo else "-no-undo") + ("-tie" if self.tie else "") + ("-dropout" if self.dropout else "")
-                + ("" if self.ckpt_async else "-sync-ckpt")
+                + ("" if self.ckpt_async else "-sync-ckpt") + ("" if self.cp == 1 else f"-cp{self.cp}")
                 + (f"-stop{STOP_AT}-resume-{self.resumed_on()}" if self.resume else ""))
 
     def flags(self) -> list:
@@ -101,6 +109,7 @@ class Row:
         flags += ["--dropout", DROPOUT] if self.dropout else []
         flags += ["--lr", OPTION_LR] if self.tie or self.dropout else []
         flags += [] if self.ckpt_async else ["--no-ckpt-async"]
+        flags += [] if self.seq_len is None else ["--cp", self.cp, "--seq-len", self.seq_len]
         flags += ["--pp", 1] if self.pp == "off" else ["--pp", self.stages, "--pp-schedule", self.pp.split(":")[1]]
         flags += {"clean": [], "nan": ["--inject-nan", NAN_STEP], "spike": ["--inject-lr-spike", f"{SPIKE_STEP}:1000"]}[
             self.inject]
@@ -113,31 +122,34 @@ class Row:
         1 after 0 and 0 after 1)."""
         again = self.resumed()
         return (f"n{again.world}-tp{again.tp}-acc{again.accum}-zero{again.zero}"
-                + ("" if again.pp == "off" else f"-pp{again.stages}"))
+                + ("" if again.pp == "off" else f"-pp{again.stages}") + ("" if again.cp == 1 else f"-cp{again.cp}"))
 
     def resumed(self) -> "Row":
         """The row of the resumed launch (its flags; `resume` False)."""
         world, accum = other_layout(self.world, self.accum)
         tp = self.tp if world % self.tp == 0 else 1
         pp = self.pp if world % (tp * self.stages) == 0 else "off"
-        dp = world // (tp * (1 if pp == "off" else self.stages))
+        cp = self.cp if world % (tp * (1 if pp == "off" else self.stages) * self.cp) == 0 else 1
+        dp = world // (tp * (1 if pp == "off" else self.stages) * cp)
         accum = self.blocks // dp if self.blocks % dp == 0 else accum    # the same per-rank micro-batch
         zero = {3: 0, 2: 1}.get(self.zero, 1 - self.zero if self.det or not self.overlap or pp != "off" else 3)
         return dataclasses.replace(self, world=world, tp=tp, accum=accum, zero=zero, pp=pp, resume=False,
-                                   reshard="micro-batch" if zero < 2 else self.reshard)
+                                   reshard="micro-batch" if zero < 2 else self.reshard, cp=cp,
+                                   long=self.seq_len is not None)
 
 
 def det_partner(row: Row) -> Row | None:
     """Another data-parallel layout of a deterministic row, which must give the same bits: the same
     tp, pp and per-rank micro-batch (data-parallel size x accumulation kept), the other bucketing
     and recomputation; None if no other world size of the axis fits."""
-    parts = row.tp * row.stages
+    parts = row.tp * row.stages * row.cp
     dp, blocks = row.world // parts, row.world // parts * row.accum
     for other in (2, 4, 1, 3, 8):
         if other != dp and blocks % other == 0 and other * parts in AXES["world"]:
             overlap = not row.overlap
             return Row(other * parts, row.tp, blocks // other, overlap, True, row.inject, False, row.zero,
-                       not row.recompute, row.pp, row.reshard, row.undo, row.tie, row.dropout, row.ckpt_async)
+                       not row.recompute, row.pp, row.reshard, row.undo, row.tie, row.dropout, row.ckpt_async,
+                       row.cp, row.long)
     return None
 
 
@@ -156,6 +168,10 @@ def reasons(row: Row) -> list[str]:
         found.append(f"--tp {row.tp} x --pp {k} = {row.tp * k} does not divide the {row.world} ranks")
     if row.tie and k > 1:
         found.append(f"--tie-embeddings with --pp {k}: the head (last stage) would use wte")
+    elif row.world // (row.tp * k) % row.cp:
+        found.append(f"--cp {row.cp} does not divide the {row.world // (row.tp * k)} ranks per tensor- and pipeline-")
+    if row.dropout and row.cp > 1:
+        found.append(f"--dropout {DROPOUT} with --cp {row.cp}: the ring attention merges each block's softmax")
     if row.reshard != "micro-batch" and row.zero < 2:
         found.append(f"--reshard {row.reshard} is about ZeRO-2/3's sharded gradient and parameters")
     if not row.overlap and row.zero > 1 and row.reshard == "micro-batch" and not row.det:
@@ -193,26 +209,80 @@ def kind(reason: str) -> str:
     return re.sub(r"\d+", "N", reason)
 
 
+# the axes `reasons` reads: every value of the other axes runs beside every combination of these that runs
+RULED = ("world", "tp", "det", "zero", "overlap", "pp", "reshard", "tie", "dropout", "cp")
+
+
+def _runnable_pairs() -> tuple[set, set]:
+    """(every pair of values the product runs together, the refusal rules), without listing the
+    product's rows: only the RULED axes are enumerated (a few thousand combinations)."""
+    base = {a: v[0] for a, v in AXES.items()}
+    fields = list(vars(Row(**base)))
+    ruled = [a for a in fields if a in RULED]
+    seen, left, rules = {a: set() for a in fields}, set(), set()
+    for values in itertools.product(*(AXES[a] for a in ruled)):
+        row = Row(**{**base, **dict(zip(ruled, values))})
+        found = reasons(row)
+        rules |= {kind(x) for x in found}
+        if not found:
+            items = [(a, getattr(row, a)) for a in ruled]
+            left |= set(itertools.combinations(items, 2))
+            for a, v in items:
+                seen[a].add(v)
+    for a in fields:
+        if a not in RULED:
+            seen[a] = set(AXES.get(a, (getattr(Row(**base), a),)))
+    for a, b in itertools.combinations(fields, 2):
+        if a not in RULED or b not in RULED:
+            left |= {((a, u), (b, v)) for u in seen[a] for v in seen[b]}
+    return left, rules
+
+
 def pairs(seed: int = 25) -> list[Row]:
     """A seeded greedy all-pairs selection: rows are added, best first, until every pair of values
     the product runs together is in a row it runs, and every rule by which it refuses a row is
-    shown by a row refused for that reason alone (`product()` has every refused row)."""
-    everything = product()
-    left = set().union(*(_pairs_of(r) for r in everything if not reasons(r)))
-    left |= {kind(x) for r in everything for x in reasons(r)}
+    shown by a row refused for that reason alone."""
+    left, rules = _runnable_pairs()
+    left |= rules
     rng, chosen = random.Random(seed), []
-    while left:
-        candidates = rng.sample(everything, min(len(everything), 300))
 
-        def covers(r):   # a refused row covers its rule, if it is refused for that one reason
-            found = reasons(r)
-            return _pairs_of(r) & left if not found else {kind(found[0])} & left if len(found) == 1 else set()
-        best = max(candidates, key=lambda r: len(covers(r)))
-        if not covers(best):   # the sample missed the few rows left: take one that covers something
-            best = next(r for r in everything if covers(r))
+    def covers(r):   # a refused row covers its rule, if it is refused for that one reason
+        found = reasons(r)
+        return _pairs_of(r) & left if not found else {kind(found[0])} & left if len(found) == 1 else set()
+    while left:
+        for size in (300, 3000, 30000):   # a larger sample when the few items left are rare
+            best = max((Row(**{a: rng.choice(v) for a, v in AXES.items()}) for _ in range(size)),
+                       key=lambda r: len(covers(r)))
+            if covers(best):
+                break
+        else:
+            best = next(r for r in (Row(*v) for v in itertools.product(*AXES.values())) if covers(r))
         chosen.append(best)
         left -= covers(best)
     return chosen
+
+
+NAME = re.compile(r"n(\d+)-tp(\d+)-acc(\d+)-(overlap|no-overlap)-(det|default)-(clean|nan|spike)-zero(\d)(-recompute)?"
+                  r"(?:-pp(\d)-(1f1b|afab))?(?:-reshard-(step))?(-no-undo)?(-tie)?(-dropout)?(-sync-ckpt)?(?:-cp(\d))?"
+                  r"(-stop\d+-resume-.*)?")
+
+
+def named(names) -> list[Row]:
+    """The rows of these names (`Row.name`), e.g. those a mutant's test names; ValueError for a name
+    that is no row of the product."""
+    rows = []
+    for name in names:
+        m = NAME.fullmatch(name)
+        if not m:
+            raise ValueError(f"{name!r} is not the name of a row of the composition matrix")
+        w, tp, acc, ov, det, inj, zero, rec, k, sched, resh, noundo, tie, drop, sync, cp, res = m.groups()
+        row = Row(int(w), int(tp), int(acc), ov == "overlap", det == "det", inj, res is not None, int(zero),
+                  rec is not None, "off" if k is None else f"{k}:{sched}", resh or "micro-batch", noundo is None,
+                  tie is not None, drop is not None, sync is None, int(cp or 1))
+        if row.name != name or any(getattr(row, a) not in v for a, v in AXES.items()):
+            raise ValueError(f"{name!r} is not the name of a row of the composition matrix")
+        rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":   # python tests/composition.py [--full]: the rows, and the refusals with their reasons

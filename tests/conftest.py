@@ -43,6 +43,7 @@ TIMING = {
     "test_startup.py": {"test_second_run_on_the_same_out_is_refused_and_a_killed_run_leaves_no_stale_lock"},
     "test_resume.py": {"test_sigusr1_checkpoints_at_step_boundary_and_resume_finishes", "test_wall_clock_checkpoints"},
     "test_pipeline.py": {"test_kill_9_mid_run_then_resume_auto_is_bit_identical"},
+    "test_cp.py": {"test_kill_9_of_a_cp_rank_mid_run_then_resume_auto_is_bit_identical"},
 }
 HOSTS = {"test_multihost.py"}
 MODULE_GROUPS = {"test_cli_fixes.py", "test_clip_and_schedule.py", "test_deterministic.py", "test_export.py",

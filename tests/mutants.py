@@ -253,8 +253,8 @@ MUTANTS = [
            ("tests/test_backward.py", "mpi: tests/mpi/test_overlap.py"),
            "the seam never tells the reducer a group landed: no bucket starts during the backward pass"),
     Mutant("backward/saved-activations-kept", "capstone/model/backward.py",
-           "    gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, gw, free=True)\n",
-           "    gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, gw, free=False)\n",
+           "    gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, gw, free=True, cp=ps.cp)\n",
+           "    gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, gw, free=False, cp=ps.cp)\n",
            ("tests/test_backward.py",), "a block keeps every activation to the end of the backward pass (the old peak)"),
 
     # ---- issue 25: the weak spots an independent review found (tests: issue 25's) -----------------
@@ -517,6 +517,21 @@ MUTANTS = [
            "    tok.decoder = lib.decoders.ByteLevel()\n    return BPETokenizer(tok.to_str())\n\n\ndef from_description",
            ("tests/test_gpt2_hf.py::test_gpt2_round_trip_through_transformers",),
            "GPT-2's BPE with a space added before the text: other ids than transformers' GPT2Tokenizer"),
+    # ---- issue 37: context parallelism (ring attention) ------------------------------------------
+    Mutant("cp/balanced-split-second-chunk", "capstone/model/ring.py",
+           "    return c, 2 * k - 1 - c\n", "    return c, k + c\n",
+           ("mpi: tests/mpi/test_ring.py",),
+           "cp rank c's second chunk is k + c (still every chunk once, so the numbers hold): the work unbalanced"),
+    Mutant("cp/block-lse-not-rescaled", "capstone/model/ring.py",
+           "    return [o * a + block[0] * b, top, lo * a + block[2] * b]\n",
+           "    return [o * a + block[0] * b, top, lo * a + block[2]]\n",
+           ("mpi: tests/mpi/test_ring.py",),
+           "a new block's sum of exponentials is added without rescaling it to the running maximum"),
+    Mutant("cp/key-gradient-sent-the-wrong-way", "capstone/model/ring.py",
+           "            got, got_req = self._shift(dkv, self.k + hop)\n",
+           "            got, got_req = self._shift(dkv, self.k + hop, -1)\n",
+           ("mpi: tests/mpi/test_ring.py",),
+           "the key and value gradients travel back round the ring against their keys: they reach the wrong owner"),
 
     # ---- exit codes, no pickle, setup -----------------------------------------------------------
     Mutant("nopickle/lowercase-allreduce", "capstone/collective/comm.py",

@@ -96,18 +96,18 @@ def test_a_training_backward_frees_the_mlp_activations_before_the_attention_back
     and tanh) before its attention backward; a backward that keeps them (free=False) holds more."""
     m = model()
     x, y = batch(8, B=8)
-    traced, original, block_backward = [], kernels._attention_bwd, blocks.block_backward
+    traced, original, block_backward = [], blocks.WHOLE.attention_back, blocks.block_backward
 
     def recording(*args, **kwargs):
         traced.append(tracemalloc.get_traced_memory()[0])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "_attention_bwd", recording)
+    monkeypatch.setattr(blocks.Alone, "attention_back", staticmethod(recording))
     tracemalloc.start()
     try:
         m.micro_batch(x, y, 1.0, fresh=True)
         dropping, first = traced[0], len(traced)
-        monkeypatch.setattr(blocks, "block_backward", lambda *a, free: block_backward(*a, free=False))
+        monkeypatch.setattr(blocks, "block_backward", lambda *a, free, **kw: block_backward(*a, free=False, **kw))
         m.micro_batch(x, y, 1.0, fresh=True)
         keeping = traced[first]
     finally:

@@ -22,7 +22,14 @@ import pytest
 import composition as mx
 from conftest import ROOT, made_once, mpi_env, step_rows
 
-ROWS = mx.full() if os.environ.get("CAPSTONE_MATRIX") == "full" else mx.pairs(int(os.environ.get("CAPSTONE_MATRIX_SEED", 25)))
+# CI: the seeded all-pairs rows; CAPSTONE_MATRIX=full: every row the product runs; CAPSTONE_MATRIX_ROWS:
+# the rows of these names (scripts/mutants: the rows a mutant's tests name)
+if os.environ.get("CAPSTONE_MATRIX") == "full":
+    ROWS = mx.full()
+elif os.environ.get("CAPSTONE_MATRIX_ROWS"):
+    ROWS = mx.named(os.environ["CAPSTONE_MATRIX_ROWS"].split())
+else:
+    ROWS = mx.pairs(int(os.environ.get("CAPSTONE_MATRIX_SEED", 25)))
 KEYS = ("loss", "grad_norm", "eval_loss", "param_norm")
 RTOL = 1e-5
 
@@ -63,28 +70,31 @@ def references(tmp_path_factory):
     end the same way. `get` gives the step rows, `get.outcome` the dict with how the run ended."""
     made = {}
 
-    def outcome(inject: str, undo: bool = True, tie: bool = False, dropout: bool = False) -> dict:
-        if (inject, undo, tie, dropout) not in made:
-            ref = reference_run(tmp_path_factory, inject, undo, tie, dropout)
+    def outcome(inject: str, undo: bool = True, tie: bool = False, dropout: bool = False, long: bool = False) -> dict:
+        key = (inject, undo, tie, dropout, long)
+        if key not in made:
+            ref = reference_run(tmp_path_factory, *key)
             assert ref["returncode"] == 0 or not undo and ref["ending"] == ["a_loss_monotone"], ref["output"]
-            made[(inject, undo, tie, dropout)] = ref
-        return made[(inject, undo, tie, dropout)]
+            made[key] = ref
+        return made[key]
 
-    def get(inject: str, undo: bool = True, tie: bool = False, dropout: bool = False) -> list:
-        return outcome(inject, undo, tie, dropout)["rows"]
+    def get(inject: str, undo: bool = True, tie: bool = False, dropout: bool = False, long: bool = False) -> list:
+        return outcome(inject, undo, tie, dropout, long)["rows"]
     get.outcome = outcome
     return get
 
 
 def reference_run(tmp_path_factory, inject: str = "clean", undo: bool = True, tie: bool = False,
-                  dropout: bool = False) -> dict:
-    """The 1-rank run of a row's injection, guard undo, tying and dropout, made once for every worker,
-    phase and module that reads it (tests/test_slurm_nodes.py too): returncode, output, ending, step rows."""
-    name = inject + ("" if undo else "-no-undo") + ("-tie" if tie else "") + ("-dropout" if dropout else "")
+                  dropout: bool = False, long: bool = False) -> dict:
+    """The 1-rank run of a row's injection, guard undo, tying and dropout (`long`: at the cp rows'
+    sequence length), made once for every worker, phase and module that reads it
+    (tests/test_slurm_nodes.py too): returncode, output, ending, step rows."""
+    name = (inject + ("" if undo else "-no-undo") + ("-tie" if tie else "") + ("-dropout" if dropout else "")
+            + ("-long" if long else ""))
 
     def make(base):
         out = base / name
-        row = mx.Row(1, 1, 1, False, False, inject, False, undo=undo, tie=tie, dropout=dropout)
+        row = mx.Row(1, 1, 1, False, False, inject, False, undo=undo, tie=tie, dropout=dropout, long=long)
         res = launch(commands(row, out))[-1]
         return {"returncode": res.returncode, "output": res.stdout + res.stderr, "ending": ending(out),
                 "rows": step_rows(out) if res.returncode in (0, 1) else None}
@@ -128,7 +138,7 @@ def test_row(row, references, tmp_path):
         assert results[0].returncode == 2 and reason in results[0].stderr, f"{where}\n{text[-3000:]}"
         assert results[0].stderr.count("error:") == 1 and not out.exists(), f"{where}\n{text[-3000:]}"
         return
-    want = references.outcome(row.inject, row.undo, row.tie, row.dropout)
+    want = references.outcome(row.inject, row.undo, row.tie, row.dropout, row.seq_len is not None)
     # the reference failed (a) (an lr spike kept without the undo): so must the row, but a resumed
     # row's last segment (steps 5-8) holds too few evaluations for (a)'s jump test to see the spike
     endings = [(want["returncode"], want["ending"])] + [(0, [])] * (row.resume and want["returncode"] == 1)
@@ -147,9 +157,10 @@ def test_row(row, references, tmp_path):
             pcmds = commands(partner, tmp_path / "partner")
             res = launch(pcmds)[-1]
             assert res.returncode in {e[0] for e in endings}, res.stdout + res.stderr
-            # a resume onto other parts (tp or pp dropped) or another micro-batch is the same to 1e-5 only
+            # a resume onto other parts (tp, pp or cp dropped) or another micro-batch is the same to 1e-5 only
             again = row.resumed() if row.resume else row
-            upto = mx.STEPS if (again.tp, again.pp, again.blocks) == (row.tp, row.pp, row.blocks) else mx.STOP_AT
+            same = (again.tp, again.pp, again.cp, again.blocks) == (row.tp, row.pp, row.cp, row.blocks)
+            upto = mx.STEPS if same else mx.STOP_AT
             keys = (*KEYS, "fingerprint", "accepted")
             # ZeRO-3 fingerprints the groups it gathered, the other stages the buffer: a resume across
             # that line has the same numbers, bit for bit, under another kind of fingerprint; and its

@@ -1,16 +1,14 @@
 """The model's three fused parts as pairs of forward and backward functions over one flat group.
 
-`embedding` (wte, wpe), `block` (one pre-LN transformer block: LayerNorm, qkv, attention, output
-projection, residual, LayerNorm, MLP, residual) and `head_loss` (final LayerNorm, LM head,
-cross-entropy) compose the kernels of `capstone.model.kernels`. A group is a contiguous slice of
-the flat parameter buffer (`Layout.groups`); `*_forward(...)` returns (output, saved) and
-`*_backward(g, saved, ..., gw)` writes the group's gradient into the flat array `gw` (on a step's
-first micro-batch, the group's slice of the flat gradient buffer itself) and returns the input's
-gradient. The backward pass of a training step (capstone.model.backward) makes each pair one
-autograd node, so the graph of a step has L + 2 nodes: at the reference size autograd's
-bookkeeping was a third of the step. With `free` a backward owns `saved` and frees each
-activation once used (a lower peak). Shapes: N = B*T rows of width C; `shapes` lists the group's
-parameter shapes in buffer order.
+`embedding` (wte, wpe), `block` (one pre-LN transformer block: LayerNorm, qkv, attention, output projection,
+residual, LayerNorm, MLP, residual) and `head_loss` (final LayerNorm, LM head, cross-entropy) compose the kernels
+of `capstone.model.kernels`. A group is a contiguous slice of the flat parameter buffer (`Layout.groups`);
+`*_forward(...)` returns (output, saved) and `*_backward(g, saved, ..., gw)` writes the group's gradient into the
+flat array `gw` (on a step's first micro-batch, the group's slice of the flat gradient buffer itself) and returns
+the input's gradient. The backward pass of a training step (capstone.model.backward) makes each pair one autograd
+node, so the graph of a step has L + 2 nodes: at the reference size autograd's bookkeeping was a third of the
+step. With `free` a backward owns `saved` and frees each activation once used (a lower peak). Shapes: N = B*T rows
+of width C; `shapes` lists the group's parameter shapes in buffer order.
 
 Tensor parallelism (Megatron-style) is a property of the block, not another model: `tp` is the
 communicator of the ranks that split it (`ALONE` when nobody does). Each holds H/tp whole heads of
@@ -18,6 +16,8 @@ c_attn and 1/tp of the columns of mlp.c_fc (column parallel), and the matching r
 weights (row parallel); the rest, row-parallel biases included, is whole on every rank. The forward
 sums the two row-parallel outputs over `tp` before their bias ("g"); the backward sums the input
 gradients of the two column-parallel layers over `tp` ("f"). At tp = 1 those sums do nothing.
+`cp` gives the rows' positions and the attention over the whole sequence (`WHOLE`: the rows are
+it; capstone.model.ring: a context-parallel ring's part of it).
 """
 
 from __future__ import annotations
@@ -31,15 +31,18 @@ from capstone.model import kernels as K
 
 
 class Alone:
-    """The tensor-parallel group of a block that is not split: one rank, sums are the identity."""
+    """A block not split: the tensor-parallel group of one rank (its sums are the identity), and the
+    sequence whole on this rank (its positions 0..T-1, the causal kernel)."""
 
     size = 1
+    positions = staticmethod(lambda T: None)
+    attention, attention_back = staticmethod(K._attention_fwd), staticmethod(K._attention_bwd)
 
     def Allreduce(self, buf, what: str, kind: str = "") -> np.ndarray:
         return buf
 
 
-ALONE = Alone()
+ALONE = WHOLE = Alone()
 
 
 @functools.lru_cache(maxsize=64)
@@ -71,26 +74,26 @@ def _ln_back(g, saved, w, gw, gb):
 
 # ---- token + position embedding ---------------------------------------------------------------
 
-def embedding_forward(w, idx, shapes):
-    """w = [wte (V, C), wpe (>=T, C)], idx (B, T) -> (B*T, C), nothing saved."""
-    return K._embed_fwd(*unpack(w, shapes), idx)
+def embedding_forward(w, idx, shapes, cp=WHOLE):
+    """w = [wte (V, C), wpe (>=T, C)], idx (B, T) at cp's positions -> (B*T, C), nothing saved."""
+    return K._embed_fwd(*unpack(w, shapes), idx, cp.positions(idx.shape[1]))
 
 
-def embedding_backward(g, w, idx, shapes, gw) -> None:
+def embedding_backward(g, w, idx, shapes, gw, cp=WHOLE) -> None:
     """The embedding's gradient written into gw (it has no input to differentiate)."""
-    d = K._embed_bwd(g, None, (0, 1), *unpack(w, shapes), idx)
+    d = K._embed_bwd(g, None, (0, 1), *unpack(w, shapes), idx, cp.positions(idx.shape[1]))
     np.concatenate([d[0].reshape(-1), d[1].reshape(-1)], out=gw)
 
 
 # ---- one transformer block ----------------------------------------------------------------------
 
-def block_forward(x, w, T, H, shapes, tp):
+def block_forward(x, w, T, H, shapes, tp, cp=WHOLE):
     """x + attn(ln_1(x)) = x1; x1 + mlp(ln_2(x1)): (B*T, C) -> (B*T, C), H heads on this rank. w holds,
     in order, ln_1.w/b, attn.c_attn.w/b, attn.c_proj.w/b, ln_2.w/b, mlp.c_fc.w/b, mlp.c_proj.w/b."""
     ln1w, ln1b, aw, ab, pw, pb, ln2w, ln2b, fw, fb, mw, mb = unpack(w, shapes)
     a, s_ln1 = K._ln_fwd(x, ln1w, ln1b)
     qkv, _ = K._linear_fwd(a, aw, ab)                                           # (B*T, 3C/tp)
-    y, s_att = K._attention_fwd(qkv, T, H)                                      # (B*T, C/tp)
+    y, s_att = cp.attention(qkv, T, H)                                          # (B*T, C/tp)
     x1 = x + _row_parallel(y, pw, pb, tp)
     m, s_ln2 = K._ln_fwd(x1, ln2w, ln2b)
     h, s_fc = K._linear_gelu_fwd(m, fw, fb)                                     # (B*T, 4C/tp)
@@ -105,7 +108,7 @@ def _row_parallel(x, w, b, tp):
     return y
 
 
-def block_backward(g, saved, x, w, T, H, shapes, tp, gw, free: bool):
+def block_backward(g, saved, x, w, T, H, shapes, tp, gw, free: bool, cp=WHOLE):
     """The block's gradient written into gw; returns its input's. With `free` each activation is
     freed once used: the block's MLP activations are gone before the attention's temporaries exist."""
     a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc = saved
@@ -122,7 +125,7 @@ def block_backward(g, saved, x, w, T, H, shapes, tp, gw, free: bool):
     tp.Allreduce(gm, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")   # "f"
     gx1 = g + _ln_back(gm, s_ln2, ln2w, d_ln2w, d_ln2b)
     del gm, s_ln2
-    gqkv = K._attention_bwd(_linear_back(gx1, y, pw, d_pw, d_pb), s_att, (0,), qkv, T, H)[0]
+    gqkv = cp.attention_back(_linear_back(gx1, y, pw, d_pw, d_pb), s_att, (0,), qkv, T, H)[0]
     del s_att, y, qkv
     ga = _linear_back(gqkv, a, aw, d_aw, d_ab)
     tp.Allreduce(ga, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")   # "f"

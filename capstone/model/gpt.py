@@ -13,7 +13,7 @@ import numpy as np
 
 from capstone.config import ModelConfig
 from capstone.model.backward import Pass, block, differentiate, embedding, head_loss
-from capstone.model.blocks import ALONE, head_logits
+from capstone.model.blocks import ALONE, WHOLE, head_logits
 from capstone.model.params import Layout, group_shapes
 from capstone.model.seam import Resident, Weights
 
@@ -61,8 +61,8 @@ def loss_and_grad(layout: Layout, flat: np.ndarray, idx, targets, cfg: ModelConf
 class Model:
     """This rank's part of MiniGPT: the groups of `layout` (in order) over `seam` (see the module)."""
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, seam: Weights, tp=ALONE, recompute: bool = False):
-        self.cfg, self.layout, self.seam, self.tp, self.recompute = cfg, layout, seam, tp, recompute
+    def __init__(self, cfg: ModelConfig, layout: Layout, seam: Weights, tp=ALONE, recompute: bool = False, cp=WHOLE):
+        self.cfg, self.layout, self.seam, self.tp, self.recompute, self.cp = cfg, layout, seam, tp, recompute, cp
         self.names = tuple(layout.group_ranges())
 
     @classmethod
@@ -87,7 +87,7 @@ class Model:
         """(output, backward): this part's scaled summed loss (or, without the head, its hidden
         states), and the function that runs its backward pass (`differentiate`). `start`: the
         previous pipeline stage's activations, if this part has no embedding."""
-        ps = Pass(self.seam, self.tp, fresh, self.recompute)
+        ps = Pass(self.seam, self.tp, fresh, self.recompute, cp=self.cp)
         return differentiate(lambda s: self._run(ps, s, x, y, scale), start)
 
     def micro_batch(self, x, y, scale: float, fresh: bool) -> float:
@@ -103,7 +103,7 @@ class Model:
 
     def evaluate(self, x, y, scale: float, start=0.0):
         """Forward only, nothing kept: the scaled summed loss (without the head: the hidden states)."""
-        return self._run(Pass(self.seam, self.tp, train=False), start, x, y, scale)
+        return self._run(Pass(self.seam, self.tp, train=False, cp=self.cp), start, x, y, scale)
 
     def loss(self, x, y, scale: float) -> float:
         """scale * summed loss of one batch, forward only (the whole model)."""

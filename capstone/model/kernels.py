@@ -75,13 +75,13 @@ def _cached_mask(T: int) -> np.ndarray:
 
 # ---- embedding ---------------------------------------------------------------------------------
 
-def _embed_fwd(wte, wpe, idx):
-    """Token + position embedding: wte (V, C), wpe (>=T, C), idx (B, T) -> (B*T, C)."""
+def _embed_fwd(wte, wpe, idx, pos=None):
+    """Token + position embedding: wte (V, C), wpe (>=T, C), idx (B, T) at positions `pos` (None: 0..T-1) -> (B*T, C)."""
     B, T = idx.shape
-    return (wte[idx] + wpe[:T]).reshape(B * T, wte.shape[1]), None
+    return (wte[idx] + wpe[slice(T) if pos is None else pos]).reshape(B * T, wte.shape[1]), None
 
 
-def _embed_bwd(g, _, argnums, wte, wpe, idx):
+def _embed_bwd(g, _, argnums, wte, wpe, idx, pos=None):
     B, T = idx.shape
     out = {}
     if 0 in argnums:  # scatter-add rows of g by token id: sort, then one reduceat (beats np.add.at)
@@ -93,7 +93,7 @@ def _embed_bwd(g, _, argnums, wte, wpe, idx):
         out[0][sorted_ids[starts]] = np.add.reduceat(g[order], starts, axis=0)
     if 1 in argnums:
         out[1] = np.zeros_like(wpe)
-        np.add.reduce(g.reshape(B, T, -1), axis=0, out=out[1][:T])
+        out[1][slice(T) if pos is None else pos] = np.add.reduce(g.reshape(B, T, -1), axis=0)
     return out
 
 
@@ -299,8 +299,6 @@ def _attention_bwd(g, saved, argnums, qkv, T, H):
             gv[:, :, :e_] += _mm(e.swapaxes(-1, -2), gyr)
     gqkv[:, :, :2] *= 1.0 / math.sqrt(D)                         # d S / d (q k^T)
     return {0: gqkv.reshape(qkv.shape)}
-
-
 
 
 # ---- softmax cross-entropy ---------------------------------------------------------------------

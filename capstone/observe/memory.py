@@ -1,7 +1,8 @@
 """Model-state memory per rank: what a run's buffers hold, measured from the arrays themselves, and
 what the formula of its ZeRO stage says they should hold (invariant (c), the memory table, the
 what-if's measured row). P is the padded length of the flat buffer (this rank's tensor-parallel
-slice), N the data-parallel group's size; the shard is P/N elements (`Layout.shard`).
+slice), N the data-parallel group's size (with --cp: the dp x cp ranks of a stage, which hold the
+same parameters); the shard is P/N elements (`Layout.shard`).
 
     stage 0: params 4P, grads 4P, reduce 0 (allreduced in place), optimizer 12P, guard 12P
     stage 1: params 4P, grads 4P, reduce 4P/N (+4P staging in tree order), optimizer 12P/N, guard 12P/N

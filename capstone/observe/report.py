@@ -34,8 +34,8 @@ def banner(run, header: str | None = None) -> None:
     with --quiet)."""
     if run.opts.quiet:
         return
-    layout, (dp, pp, tp) = run.model.layout, run.grid.shape
-    grid = f" (dp {dp} x pp {pp} x tp {tp})" if pp * tp > 1 else ""
+    layout, (dp, pp, tp), cp = run.model.layout, run.grid.shape, run.grid.cp_size
+    grid = f" (dp {dp // cp} x pp {pp}{f' x cp {cp}' if cp > 1 else ''} x tp {tp})" if pp * tp * cp > 1 else ""
     say(f"capstone: {run.grid.world.size} ranks{grid}, {run.n_params} parameters (padded {layout.padded}, shard "
         f"{layout.shard}{' per model-parallel rank' if grid else ''}), global batch {run.global_batch} x "
         f"{run.mcfg.seq_len} tokens, run dir {run.out}", run.grid.world.rank)

@@ -144,9 +144,11 @@ class DeterministicReducer(GradReducer):
         super().__init__(grid, layout, grads)
         self.micro, self.plans = 0, None if grads is not None else group_plans(layout, grid.dp.rank)
         self.accum, self.w = grad_accum, grid.dp.size
-        # a replica's parts (pipeline stage p, tensor-parallel rank t: part p * tp + t; world rank
-        # dp_rank * parts + part), and the part whose losses are the replica's (the last stage's t = 0)
-        self.parts, self.loss_part = grid.pp.size * grid.tp.size, (grid.pp.size - 1) * grid.tp.size
+        # a replica's parts (pipeline stage p, tensor-parallel rank t: part p * tp + t), the ranks of the
+        # part whose losses are the replica's (the last stage's t = 0) in dp x cp order, replica 0's ranks
+        loss_part = (grid.pp.size - 1) * grid.tp.size
+        self.loss_ranks = [r for r in range(grid.world.size) if grid.part(r) == loss_part]
+        self.first = grid.replica_ranks(0)
         # row k = j*world + q: rank q's block j, this rank's shard of it (block k of the step)
         self.rows = np.zeros((grad_accum * self.w, layout.shard), dtype=np.float32)   # padding stays 0
         self.norm = ShardNorm(grid.dp, layout.n_params, layout.shard)
@@ -191,10 +193,10 @@ class DeterministicReducer(GradReducer):
         small = np.array([*losses, flags.stop, flags.clock_due, self.norm.sum_of_squares(shard)], dtype=np.float64)
         every = np.empty((self.world.size, len(small)), dtype=np.float64)
         self.world.Allgather(every, "allgather of the micro-batch losses and norms", "allgather_stats", send=small)
-        blocks = every[self.loss_part::self.parts, :self.accum]   # (dp, accum) of the loss-holding parts
-        loss = tree_sum(blocks.T.reshape(-1))                       # index j*world + q = block k
+        blocks = every[self.loss_ranks, :self.accum]   # (dp x cp, accum) of the loss-holding parts
+        loss = tree_sum(blocks.T.reshape(-1))          # index j*world + q = block k (--cp: its part q % cp)
         stop, clock = every[:, self.accum:self.accum + 2].sum(axis=0)
-        norm = math.sqrt(tree_sum(every[:self.parts, -1]))          # replica 0's parts, in part order
+        norm = math.sqrt(tree_sum(every[self.first, -1]))          # replica 0's parts, in part order
         return GradStats(loss, norm, Flags(stop > 0, clock > 0))
 
 
@@ -221,8 +223,10 @@ class HeldOutBlocks(HeldOut):
     rank 0 and 0.0 elsewhere, so the caller's sum over ranks adds exact zeros to it."""
 
     def __init__(self, data, batches: int, batch_size: int, seq_len: int, world, dp, loss, weight: float = 1.0,
-                 in_step: bool = False):
-        self.world, self.comm, self.rank, self.w, self.loss = world, dp, dp.rank, dp.size, loss
+                 in_step: bool = False, cp: int = 1):
+        # --cp: the k ranks of a ring evaluate the same blocks, each its part; parts tree-summed in order
+        self.world, self.comm, self.rank, self.w, self.loss = world, dp, dp.rank // cp, dp.size // cp, loss
+        self.cp = cp
         self.in_step = in_step   # the forward is a collective over dp (ZeRO-3's gathers): every rank runs as many
         self.weight = weight   # 1 on the parts whose loss is the replica's (capstone.data.heldout)
         self.scale = 1.0 / (batches * batch_size * seq_len)
@@ -243,7 +247,7 @@ class HeldOutBlocks(HeldOut):
             local[i] = self.loss(x, y, self.scale)
         for _ in range(len(self.blocks), self.per_rank if self.in_step else 0):
             self.loss(*self.spare, self.scale)   # the other ranks' last block: the same collectives
-        every = np.empty((self.w, self.per_rank), dtype=np.float64)
+        every = np.empty((self.comm.size, self.per_rank), dtype=np.float64)
         self.comm.Allgather(every, "allgather of the held-out block losses", "allgather_eval", send=local)
-        total = tree_sum(every.T.reshape(-1)[:self.n_blocks])   # index i*world + q = block b
-        return total * self.weight if self.rank == 0 else 0.0
+        total = tree_sum(every.T.reshape(-1)[:self.n_blocks * self.cp])   # index i*world + q = block b * cp + part
+        return total * self.weight if self.comm.rank == 0 else 0.0

@@ -23,6 +23,7 @@ class ReplicaCheck:
     def __init__(self, grid, layout, fingerprint_fn=None):
         self.world, self.tp_rank = grid.world, grid.tp.rank
         self.parts = grid.mp.size                      # ranks per replica
+        self.part_of, self.mates = [grid.part(r) for r in range(grid.world.size)], grid.replica_ranks()
         self.layout, self.fingerprint = layout, fingerprint_fn or fingerprint
         self.checked, self.mismatches = 0, []
 
@@ -40,12 +41,11 @@ class ReplicaCheck:
         self.record(step, [[float(e[0]), f"{int(e[2:].view(np.uint64)[0]):016x}"] for e in every])
         if self.parts == 1:
             return norm, digest
-        replica = self.world.rank // self.parts
-        return math.sqrt(sum(every[replica * self.parts:(replica + 1) * self.parts, 1].tolist())), digest
+        return math.sqrt(sum(every[self.mates, 1].tolist())), digest
 
     def record(self, step: int, every: list) -> None:
-        """`every`: one value per world rank; ranks with the same rank % parts must agree."""
+        """`every`: one value per world rank; ranks holding the same part (`Grid.part`) must agree."""
         self.checked += 1
-        groups = [every[p::self.parts] for p in range(self.parts)]
+        groups = [[e for e, q in zip(every, self.part_of) if q == p] for p in range(self.parts)]
         if any(x != g[0] for g in groups for x in g):
             self.mismatches.append({"step": step, "fingerprints": every})

@@ -144,7 +144,7 @@ class ShardedReplicaCheck:
     def __init__(self, grid, layout: Layout, gatherer: Gatherer, exact: Callable | None = None):
         from capstone.parallel.replicas import ReplicaCheck
         self.world, self.gatherer, self.weight = grid.world, gatherer, None
-        self.exact, self.parts = exact, grid.mp.size   # --deterministic: the part's sum of squares, in fixed order
+        self.exact, self.first = exact, grid.replica_ranks(0)   # --deterministic: replica 0's parts' sums, in order
         if grid.tp.size > 1:
             from capstone.parallel import tensor
             self.weight = tensor.norm_weight(layout, grid.tp.rank, *layout.shard_range(grid.dp.rank))
@@ -170,7 +170,7 @@ class ShardedReplicaCheck:
         self.record_to.record(step, [f"{int(e[1:].view(np.uint64)[0]):016x}" for e in every])
         if self.exact is not None:   # each rank of a part has the part's sum: replica 0's parts, in order
             from capstone.parallel.deterministic import tree_sum
-            return float(np.sqrt(tree_sum(every[:self.parts, 0]))), digest
+            return float(np.sqrt(tree_sum(every[self.first, 0]))), digest
         return float(np.sqrt(np.add.reduce(every[:, 0]))), digest
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import os
 import socket
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from capstone.checkpoint import files
 from capstone.collective.agree import agreed
@@ -25,15 +25,16 @@ from capstone.runtime import lock
 MIB = 1 << 20
 
 
-def activation_bytes(mcfg, tcfg, recompute: bool = False, layers: int | None = None) -> int:
+def activation_bytes(mcfg, tcfg, recompute: bool = False, layers: int | None = None, keys: int | None = None) -> int:
     """Peak bytes of one micro-batch's forward+backward graph on one rank (autograd keeps every
     intermediate). Calibrated on measured peak RSS (float32; per position about 26 C floats per
     layer, 4 H T for attention, 4 V + 4 C for the head), within ~10% above the measurements.
     `recompute`: the forward keeps each block's input (C floats), the backward one block's activations.
-    `layers`: the blocks of this rank's pipeline stage (None: all)."""
+    `layers`: the blocks of this rank's pipeline stage (None: all). `keys`: the keys per query row
+    attention holds at once (None: T; --cp's ring: a tile's, capstone.model.ring)."""
     c, t, h, v = mcfg.d_model, mcfg.seq_len, mcfg.n_heads, mcfg.vocab_size
     n_layers = mcfg.n_layers if layers is None else layers
-    block = 26 * c + 4 * h * t
+    block = 26 * c + 4 * h * (t if keys is None else keys)
     per_position = 4 * ((n_layers * c + block if recompute else n_layers * block) + 4 * v + 4 * c)
     return tcfg.batch_size * t * per_position
 
@@ -107,16 +108,20 @@ def _cgroup_files(controllers: str, path: str) -> list[tuple[str, str, str]]:
 def _per_rank(mcfg, tcfg, opts, world: int) -> tuple[int, int]:
     """(activations, model states) of the heaviest rank: with --pp, the largest stage holding the
     micro-batches its schedule keeps in flight (1f1b: up to K of them; afab: all)."""
-    dp, step = world // (opts.tp * opts.pp), opts.reshard == "step"
+    whole, dp, step = mcfg, world // (opts.tp * opts.pp), opts.reshard == "step"   # dp: the dp x cp ranks of a stage
+    keys = None
+    if opts.cp > 1:   # a rank's part of each sequence: T / cp rows; the ring holds one tile's scores at a time
+        from capstone.model.ring import TILE
+        mcfg, keys = replace(mcfg, seq_len=mcfg.seq_len // opts.cp), TILE
     if opts.pp == 1:
-        return activation_bytes(mcfg, tcfg, opts.recompute), model_state_bytes(
-            mcfg, dp, opts.tp, opts.zero_stage, step=step, undo=opts.guard_undo, snapshot=opts.ckpt_async)
+        return activation_bytes(mcfg, tcfg, opts.recompute, keys=keys), model_state_bytes(
+            whole, dp, opts.tp, opts.zero_stage, step=step, undo=opts.guard_undo, snapshot=opts.ckpt_async)
     from capstone.parallel.pipeline import stage_groups
     stages = stage_groups(mcfg.n_layers, opts.pp, opts.pp_layers)
     in_flight = tcfg.grad_accum if opts.pp_schedule == "afab" else min(opts.pp, tcfg.grad_accum)
     layers = max(sum(g not in ("embed", "head") for g in groups) for groups in stages)
-    return (in_flight * activation_bytes(mcfg, tcfg, opts.recompute, layers),
-            max(model_state_bytes(mcfg, dp, opts.tp, opts.zero_stage, groups, step, opts.guard_undo, opts.ckpt_async)
+    return (in_flight * activation_bytes(mcfg, tcfg, opts.recompute, layers, keys),
+            max(model_state_bytes(whole, dp, opts.tp, opts.zero_stage, groups, step, opts.guard_undo, opts.ckpt_async)
                 for groups in stages))
 
 

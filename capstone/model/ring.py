@@ -1,0 +1,195 @@
+"""Context parallelism (--cp K): each sequence split over the K ranks of the grid's cp axis, with
+causal ring attention, imported only when cp > 1.
+
+The balanced split (Megatron-LM's, torchtitan's): a sequence of T positions is 2K chunks of
+n = T / 2K; cp rank c holds chunks c and 2K-1-c (`chunks`), its 2n rows of inputs and targets
+(`Chunks`, the data) at their real positions (`Ring.positions`, the position embedding). Under a
+causal mask query chunk a sees key chunks b <= a, so rank c computes (c + 1) + (2K - c) = 2K + 1
+chunk-by-chunk blocks whatever c is (`blocks`); the naive split (rank c: chunks 2c, 2c+1) gives
+rank c 4c + 3, the last rank 4K - 1 against the first's 3.
+
+Everything but attention is per token. Attention (`Ring.attention`): each rank keeps its queries
+and passes its keys and values round the ring (to rank c+1, from c-1, non-blocking through the cp
+`Comm` under the deadline), the next block's transfer in flight while the current block is
+computed; the blocks are merged with the running maximum and sum of exponentials (`merge`), so
+the result is the softmax over every key. Per layer it keeps the output and the log-sum-exp of
+each query row (B, H, 2n, 1): linear in T, where the whole-sequence kernel keeps each query block's
+exponentials, (B, H, T, T) halved by the causal blocks. The backward (`Ring.attention_back`)
+recomputes each block's probabilities from the log-sum-exp, passes the keys and values round again,
+and the key and value gradients travel with them, each rank adding its part, one more hop bringing
+them home to their owner.
+
+Bytes sent per rank per attention layer, with S = 4 B (H / tp) 2n D (one float32 tensor of the
+rank's keys): forward 2 S (K - 1) (keys and values, K - 1 hops), backward 2 S (K - 1) + 2 S K (the
+keys and values again, their gradients K hops).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from capstone.model import kernels as K
+
+TAG = 7100   # + the hop: the ring's messages on the cp communicator
+TILE = 64    # query rows at a time within a chunk block: its temporaries are (B, H, TILE, n), not (B, H, n, n)
+
+
+def chunks(c: int, k: int) -> tuple[int, int]:
+    """The two chunks (of 2k) of a sequence that cp rank c of k holds: c and 2k-1-c."""
+    return c, 2 * k - 1 - c
+
+
+def blocks(k: int, owned=chunks) -> list[int]:
+    """Per cp rank, the query-key chunk blocks its causal attention computes (`owned(c, k)`: its chunks)."""
+    return [sum(b <= a for a in owned(c, k) for src in range(k) for b in owned(src, k)) for c in range(k)]
+
+
+def merge(acc, s, v):
+    """Fold one block (scores s (.., q, keys), values v) into acc = [output, running max, sum of
+    exponentials] (None: the first block): both sides rescaled to the larger maximum."""
+    m = np.maximum.reduce(s, axis=-1, keepdims=True)
+    p = np.exp(s - m)
+    block = [K._mm(p, v), m, np.add.reduce(p, axis=-1, keepdims=True)]
+    if acc is None:
+        return block
+    o, mo, lo = acc
+    top = np.maximum(mo, m)
+    a, b = np.exp(mo - top), np.exp(m - top)
+    return [o * a + block[0] * b, top, lo * a + block[2] * b]
+
+
+class Ring:
+    """The cp group's attention and positions, handed to the blocks through the model's `Pass`
+    (capstone.model.backward): the sequence's part on this rank is chunks `chunks(rank, size)`."""
+
+    def __init__(self, cp):
+        self.cp, self.k, self.c = cp, cp.size, cp.rank
+        self.mine = chunks(self.c, self.k)
+        self.computed = 0     # query-key chunk blocks computed so far (forward), for the tests
+
+    def part(self, a: np.ndarray) -> np.ndarray:
+        """This rank's rows of a (B, T) array of whole sequences: (B, 2n)."""
+        n = a.shape[1] // (2 * self.k)
+        return np.concatenate([a[:, i * n:(i + 1) * n] for i in self.mine], axis=1)
+
+    def positions(self, t: int) -> np.ndarray:
+        """The real positions of this rank's t = 2n rows."""
+        n = t // 2
+        return np.concatenate([np.arange(i * n, (i + 1) * n) for i in self.mine])
+
+    def _pairs(self, src: int, n: int):
+        """(query rows, key rows, mask or None) of the tiles of the causal blocks between this rank's
+        chunks and src's, TILE query rows at a time; on a diagonal block only the keys up to the
+        tile's last row, masked above the diagonal."""
+        for i, a in enumerate(self.mine):
+            for j, b in enumerate(chunks(src, self.k)):
+                for r in range(0, n, TILE) if b <= a else ():
+                    e = min(n, r + TILE)
+                    rows = slice(i * n + r, i * n + e)
+                    if a == b:
+                        yield rows, slice(j * n, j * n + e), K._cached_mask(n)[r:e, :e]
+                    else:
+                        yield rows, slice(j * n, (j + 1) * n), None
+
+    def _shift(self, send: np.ndarray, hop: int, way: int = 1):
+        """Start sending `send` to the next rank (`way` -1: the previous) and receiving its like from
+        the previous one (the next)."""
+        got = np.empty(send.shape, dtype=send.dtype)
+        nxt, prev = (self.c + way) % self.k, (self.c - way) % self.k
+        return got, [self.cp.Irecv(got, prev, TAG + hop), self.cp.Isend(send, nxt, TAG + hop)]
+
+    def _wait(self, requests, nbytes: int, what: str, hop: int) -> None:
+        self.cp.wait(requests, f"context-parallel ring attention: {what} of hop {hop} from cp rank "
+                     f"{(self.c - 1) % self.k}", "cp_ring", "p2p", nbytes)
+
+    def attention(self, qkv, t: int, h: int):
+        """Causal softmax attention of this rank's rows over the whole sequence: qkv (B*t, 3C) ->
+        (B*t, C), saving (output, log-sum-exp)."""
+        q, k, v = K._split_heads(qkv, t, h)
+        bsz, _, _, d = q.shape
+        qs, kv, n = q * (1.0 / math.sqrt(d)), np.ascontiguousarray(np.stack([k, v])), t // 2
+        acc: dict = {}
+        for hop in range(self.k):
+            src = (self.c - hop) % self.k
+            if hop < self.k - 1:
+                nxt, reqs = self._shift(kv, hop)
+            for qi, ki, mask in self._pairs(src, n):
+                s = K._mm(qs[:, :, qi], kv[0][:, :, ki].swapaxes(-1, -2))
+                if mask is not None:
+                    s += mask
+                acc[qi.start] = merge(acc.get(qi.start), s, kv[1][:, :, ki])
+                self.computed += qi.start % n == 0          # a chunk block's first tile
+            if hop < self.k - 1:
+                self._wait(reqs, kv.nbytes, "keys and values", hop)
+                kv = nxt
+        parts = [acc[start] for start in sorted(acc)]   # the tiles in row order
+        yh = np.concatenate([o / l for o, _, l in parts], axis=2)                 # (B, H, t, D)
+        lse = np.concatenate([m + np.log(l) for _, m, l in parts], axis=2)        # (B, H, t, 1)
+        y = np.ascontiguousarray(yh.transpose(0, 2, 1, 3)).reshape(bsz * t, -1)
+        return y, (lse, y)
+
+    def attention_back(self, g, saved, argnums, qkv, t: int, h: int):
+        """{0: the gradient of qkv}: each block's probabilities again from the log-sum-exp, the key and
+        value gradients passed round the ring with the keys and values to their owner."""
+        lse, y = saved
+        q, k, v = K._split_heads(qkv, t, h)
+        bsz, _, _, d = q.shape
+        qs, kv, n = q * (1.0 / math.sqrt(d)), np.ascontiguousarray(np.stack([k, v])), t // 2
+        gy = K._heads(g, bsz, t, h)
+        dot = K._rowdot(gy, K._heads(y, bsz, t, h))
+        gq, got_req = np.zeros_like(qs), None
+        for hop in range(self.k):
+            src = (self.c - hop) % self.k
+            if hop < self.k - 1:
+                nxt, reqs = self._shift(kv, hop)
+            dkv = self._block_grads(qs, kv, gy, dot, lse, gq, src, n)
+            if got_req is not None:     # the gradients of src's keys and values so far, from the ranks before
+                self._wait(got_req, dkv.nbytes, "key and value gradients", hop)
+                dkv += got
+            got, got_req = self._shift(dkv, self.k + hop)
+            if hop < self.k - 1:
+                self._wait(reqs, kv.nbytes, "keys and values", hop)
+                kv = nxt
+        self._wait(got_req, got.nbytes, "key and value gradients", self.k)   # this rank's own, home
+        gqkv = np.empty((bsz, t, 3, h, d), dtype=np.result_type(qkv, g))
+        gqkv[:, :, 0] = (gq * (1.0 / math.sqrt(d))).transpose(0, 2, 1, 3)
+        gqkv[:, :, 1:] = got.transpose(1, 3, 0, 2, 4)
+        return {0: gqkv.reshape(qkv.shape)}
+
+    def _block_grads(self, qs, kv, gy, dot, lse, gq, src: int, n: int):
+        """This rank's part of src's key and value gradients (2, B, H, t, D); gq gains the blocks'."""
+        dkv = np.zeros(kv.shape, dtype=kv.dtype)
+        for qi, ki, mask in self._pairs(src, n):
+            s = K._mm(qs[:, :, qi], kv[0][:, :, ki].swapaxes(-1, -2))
+            if mask is not None:
+                s += mask
+            p = np.exp(s - lse[:, :, qi])
+            dkv[1][:, :, ki] += K._mm(p.swapaxes(-1, -2), gy[:, :, qi])
+            ds = K._mm(gy[:, :, qi], kv[1][:, :, ki].swapaxes(-1, -2))
+            ds -= dot[:, :, qi]
+            ds *= p
+            gq[:, :, qi] += K._mm(ds, kv[0][:, :, ki])
+            dkv[0][:, :, ki] += K._mm(ds.swapaxes(-1, -2), qs[:, :, qi])
+        return dkv
+
+
+class Chunks:
+    """The run's data with this cp rank's part of each sequence: the data-parallel rank and size
+    asked of it are the dp x cp group's (capstone.parallel.grid), k consecutive ranks reading the
+    same sequences."""
+
+    def __init__(self, data, ring: Ring):
+        self.data, self.ring, self.k = data, ring, ring.k
+
+    def __getattr__(self, name):
+        return getattr(self.data, name)
+
+    def micro_batch(self, cursor: int, micro: int, rank: int, world: int):
+        x, y = self.data.micro_batch(cursor, micro, rank // self.k, world // self.k)
+        return self.ring.part(x), self.ring.part(y)
+
+    def val_batch(self, k: int, count: int, rank: int = 0, world: int = 1):
+        x, y = self.data.val_batch(k, count, rank // self.k, max(1, world // self.k))
+        return self.ring.part(x), self.ring.part(y)
