@@ -16,7 +16,7 @@ from capstone.model.params import group_shapes
 
 
 def _embedding_fwd(start, ps: Pass, idx, shapes, tie, masks):
-    out = blocks.embedding_forward(ps.seam.weights("embed", False), idx, shapes)[0]
+    out = blocks.embedding_forward(ps.seam.weights("embed", False), idx, shapes, ps.cp)[0]
     ps.seam.release("embed")
     if masks is not None:
         out = out * masks.channels(-1, "embed", idx.shape[1], out.shape[1])
@@ -27,7 +27,7 @@ def _embedding_bwd(g, saved, argnums, start, ps: Pass, idx, shapes, tie, masks):
     if masks is not None:
         g = g * masks.channels(-1, "embed", idx.shape[1], g.shape[1])
     w, gw = ps.seam.weights("embed", True), ps.seam.grad_out("embed", ps.fresh)
-    blocks.embedding_backward(g, w, idx, shapes, gw)
+    blocks.embedding_backward(g, w, idx, shapes, gw, ps.cp)
     if tie is not None and tie.grad is not None:       # wte's gradient: the sum of its two uses
         gw[:tie.grad.size] += tie.grad.reshape(-1)
         tie.grad = None
