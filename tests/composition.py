@@ -19,15 +19,16 @@ from dataclasses import dataclass
 
 GLOBAL = 96          # sequences per step: divisible by every data-parallel size x accumulation
 STEPS = 8
-CP_SEQ_LEN = 32      # the rows with context parallelism and their references (docs/context-parallel.md)
+CP_SEQ_LEN = 64      # the rows with context parallelism and their references (docs/context-parallel.md)
 STOP_AT = 4          # the stopped rows stop here and resume on another grid
 NAN_STEP, SPIKE_STEP = 3, 6
 DROPOUT = 0.1
-# the learning rate of the rows with a tied head or dropout (and of their 1-rank references): at the
+# the learning rate of the rows with a tied head, dropout or cp's longer sequences (and of their 1-rank
+# references): at the
 # reference's 1e-2 these 8-step runs amplify the float32 rounding of another summation order past 1e-5
 # by themselves (one rank, 4 micro-batches against 1: tied and dropout 1.1e-5 apart at step 6, dropout
 # alone 1.5e-5, tied alone 6.4e-6 at step 8); at 3e-3 at most 1.9e-6, while a mask or a tied gradient
-# gone wrong is off by far more
+# gone wrong is off by far more (cp at seq len 64: an 8-rank row 2.3e-5 from its reference at 1e-2)
 OPTION_LR = 3e-3
 # the reference model with 4 blocks (room for 4 pipeline stages) and buckets small enough for several
 # of them, healthy settings
@@ -107,7 +108,7 @@ class Row:
         flags += [] if self.undo else ["--no-guard-undo"]
         flags += ["--tie-embeddings"] if self.tie else []
         flags += ["--dropout", DROPOUT] if self.dropout else []
-        flags += ["--lr", OPTION_LR] if self.tie or self.dropout else []
+        flags += ["--lr", OPTION_LR] if self.tie or self.dropout or self.seq_len else []
         flags += [] if self.ckpt_async else ["--no-ckpt-async"]
         flags += [] if self.seq_len is None else ["--cp", self.cp, "--seq-len", self.seq_len]
         flags += ["--pp", 1] if self.pp == "off" else ["--pp", self.stages, "--pp-schedule", self.pp.split(":")[1]]
