@@ -230,8 +230,8 @@ def test_tp_allreduce_of_a_stopped_rank_ends_the_job(tmp_path):
 def test_a_stopped_cp_rank_ends_the_job_naming_the_rings_message(tmp_path):
     """--cp 4: rank 1 stops (SIGSTOP) at the start of step 3; the next rank of the ring waits for its
     keys and values in the first block's ring attention, which the deadline ends with a message
-    naming the ring's message and the rank it waits for."""
-    rc, text, ended = stopped_job(tmp_path / "cp", 4, "stop:1:3", "--cp", "4", "--steps", "6")
+    naming the ring's message and the rank it waits for (synchronous checkpoints, as above)."""
+    rc, text, ended = stopped_job(tmp_path / "cp", 4, "stop:1:3", "--cp", "4", "--steps", "6", "--no-ckpt-async")
     assert_named(rc, text, ended, "context-parallel ring attention: keys and values of hop 0 from cp rank 1", 3)
     assert (tmp_path / "cp" / "checkpoints" / "latest").read_text().strip() == "ckpt-00000002.h5"
 
