@@ -150,8 +150,6 @@ def reasons(row: Row) -> list[str]:
     found, k = [], row.stages
     if row.world % (row.tp * k):
         found.append(f"--tp {row.tp} x --pp {k} = {row.tp * k} does not divide the {row.world} ranks")
-    if row.tie and k > 1:
-        found.append(f"--tie-embeddings with --pp {k}: the head (last stage) would use wte")
     if row.reshard != "micro-batch" and row.zero < 2:
         found.append(f"--reshard {row.reshard} is about ZeRO-2/3's sharded gradient and parameters")
     if not row.overlap and row.zero > 1 and row.reshard == "micro-batch" and not row.det:
