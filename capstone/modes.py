@@ -79,8 +79,8 @@ def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
         view = zero0.ReplicatedView(grid.dp, layout, view)
         reducer = zero0.Allgathered(reducer) if tcfg.deterministic else reducer
     seam = _seam(grid, layout, params, reducer, opts.zero_stage, opts.reshard)
-    stream = link = None if mcfg.tie_embeddings and grid.pp.size > 1 else seam
-    if stream is None:            # wte on the first and last pipeline stages (capstone.parallel.tiedstages)
+    stream, link = seam, None
+    if mcfg.tie_embeddings and grid.pp.size > 1:    # wte on the first and last pipeline stages (parallel.tiedstages)
         from capstone.parallel.tiedstages import Link
         stream = link = Link(seam, grid.pp, (mcfg.vocab_size, mcfg.d_model))
     if mcfg.dropout:              # the seam counts each step's micro-batches for their masks (capstone.model.dropout)
