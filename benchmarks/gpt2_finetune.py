@@ -6,8 +6,7 @@ and transformers' GPT-2 on one process of PyTorch beside it.
 
 capstone: `--preset gpt2` (124M parameters, seq 1024; or gpt2-mini: 4 blocks of width 256, seq 256;
 random weights, the synthetic corpus) on RANKS ranks with FLAGS (default `--zero-stage 3 --recompute
---pp 2 --grad-accum 2 --no-tie-embeddings`: a tied head is refused under a pipeline, so the pipelined
-model has its own head, 163M parameters),
+--pp 2 --grad-accum 2`; tied, as GPT-2: wte on the first and last stages),
 STEPS steps (collective timeout 3600 s: a loaded machine's step can outlast the automatic 300 s); the
 median step time of the steps after the first, tokens/s of the global batch, and
 each rank's peak RSS (VmHWM, the run's memory table) against capstone.runtime.preflight's estimate
@@ -28,7 +27,7 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_FLAGS = ["--zero-stage", "3", "--recompute", "--pp", "2", "--grad-accum", "2", "--no-tie-embeddings"]
+DEFAULT_FLAGS = ["--zero-stage", "3", "--recompute", "--pp", "2", "--grad-accum", "2"]
 MIB = 1 << 20
 
 
@@ -87,7 +86,7 @@ def main(argv=None) -> int:
     print(f"  step {c['step_ms'] / 1e3:.1f} s (median after the first), {c['tokens']} tokens a step, "
           f"{c['tokens_per_s']:.0f} tokens/s, {c['tokens_per_s'] / min(cores, args.ranks):.0f} tokens/s per core")
     print(f"  peak RSS per rank (MiB): {', '.join(f'{r:.0f}' for r in c['rss_mib'])}; preflight estimate of the "
-          f"heaviest rank {c['estimate_mib']:.0f} MiB ({c['activations_mib']:.0f} activations + "
+          f"heaviest rank {c['estimate_mib']:.0f} MiB ({c['activations_mib']:.0f} activations or checkpoint conversion + "
           f"{c['states_mib']:.0f} model states)")
     if args.torch:
         from capstone import cli

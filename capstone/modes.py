@@ -48,11 +48,6 @@ def check(world: int, settings: Settings) -> None:
     """ConfigError (exit 2) for a combination of flags the product does not run, with the reason."""
     mcfg, tcfg, opts = settings.model, settings.train, settings.opts
     grids.check(world, opts.tp, opts.pp, mcfg, opts.cp)
-    if opts.pp > 1 and mcfg.tie_embeddings:
-        raise ConfigError(f"--tie-embeddings with --pp {opts.pp}: the head (last stage) would use wte, which the "
-                          f"first stage holds; the two stages would each keep a copy and sum its gradient between "
-                          f"them (Megatron's embedding group), which capstone does not do yet. Drop --pp (tie with "
-                          f"--tp and any --zero-stage), or drop --tie-embeddings.")
     if opts.cp > 1 and mcfg.dropout:
         raise ConfigError(f"--dropout {mcfg.dropout} with --cp {opts.cp}: the ring attention merges each block's "
                           f"softmax without ever forming the probabilities that attention dropout masks, and the "
@@ -96,10 +91,13 @@ def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
         view = zero0.ReplicatedView(grid.dp, layout, view)
         reducer = zero0.Allgathered(reducer) if tcfg.deterministic else reducer
     seam = _seam(grid, layout, params, reducer, opts.zero_stage, opts.reshard)
-    stream = seam
+    stream, link = seam, None
+    if mcfg.tie_embeddings and grid.pp.size > 1:    # wte on the first and last pipeline stages (parallel.tiedstages)
+        from capstone.parallel.tiedstages import Link
+        stream = link = Link(seam, grid.pp, (mcfg.vocab_size, mcfg.d_model))
     if mcfg.dropout:              # the seam counts each step's micro-batches for their masks (capstone.model.dropout)
         from capstone.model.dropout import Stream
-        stream = Stream(seam, mcfg.dropout, tcfg.seed, grid.dp.rank, grid.dp.size)
+        stream = Stream(stream, mcfg.dropout, tcfg.seed, grid.dp.rank, grid.dp.size)
     model = Model(mcfg, layout, stream, grid.tp, opts.recompute) if ring is None else \
         Model(mcfg, layout, stream, grid.tp, opts.recompute, ring)
     adam = ZeroAdam
@@ -112,7 +110,7 @@ def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
     schedule = Sequential(model, reducer, hooks, scale)
     if grid.pp.size > 1:
         from capstone.parallel.pipeline import Pipeline
-        schedule = Pipeline(model, reducer, hooks, scale, opts.pp_schedule or "1f1b", grid.pp)
+        schedule = Pipeline(model, reducer, hooks, scale, opts.pp_schedule or "1f1b", grid.pp, link)
     if mcfg.dropout:
         from capstone.model.dropout import Stepped
         schedule = Stepped(schedule, stream)

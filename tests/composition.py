@@ -167,8 +167,6 @@ def reasons(row: Row) -> list[str]:
     found, k = [], row.stages
     if row.world % (row.tp * k):
         found.append(f"--tp {row.tp} x --pp {k} = {row.tp * k} does not divide the {row.world} ranks")
-    if row.tie and k > 1:
-        found.append(f"--tie-embeddings with --pp {k}: the head (last stage) would use wte")
     elif row.world // (row.tp * k) % row.cp:
         found.append(f"--cp {row.cp} does not divide the {row.world // (row.tp * k)} ranks per tensor- and pipeline-")
     if row.dropout and row.cp > 1:

@@ -34,6 +34,7 @@ PACKAGE = os.path.join(ROOT, "capstone")
 OPTIONAL = ("capstone.parallel.tensor", "capstone.parallel.deterministic", "capstone.parallel.pipeline",
             "capstone.parallel.zero0", "capstone.parallel.zero2", "capstone.parallel.zero3", "capstone.parallel.progress",
             "capstone.model.recompute", "capstone.model.tied", "capstone.model.options", "capstone.model.ring",
+            "capstone.parallel.tiedstages",
             "capstone.model.dropout", "capstone.faults", "capstone.plot", "capstone.observe.tensorboard", "benchmarks", "torch",
             "matplotlib", "tensorboardX")
 

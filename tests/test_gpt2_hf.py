@@ -152,8 +152,8 @@ def test_the_preflight_says_how_many_ranks_fit_a_cap(cap_mib):
     s = cli.parse(["--preset", "gpt2", "--no-tie-embeddings", "--pp", "2"])
     said = preflight.ranks_needed(s.model, s.train, s.opts, cap_mib << 20)
     sharded = dataclasses.replace(s.opts, zero_stage=3, recompute=True)
-    if "no number of ranks fits" in said:     # one micro-batch's activations alone exceed the cap
-        assert preflight.estimate(s.model, s.train, sharded, 4096)[0] > cap_mib << 20 and cap_mib == 1536, said
+    if "no number of ranks fits" in said:     # a micro-batch's activations or a checkpoint's conversion exceed the cap
+        assert preflight.estimate(s.model, s.train, sharded, 4096)[0] > cap_mib << 20 and cap_mib < 6144, said
         return
     ranks = int(re.search(r"it needs (\d+) ranks", said).group(1))
     assert sum(preflight.estimate(s.model, s.train, sharded, ranks)) <= cap_mib << 20

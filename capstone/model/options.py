@@ -28,9 +28,9 @@ def _embedding_bwd(g, saved, argnums, start, ps: Pass, idx, shapes, tie, masks):
         g = g * masks.channels(-1, "embed", idx.shape[1], g.shape[1])
     w, gw = ps.seam.weights("embed", True), ps.seam.grad_out("embed", ps.fresh)
     blocks.embedding_backward(g, w, idx, shapes, gw, ps.cp)
-    if tie is not None and tie.grad is not None:       # wte's gradient: the sum of its two uses
-        gw[:tie.grad.size] += tie.grad.reshape(-1)
-        tie.grad = None
+    share = None if tie is None else tie.share()
+    if share is not None:                              # wte's gradient: the sum of its two uses
+        gw[:share.size] += share.reshape(-1)
     ps.seam.landed("embed", gw, ps.fresh)
     ps.seam.release("embed")
     return {0: np.zeros_like(start)}
@@ -45,7 +45,7 @@ def run_layers(ps: Pass, cfg: ModelConfig, names, start, idx, targets, scale):
     tie, masks = None, None
     if cfg.tie_embeddings:
         from capstone.model import tied
-        tie = tied.Tie(shapes["embed"][0])
+        tie = tied.for_pass(ps.seam, shapes["embed"][0])
     if cfg.dropout and ps.train:
         from capstone.model import dropout
         masks = ps.seam.next_masks(idx.shape[0])

@@ -145,19 +145,19 @@ class Layout:
                           sort_keys=True)
 
 
-def init_params(layout: Layout, cfg: ModelConfig, seed: int) -> np.ndarray:
-    """GPT-2 initialisation into a fresh flat buffer: N(0, 0.02) weights, residual projections
-    scaled by 1/sqrt(2L), zero biases, unit LayerNorm weights; deterministic in `seed`."""
+def init_params(layout: Layout, cfg: ModelConfig, seed: int, part=None) -> np.ndarray:
+    """GPT-2 initialisation into a fresh flat buffer (N(0, 0.02) weights, residual projections /sqrt(2L), zero biases,
+    unit LayerNorms; deterministic in `seed`); `part(name, whole)`: a rank's part of each array (parallel.tensor)."""
     flat = layout.zeros()
-    rng = np.random.default_rng(seed)
-    for name, a in layout.views(flat).items():
+    views, rng = layout.views(flat), np.random.default_rng(seed)
+    for name, shape in param_shapes(cfg):
         if name.endswith(".b"):
             continue  # biases start at zero
-        if ".ln_" in name or name.startswith("ln_"):
-            a[...] = 1.0
-        else:
-            std = 0.02 / math.sqrt(2 * cfg.n_layers) if name.endswith("c_proj.w") else 0.02
-            a[...] = rng.standard_normal(a.shape, dtype=np.float32) * np.float32(std)
+        std = 0.02 / math.sqrt(2 * cfg.n_layers) if name.endswith("c_proj.w") else 0.02
+        unit = ".ln_" in name or name.startswith("ln_")
+        whole = np.ones(shape, DTYPE) if unit else rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+        if name in views:
+            views[name][...] = whole if part is None else part(name, whole)
     return flat
 
 

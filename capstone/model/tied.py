@@ -8,8 +8,9 @@ its share, a (V, C) array the pass's `Tie` carries to the embedding's backward (
 embedding of capstone.model.options), which adds it to the embedding's own before the group's
 gradient lands, so every reducer, ZeRO stage and
 accumulation sees one gradient of wte, as for any parameter. Under tensor parallelism the
-embedding and head are whole on every rank, as they are untied. A pipeline would put the two uses
-on different stages (refused: capstone.modes).
+embedding and head are whole on every rank, as they are untied. Under a pipeline the two uses are
+on the first and last stages: the pass's Tie is then capstone.parallel.tiedstages's, which reads
+the last stage's copy of wte and hands the head's share to the first stage (`made`, `share`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,19 @@ class Tie:
     def wte(self, seam) -> np.ndarray:
         """wte (V, C): the embedding group's first array (the caller releases "embed")."""
         return seam.weights("embed", True)[:self.shape[0] * self.shape[1]].reshape(self.shape)
+
+    def made(self) -> None:
+        """The head's backward has made its share (`grad`): here it waits for the embedding's."""
+
+    def share(self) -> np.ndarray | None:
+        """The head's share of wte's gradient for the embedding's backward (None: no head in this pass)."""
+        grad, self.grad = self.grad, None
+        return grad
+
+
+def for_pass(seam, shape: tuple) -> Tie:
+    """The pass's Tie: the seam's (a pipeline's first and last stages, capstone.parallel.tiedstages), else one."""
+    return seam.tie(shape) if hasattr(seam, "tie") else Tie(shape)
 
 
 def head_logits(x, w, shapes, wte):
@@ -74,6 +88,7 @@ def _head_bwd(g, saved, argnums, x, ps: Pass, targets, shapes, tie: Tie):
     w, gw, wte = ps.seam.weights("head", True), ps.seam.grad_out("head", ps.fresh), tie.wte(ps.seam)
     tie.grad = np.empty_like(wte)
     gx = head_backward(g, saved, w, targets, shapes, gw, wte, tie.grad)
+    tie.made()
     ps.seam.landed("head", gw, ps.fresh)
     ps.seam.release("head")
     ps.seam.release("embed")

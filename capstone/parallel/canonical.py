@@ -23,10 +23,14 @@ class Canonical:
 
     def __init__(self, grid, cfg, layout: Layout, full_layout: Layout, stage_groups: list[tuple]):
         """`stage_groups[p]`: the parameter groups of pipeline stage p (one entry: the whole model)."""
-        self.grid, self.layout, self.full = grid, layout, full_layout
-        tp = grid.tp.size
-        self.maps = [tensor.positions(cfg, tp, t, groups) for groups in stage_groups for t in range(tp)]
-        self.width = max(len(idx) for idx, _ in self.maps)   # the largest part (stages may differ)
+        self.grid, self.layout, self.full, self.cfg = grid, layout, full_layout, cfg
+        self.parts = [(groups, t) for groups in stage_groups for t in range(grid.tp.size)]   # by mp rank
+        self.width = max(Layout.for_model(cfg, 1, grid.tp.size, g).n_params for g, _ in self.parts)   # the largest
+
+    def _map(self, m: int) -> tuple[np.ndarray, np.ndarray]:
+        """Part m's `tensor.positions`, made when asked (8 bytes an element: not held through the run)."""
+        groups, t = self.parts[m]
+        return tensor.positions(self.cfg, self.grid.tp.size, t, groups)
 
     def _assemble(self, rows: np.ndarray) -> np.ndarray:
         """Collective over the model-parallel group: (k, full.padded) canonical rows from every
@@ -37,31 +41,33 @@ class Canonical:
         parts = np.empty((self.grid.mp.size, k, self.width), dtype=DTYPE)
         self.grid.mp.Allgather(parts, "checkpoint: allgather of the model-parallel parts", send=mine)
         full = np.zeros((k, self.full.padded), dtype=DTYPE)
-        for m, (idx, owned) in enumerate(self.maps):
+        for m in range(len(self.parts)):
+            idx, owned = self._map(m)
             full[:, idx[owned]] = parts[m][:, :len(idx)][:, owned]
         return full
 
     def to_stored(self, shard: ShardState) -> ShardState:
-        """Collective. This rank's world shard of the full master/m/v."""
+        """Collective. This rank's world shard of the full master/m/v (one at a time: a third of the memory)."""
         g, n = self.grid, self.layout.n_params
-        rows = np.ascontiguousarray(np.stack(shard.rows()))                    # (3, dp shard)
-        got = np.empty((g.dp.size,) + rows.shape, dtype=DTYPE)
-        g.dp.Allgather(got, "checkpoint: allgather of the optimizer shards", send=rows)
-        full = self._assemble(got.transpose(1, 0, 2).reshape(3, -1)[:, :n])
         lo, hi = self.full.shard_range(g.world.rank)
-        return ShardState(*(full[i, lo:hi].copy() for i in range(3)), t=shard.t)
+        out = []
+        for row in shard.rows():
+            got = np.empty((g.dp.size, row.size), dtype=DTYPE)
+            g.dp.Allgather(got, "checkpoint: allgather of the optimizer shards", send=np.ascontiguousarray(row))
+            out.append(self._assemble(got.reshape(1, -1)[:, :n])[0, lo:hi].copy())
+        return ShardState(*out, t=shard.t)
 
     def from_stored(self, shard: ShardState) -> ShardState:
-        """Collective. This rank's (part, data-parallel shard) state from its world shard."""
+        """Collective. This rank's (part, data-parallel shard) state from its world shard (one array at a time)."""
         g, sl = self.grid, self.layout
-        rows = np.ascontiguousarray(np.stack(shard.rows()))
-        got = np.empty((g.world.size,) + rows.shape, dtype=DTYPE)
-        g.world.Allgather(got, "checkpoint: allgather of the stored shards", send=rows)
-        full = got.transpose(1, 0, 2).reshape(3, -1)
-        mine = np.zeros((3, sl.padded), dtype=DTYPE)
-        mine[:, :sl.n_params] = full[:, self.maps[g.mp.rank][0]]
-        lo, hi = sl.shard_range(g.dp.rank)
-        return ShardState(*(mine[i, lo:hi].copy() for i in range(3)), t=shard.t)
+        idx, (lo, hi), out = self._map(g.mp.rank)[0], sl.shard_range(g.dp.rank), []
+        for row in shard.rows():
+            got = np.empty((g.world.size, row.size), dtype=DTYPE)
+            g.world.Allgather(got, "checkpoint: allgather of the stored shards", send=np.ascontiguousarray(row))
+            mine = np.zeros(sl.padded, dtype=DTYPE)
+            mine[:sl.n_params] = got.reshape(-1)[idx]
+            out.append(mine[lo:hi].copy())
+        return ShardState(*out, t=shard.t)
 
     def whole(self, params: np.ndarray) -> np.ndarray:
         """Collective over the model-parallel group: the full 1-rank parameter vector (unpadded)."""

@@ -67,8 +67,10 @@ class Pipeline:
     this rank's stage is the model over its stage's groups (`model.layout`), and the stages
     exchange activations and their gradients over `pp`."""
 
-    def __init__(self, model, reducer, hooks, scale: float, schedule: str, pp):
+    def __init__(self, model, reducer, hooks, scale: float, schedule: str, pp, tie=None):
+        """`tie`: a tied head's wte on the first and last stages (capstone.parallel.tiedstages.Link)."""
         self.model, self.reducer, self.hooks, self.scale, self.schedule = model, reducer, hooks, scale, schedule
+        self.tie = tie
         self.pp, self.p, self.K = pp, pp.rank, pp.size
         self.sends, self.events = [], []          # (request, buffer) in flight; (kind, j, t0, t1)
         self.span = (0.0, 0.0)   # the last step's forward_backward, perf_counter seconds
@@ -122,6 +124,8 @@ class Pipeline:
         m, t0 = len(batches), time.perf_counter()
         self.reducer.start(m)
         self.model.seam.step(True)
+        if self.tie is not None:
+            self.tie.refresh()
         if self.reducer.accumulates:   # ZeRO-1: the micro-batches' gradients add up in the buffer
             self.model.grads.fill(0.0)
         self.events, pending, losses = [], {}, [0.0] * m
@@ -134,11 +138,15 @@ class Pipeline:
                 self.reducer.after_backward(j)
         self.model.seam.step(False)
         self.drain()
+        if self.tie is not None:
+            self.tie.drain()
         self.span = (t0, time.perf_counter())
         return losses
 
     def loss(self, x, y, scale: float) -> float:
         """Forward only through the pipeline: the last stage's scaled summed loss (0 on the others)."""
+        if self.tie is not None:
+            self.tie.refresh()
         out = self.model.evaluate(x, y, scale, start=self._received(x, EVAL_TAG, "held-out activations"))
         if self.p == self.K - 1:
             return float(out)

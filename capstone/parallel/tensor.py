@@ -54,11 +54,8 @@ def positions(cfg, K: int, t: int, groups: tuple | None = None) -> tuple[np.ndar
 
 def initial_params(cfg, layout: Layout, seed: int, K: int, t: int, groups: tuple | None = None) -> np.ndarray:
     """This rank's part (tensor-parallel rank t, pipeline stage `groups`) of the 1-rank run's initial
-    parameters (`init_params`), in `layout`."""
-    full = init_params(Layout.for_model(cfg, 1), cfg, seed)
-    out = layout.zeros()
-    out[:layout.n_params] = full[positions(cfg, K, t, groups)[0]]
-    return out
+    parameters (`init_params`), in `layout` (of those groups)."""
+    return init_params(layout, cfg, seed, lambda name, whole: _slice(whole, name, K, t))
 
 
 def norm_weight(layout: Layout, tp_rank: int, lo: int, hi: int) -> np.ndarray:
