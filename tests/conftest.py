@@ -4,6 +4,7 @@ import fcntl
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -180,6 +181,25 @@ def launch(n, *args, env_extra=None):
            "python", "-m", "capstone.train", *map(str, args)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
+
+
+def kill_a_rank_after_checkpoint(tmp_path, n: int, out, flags, victim: int, step: int = 4) -> subprocess.Popen:
+    """Launch `n` ranks on `flags` (0.4 s a step), SIGKILL rank `victim` 0.6 s after checkpoint `step`
+    appears (between checkpoints), and wait for the job to end; returns it."""
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    job = launch(n, "--out", out, *flags, "--sleep-per-step", 0.4, env_extra={"CAPSTONE_FAULT_PIDS": str(pids)})
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (out / "checkpoints" / f"ckpt-{step:08d}.h5").exists():
+            time.sleep(0.05)
+        time.sleep(0.6)
+        os.kill(int((pids / str(victim)).read_text()), signal.SIGKILL)
+        job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    return job
 
 
 def wait_for_steps(out, n, timeout=60):

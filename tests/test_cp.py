@@ -4,14 +4,12 @@ run, a rank killed mid-run and resumed, a cp x tp checkpoint on one rank and sam
 stopped cp rank: tests/test_deadlines.py.)"""
 
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import ROOT, by_step, launch, mpi_env, mpirun, step_rows, summary
+from conftest import ROOT, by_step, kill_a_rank_after_checkpoint, mpi_env, mpirun, step_rows, summary
 
 KEYS = ("loss", "grad_norm", "eval_loss", "param_norm")
 CKPT = "ckpt-00000003.h5"
@@ -45,19 +43,7 @@ def test_kill_9_of_a_cp_rank_mid_run_then_resume_auto_is_bit_identical(tmp_path)
     flags = ["--steps", 8, "--ckpt-every", 4, "--cp", 2, "--seq-len", 32, "--grad-accum", 2]
     whole, out = tmp_path / "whole", tmp_path / "run"
     assert mpirun(4, "--out", whole, *flags).returncode == 0
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    job = launch(4, "--out", out, *flags, "--sleep-per-step", 0.4, env_extra={"CAPSTONE_FAULT_PIDS": str(pids)})
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and not (out / "checkpoints" / "ckpt-00000004.h5").exists():
-            time.sleep(0.05)
-        time.sleep(0.6)
-        os.kill(int((pids / "1").read_text()), signal.SIGKILL)
-        job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+    job = kill_a_rank_after_checkpoint(tmp_path, 4, out, flags, victim=1)
     assert job.returncode != 0 and not (out / "summary.json").exists()
     res = mpirun(4, "--out", out, *flags, "--resume", "auto")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]

@@ -4,10 +4,6 @@ run): each schedule's order of forwards and backwards on every rank, the activat
 kill -9 mid-run resumed bit-identically on the same grid and on another.
 """
 
-import os
-import signal
-import time
-
 import pytest
 
 from benchmarks import memory as meter
@@ -15,7 +11,7 @@ from benchmarks import pipeline as bench
 from capstone.config import ConfigError
 from capstone.parallel.pipeline import order, stage_groups, stage_layers
 
-from conftest import by_step, launch, mpirun, summary
+from conftest import by_step, kill_a_rank_after_checkpoint, mpirun, summary
 
 MIB = 1 << 20
 
@@ -88,19 +84,7 @@ def test_kill_9_mid_run_then_resume_auto_is_bit_identical(tmp_path):
     flags = ["--steps", 12, "--ckpt-every", 4, "--pp", 2, "--grad-accum", 3, "--bucket-mb", 0.01]
     whole, out = tmp_path / "whole", tmp_path / "run"
     assert mpirun(4, "--out", whole, *flags).returncode == 0
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    job = launch(4, "--out", out, *flags, "--sleep-per-step", 0.4, env_extra={"CAPSTONE_FAULT_PIDS": str(pids)})
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and not (out / "checkpoints" / "ckpt-00000004.h5").exists():
-            time.sleep(0.05)
-        time.sleep(0.6)
-        os.kill(int((pids / "3").read_text()), signal.SIGKILL)
-        job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+    job = kill_a_rank_after_checkpoint(tmp_path, 4, out, flags, victim=3)
     assert job.returncode != 0 and summary_missing(out)
     res = mpirun(4, "--out", out, *flags, "--resume", "auto")
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
