@@ -31,10 +31,10 @@ capstone: 4 ranks, 30144 parameters (padded 30144, shard 7536), global batch 16 
     2   4.05105   3.86156     0.9009  1.00e-02    5.57    13.258013 e13e6d44a80090f0  checkpoint
 
 memory per rank (bytes):
-    rank     params   gathered      grads     reduce  optimizer      guard       total  peak_rss_MiB
-       0     120576          0     120576     150720      90432      90432      572736          69.6
-     max     120576          0     120576     150720      90432      90432      572736          69.6
-    mean     120576          0     120576     150720      90432      90432      572736          69.3
+    rank     params   gathered      grads     reduce  optimizer      guard   snapshot       total  peak_rss_MiB
+       0     120576          0     120576     150720      90432      90432      90432      663168          69.6
+     max     120576          0     120576     150720      90432      90432      90432      663168          69.6
+    mean     120576          0     120576     150720      90432      90432      90432      663168          69.3
   meta_sha256 c2f7b7f22e507aab1431b2a60b0e0aaef39b28ba3adcb6cb13f2e31c52a2f7a5
   /shards/rank00000  offset 0  length 7536  sha256 3a8592c3f789ab830614659cc810f7ea02645692b28d09373ef2259369b8d1af
 completed step 20 in 0.17 s; summary runs/readme/summary.json
@@ -58,7 +58,7 @@ text
 @pytest.mark.parametrize("old, new, drift", [
     ("    9.01", "   19.77", False),                             # a step's milliseconds
     ("69.6\n     max", "71.2\n     max", False),                 # peak RSS
-    ("90432      572736          69.6\n     max", "90433      572736          69.6\n     max", True),  # bytes held
+    ("90432      663168          69.6\n     max", "90433      663168          69.6\n     max", True),  # bytes held
     ("in 0.17 s", "in 3.02 s", False),                           # wall time
     ("5.123", "9.999", False),                                   # the bench figure is all timings
     ("4.05105", "4.05106", True),                                # a loss
