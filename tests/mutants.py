@@ -167,6 +167,10 @@ MUTANTS = [
            "for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):", "for sig in (signal.SIGUSR1, signal.SIGINT):",
            ("tests/test_stop.py::test_a_signal_to_one_rank_stops_every_rank_at_a_step_boundary",),
            "SIGTERM kills the rank instead of a checkpoint and a clean stop"),
+    Mutant("stop/sigterm-at-exit-kills", "capstone/runtime/signals.py",
+           "    atexit.register(_ended)\n", "",
+           ("tests/test_endings.py::test_a_refused_start_exits_2_on_every_rank_when_the_launcher_terminates_a_slow_one",),
+           "a launcher's SIGTERM to a rank finalizing MPI turns an agreed exit 2 into 143"),
 
     # ---- data -----------------------------------------------------------------------------------
     Mutant("data/micro-batch-index", "capstone/data/synthetic.py",

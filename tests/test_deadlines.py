@@ -219,10 +219,12 @@ def test_the_automatic_deadline_follows_the_longest_step(tmp_path):
 
 
 def test_tp_allreduce_of_a_stopped_rank_ends_the_job(tmp_path):
-    """--tp 2: rank 1 stops (SIGSTOP) at the start of step 3; its tensor-parallel partner waits in
-    the first block's allreduce, which the deadline ends with a message naming it (issue 24:
-    tensor parallelism used to ignore --collective-timeout and hang)."""
-    rc, text, ended = stopped_job(tmp_path / "tp", 4, "stop:1:3", "--tp", "2", "--steps", "6", "--no-ckpt-async")
+    """--tp 2 on 2 ranks: rank 1 stops (SIGSTOP) at the start of step 3; its tensor-parallel partner
+    waits in the first block's allreduce, which the deadline ends with a message naming it (issue 24:
+    tensor parallelism used to ignore --collective-timeout and hang). Two ranks, no second replica:
+    with 4 ranks the other replica's reduce-scatter of step 3 could time out first and end the job
+    before rank 0 names its own wait."""
+    rc, text, ended = stopped_job(tmp_path / "tp", 2, "stop:1:3", "--tp", "2", "--steps", "6", "--no-ckpt-async")
     assert_named(rc, text, ended, "tensor-parallel allreduce of a block's output", 3)
     assert (tmp_path / "tp" / "checkpoints" / "latest").read_text().strip() == "ckpt-00000002.h5"
 

@@ -138,3 +138,27 @@ def test_a_warmup_longer_than_the_run_is_refused(tmp_path):
     assert mpirun(2, "--out", out, "--steps", 40, "--stop-after", 2).returncode == 0
     res = mpirun(2, "--out", out, "--resume", "latest", "--warmup-steps", 30, "--stop-after", 3)
     assert res.returncode == 0 and "warmup_steps: 0 -> 30" in res.stdout, res.stdout + res.stderr
+
+
+LATE_TERM = r'''
+import atexit, os, signal, sys, time
+from mpi4py import MPI
+from capstone import train
+pids = MPI.COMM_WORLD.allgather(os.getpid())
+if MPI.COMM_WORLD.Get_rank() == 1:   # after main's exit, before this rank's MPI_Finalize: rank 0 waits in its own
+    atexit.register(lambda: (time.sleep(1.0), os.kill(pids[0], signal.SIGTERM), time.sleep(0.5)))
+train.main(sys.argv[1:])
+'''
+
+
+def test_a_refused_start_exits_2_on_every_rank_when_the_launcher_terminates_a_slow_one(tmp_path):
+    """A refused start (exit 2 agreed by every rank) where one rank is still finalizing MPI when the
+    launcher sends it SIGTERM, as srun --kill-on-bad-exit and mpirun do once the first rank has exited
+    non-zero: a real SIGTERM to rank 0 while it waits in MPI_Finalize. Python has restored SIGTERM's
+    default action by then, so the rank used to end "Terminated" and the job with 143 (the multi-node
+    Slurm test of a cyclic placement saw it); the status stays 2, the error printed once."""
+    res = subprocess.run(["mpirun", "-n", "2", "--oversubscribe", sys.executable, "-c", LATE_TERM, "--out",
+                          str(tmp_path / "run"), "--steps", "0"], capture_output=True, text=True, timeout=120,
+                         env=mpi_env(), cwd=ROOT)
+    clean_error(res, "--steps")
+    assert "signal 15" not in res.stdout + res.stderr, res.stdout + res.stderr

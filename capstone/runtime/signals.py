@@ -22,6 +22,7 @@ save. For a slower run raise OMPI_MCA_odls_base_sigkill_timeout, or stop it with
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import threading
@@ -39,10 +40,20 @@ def install() -> None:
     """Install the handlers; call first thing, so an early signal is not fatal either."""
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, _request)
+    atexit.register(_ended)
     if os.environ.get("OMPI_MCA_orte_hnp_uri"):   # launched by Open MPI's mpirun (not srun)
         _beat[0] = time.monotonic()
         threading.Thread(target=_heartbeat, name="stop-heartbeat", daemon=True).start()
         signal.signal(signal.SIGCONT, _request)
+
+
+def _ended() -> None:
+    """At exit (an exit code every rank agrees on: a failure of one rank aborts the job instead),
+    ignore SIGTERM. When the first rank exits non-zero, srun --kill-on-bad-exit and mpirun send
+    SIGTERM to the others, which may still be finalizing MPI after Python has put the default action
+    back on its handled signals: they would end "Terminated" and the job with 143, not the 2 of a
+    refused start or the 1 of a failed run. SIG_IGN survives that reset; SIGKILL still ends them."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _heartbeat() -> None:
