@@ -17,12 +17,12 @@ CHUNK = 1 << 16  # values per logical chunk (256 KiB of float32)
 
 
 def sha256_hex(array: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()
+    return hashlib.sha256(np.ascontiguousarray(array)).hexdigest()   # the buffer itself: no copy of it
 
 
 def logical_root(vector: np.ndarray, chunk: int = CHUNK) -> str:
     """Logical digest of a whole vector (serial reference; e.g. for `verify`)."""
-    digests = [hashlib.sha256(vector[i:i + chunk].tobytes()).digest() for i in range(0, len(vector), chunk)]
+    digests = [hashlib.sha256(np.ascontiguousarray(vector[i:i + chunk])).digest() for i in range(0, len(vector), chunk)]
     return hashlib.sha256(b"".join(digests)).hexdigest()
 
 
@@ -57,8 +57,7 @@ def distributed_roots(comm, shards: dict, lo: int, n: int, chunk: int = CHUNK) -
     complete, fragments = split_shard(lo, lo + length, n, chunk)
     local = {"chunks": {}, "fragments": [[a, b] for a, b in fragments], "data": {}}
     for name, shard in shards.items():
-        local["chunks"][name] = [[c, hashlib.sha256(shard[c * chunk - lo:min((c + 1) * chunk, n) - lo].tobytes()).hexdigest()]
-                                 for c in complete]
+        local["chunks"][name] = [[c, sha256_hex(shard[c * chunk - lo:min((c + 1) * chunk, n) - lo])] for c in complete]
         local["data"][name] = [shard[a - lo:b - lo].tobytes().hex() for a, b in fragments]
     gathered = comm.gather_json(local)
     roots = _combine(gathered, list(shards), n, chunk) if comm.rank == 0 else None

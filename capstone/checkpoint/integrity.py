@@ -46,10 +46,10 @@ def file_sha256(path: str) -> str:
     key = (os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     if key in _hashed:
         return _hashed[key]
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(READ_CHUNK):
-            h.update(block)
+    h, block = hashlib.sha256(), memoryview(bytearray(READ_CHUNK))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(block):
+            h.update(block[:n])
     if started - max(st.st_mtime, st.st_ctime) > 2:
         _hashed[key] = h.hexdigest()
     return h.hexdigest()

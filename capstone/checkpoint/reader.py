@@ -171,7 +171,7 @@ def verify_contents(path: str) -> dict:
                 h, step = hashlib.sha256(), 1 << 22
                 for row in range(ds.shape[0]):
                     for a in range(0, ds.shape[1], step):
-                        h.update(np.ascontiguousarray(ds[row, a:a + step]).tobytes())
+                        h.update(np.ascontiguousarray(ds[row, a:a + step]))
                 if h.hexdigest() != meta["datasets"][name]["sha256"]:
                     raise corrupt(path, f"dataset /{name} sha256 mismatch (stored {meta['datasets'][name]['sha256']}, "
                                         f"computed {h.hexdigest()}): the shard is corrupt")
