@@ -9,8 +9,9 @@ must have SRC's vocabulary (the same tokenizer: `prepare --vocab-from`), so that
 means what it meant in training; the refusal names what differs.
 
 The training settings (`settings_for`): those of INHERITED come from SRC's run (a checkpoint holds
-its TrainConfig), or, for an export, which holds none, from FINETUNE_DEFAULTS (documented in
-docs/finetune.md); flags override both, and they override a --preset's. A warmup so taken keeps its
+its TrainConfig), or, for an export, which holds none, from the --preset given (`--preset gpt2` for
+GPT-2's weights), else FINETUNE_DEFAULTS (documented in docs/finetune.md); flags override all of
+them, and a checkpoint's override a --preset's. A warmup so taken keeps its
 share of a shorter run, as a preset's does (capstone.presets.fit_warmup). The start prints the
 settings in effect that differ from the preset's.
 """
@@ -152,16 +153,20 @@ def settings_for(settings, source: Source):
     if source.kind == "checkpoint":
         taken = {k: source.train[k] for k in INHERITED if k in source.train}
         origin, nominal = f"--init-from {source.path}", source.train.get("steps")
+    elif settings.preset:   # an export holds no training settings: a --preset given says them (e.g. gpt2's)
+        taken, origin, nominal = {}, f"--preset {settings.preset}", None
     else:
         taken, origin, nominal = dict(FINETUNE_DEFAULTS), "the fine-tuning defaults", FINETUNE_STEPS
     if "lr" in settings.flags and "min_lr" not in settings.flags and taken.get("lr"):   # the schedule's shape
         taken["min_lr"] = settings.flags["lr"] * taken.get("min_lr", 0.0) / taken["lr"]
-    preset = {**dataclasses.asdict(TrainConfig()), **settings.preset_values}
+    preset = dataclasses.asdict(TrainConfig())
+    preset.update((k, v) for k, v in settings.preset_values.items() if k in preset)   # its model's are model_for's
     values, fitted = fit_warmup({**preset, **taken, **settings.flags}, settings.flags, nominal, origin)
     train = TrainConfig(**{k: values[k] for k in preset})
     differ = [f"{k} {getattr(train, k)!r}{' (flag)' if k in settings.flags else ''}" for k in INHERITED
               if getattr(train, k) != preset[k]]
-    where = "its run" if source.kind == "checkpoint" else "the fine-tuning defaults (an export holds none)"
+    where = ("its run" if source.kind == "checkpoint" else f"--preset {settings.preset} (an export holds none)"
+             if settings.preset else "the fine-tuning defaults (an export holds none)")
     note = (f"note: fine-tuning with the training settings of {where} unless a flag sets them: in effect, apart "
             f"from --preset {settings.preset or 'reference'}'s: {', '.join(differ) or 'none'} (docs/finetune.md)")
     return dataclasses.replace(settings, model=model_for(settings, source), train=train,

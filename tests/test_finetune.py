@@ -149,7 +149,7 @@ def test_keep_best_keeps_the_best_not_the_last(base, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["other vocabulary", "same size, other characters", "synthetic to text",
-                                  "model flag", "no such file", "corrupt checkpoint"])
+                                  "model flag", "preset of another model", "no such file", "corrupt checkpoint"])
 def test_init_from_refusals(base, tmp_path, case):
     """Each refusal: one paragraph naming the fix, exit 2 (1 for a corrupt checkpoint), no run directory."""
     out = tmp_path / "ft"
@@ -157,6 +157,7 @@ def test_init_from_refusals(base, tmp_path, case):
             "same size, other characters": ["--init-from", base / "run", "--data", tmp_path / "own"],
             "synthetic to text": ["--init-from", tmp_path / "synthetic", "--data", base / "a"],
             "model flag": ["--init-from", base / "run", "--data", base / "a", "--d-model", "64"],
+            "preset of another model": ["--init-from", base / "run", "--data", base / "a", "--preset", "medium"],
             "no such file": ["--init-from", tmp_path / "nothing.safetensors"],
             "corrupt checkpoint": ["--init-from", tmp_path / "bad.h5"]}[case]
     if case == "other vocabulary":
@@ -179,6 +180,7 @@ def test_init_from_refusals(base, tmp_path, case):
     want = {"other vocabulary": "the vocabularies differ", "synthetic to text": "trained on the synthetic corpus",
             "same size, other characters": "only --data's has 'z'",
             "model flag": "--d-model 64 (it has 32)", "no such file": "no such file",
+            "preset of another model": "--d-model 256 (it has 32)",
             "corrupt checkpoint": "not a valid checkpoint"}[case]
     assert res.returncode == (1 if case == "corrupt checkpoint" else 2), res.stdout + res.stderr
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
@@ -191,3 +193,21 @@ def test_prepare_vocab_from_refuses_characters_the_vocabulary_lacks(base, tmp_pa
     res = run_module("capstone.prepare", tmp_path / "c.txt", "--out", tmp_path / "c", "--vocab-from", base / "a")
     assert res.returncode == 2 and "'%' x20" in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert not (tmp_path / "c").exists()
+
+
+def test_an_export_takes_the_training_settings_of_the_preset_given():
+    """An export holds no training settings: `--preset gpt2 --init-from DIR` (GPT-2's weights) trains with
+    the gpt2 preset's (lr 3e-5, constant, no weight decay), not the fine-tuning defaults (lr 3e-4, cosine),
+    which an export without a --preset gets; a flag still wins; the note names the preset."""
+    import numpy as np
+
+    from capstone import cli, finetune
+    for argv, want in [(["--preset", "gpt2"], {"lr": 3e-5, "lr_schedule": "constant", "weight_decay": 0.0}),
+                       (["--preset", "gpt2", "--lr", "1e-5"], {"lr": 1e-5, "lr_schedule": "constant"}),
+                       ([], {"lr": 3e-4, "lr_schedule": "cosine", "weight_decay": 0.1})]:
+        settings = cli.parse([*argv, "--init-from", "gpt2-dir"])
+        model = cli.parse(["--preset", "gpt2"]).model
+        source = finetune.Source("gpt2-dir/model.safetensors", "export", 0, model, {}, np.empty(0, np.float32))
+        got = finetune.settings_for(settings, source)
+        assert {k: getattr(got.train, k) for k in want} == want, (argv, got.train)
+        assert ("--preset gpt2 (an export holds none)" in got.notes[0]) == bool(argv), got.notes
