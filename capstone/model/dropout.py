@@ -7,8 +7,12 @@ sample's index in the step's global batch, layer, site, global position, and cha
 and key position): a counter-based hash (SplitMix64's finaliser over those integers), not a random
 stream, so every data-parallel layout, accumulation, tensor-parallel split (a rank's heads are named
 by their global index), pipeline stage, recomputation and resume draws the same mask for the same
-element as one rank does. The sample's index: micro-batch j on data-parallel rank r of size R with
-B rows holds the step's samples (j R + r) B ... (j R + r) B + B - 1, as capstone.data deals them.
+element as one rank does. The sample's index: micro-batch j on data-parallel replica r of R with
+B rows holds the step's samples (j R + r) B ... (j R + r) B + B - 1, as capstone.data deals them
+(under --cp the K ranks of a ring hold the same samples: r is the replica, not the dp x cp rank).
+The position is the sequence's own: a context-parallel rank's rows sit at its two chunks' positions
+and its ring attention (capstone.model.ring) masks each block at its global (query, key) positions,
+the same mask as the whole (T, T) one of one rank (`Whole`).
 
 `Stream` wraps the run's seam (capstone.model.seam) and counts the micro-batches of a step as their
 forwards begin (every stage runs them in order); `Stepped` wraps the schedule and tells it the step.

@@ -17,7 +17,10 @@ each query row (B, H, 2n, 1): linear in T, where the whole-sequence kernel keeps
 exponentials, (B, H, T, T) halved by the causal blocks. The backward (`Ring.attention_back`)
 recomputes each block's probabilities from the log-sum-exp, passes the keys and values round again,
 and the key and value gradients travel with them, each rank adding its part, one more hop bringing
-them home to their owner.
+them home to their owner. With --dropout (capstone.model.dropout) each tile's probabilities are
+masked at their global (query, key) positions, forward and backward: dropout(softmax(s)) v, so the
+mask multiplies the output's exponentials while the sum of exponentials, the log-sum-exp, stays
+the undropped one.
 
 Bytes sent per rank per attention layer, with S = 4 B (H / tp) 2n D (one float32 tensor of the
 rank's keys): forward 2 S (K - 1) (keys and values, K - 1 hops), backward 2 S (K - 1) + 2 S K (the
