@@ -207,7 +207,7 @@ def kind(reason: str) -> str:
 
 
 # the axes `reasons` reads: every value of the other axes runs beside every combination of these that runs
-RULED = ("world", "tp", "det", "zero", "overlap", "pp", "reshard", "tie", "dropout", "cp")
+RULED = ("world", "tp", "det", "zero", "overlap", "pp", "reshard", "cp")
 
 
 def _runnable_pairs() -> tuple[set, set]:
