@@ -48,12 +48,6 @@ def check(world: int, settings: Settings) -> None:
     """ConfigError (exit 2) for a combination of flags the product does not run, with the reason."""
     mcfg, tcfg, opts = settings.model, settings.train, settings.opts
     grids.check(world, opts.tp, opts.pp, mcfg, opts.cp)
-    if opts.cp > 1 and mcfg.dropout:
-        raise ConfigError(f"--dropout {mcfg.dropout} with --cp {opts.cp}: the ring attention merges each block's "
-                          f"softmax without ever forming the probabilities that attention dropout masks, and the "
-                          f"masks are drawn at a sequence's whole positions, which a cp rank does not see; this "
-                          f"is not built yet. Drop --cp (dropout runs with --tp, --pp and any --zero-stage), or "
-                          f"train without --dropout (docs/context-parallel.md).")
     if opts.pp > 1:
         from capstone.parallel.pipeline import stage_layers
         stage_layers(mcfg.n_layers, opts.pp, opts.pp_layers)      # counts that do not fit the model
@@ -96,8 +90,9 @@ def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
         from capstone.parallel.tiedstages import Link
         stream = link = Link(seam, grid.pp, (mcfg.vocab_size, mcfg.d_model))
     if mcfg.dropout:              # the seam counts each step's micro-batches for their masks (capstone.model.dropout)
-        from capstone.model.dropout import Stream
-        stream = Stream(stream, mcfg.dropout, tcfg.seed, grid.dp.rank, grid.dp.size)
+        from capstone.model import dropout   # the sample's index is its replica's (a cp ring's ranks share samples)
+        stream = dropout.Stream(stream, mcfg.dropout, tcfg.seed, grid.dp.rank // grid.cp_size, grid.replicas,
+                                ring or dropout.WHOLE)
     model = Model(mcfg, layout, stream, grid.tp, opts.recompute) if ring is None else \
         Model(mcfg, layout, stream, grid.tp, opts.recompute, ring)
     adam = ZeroAdam

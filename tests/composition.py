@@ -169,8 +169,6 @@ def reasons(row: Row) -> list[str]:
         found.append(f"--tp {row.tp} x --pp {k} = {row.tp * k} does not divide the {row.world} ranks")
     elif row.world // (row.tp * k) % row.cp:
         found.append(f"--cp {row.cp} does not divide the {row.world // (row.tp * k)} ranks per tensor- and pipeline-")
-    if row.dropout and row.cp > 1:
-        found.append(f"--dropout {DROPOUT} with --cp {row.cp}: the ring attention merges each block's softmax")
     if row.reshard != "micro-batch" and row.zero < 2:
         found.append(f"--reshard {row.reshard} is about ZeRO-2/3's sharded gradient and parameters")
     if not row.overlap and row.zero > 1 and row.reshard == "micro-batch" and not row.det:
@@ -209,7 +207,7 @@ def kind(reason: str) -> str:
 
 
 # the axes `reasons` reads: every value of the other axes runs beside every combination of these that runs
-RULED = ("world", "tp", "det", "zero", "overlap", "pp", "reshard", "tie", "dropout", "cp")
+RULED = ("world", "tp", "det", "zero", "overlap", "pp", "reshard", "cp")
 
 
 def _runnable_pairs() -> tuple[set, set]:

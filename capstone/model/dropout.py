@@ -7,8 +7,12 @@ sample's index in the step's global batch, layer, site, global position, and cha
 and key position): a counter-based hash (SplitMix64's finaliser over those integers), not a random
 stream, so every data-parallel layout, accumulation, tensor-parallel split (a rank's heads are named
 by their global index), pipeline stage, recomputation and resume draws the same mask for the same
-element as one rank does. The sample's index: micro-batch j on data-parallel rank r of size R with
-B rows holds the step's samples (j R + r) B ... (j R + r) B + B - 1, as capstone.data deals them.
+element as one rank does. The sample's index: micro-batch j on data-parallel replica r of R with
+B rows holds the step's samples (j R + r) B ... (j R + r) B + B - 1, as capstone.data deals them
+(under --cp the K ranks of a ring hold the same samples: r is the replica, not the dp x cp rank).
+The position is the sequence's own: a context-parallel rank's rows sit at its two chunks' positions
+and its ring attention (capstone.model.ring) masks each block at its global (query, key) positions,
+the same mask as the whole (T, T) one of one rank (`Whole`).
 
 `Stream` wraps the run's seam (capstone.model.seam) and counts the micro-batches of a step as their
 forwards begin (every stage runs them in order); `Stepped` wraps the schedule and tells it the step.
@@ -16,6 +20,7 @@ forwards begin (every stage runs them in order); `Stepped` wraps the schedule an
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -45,11 +50,37 @@ def mix_array(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-class Masks:
-    """The masks of one micro-batch: `samples` (B,) their indices in the step's global batch."""
+class Whole:
+    """The whole sequence on this rank (no --cp): its rows at positions 0..t-1, its attention with the
+    (B, H, T, T) mask at once (`attention_forward`); capstone.model.ring's `Ring` is the same for a
+    context-parallel rank's part of the sequence, masking each block it computes."""
 
-    def __init__(self, p: float, seed: int, step: int, samples: np.ndarray):
+    k = 1   # the ranks the sequence is split over
+
+    @staticmethod
+    def positions(t: int) -> np.ndarray:
+        return np.arange(t)
+
+    @staticmethod
+    def attention(qkv, t: int, h: int, drop):
+        pos = np.arange(t)
+        return attention_forward(qkv, t, h, drop(pos, pos))
+
+    @staticmethod
+    def attention_back(g, saved, argnums, qkv, t: int, h: int):
+        return {0: attention_backward(g, saved, qkv, t, h)}
+
+
+WHOLE = Whole()
+
+
+class Masks:
+    """The masks of one micro-batch: `samples` (B,) their indices in the step's global batch, `cp`
+    where this rank's rows sit in the sequence (`Whole`, or a context-parallel `Ring`)."""
+
+    def __init__(self, p: float, seed: int, step: int, samples: np.ndarray, cp=WHOLE):
         self.p, self.seed, self.step, self.samples = p, seed, step, samples.astype(np.uint64)
+        self.cp = cp
         self.scale = np.float32(1.0 / (1.0 - p))
         self.threshold = np.uint64(round(p * (1 << 24)))
 
@@ -60,22 +91,32 @@ class Masks:
         h = mix_array(base[:, None] ^ inner[None, :])
         return np.where((h >> np.uint64(40)) >= self.threshold, self.scale, np.float32(0))
 
-    def channels(self, layer: int, site: str, T: int, C: int) -> np.ndarray:
-        """(B*T, C): element (position t, channel c) of each sample, id t C + c."""
-        return self.keep(layer, site, np.arange(T * C, dtype=np.uint64)).reshape(-1, C)
+    def channels(self, layer: int, site: str, t: int, C: int) -> np.ndarray:
+        """(B*t, C): element (global position u of this rank's row, channel c) of each sample, id u C + c."""
+        pos = self.cp.positions(t).astype(np.uint64)
+        return self.keep(layer, site, (pos[:, None] * np.uint64(C) + np.arange(C, dtype=np.uint64)).reshape(-1)
+                         ).reshape(-1, C)
 
-    def attention(self, layer: int, T: int, H: int, first_head: int) -> np.ndarray:
-        """(B, H, T, T): this rank's H heads (global first_head ...), query t, key u: id (head T + t) T + u."""
-        ids = (np.arange(first_head, first_head + H, dtype=np.uint64)[:, None] * np.uint64(T * T)
-               + np.arange(T * T, dtype=np.uint64)[None, :]).reshape(-1)
-        return self.keep(layer, "attention", ids).reshape(-1, H, T, T)
+    def attention(self, layer: int, T: int, H: int, first_head: int, q=None, k=None) -> np.ndarray:
+        """(B, H, len q, len k): heads first_head ... (global), queries at positions q, keys at k (None:
+        0..T-1) of a sequence of T: id (head T + query) T + key."""
+        q, k = (np.arange(T, dtype=np.uint64) if a is None else np.asarray(a, dtype=np.uint64) for a in (q, k))
+        heads = np.arange(first_head, first_head + H, dtype=np.uint64)
+        ids = ((heads[:, None] * np.uint64(T) + q[None, :])[:, :, None] * np.uint64(T) + k[None, None, :])
+        return self.keep(layer, "attention", ids.reshape(-1)).reshape(-1, H, q.size, k.size)
+
+    def drop(self, layer: int, t: int, H: int, first_head: int):
+        """The attention mask of this rank's t rows as a function of (query positions, key positions),
+        which `cp`'s attention calls for the blocks it computes."""
+        return functools.partial(self.attention, layer, t * self.cp.k, H, first_head)
 
 
 class Stream:
     """The run's seam with the dropout masks of each micro-batch (everything else is the seam's)."""
 
-    def __init__(self, inner, p: float, seed: int, dp_rank: int, dp_size: int):
+    def __init__(self, inner, p: float, seed: int, dp_rank: int, dp_size: int, cp=WHOLE):
         self.inner, self.p, self.seed, self.dp_rank, self.dp_size = inner, p, seed, dp_rank, dp_size
+        self.cp = cp
         self.step_no, self.micro = 0, 0
 
     def __getattr__(self, name):
@@ -88,7 +129,7 @@ class Stream:
         """The masks of the step's next micro-batch of B rows on this rank."""
         first = (self.micro * self.dp_size + self.dp_rank) * B
         self.micro += 1
-        return Masks(self.p, self.seed, self.step_no, np.arange(first, first + B))
+        return Masks(self.p, self.seed, self.step_no, np.arange(first, first + B), self.cp)
 
 
 class Stepped:
@@ -122,7 +163,7 @@ def attention_backward(g, saved, qkv, T, H):
     q, k, v = K._split_heads(qkv, T, H)
     B, _, _, D = q.shape
     gy = K._heads(g, B, T, H)
-    gqkv = np.empty((B, T, 3, H, D), dtype=np.float32)
+    gqkv = np.empty((B, T, 3, H, D), dtype=np.result_type(qkv, g))
     gq, gk, gv = (gqkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))
     gv[...] = K._mm((p * keep).swapaxes(-1, -2), gy)
     gp = K._mm(gy, v.swapaxes(-1, -2)) * keep
@@ -138,7 +179,7 @@ def block_forward(x, w, T, H, shapes, tp, masks: Masks, layer: int):
     C, rank = x.shape[1], getattr(tp, "rank", 0)
     a, s_ln1 = K._ln_fwd(x, ln1w, ln1b)
     qkv, _ = K._linear_fwd(a, aw, ab)
-    y, s_att = attention_forward(qkv, T, H, masks.attention(layer, T, H, rank * H))
+    y, s_att = masks.cp.attention(qkv, T, H, masks.drop(layer, T, H, rank * H))
     m1, m2 = masks.channels(layer, "attn_out", T, C), masks.channels(layer, "mlp_out", T, C)
     x1 = x + blocks._row_parallel(y, pw, pb, tp) * m1
     m, s_ln2 = K._ln_fwd(x1, ln2w, ln2b)
@@ -146,7 +187,7 @@ def block_forward(x, w, T, H, shapes, tp, masks: Masks, layer: int):
     return x1 + blocks._row_parallel(h, mw, mb, tp) * m2, [a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc, m1, m2]
 
 
-def block_backward(g, saved, x, w, T, H, shapes, tp, gw):
+def block_backward(g, saved, x, w, T, H, shapes, tp, gw, cp=WHOLE):
     """The dropout block's gradient into gw; returns its input's (capstone.model.blocks.block_backward)."""
     a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc, m1, m2 = saved
     ln1w, _, aw, _, pw, _, ln2w, _, fw, _, mw, _ = blocks.unpack(w, shapes)
@@ -155,7 +196,7 @@ def block_backward(g, saved, x, w, T, H, shapes, tp, gw):
     gm = blocks._linear_back(K._gelu_grad(gh, *s_fc, out=gh), m, fw, d_fw, d_fb)
     tp.Allreduce(gm, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")
     gx1 = g + blocks._ln_back(gm, s_ln2, ln2w, d_ln2w, d_ln2b)
-    gqkv = attention_backward(blocks._linear_back(gx1 * m1, y, pw, d_pw, d_pb), s_att, qkv, T, H)
+    gqkv = cp.attention_back(blocks._linear_back(gx1 * m1, y, pw, d_pw, d_pb), s_att, (0,), qkv, T, H)[0]
     ga = blocks._linear_back(gqkv, a, aw, d_aw, d_ab)
     tp.Allreduce(ga, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")
     return gx1 + blocks._ln_back(ga, s_ln1, ln1w, d_ln1w, d_ln1b)
@@ -172,7 +213,7 @@ def _block_bwd(g, saved, argnums, x, ps, name: str, T: int, H: int, shapes, mask
     if saved is None:     # recomputation: the same masks, a pure function of their indices
         saved = block_forward(x, w, T, H, shapes, ps.tp, masks, int(name[1:]))[1]
     gw = ps.seam.grad_out(name, ps.fresh)
-    gx = block_backward(g, saved, x, w, T, H, shapes, ps.tp, gw)
+    gx = block_backward(g, saved, x, w, T, H, shapes, ps.tp, gw, masks.cp)
     ps.seam.landed(name, gw, ps.fresh)
     ps.seam.release(name)
     return {0: gx}

@@ -17,7 +17,10 @@ each query row (B, H, 2n, 1): linear in T, where the whole-sequence kernel keeps
 exponentials, (B, H, T, T) halved by the causal blocks. The backward (`Ring.attention_back`)
 recomputes each block's probabilities from the log-sum-exp, passes the keys and values round again,
 and the key and value gradients travel with them, each rank adding its part, one more hop bringing
-them home to their owner.
+them home to their owner. With --dropout (capstone.model.dropout) each tile's probabilities are
+masked at their global (query, key) positions, forward and backward: dropout(softmax(s)) v, so the
+mask multiplies the output's exponentials while the sum of exponentials, the log-sum-exp, stays
+the undropped one.
 
 Bytes sent per rank per attention layer, with S = 4 B (H / tp) 2n D (one float32 tensor of the
 rank's keys): forward 2 S (K - 1) (keys and values, K - 1 hops), backward 2 S (K - 1) + 2 S K (the
@@ -46,12 +49,14 @@ def blocks(k: int, owned=chunks) -> list[int]:
     return [sum(b <= a for a in owned(c, k) for src in range(k) for b in owned(src, k)) for c in range(k)]
 
 
-def merge(acc, s, v):
+def merge(acc, s, v, keep=None):
     """Fold one block (scores s (.., q, keys), values v) into acc = [output, running max, sum of
-    exponentials] (None: the first block): both sides rescaled to the larger maximum."""
+    exponentials] (None: the first block): both sides rescaled to the larger maximum. `keep`: the
+    block's dropout mask (0 or 1/(1-p)), on the output's exponentials only: dropout(softmax(s)) v
+    divides the dropped numerator by the undropped sum."""
     m = np.maximum.reduce(s, axis=-1, keepdims=True)
     p = np.exp(s - m)
-    block = [K._mm(p, v), m, np.add.reduce(p, axis=-1, keepdims=True)]
+    block = [K._mm(p if keep is None else p * keep, v), m, np.add.reduce(p, axis=-1, keepdims=True)]
     if acc is None:
         return block
     o, mo, lo = acc
@@ -74,10 +79,14 @@ class Ring:
         n = a.shape[1] // (2 * self.k)
         return np.concatenate([a[:, i * n:(i + 1) * n] for i in self.mine], axis=1)
 
-    def positions(self, t: int) -> np.ndarray:
-        """The real positions of this rank's t = 2n rows."""
+    def positions(self, t: int, c: int | None = None) -> np.ndarray:
+        """The real positions of the t = 2n rows of cp rank c (None: this rank)."""
         n = t // 2
-        return np.concatenate([np.arange(i * n, (i + 1) * n) for i in self.mine])
+        return np.concatenate([np.arange(i * n, (i + 1) * n) for i in chunks(self.c if c is None else c, self.k)])
+
+    def _keep(self, drop, src: int, t: int, qi: slice, ki: slice):
+        """A tile's dropout mask (None: no dropout): `drop` at its queries' and keys' real positions."""
+        return None if drop is None else drop(self.positions(t)[qi], self.positions(t, src)[ki])
 
     def _pairs(self, src: int, n: int):
         """(query rows, key rows, mask or None) of the tiles of the causal blocks between this rank's
@@ -104,9 +113,10 @@ class Ring:
         self.cp.wait(requests, f"context-parallel ring attention: {what} of hop {hop} from cp rank "
                      f"{(self.c - 1) % self.k}", "cp_ring", "p2p", nbytes)
 
-    def attention(self, qkv, t: int, h: int):
+    def attention(self, qkv, t: int, h: int, drop=None):
         """Causal softmax attention of this rank's rows over the whole sequence: qkv (B*t, 3C) ->
-        (B*t, C), saving (output, log-sum-exp)."""
+        (B*t, C), saving (log-sum-exp, output, drop). `drop` (capstone.model.dropout.Masks.drop):
+        the probabilities' dropout mask at (query positions, key positions), None: no dropout."""
         q, k, v = K._split_heads(qkv, t, h)
         bsz, _, _, d = q.shape
         qs, kv, n = q * (1.0 / math.sqrt(d)), np.ascontiguousarray(np.stack([k, v])), t // 2
@@ -119,7 +129,7 @@ class Ring:
                 s = K._mm(qs[:, :, qi], kv[0][:, :, ki].swapaxes(-1, -2))
                 if mask is not None:
                     s += mask
-                acc[qi.start] = merge(acc.get(qi.start), s, kv[1][:, :, ki])
+                acc[qi.start] = merge(acc.get(qi.start), s, kv[1][:, :, ki], self._keep(drop, src, t, qi, ki))
                 self.computed += qi.start % n == 0          # a chunk block's first tile
             if hop < self.k - 1:
                 self._wait(reqs, kv.nbytes, "keys and values", hop)
@@ -128,12 +138,14 @@ class Ring:
         yh = np.concatenate([o / l for o, _, l in parts], axis=2)                 # (B, H, t, D)
         lse = np.concatenate([m + np.log(l) for _, m, l in parts], axis=2)        # (B, H, t, 1)
         y = np.ascontiguousarray(yh.transpose(0, 2, 1, 3)).reshape(bsz * t, -1)
-        return y, (lse, y)
+        return y, (lse, y, drop)
 
     def attention_back(self, g, saved, argnums, qkv, t: int, h: int):
         """{0: the gradient of qkv}: each block's probabilities again from the log-sum-exp, the key and
-        value gradients passed round the ring with the keys and values to their owner."""
-        lse, y = saved
+        value gradients passed round the ring with the keys and values to their owner. With dropout
+        (D the mask, P the undropped probabilities, y = (D P) v): dv = (D P)^T gy and
+        ds = P (D (gy v^T) - gy . y), the row dot product with the dropped output as without it."""
+        lse, y, drop = saved
         q, k, v = K._split_heads(qkv, t, h)
         bsz, _, _, d = q.shape
         qs, kv, n = q * (1.0 / math.sqrt(d)), np.ascontiguousarray(np.stack([k, v])), t // 2
@@ -144,7 +156,7 @@ class Ring:
             src = (self.c - hop) % self.k
             if hop < self.k - 1:
                 nxt, reqs = self._shift(kv, hop)
-            dkv = self._block_grads(qs, kv, gy, dot, lse, gq, src, n)
+            dkv = self._block_grads(qs, kv, (gy, dot, lse, gq), src, n, drop)
             if got_req is not None:     # the gradients of src's keys and values so far, from the ranks before
                 self._wait(got_req, dkv.nbytes, "key and value gradients", hop)
                 dkv += got
@@ -158,16 +170,20 @@ class Ring:
         gqkv[:, :, 1:] = got.transpose(1, 3, 0, 2, 4)
         return {0: gqkv.reshape(qkv.shape)}
 
-    def _block_grads(self, qs, kv, gy, dot, lse, gq, src: int, n: int):
-        """This rank's part of src's key and value gradients (2, B, H, t, D); gq gains the blocks'."""
+    def _block_grads(self, qs, kv, rows, src: int, n: int, drop):
+        """This rank's part of src's key and value gradients (2, B, H, t, D); with rows = (gy, gy . y,
+        log-sum-exp, gq) of this rank's queries, gq gains the blocks'."""
+        gy, dot, lse, gq = rows
         dkv = np.zeros(kv.shape, dtype=kv.dtype)
         for qi, ki, mask in self._pairs(src, n):
             s = K._mm(qs[:, :, qi], kv[0][:, :, ki].swapaxes(-1, -2))
             if mask is not None:
                 s += mask
-            p = np.exp(s - lse[:, :, qi])
-            dkv[1][:, :, ki] += K._mm(p.swapaxes(-1, -2), gy[:, :, qi])
+            p, keep = np.exp(s - lse[:, :, qi]), self._keep(drop, src, 2 * n, qi, ki)
+            dkv[1][:, :, ki] += K._mm((p if keep is None else p * keep).swapaxes(-1, -2), gy[:, :, qi])
             ds = K._mm(gy[:, :, qi], kv[1][:, :, ki].swapaxes(-1, -2))
+            if keep is not None:
+                ds *= keep
             ds -= dot[:, :, qi]
             ds *= p
             gq[:, :, qi] += K._mm(ds, kv[0][:, :, ki])

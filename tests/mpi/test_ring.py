@@ -1,11 +1,13 @@
 """Context parallelism's causal ring attention under mpirun (-n 4: rings of 2 and 4; -n 3: a ring of
-3), real messages round the cp ring, against the whole-sequence kernel on one rank in float64."""
+3), real messages round the cp ring, against the whole-sequence kernel on one rank in float64; with
+attention dropout, against the whole kernel with the same (T, T) mask (capstone.model.dropout)."""
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 from capstone.collective.comm import Comm
+from capstone.model import dropout
 from capstone.model import kernels as K
 from capstone.model import ring
 
@@ -49,6 +51,31 @@ def test_ring_attention_equals_whole_attention(k, n):
     counts = np.empty(k, dtype=np.int64)
     r.cp.Allgather(counts, "test", send=np.array([r.computed], dtype=np.int64))
     assert counts.tolist() == [2 * k + 1] * k == ring.blocks(k)        # balanced: every rank the same
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("n", [3, 70])   # 70: chunks of two query tiles (ring.TILE 64)
+def test_ring_attention_with_dropout_equals_whole_attention_with_the_same_mask(k, n):
+    """Each block's probabilities masked at their global (query, key) positions, the sum of
+    exponentials undropped: the whole kernel's dropout(softmax(s)) v, forward and dq, dk, dv."""
+    if WORLD % k:
+        pytest.skip(f"a ring of {k} needs a multiple of {k} ranks")
+    r, t, layer = _ring(k), 2 * k * n, 1
+    rng = np.random.default_rng(5 + n)
+    qkv, g = rng.standard_normal((B * t, 3 * H * D)), rng.standard_normal((B * t, H * D))
+    keep = dropout.Masks(0.3, 7, 2, np.arange(3, 3 + B)).attention(layer, t, H, 0)
+    assert 0.2 < (keep == 0).mean() < 0.4
+    y_ref, saved = dropout.attention_forward(qkv, t, H, keep)
+    gqkv_ref = dropout.attention_backward(g, saved, qkv, t, H)
+    masks = dropout.Masks(0.3, 7, 2, np.arange(3, 3 + B), r)
+    mine = _rows(r, qkv, t)
+    y, saved = r.attention(mine, 2 * n, H, masks.drop(layer, 2 * n, H, 0))
+    gqkv = r.attention_back(_rows(r, g, t), saved, (0,), mine, 2 * n, H)[0]
+    assert _rel(r, y, _rows(r, y_ref, t)) <= 1e-6
+    assert _rel(r, r.attention(mine, 2 * n, H)[0], _rows(r, y_ref, t)) > 1e-2      # the mask is applied
+    want = _rows(r, gqkv_ref, t).reshape(-1, 3, H * D)
+    for i, name in enumerate("qkv"):
+        assert _rel(r, gqkv.reshape(-1, 3, H * D)[:, i], want[:, i]) <= 1e-6, f"d{name}"
 
 
 def test_naive_split_is_unbalanced():
