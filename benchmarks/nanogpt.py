@@ -12,6 +12,13 @@ the ABA runs and prints wall, final validation loss and the ratio.
   python -m benchmarks.nanogpt workdir NANOGPT_DIR DATA_DIR OUT
   python -m benchmarks.nanogpt floor --steps 2000 --cores 2
   python -m benchmarks.nanogpt table --steps 2000 --cores 2 LABEL:WALL:LOG ...
+  python -m benchmarks.nanogpt profile --batch 6                  # capstone's step, one rank's share of 2
+  TORCH_PYTHON -m benchmarks.nanogpt profile-torch NANOGPT_DIR --batch 6 --threads 1   # nanoGPT's model
+
+`profile` times one rank's step (forward+backward, reduction, AdamW; `benchmarks.step.Stepper`, world 1,
+one thread, the training process's heap setting) at the preset's shape, CPU time, and splits it by kernel
+(cProfile on the CPU clock; matmuls by a timed `kernels._mm`). `profile-torch` does the same for nanoGPT's
+GPT (its model.py, bias=False as its train.py) with its configure_optimizers' AdamW under torch.profiler.
 """
 
 from __future__ import annotations
@@ -117,6 +124,93 @@ def table(steps: int, cores: int, runs: list[str]) -> None:
               f"final val {statistics.mean(vals[kind]):.4f}")
 
 
+CATEGORIES = {   # kernel functions of capstone.model (cumulative CPU time, their matmuls included)
+    "attention (fwd+bwd)": ("_attention_fwd", "_attention_bwd"),
+    "LayerNorm (fwd+bwd)": ("_ln_fwd", "_ln_bwd"),
+    "GELU (fwd+bwd)": ("_gelu_fwd", "_gelu_grad"),
+    "cross-entropy, embedding": ("_xent_fwd", "_xent_grad_inplace", "_embed_fwd", "_embed_bwd"),
+    "AdamW (ZeRO shard)": ("_adam_chunk",),
+}
+
+
+def profile(batch: int, steps: int = 200) -> None:
+    """capstone's step at the preset's shape with `batch` sequences (see the module's docstring)."""
+    import cProfile
+    import pstats
+
+    from benchmarks import step as bench_step
+    from capstone.model import kernels
+    from capstone.runtime import heap
+    heap.keep_freed_memory()
+    bench_step.SIZES["shakespeare-char"] = (dict(vocab_size=84, seq_len=64, d_model=128, n_heads=4, n_layers=4), batch)
+    st = bench_step.Stepper("shakespeare-char")
+    for _ in range(20):
+        st.step()
+    cpu = statistics.median(st.step()[1] for _ in range(steps))
+    mm = [0.0]
+
+    def timed(a, b, out=None):
+        t = time.process_time()
+        r = np.matmul(a, b, out=out)
+        mm[0] += time.process_time() - t
+        return r
+    kernels._mm = timed
+    total = sum(st.step()[1] for _ in range(steps)) / 1e3
+    kernels._mm = np.matmul
+    prof = cProfile.Profile(time.process_time)
+    prof.runcall(lambda: [st.step() for _ in range(steps)])
+    stats = pstats.Stats(prof).stats
+    profiled = max(v[3] for k, v in stats.items() if k[2] == "step")
+    print(f"capstone, batch {batch} (one rank's step), {load()}: step {cpu:.2f} ms CPU (median of {steps}); "
+          f"matmuls (kernels._mm, attention's included) {1e3 * mm[0] / steps:.2f} ms = {mm[0] / total:.1%}")
+    print(f"  under cProfile (CPU clock, {1e3 * profiled / steps:.2f} ms a step with its overhead), cumulative:")
+    for name, funcs in CATEGORIES.items():
+        sec = sum(v[3] for k, v in stats.items() if k[2] in funcs)
+        print(f"    {name:<26} {1e3 * sec / steps:6.2f} ms  {sec / profiled:6.1%}")
+
+
+def profile_torch(nanogpt: str, batch: int, threads: int, steps: int = 100) -> None:
+    """nanoGPT's model and AdamW at the same shape under torch.profiler (see the module's docstring)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    sys.path.insert(0, os.path.abspath(nanogpt))
+    from model import GPT, GPTConfig   # nanoGPT's model.py, from its checkout
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    C = SHAPE["d_model"]
+    m = GPT(GPTConfig(block_size=SHAPE["seq_len"], vocab_size=SHAPE["vocab"], n_layer=SHAPE["n_layers"],
+                      n_head=4, n_embd=C, dropout=0.0, bias=False))
+    opt = m.configure_optimizers(0.1, 1e-3, (0.9, 0.99), "cpu")
+    x, y = (torch.randint(0, SHAPE["vocab"], (batch, SHAPE["seq_len"])) for _ in range(2))
+
+    def step():
+        _, loss = m(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for _ in range(20):
+        step()
+    cpu = []
+    for _ in range(steps):
+        t = time.process_time()
+        step()
+        cpu.append(1e3 * (time.process_time() - t))
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    print(f"nanoGPT's model (torch {torch.__version__}, {threads} thread(s)), batch {batch}, {load()}: "
+          f"step {statistics.median(cpu):.2f} ms CPU (median of {steps}); torch.profiler, self CPU shares:")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:10]:
+        print(f"    {e.key[:48]:<48} {e.self_cpu_time_total / total:6.1%}  ({e.count // steps} calls a step)")
+
+
+def load() -> str:
+    return "load %.2f %.2f %.2f" % os.getloadavg()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -128,8 +222,17 @@ def main(argv=None) -> int:
         s.add_argument("--cores", type=int, default=os.cpu_count())
         if name == "table":
             s.add_argument("runs", nargs="+", metavar="LABEL:WALL:LOG")
+    pr = sub.add_parser("profile")
+    pr.add_argument("--batch", type=int, default=6)
+    pt = sub.add_parser("profile-torch")
+    pt.add_argument("nanogpt"), pt.add_argument("--batch", type=int, default=6)
+    pt.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)
-    if a.cmd == "workdir":
+    if a.cmd == "profile":
+        profile(a.batch)
+    elif a.cmd == "profile-torch":
+        profile_torch(a.nanogpt, a.batch, a.threads)
+    elif a.cmd == "workdir":
         workdir(a.nanogpt, a.data, a.out)
     elif a.cmd == "args":
         # the config's eval_interval (250) when it divides the steps, so that the last step is evaluated
