@@ -11,7 +11,7 @@ the ABA runs and prints wall, final validation loss and the ratio.
 
   python -m benchmarks.nanogpt workdir NANOGPT_DIR DATA_DIR OUT
   python -m benchmarks.nanogpt floor --steps 2000 --cores 2
-  python -m benchmarks.nanogpt table --steps 2000 --cores 2 LABEL:WALL:LOG ...
+  python -m benchmarks.nanogpt table --steps 2000 --cores 2 LABEL:WALL:CPU:LOAD:LOG ...
   python -m benchmarks.nanogpt profile --batch 6                  # capstone's step, one rank's share of 2
   TORCH_PYTHON -m benchmarks.nanogpt profile-torch NANOGPT_DIR --batch 6 --threads 1   # nanoGPT's model
 
@@ -104,23 +104,25 @@ def final_val(label: str, log: str) -> float:
 
 
 def table(steps: int, cores: int, runs: list[str]) -> None:
-    """Each run's wall and final validation loss, the ratio of the means and the FLOP floor."""
+    """Each run's wall, job CPU and final validation loss, the ratio of the mean walls and the FLOP floor.
+    A run is LABEL:WALL:CPU:LOAD:LOG (LOAD: the 1-minute load average at its start)."""
     seconds, peak = floor(steps, cores)
     walls: dict[str, list[float]] = {}
     vals: dict[str, list[float]] = {}
     for run in runs:
-        label, wall, log = run.split(":", 2)
+        label, wall, cpu, load_, log = run.split(":", 4)
         kind = "nanoGPT" if label.startswith("nanogpt") else f"capstone {label}"
         walls.setdefault(kind, []).append(float(wall))
         vals.setdefault(kind, []).append(final_val(label, log))
-        print(f"  {kind:<20} wall {float(wall):7.1f} s   final val loss {vals[kind][-1]:.4f}")
+        print(f"  {kind:<14} wall {float(wall):6.1f} s  job CPU {float(cpu):6.1f} s  load at start {load_:>5}  "
+              f"final val loss {vals[kind][-1]:.4f}")
     gflop = steps * step_flops(**SHAPE) / 1e9
-    print(f"  FLOP floor: {gflop:,.0f} GFLOP of training steps at {peak:.1f} GFLOP/s per core (sgemm, this core) "
-          f"x {cores} cores = {seconds:.1f} s")
+    print(f"  FLOP floor: {gflop:,.0f} GFLOP of training steps at {peak:.1f} GFLOP/s per core (sgemm at the model's "
+          f"shapes, this core) x {cores} cores = {seconds:.1f} s")
     ref = statistics.mean(walls.get("nanoGPT", [float("nan")]))
     for kind in walls:
         w = statistics.mean(walls[kind])
-        print(f"  {kind:<20} mean wall {w:7.1f} s = {w / ref:.3f}x nanoGPT, {w / seconds:.2f}x the floor; "
+        print(f"  {kind:<14} mean wall {w:6.1f} s = {w / ref:.3f}x nanoGPT = {w / seconds:.2f}x the floor; "
               f"final val {statistics.mean(vals[kind]):.4f}")
 
 
@@ -221,7 +223,7 @@ def main(argv=None) -> int:
         s.add_argument("--steps", type=int, default=2000)
         s.add_argument("--cores", type=int, default=os.cpu_count())
         if name == "table":
-            s.add_argument("runs", nargs="+", metavar="LABEL:WALL:LOG")
+            s.add_argument("runs", nargs="+", metavar="LABEL:WALL:CPU:LOAD:LOG")
     pr = sub.add_parser("profile")
     pr.add_argument("--batch", type=int, default=6)
     pt = sub.add_parser("profile-torch")
