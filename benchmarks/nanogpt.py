@@ -46,15 +46,17 @@ def workdir(nanogpt: str, data: str, out: str) -> None:
     missing = [f for f in ("train.py", "model.py", "configurator.py", "config/train_shakespeare_char.py")
                if not os.path.exists(os.path.join(nanogpt, f))]
     if missing:
-        sys.exit(f"NANOGPT_DIR={nanogpt}: not a nanoGPT checkout (no {', '.join(missing)}); "
-                 "e.g. git clone https://github.com/karpathy/nanoGPT")
+        print(f"NANOGPT_DIR={nanogpt}: not a nanoGPT checkout (no {', '.join(missing)}); give the directory of a "
+              "clone of https://github.com/karpathy/nanoGPT", file=sys.stderr)
+        raise SystemExit(2)
     os.makedirs(os.path.join(out, "data", "shakespeare_char"), exist_ok=True)
     for f in ("train.py", "model.py", "configurator.py", "config"):
         os.symlink(os.path.abspath(os.path.join(nanogpt, f)), os.path.join(out, f))
     with open(os.path.join(data, "meta.json")) as fh:
         meta = json.load(fh)
     if meta["tokenizer"]["kind"] != "char" or meta["dtype"] != "uint16-le":
-        sys.exit(f"{data}: nanoGPT's shakespeare_char needs character tokens in uint16-le")
+        print(f"{data}: nanoGPT's shakespeare_char needs character tokens in uint16-le", file=sys.stderr)
+        raise SystemExit(2)
     chars = meta["tokenizer"]["chars"]
     target = os.path.join(out, "data", "shakespeare_char")
     for split in ("train", "val"):
