@@ -150,7 +150,9 @@ def profile(batch: int, steps: int = 200) -> None:
     st = bench_step.Stepper("shakespeare-char")
     for _ in range(20):
         st.step()
-    cpu = statistics.median(st.step()[1] for _ in range(steps))
+    timed_steps = [st.step() for _ in range(steps)]
+    cpu = statistics.median(t[1] for t in timed_steps)
+    walls = sorted(t[0] for t in timed_steps)
     mm = [0.0]
 
     def timed(a, b, out=None):
@@ -165,8 +167,8 @@ def profile(batch: int, steps: int = 200) -> None:
     prof.runcall(lambda: [st.step() for _ in range(steps)])
     stats = pstats.Stats(prof).stats
     profiled = max(v[3] for k, v in stats.items() if k[2] == "step")
-    print(f"capstone, batch {batch} (one rank's step), {load()}: step {cpu:.2f} ms CPU (median of {steps}); "
-          f"matmuls (kernels._mm, attention's included) {1e3 * mm[0] / steps:.2f} ms = {mm[0] / total:.1%}")
+    print(f"capstone, batch {batch} (one rank's step), {load()}: step {cpu:.2f} ms CPU (median of {steps}), "
+          f"wall min {walls[0]:.2f} median {walls[len(walls) // 2]:.2f} ms; matmuls (kernels._mm, attention's included) {1e3 * mm[0] / steps:.2f} ms = {mm[0] / total:.1%}")
     print(f"  under cProfile (CPU clock, {1e3 * profiled / steps:.2f} ms a step with its overhead), cumulative:")
     for name, funcs in CATEGORIES.items():
         sec = sum(v[3] for k, v in stats.items() if k[2] in funcs)
