@@ -91,7 +91,7 @@ def make(grid: Grid, settings: Settings, data, hooks, scale: float) -> Parts:
         stream = link = Link(seam, grid.pp, (mcfg.vocab_size, mcfg.d_model))
     if mcfg.dropout:              # the seam counts each step's micro-batches for their masks (capstone.model.dropout)
         from capstone.model import dropout   # the sample's index is its replica's (a cp ring's ranks share samples)
-        stream = dropout.Stream(stream, mcfg.dropout, tcfg.seed, grid.dp.rank // grid.cp_size, grid.replicas,
+        stream = dropout.Stream(stream, mcfg.dropout, tcfg.seed, grid.replica, grid.replicas,
                                 ring or dropout.WHOLE)
     model = Model(mcfg, layout, stream, grid.tp, opts.recompute) if ring is None else \
         Model(mcfg, layout, stream, grid.tp, opts.recompute, ring)

@@ -558,7 +558,7 @@ MUTANTS = [
            ("tests/test_composition.py::test_row[n4-tp1-acc1-overlap-default-clean-zero1-dropout-cp2]",),
            "the embedding and residual dropout of a cp rank's rows drawn at positions 0..2n-1, not its chunks' own"),
     Mutant("cp/dropout-sample-index-of-the-dp-x-cp-rank", "capstone/modes.py",
-           "grid.dp.rank // grid.cp_size, grid.replicas,", "grid.dp.rank, grid.dp.size,",
+           "grid.replica, grid.replicas,", "grid.dp.rank, grid.dp.size,",
            ("tests/test_composition.py::test_row[n4-tp1-acc1-overlap-default-clean-zero1-dropout-cp2]",),
            "the dropout masks' sample index counted over the dp x cp ranks: the two ranks of a ring mask one "
            "sample as two different ones"),

@@ -102,6 +102,11 @@ class Grid:
         """Data-parallel replicas: the ranks reading different sequences (dp, without cp)."""
         return self.dp.size // self.cp_size
 
+    @property
+    def replica(self) -> int:
+        """This rank's data-parallel replica, 0 .. replicas - 1 (the dp x cp group's ranks in runs of cp)."""
+        return self.dp.rank // self.cp_size
+
     def part(self, rank: int) -> int:
         """The part of the model (pp_rank * tp + tp_rank) that world rank `rank` holds."""
         return rank // (self.cp_size * self.tp.size) % self.pp.size * self.tp.size + rank % self.tp.size
