@@ -89,7 +89,9 @@ def test_a_fresh_run_does_not_append_to_an_earlier_runs_log(tmp_path):
 
 def test_resume_auto_on_a_finished_run_is_done(tmp_path):
     """Exit 0 with one line, summary.json and metrics.jsonl untouched; --resume latest keeps its exit 2;
-    the Slurm step (scripts/slurm/step.sh) then ends the batch job with 0, status completed."""
+    the Slurm step (scripts/slurm/step.sh) then ends the batch job with 0, status completed, also when
+    the time limit's SIGUSR1 reaches the batch shell after the step has ended (it used to kill the
+    shell: exit 138, a FAILED job that had finished)."""
     out = tmp_path / "run"
     assert mpirun(2, "--out", out, "--steps", 4).returncode == 0
     kept = {name: digest(out / name) for name in ("summary.json", "metrics.jsonl")}
@@ -97,11 +99,15 @@ def test_resume_auto_on_a_finished_run_is_done(tmp_path):
     assert res.returncode == 0 and res.stdout.count("the run is finished, nothing to do") == 1, res.stdout + res.stderr
     assert {name: digest(out / name) for name in kept} == kept
     clean_error(mpirun(2, "--out", out, "--steps", 4, "--resume", "latest"), "nothing left to do", "--steps larger")
-    script = ('source scripts/slurm/step.sh && run_step "$0" "$1" mpirun -n 2 --oversubscribe "$1" -m capstone.train '
-              '--out "$0" --resume auto --steps 4')
-    step = subprocess.run(["bash", "-c", script, str(out), sys.executable], capture_output=True, text=True,
-                          env=mpi_env(), cwd=ROOT, timeout=120)
+    late = tmp_path / "python"   # reads summary.json after the step, once SIGUSR1 has hit the batch shell
+    late.write_text(f'#!/bin/sh\nkill -USR1 "$BATCH_SHELL" && sleep 0.2\nexec {sys.executable} "$@"\n')
+    late.chmod(0o755)
+    script = ('export BATCH_SHELL=$$; source scripts/slurm/step.sh && run_step "$0" "$1" mpirun -n 2 --oversubscribe '
+              '"$2" -m capstone.train --out "$0" --resume auto --steps 4')
+    step = subprocess.run(["bash", "-c", script, str(out), str(late), sys.executable], capture_output=True,
+                          text=True, env=mpi_env(), cwd=ROOT, timeout=120)
     assert step.returncode == 0 and "summary status: completed" in step.stdout, step.stdout + step.stderr
+    assert "SIGUSR1 after the job step ended" in step.stdout, step.stdout
     assert {name: digest(out / name) for name in kept} == kept
 
 

@@ -53,7 +53,10 @@ run_step() {
     [[ -n "$timed_out" ]] && stop_lingering_step "$step_pid" "$timed_out"
   done
   wait "$step_pid" || rc=$?        # bash keeps the exit status of the finished step
-  trap - USR1 INT
+  # The time limit's warning can land as the step ends (a requeued job's fresh limit included): with
+  # the default action it would kill this shell (exit 138) and fail a job that has finished.
+  trap 'step_log "SIGUSR1 after the job step ended: nothing left to stop"' USR1
+  trap - INT
   step_log "job step exited with status $rc"
   timed_out="$(timeout_record "$run_dir" "$started")"
   if [[ $rc -ne 0 && -n "$timed_out" ]]; then
