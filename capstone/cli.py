@@ -160,10 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
                        ("d_model", "model width C"), ("n_heads", "attention heads H (must divide d-model)"),
                        ("n_layers", "transformer blocks L")):
         _flag(g, name, text)
+    g.add_argument("--bias", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                   help="biases in the blocks and LayerNorms (default: yes, as GPT-2; --no-bias: nanoGPT's bias=False)")
     g.add_argument("--no-head-bias", dest="head_bias", action="store_false", default=argparse.SUPPRESS,
                    help="no bias in the LM head, as GPT-2 (needed by `capstone.export --format hf`; default: a bias)")
-    g.add_argument("--tie-embeddings", dest="tie_embeddings", action=argparse.BooleanOptionalAction,
-                   default=argparse.SUPPRESS,
+    g.add_argument("--tie-embeddings", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                    help="the LM head is the token embedding wte (GPT-2's weight tying; its gradient is the sum of "
                         "both uses; default: a head of its own; --no-tie-embeddings unties a preset's)")
     g.add_argument("--dropout", type=float, default=argparse.SUPPRESS, metavar="P",
@@ -335,8 +336,7 @@ def _counts(text: str) -> tuple[int, ...] | None:
 
 
 def parse(argv=None) -> Settings:
-    """Parse and validate; raises ConfigError (with what to do, every bad flag at once) on bad values,
-    SystemExit on --help."""
+    """Parse and validate: ConfigError (what to do, every bad flag at once) on bad values; SystemExit on --help."""
     parser = build_parser()
     namespace, extras = parser.parse_known_args(argv)
     values = {k: v for k, v in vars(namespace).items() if v is not _BAD}

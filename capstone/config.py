@@ -53,6 +53,7 @@ class ModelConfig:
     d_model: int = 32
     n_heads: int = 4
     n_layers: int = 2
+    bias: bool = True              # the blocks' linear layers and every LayerNorm have biases (nanoGPT's bias=False: --no-bias)
     head_bias: bool = True         # the LM head has a bias (GPT-2's has none: --no-head-bias)
     tie_embeddings: bool = False   # the LM head is wte (capstone.model.tied)
     dropout: float = 0.0           # GPT-2's dropout while training (capstone.model.dropout)
@@ -62,7 +63,7 @@ class ModelConfig:
         for name in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers"):
             _require(isinstance(value := getattr(self, name), int) and value >= 1,
                      f"{name} must be a positive integer, got {value!r}; pass e.g. --{name.replace('_', '-')} 4.")
-        for name in ("head_bias", "tie_embeddings"):
+        for name in ("bias", "head_bias", "tie_embeddings"):
             _require(isinstance(value := getattr(self, name), bool), f"{name} must be true or false, got {value!r}.")
         _require(type(self.dropout) in (int, float) and 0 <= self.dropout < 1, f"dropout must be in [0, 1), got "
                  f"{self.dropout!r}; GPT-2 trained with --dropout 0.1.")

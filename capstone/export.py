@@ -7,7 +7,8 @@ untied head is two extra tensors, `lm_head.weight` (vocab, d_model) as nn.Linear
 `lm_head.bias` (a tied head, --tie-embeddings, is wte: no lm_head.weight, `tie_word_embeddings` true). The metadata holds the GPT-2 config, capstone's model config, the step and the
 tokenizer (docs/export.md). `--format hf` writes a directory that transformers'
 `GPT2LMHeadModel.from_pretrained` loads (config.json + model.safetensors, as `save_pretrained` writes
-them), for a model without an LM-head bias: GPT-2 has none, so a model with one is refused. An existing --out is replaced only with --force; files get the
+them), for a model without an LM-head bias: GPT-2 has none, so a model with one is refused; a model
+without the other biases (--no-bias) gets zeros for them. An existing --out is replaced only with --force; files get the
 umask's mode. Exit codes: 0 ok; 1 not a valid checkpoint; 2 bad arguments.
 """
 
@@ -23,7 +24,7 @@ import numpy as np
 
 from capstone.checkpoint import CheckpointError, serial
 from capstone.config import ConfigError, ModelConfig
-from capstone.model.params import Layout
+from capstone.model.params import Layout, param_shapes
 from capstone.vocab import SampleError
 
 SAFETENSORS_PIN = "safetensors==0.8.0"
@@ -54,6 +55,12 @@ def named_tensors(views: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     transposed to (vocab, d_model)."""
     return {gpt2_name(n): np.ascontiguousarray(a.T if n == "lm_head.w" else a, dtype=np.float32)
             for n, a in views.items()}
+
+
+def absent_biases(cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Zeros for the biases a --no-bias model does not have (GPT-2 has them; zero is the same function)."""
+    whole = dict(param_shapes(dataclasses.replace(cfg, bias=True)))
+    return {name: np.zeros(whole[name], np.float32) for name, shape in param_shapes(cfg, absent=True) if shape is None}
 
 
 def gpt2_tensors(params: np.ndarray, cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -159,7 +166,7 @@ def write_hf(views: dict[str, np.ndarray], cfg: ModelConfig, md: dict, out: str,
                              "GPT2LMHeadModel.from_pretrained would drop it and its logits would differ by it. Export "
                              "a model trained with --no-head-bias, or drop --format hf: the default safetensors file "
                              "keeps the bias (docs/export.md shows a PyTorch module that loads it).")
-    tensors = named_tensors(views)
+    tensors = named_tensors({**views, **absent_biases(cfg)})
     md = {"capstone_format": md.pop("format"), **md, "format": "pt"}
     try:
         os.makedirs(out, exist_ok=True)

@@ -58,13 +58,13 @@ class KVCache:
         x = p["wte"][np.asarray(ids)] + p["wpe"][s:s + n]                    # (n, C)
         for i in range(L):
             h, top = f"h{i}.", last and i == L - 1
-            a = layer_norm(x, p[h + "ln_1.w"], p[h + "ln_1.b"])
-            y = self._attend(i, linear(a, p[h + "attn.c_attn.w"], p[h + "attn.c_attn.b"]), top)
-            x = (x[-1:] if top else x) + linear(y, p[h + "attn.c_proj.w"], p[h + "attn.c_proj.b"])
-            u = linear_gelu(layer_norm(x, p[h + "ln_2.w"], p[h + "ln_2.b"]), p[h + "mlp.c_fc.w"], p[h + "mlp.c_fc.b"])
-            x = x + linear(u, p[h + "mlp.c_proj.w"], p[h + "mlp.c_proj.b"])
+            a = layer_norm(x, p[h + "ln_1.w"], p.get(h + "ln_1.b"))
+            y = self._attend(i, linear(a, p[h + "attn.c_attn.w"], p.get(h + "attn.c_attn.b")), top)
+            x = (x[-1:] if top else x) + linear(y, p[h + "attn.c_proj.w"], p.get(h + "attn.c_proj.b"))
+            u = linear_gelu(layer_norm(x, p[h + "ln_2.w"], p.get(h + "ln_2.b")), p[h + "mlp.c_fc.w"], p.get(h + "mlp.c_fc.b"))
+            x = x + linear(u, p[h + "mlp.c_proj.w"], p.get(h + "mlp.c_proj.b"))
         self.n = s + n
-        z = layer_norm(x, p["ln_f.w"], p["ln_f.b"])
+        z = layer_norm(x, p["ln_f.w"], p.get("ln_f.b"))
         w = p["lm_head.w"] if "lm_head.w" in p else p["wte"].T                # --tie-embeddings: the head is wte
         return linear(z, w, p["lm_head.b"]) if "lm_head.b" in p else z @ w
 

@@ -1,7 +1,7 @@
 """Named settings (`--preset NAME`): plain data, overridden by any flag given explicitly.
 
 `reference` is the product's experiment (every default). `shakespeare-char` is nanoGPT's CPU
-"baby GPT" on character-level Shakespeare; `medium` and `large` are sizes where speed matters
+"baby GPT" on character-level Shakespeare (its model: no biases, the head tied to wte); `medium` and `large` are sizes where speed matters
 (docs/performance.md measures them). `gpt2` is GPT-2 small's shape (124M parameters: tied head, no
 head bias, 1024 positions, its 50257 BPE tokens) for fine-tuning GPT-2 weights on CPU ranks
 (`--init-from DIR`, with `--zero-stage 3 --recompute`: docs/gpt2.md); `gpt2-mini` the same model
@@ -19,8 +19,8 @@ import math
 PRESETS: dict[str, dict] = {
     "reference": {},
     "shakespeare-char": {
-        "n_layers": 4, "n_heads": 4, "d_model": 128, "seq_len": 64,
-        "data": "data/shakespeare", "global_batch": 12, "steps": 2000,
+        "n_layers": 4, "n_heads": 4, "d_model": 128, "seq_len": 64, "bias": False, "head_bias": False,
+        "tie_embeddings": True, "data": "data/shakespeare", "global_batch": 12, "steps": 2000,
         "lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "clip": 1.0,
         "lr_schedule": "cosine", "warmup_steps": 100, "min_lr": 1e-4,
         "eval_every": 250, "eval_batches": 20, "eval_batch_size": 12, "ckpt_every": 250,

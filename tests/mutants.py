@@ -480,6 +480,16 @@ MUTANTS = [
             "tests/test_deadlines.py::test_a_rank_stopped_before_a_collective_ends_the_job[pipeline-message]"),
            "a pipeline receive outside the deadline: a stopped neighbour hangs the stage"),
 
+    # ---- --no-bias (nanoGPT's bias=False) -----------------------------------------------------------
+    Mutant("bias/no-bias-ignored", "capstone/model/params.py",
+           "    if not cfg.bias:\n", "    if False:\n",
+           ("tests/test_bias.py::test_the_layout_has_no_bias_and_the_same_seed_draws_the_same_weights",),
+           "--no-bias accepted and recorded, but the model keeps every bias (nanoGPT's model is not what trains)"),
+    Mutant("bias/hf-export-without-gpt2s-biases", "capstone/export.py",
+           "    tensors = named_tensors({**views, **absent_biases(cfg)})\n", "    tensors = named_tensors(views)\n",
+           ("tests/test_export.py::test_format_hf_of_a_model_trained_without_a_head_bias[nanogpt]",),
+           "--format hf of a --no-bias model leaves GPT-2's biases out: transformers initialises them itself"),
+
     # ---- --tie-embeddings (capstone.model.tied) ---------------------------------------------------
     Mutant("tie/head-share-of-wte-dropped", "capstone/model/options.py",
            "        gw[:share.size] += share.reshape(-1)\n", "",

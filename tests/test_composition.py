@@ -70,31 +70,33 @@ def references(tmp_path_factory):
     end the same way. `get` gives the step rows, `get.outcome` the dict with how the run ended."""
     made = {}
 
-    def outcome(inject: str, undo: bool = True, tie: bool = False, dropout: bool = False, long: bool = False) -> dict:
-        key = (inject, undo, tie, dropout, long)
+    def outcome(inject: str, undo: bool = True, tie: bool = False, dropout: bool = False, long: bool = False,
+                bias: bool = True) -> dict:
+        key = (inject, undo, tie, dropout, long, bias)
         if key not in made:
             ref = reference_run(tmp_path_factory, *key)
             assert ref["returncode"] == 0 or not undo and ref["ending"] == ["a_loss_monotone"], ref["output"]
             made[key] = ref
         return made[key]
 
-    def get(inject: str, undo: bool = True, tie: bool = False, dropout: bool = False, long: bool = False) -> list:
-        return outcome(inject, undo, tie, dropout, long)["rows"]
+    def get(inject: str, undo: bool = True, tie: bool = False, dropout: bool = False, long: bool = False,
+            bias: bool = True) -> list:
+        return outcome(inject, undo, tie, dropout, long, bias)["rows"]
     get.outcome = outcome
     return get
 
 
 def reference_run(tmp_path_factory, inject: str = "clean", undo: bool = True, tie: bool = False,
-                  dropout: bool = False, long: bool = False) -> dict:
-    """The 1-rank run of a row's injection, guard undo, tying and dropout (`long`: at the cp rows'
-    sequence length), made once for every worker, phase and module that reads it
+                  dropout: bool = False, long: bool = False, bias: bool = True) -> dict:
+    """The 1-rank run of a row's injection, guard undo, tying, dropout and biases (`long`: at the cp
+    rows' sequence length), made once for every worker, phase and module that reads it
     (tests/test_slurm_nodes.py too): returncode, output, ending, step rows."""
     name = (inject + ("" if undo else "-no-undo") + ("-tie" if tie else "") + ("-dropout" if dropout else "")
-            + ("-long" if long else ""))
+            + ("-long" if long else "") + ("" if bias else "-no-bias"))
 
     def make(base):
         out = base / name
-        row = mx.Row(1, 1, 1, False, False, inject, False, undo=undo, tie=tie, dropout=dropout, long=long)
+        row = mx.Row(1, 1, 1, False, False, inject, False, undo=undo, tie=tie, dropout=dropout, long=long, bias=bias)
         res = launch(commands(row, out))[-1]
         return {"returncode": res.returncode, "output": res.stdout + res.stderr, "ending": ending(out),
                 "rows": step_rows(out) if res.returncode in (0, 1) else None}
@@ -138,7 +140,7 @@ def test_row(row, references, tmp_path):
         assert results[0].returncode == 2 and reason in results[0].stderr, f"{where}\n{text[-3000:]}"
         assert results[0].stderr.count("error:") == 1 and not out.exists(), f"{where}\n{text[-3000:]}"
         return
-    want = references.outcome(row.inject, row.undo, row.tie, row.dropout, row.seq_len is not None)
+    want = references.outcome(row.inject, row.undo, row.tie, row.dropout, row.seq_len is not None, row.bias)
     # the reference failed (a) (an lr spike kept without the undo): so must the row, but a resumed
     # row's last segment (steps 5-8) holds too few evaluations for (a)'s jump test to see the spike
     endings = [(want["returncode"], want["ending"])] + [(0, [])] * (row.resume and want["returncode"] == 1)

@@ -214,7 +214,7 @@ def _discard(comm, f, tmp: str) -> None:
         os.remove(tmp)
 
 
-ADDED_MODEL_FIELDS = ("head_bias", "tie_embeddings", "dropout")   # model settings added after checkpoints were first written
+ADDED_MODEL_FIELDS = ("bias", "head_bias", "tie_embeddings", "dropout")   # model settings added after checkpoints were first written
 
 
 def _check_compatible(meta: dict, path: str, layout, expect: dict) -> None:

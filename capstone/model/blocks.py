@@ -47,14 +47,14 @@ ALONE = WHOLE = Alone()
 
 @functools.lru_cache(maxsize=64)
 def _spans(shapes: tuple) -> tuple:
-    """((start, end, shape), ...) of each shape's slice of a group's flat array."""
-    ends = np.cumsum([math.prod(shape) for shape in shapes]).tolist()
+    """((start, end, shape), ...) of each shape's slice of a group's flat array (None: no slice)."""
+    ends = np.cumsum([0 if shape is None else math.prod(shape) for shape in shapes]).tolist()
     return tuple(zip([0] + ends[:-1], ends, shapes))
 
 
 def unpack(w: np.ndarray, shapes: tuple) -> list[np.ndarray]:
-    """Views of the group's flat array w, one per shape, in order."""
-    return [w[a:b].reshape(shape) for a, b, shape in _spans(shapes)]
+    """Views of the group's flat array w, one per shape, in order (None for an absent bias: --no-bias)."""
+    return [None if shape is None else w[a:b].reshape(shape) for a, b, shape in _spans(shapes)]
 
 
 def _linear_back(g, x, w, gw, gb):
@@ -66,9 +66,11 @@ def _linear_back(g, x, w, gw, gb):
 
 
 def _ln_back(g, saved, w, gw, gb):
-    """LayerNorm: dw and db written into gw, gb; returns dx."""
-    d = K._ln_bwd(g, saved, (0, 1, 2), g, w, None)  # the input only gives the shape: g's
-    gw[...], gb[...] = d[1], d[2]
+    """LayerNorm: dw and db written into gw, gb (None: no bias); returns dx."""
+    d = K._ln_bwd(g, saved, (0, 1) if gb is None else (0, 1, 2), g, w, None)  # the input only gives the shape
+    gw[...] = d[1]
+    if gb is not None:
+        gb[...] = d[2]
     return d[0]
 
 
@@ -101,10 +103,11 @@ def block_forward(x, w, T, H, shapes, tp, cp=WHOLE):
 
 
 def _row_parallel(x, w, b, tp):
-    """x @ w summed over the tensor-parallel ranks ("g"), then + b: (B*T, Cin/tp) -> (B*T, C)."""
+    """x @ w summed over the tensor-parallel ranks ("g"), then + b (if any): (B*T, Cin/tp) -> (B*T, C)."""
     y = K._mm(x, w)
     tp.Allreduce(y, "tensor-parallel allreduce of a block's output", "tp_allreduce")
-    y += b
+    if b is not None:
+        y += b
     return y
 
 
@@ -117,7 +120,8 @@ def block_backward(g, saved, x, w, T, H, shapes, tp, gw, free: bool, cp=WHOLE):
     ln1w, _, aw, _, pw, _, ln2w, _, fw, _, mw, _ = unpack(w, shapes)
     d_ln1w, d_ln1b, d_aw, d_ab, d_pw, d_pb, d_ln2w, d_ln2b, d_fw, d_fb, d_mw, d_mb = unpack(gw, shapes)
     K._mm(h.T, g, out=d_mw)                                                     # _linear_back, with h freed
-    K._add(g, axis=0, out=d_mb)                                                 # before gh exists: 3.6 MiB
+    if d_mb is not None:
+        K._add(g, axis=0, out=d_mb)                                             # before gh exists: 3.6 MiB
     del h                                                                       # less peak RSS at medium
     gh = K._mm(g, mw.T)                                                         # (B*T, 4C/tp)
     gm = _linear_back(K._gelu_grad(gh, *s_fc, out=gh), m, fw, d_fw, d_fb)       # through the MLP

@@ -97,8 +97,6 @@ def _embed_bwd(g, _, argnums, wte, wpe, idx, pos=None):
     return out
 
 
-
-
 # ---- row blocks: the elementwise passes of LayerNorm and GELU, a cache-sized block at a time ------
 
 ROW_BLOCK = 1 << 16  # elements per row block of the GELU's and LayerNorm's passes: 256 KiB per array, in L2
@@ -121,10 +119,10 @@ def _rowdot(a, b):
 
 
 def _ln_fwd(x, w, b, eps=1e-5):
-    """LayerNorm over the last axis: x (..., C), w/b (C,). Saves xhat (..., C) and 1/std (..., 1).
+    """LayerNorm over the last axis: x (..., C), w/b (C,) (b None: no bias). Saves xhat (..., C) and 1/std (..., 1).
     Row blocks (`_row_blocks`): each row's passes run from cache."""
     inv_c = 1.0 / x.shape[-1]
-    xhat, y = np.empty_like(x), np.empty_like(x, dtype=np.result_type(x, w, b))
+    xhat, y = np.empty_like(x), np.empty_like(x, dtype=np.result_type(x, w, *(() if b is None else (b,))))
     rstd = np.empty(x.shape[:-1] + (1,), dtype=x.dtype)
     for r in _row_blocks(x):
         xh, xr = xhat[r], x[r]
@@ -134,7 +132,8 @@ def _ln_fwd(x, w, b, eps=1e-5):
         xh *= rs
         yr = y[r]
         np.multiply(xh, w, out=yr)
-        yr += b
+        if b is not None:
+            yr += b
     return y, (xhat, rstd)
 
 
@@ -160,17 +159,14 @@ def _ln_bwd(g, saved, argnums, x, w, b, eps=1e-5):
     return out
 
 
-
-
 # ---- linear, GELU, linear + GELU ---------------------------------------------------------------
 
 def _linear_fwd(x, w, b):
-    """y = x @ w + b: x (N, Cin), w (Cin, Cout), b (Cout,) -> (N, Cout)."""
+    """y = x @ w + b: x (N, Cin), w (Cin, Cout), b (Cout,) or None -> (N, Cout)."""
     y = _mm(x, w)
-    y += b
+    if b is not None:
+        y += b
     return y, None
-
-
 
 
 def _gelu_fwd(u):
@@ -209,15 +205,11 @@ def _gelu_grad(g, u, tp, out=None):
     return out
 
 
-
-
 def _linear_gelu_fwd(x, w, b):
     """gelu(x @ w + b): x (N, Cin) -> (N, Cout); saves the pre-activation and its tanh."""
     u, _ = _linear_fwd(x, w, b)
     y, t = _gelu_fwd(u)
     return y, (u, t)
-
-
 
 
 # ---- causal multi-head attention on the fused qkv buffer ---------------------------------------

@@ -41,9 +41,10 @@ def is_split(name: str) -> bool:
     return tp_split(name) is not None
 
 
-def param_shapes(cfg: ModelConfig, tp: int = 1) -> list[tuple[str, tuple[int, ...]]]:
+def param_shapes(cfg: ModelConfig, tp: int = 1, absent: bool = False) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every parameter, in buffer order; weights are (in, out) so y = x @ w + b.
-    With tensor parallelism over `tp` ranks, a rank's shapes: TP_PLAN's rows or columns divided by tp."""
+    With tensor parallelism over `tp` ranks, a rank's shapes: TP_PLAN's rows or columns divided by tp.
+    --no-bias: no biases but lm_head.b; `absent` lists them with shape None (blocks unpack by position)."""
     V, T, C = cfg.vocab_size, cfg.seq_len, cfg.d_model
     shapes = [("wte", (V, C)), ("wpe", (T, C))]
     for i in range(cfg.n_layers):
@@ -53,12 +54,14 @@ def param_shapes(cfg: ModelConfig, tp: int = 1) -> list[tuple[str, tuple[int, ..
             ("mlp.c_fc.w", (C, 4 * C)), ("mlp.c_fc.b", (4 * C,)), ("mlp.c_proj.w", (4 * C, C)), ("mlp.c_proj.b", (C,)))]
     shapes += [("ln_f.w", (C,)), ("ln_f.b", (C,))] + [("lm_head.w", (C, V))] * (not cfg.tie_embeddings)
     shapes += [("lm_head.b", (V,))] * cfg.head_bias      # tied: the head is wte (capstone.model.tied)
-    return [(name, _split_shape(shape, tp_split(name), tp)) for name, shape in shapes]
+    if not cfg.bias:
+        shapes = [(name, None if name.endswith(".b") and name != "lm_head.b" else shape) for name, shape in shapes]
+    return [(name, _split_shape(shape, tp_split(name), tp)) for name, shape in shapes if absent or shape is not None]
 
 
 def _split_shape(shape: tuple, split: str | None, tp: int) -> tuple:
     """A tensor-parallel rank's shape of a whole `shape` split as `split` over tp ranks."""
-    if split is None or tp == 1:
+    if split is None or tp == 1 or shape is None:
         return shape
     return (shape[0] // tp,) + shape[1:] if split == "rows" else shape[:-1] + (shape[-1] // tp,)
 
@@ -71,10 +74,10 @@ def group_of(name: str) -> str:
 
 @functools.lru_cache(maxsize=16)
 def group_shapes(cfg: ModelConfig, tp: int = 1) -> dict[str, tuple]:
-    """The shapes of each group's arrays in buffer order (what capstone.model.blocks unpacks)."""
+    """Each group's array shapes in buffer order (what capstone.model.blocks unpacks; None: no bias)."""
     out: dict[str, tuple] = {}
-    for name, shape in param_shapes(cfg, tp):
-        out[group_of(name)] = out.get(group_of(name), ()) + (tuple(shape),)
+    for name, shape in param_shapes(cfg, tp, absent=True):
+        out[group_of(name)] = out.get(group_of(name), ()) + (shape if shape is None else tuple(shape),)
     return out
 
 

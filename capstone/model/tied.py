@@ -71,9 +71,7 @@ def head_backward(g, saved, w, targets, shapes, gw, wte, gwte):
     if d_hb:
         K._add(gz, axis=0, out=d_hb[0])
     gx = K._mm(gz, wte)
-    d = K._ln_bwd(gx, s_ln, (0, 1, 2), gx, lnw, None)   # the input only gives the shape: gx's
-    d_lnw[...], d_lnb[...] = d[1], d[2]
-    return d[0]
+    return blocks._ln_back(gx, s_ln, lnw, d_lnw, d_lnb)
 
 
 def _head_fwd(x, ps: Pass, targets, shapes, tie: Tie):
