@@ -20,7 +20,8 @@ directory the bench owns:
 
 The model is the idiomatic eager one (what nanoGPT does on a CPU): nn.Linear-layout weights
 (out, in) through F.linear, F.layer_norm, F.scaled_dot_product_attention(is_causal=True),
-F.gelu(approximate="tanh"), F.cross_entropy(reduction="sum") times the same scale as capstone.
+F.gelu(approximate="tanh"), F.cross_entropy(reduction="sum") times the same scale as capstone; the biases the layout lacks
+(--no-bias, --no-head-bias) are None, and a layout without lm_head.w (--tie-embeddings) reads wte.
 """
 
 from __future__ import annotations
@@ -59,16 +60,16 @@ class TorchGPT:
         x = p["wte"][idx] + p["wpe"][:T]                                        # (B, T, C)
         for i in range(self.L):
             h = f"h{i}."
-            a = F.layer_norm(x, (C,), p[h + "ln_1.w"], p[h + "ln_1.b"], 1e-5)
-            q, k, v = F.linear(a, p[h + "attn.c_attn.w"], p[h + "attn.c_attn.b"]).split(C, dim=2)
+            a = F.layer_norm(x, (C,), p[h + "ln_1.w"], p.get(h + "ln_1.b"), 1e-5)
+            q, k, v = F.linear(a, p[h + "attn.c_attn.w"], p.get(h + "attn.c_attn.b")).split(C, dim=2)
             q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(B, T, C)
-            x = x + F.linear(y, p[h + "attn.c_proj.w"], p[h + "attn.c_proj.b"])
-            m = F.layer_norm(x, (C,), p[h + "ln_2.w"], p[h + "ln_2.b"], 1e-5)
-            m = F.gelu(F.linear(m, p[h + "mlp.c_fc.w"], p[h + "mlp.c_fc.b"]), approximate="tanh")
-            x = x + F.linear(m, p[h + "mlp.c_proj.w"], p[h + "mlp.c_proj.b"])
-        x = F.layer_norm(x, (C,), p["ln_f.w"], p["ln_f.b"], 1e-5)
-        z = F.linear(x, p["lm_head.w"], p["lm_head.b"])
+            x = x + F.linear(y, p[h + "attn.c_proj.w"], p.get(h + "attn.c_proj.b"))
+            m = F.layer_norm(x, (C,), p[h + "ln_2.w"], p.get(h + "ln_2.b"), 1e-5)
+            m = F.gelu(F.linear(m, p[h + "mlp.c_fc.w"], p.get(h + "mlp.c_fc.b")), approximate="tanh")
+            x = x + F.linear(m, p[h + "mlp.c_proj.w"], p.get(h + "mlp.c_proj.b"))
+        x = F.layer_norm(x, (C,), p["ln_f.w"], p.get("ln_f.b"), 1e-5)
+        z = F.linear(x, p["lm_head.w"] if "lm_head.w" in p else p["wte"], p.get("lm_head.b"))   # tied: wte
         return F.cross_entropy(z.view(-1, self.V), tgt.view(-1), reduction="sum") * scale
 
     def flat(self, grads: bool) -> np.ndarray:

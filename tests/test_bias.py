@@ -91,3 +91,28 @@ def test_a_run_without_biases_resumes_and_refuses_a_biased_resume(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=2e-5)
     res = mpirun(1, "--out", run, "--resume", "latest", "--bias", "--steps", 8)
     assert res.returncode == 2 and "bias" in res.stderr, res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("flags", [{}, {"bias": False, "head_bias": False, "tie_embeddings": True}],
+                         ids=["gpt2", "nanogpt"])
+def test_the_pytorch_twin_has_capstones_loss_and_gradient(flags):
+    """benchmarks/torch_model.py (the model of scripts/bench-shakespeare's PyTorch reference and of the
+    speed bench against torch) is capstone's model with or without biases and tie: the same loss and
+    gradient from the same parameters (torch in its own venv: scripts/torch-venv)."""
+    from test_export import torch_python
+
+    from benchmarks.torch_worker import TorchWorker
+    cfg = dataclasses.replace(CFG, **{"bias": True, "d_model": 16, **flags})
+    layout = Layout.for_model(cfg, 1)
+    params = init_params(layout, cfg, 5)
+    params += np.random.default_rng(5).normal(0, 0.05, params.shape).astype(np.float32)
+    x, y = batch(cfg, B=4, seed=3)
+    opt = {"lr": 1e-3, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1, "clip": 1.0}
+    twin = TorchWorker(torch_python(), cfg, layout, params, (x, y), opt)
+    try:
+        loss_t, grad_t = twin.grads()
+    finally:
+        twin.close()
+    loss, grad = loss_and_grad(layout, params, x, y, cfg, 1.0 / x.size)
+    assert abs(loss_t - loss) < 1e-5 * abs(loss)
+    np.testing.assert_allclose(grad_t[:layout.n_params], grad[:layout.n_params], rtol=1e-3, atol=2e-6)
