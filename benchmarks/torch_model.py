@@ -20,8 +20,9 @@ directory the bench owns:
 
 The model is the idiomatic eager one (what nanoGPT does on a CPU): nn.Linear-layout weights
 (out, in) through F.linear, F.layer_norm, F.scaled_dot_product_attention(is_causal=True),
-F.gelu(approximate="tanh"), F.cross_entropy(reduction="sum") times the same scale as capstone; the biases the layout lacks
-(--no-bias, --no-head-bias) are None, and a layout without lm_head.w (--tie-embeddings) reads wte.
+F.gelu(approximate="tanh"), F.cross_entropy(reduction="sum") times the same scale as capstone; the
+biases the layout lacks (--no-bias, --no-head-bias) are None, and without lm_head.w (--tie-embeddings)
+the head reads wte.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class ModelConfig:
     d_model: int = 32
     n_heads: int = 4
     n_layers: int = 2
-    bias: bool = True              # the blocks' linear layers and every LayerNorm have biases (nanoGPT's bias=False: --no-bias)
+    bias: bool = True              # biases in the blocks and every LayerNorm (nanoGPT's bias=False: --no-bias)
     head_bias: bool = True         # the LM head has a bias (GPT-2's has none: --no-head-bias)
     tie_embeddings: bool = False   # the LM head is wte (capstone.model.tied)
     dropout: float = 0.0           # GPT-2's dropout while training (capstone.model.dropout)

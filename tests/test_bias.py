@@ -44,7 +44,8 @@ def test_the_layout_has_no_bias_and_the_same_seed_draws_the_same_weights(tie, he
     names = [name for name, _, _ in ln.entries]
     assert [n for n in names if n.endswith(".b")] == ["lm_head.b"] * head_bias, names
     C, L = cfg.d_model, cfg.n_layers
-    assert lb.n_params - ln.n_params == L * (C + 3 * C + C + C + 4 * C + C) + C   # ln_1 c_attn c_proj ln_2 c_fc c_proj, ln_f
+    # ln_1, c_attn, c_proj, ln_2, c_fc, c_proj of each block, and ln_f
+    assert lb.n_params - ln.n_params == L * (C + 3 * C + C + C + 4 * C + C) + C
     vn, vb = ln.views(init_params(ln, cfg, 7)), lb.views(init_params(lb, biased, 7))
     for name, a in vn.items():
         np.testing.assert_array_equal(a, vb[name], err_msg=name)
