@@ -51,8 +51,9 @@ class StepResult:
     traffic: dict = field(default_factory=dict)   # collective kind -> Traffic (capstone.collective.comm)
 
 
-def train_step(run: Run, s: int) -> StepResult:
-    """Collective: call on all ranks. One optimizer step; returns what happened."""
+def train_step(run: Run, s: int, writing: bool = False) -> StepResult:
+    """Collective: call on all ranks. One optimizer step (`writing`: this rank's background checkpoint
+    write still runs, a flag the ranks agree on with the others); returns what happened."""
     timer, state, tcfg = PhaseTimer(), run.state, run.tcfg
     run.grid.world.begin_step(s)
     run.hooks.at("step", s)
@@ -61,7 +62,7 @@ def train_step(run: Run, s: int) -> StepResult:
                    for j in range(tcfg.grad_accum)]
         losses = run.schedule.forward_backward(batches, s)
     with timer("reduce"):
-        stats = run.reducer.finish(losses, Flags(stop.requested(), run.cadence.clock_due()))
+        stats = run.reducer.finish(losses, Flags(stop.requested(), run.cadence.clock_due(), writing))
         run.hooks.reduced(s, run.reducer.grad_shard)
     r = StepResult(s, stats.loss, stats.norm, run.hooks.learning_rate(s, lr.at_step(s, tcfg)),
                    (state.cursor, state.cursor + run.global_batch), run.cadence.due(s, stats.flags))
@@ -109,7 +110,9 @@ def train(run: Run) -> int:
     with outcome.recorded(run, start_step, t_start, log):   # summary.json also on a guard's abort or a timeout
         while run.state.step < run.tcfg.steps:
             run.state.step += 1
-            r = train_step(run, run.state.step)
+            r = train_step(run, run.state.step, run.ckpt.writing())
+            if not r.due.writing:   # every rank's background write has ended: a failed one ends the run now
+                run.ckpt.drain()
             if r.due.abandon:
                 status = "preempted"
                 judge.save_on_stop(run, r.step)

@@ -25,8 +25,9 @@ from conftest import ROOT, mpi_env
 # Every file a reader of a default step must open, whole files as wc -l counts them: the functions
 # the step runs, the functions and classes its code names (a function called through a cache
 # counts), and the classes of the objects it holds (an object only read counts: the Run, the
-# TrainConfig, a bucket's plan). Measured at the one-model seam: 2,764 lines in 27 files.
-STEP_LINES = 2800
+# TrainConfig, a bucket's plan). Measured at the one-model seam: 2,764 lines in 27 files; 2,805 once the
+# step's agreement carried the background checkpoint write's flag (and other changes since).
+STEP_LINES = 2820
 STEP_FILES = 27
 TRAIN_STEP_LINES = 35
 MODULE_LINES = 400

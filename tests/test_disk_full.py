@@ -11,7 +11,7 @@ import pytest
 
 from capstone.checkpoint import files
 
-from conftest import mpi_env, mpirun
+from conftest import mpi_env, mpirun, step_rows
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (mount, setpriv)")
 
@@ -41,23 +41,53 @@ def used_by_files(disk) -> int:
 @ROOT_ONLY
 @pytest.mark.parametrize("mode", ["--ckpt-async", "--no-ckpt-async"])
 def test_disk_full_during_a_save_fails_fast_and_keeps_the_previous_checkpoint(tmp_path, mode):
-    """The 600 KB disk holds one checkpoint: the save at step 10 hits ENOSPC mid-write (the
+    """The 600 KB disk holds one checkpoint: the save at step 20 hits ENOSPC mid-write (the
     free-space check is off, so HDF5 really writes). Every rank stops within seconds with one
-    message, the partial file is gone and gives its space back, `latest` still names step 5.
+    message, the partial file is gone and gives its space back, `latest` still names step 10.
     Asynchronous (the default): the write fails in the background thread, on every rank alike, and
-    the run ends at the next wait for it (the save of step 15) with the same message."""
+    the run ends at the first step boundary where no rank's write still runs, well before the next
+    save (step 30) would wait for it, with the same message; the metrics rows the full disk refused
+    meanwhile are written once the partial file has given its space back."""
     with tmpfs(tmp_path / "disk") as disk:
         out = disk / "run"
         t0 = time.time()
-        res = mpirun(2, "--out", out, "--ckpt-every", "5", mode, timeout=90, env_extra={"CAPSTONE_CHECK_SPACE": "0"})
+        res = mpirun(2, "--out", out, "--steps", "40", "--ckpt-every", "10", mode, timeout=90,
+                     env_extra={"CAPSTONE_CHECK_SPACE": "0"})
         elapsed = time.time() - t0
         assert res.returncode == 1, res.stderr
-        assert res.stderr.count("of checkpoint step 10 to") == 1 and "MPI_ABORT" not in res.stderr
+        assert res.stderr.count("of checkpoint step 20 to") == 1 and "MPI_ABORT" not in res.stderr
         assert "could not write" in res.stderr and "The partial file was removed" in res.stderr
         assert elapsed < 30, f"took {elapsed:.1f} s"
+        logged = [r["step"] for r in step_rows(out)]
+        assert logged == list(range(1, logged[-1] + 1)), "every step's row, none lost to the full disk"
+        assert logged[-1] == 19 if mode == "--no-ckpt-async" else 20 <= logged[-1] < 28, logged[-1]
         ckpts = out / "checkpoints"
-        assert sorted(os.listdir(ckpts)) == [files.final_name(5), files.final_name(5) + ".sha256", "latest"]
-        assert files.read_pointer(str(ckpts)).endswith(files.final_name(5))
-        assert verify(ckpts / files.final_name(5)).returncode == 0
+        assert sorted(os.listdir(ckpts)) == [files.final_name(10), files.final_name(10) + ".sha256", "latest"]
+        assert files.read_pointer(str(ckpts)).endswith(files.final_name(10))
+        assert verify(ckpts / files.final_name(10)).returncode == 0
         usage = shutil.disk_usage(disk)
         assert usage.used <= used_by_files(disk) + 8192, "the partial file's space was given back"
+
+
+@ROOT_ONLY
+def test_metrics_rows_a_full_disk_refuses_are_kept_and_written_when_space_returns(tmp_path, capsys):
+    """metrics.jsonl on a real full disk (a checkpoint being written in the background fills it):
+    the rows that do not fit are kept, one warning says so, and they are written, in order and
+    whole, once the space is back; the run is not ended by its log."""
+    from capstone.observe.report import MetricsLog
+    with tmpfs(tmp_path / "disk", size="64k") as disk:
+        log = MetricsLog(str(disk / "metrics.jsonl"))
+        log.write({"step": 1, "loss": 1.0})
+        filler = disk / "checkpoint.partial"
+        with open(filler, "wb") as f, pytest.raises(OSError):
+            f.write(b"x" * 128 * 1024)   # fills the disk, as a checkpoint's write does
+            f.flush()
+        for step in range(2, 40):
+            log.write({"step": step, "loss": 1.0 / step, "pad": "y" * 100})
+        assert capsys.readouterr().err.count("could not write") == 1
+        assert len(log.pending) > 0
+        filler.unlink()                  # the partial file removed: the space is back
+        log.write({"step": 40, "loss": 0.025})
+        log.close()
+        assert step_rows(disk, "step") == list(range(1, 41))
+        assert capsys.readouterr().err == ""

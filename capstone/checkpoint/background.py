@@ -10,9 +10,11 @@ its own deadline and watchdog, so its collectives never mix with the step's. One
 flight at a time: the next save, a stop's save, a --keep-best save, the stop-time probe, the end
 of the run and invariant (d) wait for it first (`Writer.wait`). A write that fails (disk full,
 quota) fails the same way on every rank (the save's errors are agreed on the duplicate), keeps the
-previous checkpoint and `latest`, and is raised in the training thread at that wait: the run ends
-with the save's message, exit 1. A kill at any moment leaves the previous checkpoint published,
-as a synchronous save does: the file becomes visible only by the same renames.
+previous checkpoint and `latest`, and is raised in the training thread at the first step boundary
+where no rank's write still runs (a flag of the step's agreement, `Flags.writing`), or at a wait
+before it: the run ends with the save's message, exit 1, a step or so after the write failed. A
+kill at any moment leaves the previous checkpoint published, as a synchronous save does: the file
+becomes visible only by the same renames.
 
 The snapshot is what makes the write independent of the step: the optimizer updates its shard in
 place in the next step while the thread hashes and writes the copy. Without MPI_THREAD_MULTIPLE
@@ -92,8 +94,9 @@ class Writer:
                   file=sys.stderr, flush=True)
             self.comm.abort(1)
 
-    def busy(self) -> bool:
-        return self.thread is not None
+    def running(self) -> bool:
+        """The write in flight has not ended (its outcome, once ended, waits for `wait`)."""
+        return self.thread is not None and self.thread.is_alive()
 
     def wait(self) -> dict | None:
         """Wait for the write in flight; its manifest (None: none was in flight). Raises its

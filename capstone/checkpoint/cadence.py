@@ -20,6 +20,7 @@ class Due:
     evaluate: bool
     stop: bool       # a stop before the last step: save, then end
     abandon: bool = False   # a signal's stop: this step's update is not applied, the state before it is saved
+    writing: bool = False   # a rank's background checkpoint write still runs (none: its outcome is taken now)
 
 
 class Cadence:
@@ -34,10 +35,10 @@ class Cadence:
 
     def due(self, step: int, flags) -> Due:
         if flags.stop:   # a signal, agreed by every rank: stop now, before this step's update
-            return Due(True, False, True, abandon=True)
+            return Due(True, False, True, abandon=True, writing=flags.writing)
         stop, last = step == self.stop_after, step == self.steps
         ckpt = bool(self.every and step % self.every == 0) or flags.clock_due or stop or last
-        return Due(ckpt, step % self.eval_every == 0 or ckpt, stop and not last)
+        return Due(ckpt, step % self.eval_every == 0 or ckpt, stop and not last, writing=flags.writing)
 
     def saved(self) -> None:
         self.last_save = time.monotonic()

@@ -110,6 +110,10 @@ class Checkpointer:
         self.manifests.append(man)
         return man
 
+    def writing(self) -> bool:
+        """Whether this rank's background write is still running (the ranks agree on it every step)."""
+        return self.writer is not None and self.writer.running()
+
     def drain(self) -> None:
         """Wait for the checkpoint being written in the background, if any (collective: every rank
         has the same writes in flight); raises its CheckpointError."""

@@ -214,19 +214,36 @@ def checkpoints_line(manifests: list, verified: dict | None) -> str | None:
 
 
 class MetricsLog:
-    """Append-only metrics.jsonl (rank 0 writes; one JSON object per line, flushed per step)."""
+    """Append-only metrics.jsonl (rank 0 writes; one JSON object per line, written per step). A row
+    that does not fit (a full disk: a checkpoint being written fills it) is kept and written with
+    the next one, after a warning; the run goes on, and the checkpoint's own error, if any, ends it."""
 
     def __init__(self, path: str | None):
         self.last_step = last_logged_step(path) if path else 0  # a resumed launch repeats steps up to this
-        self.f = open(path, "a") if path else None
+        self.path, self.f = path, open(path, "ab", buffering=0) if path else None   # unbuffered: what failed is ours
+        self.pending, self.warned = b"", False
 
     def write(self, record: dict) -> None:
         if self.f:
-            self.f.write(json.dumps(jsonable(record), sort_keys=True, allow_nan=False) + "\n")
-            self.f.flush()
+            self.pending += (json.dumps(jsonable(record), sort_keys=True, allow_nan=False) + "\n").encode()
+            self.flush()
+
+    def flush(self) -> None:
+        try:
+            while self.pending:
+                self.pending = self.pending[self.f.write(self.pending):]
+        except OSError as exc:
+            if not self.warned:
+                print(f"warning: could not write {self.path} ({exc.strerror}); its rows are kept in memory "
+                      "and written when it can be", file=sys.stderr, flush=True)
+            self.warned = True
 
     def close(self) -> None:
         if self.f:
+            self.flush()
+            if self.pending:
+                print(f"warning: {len(self.pending)} bytes of rows could not be written to {self.path}",
+                      file=sys.stderr, flush=True)
             self.f.close()
 
 

@@ -20,7 +20,7 @@ once (`loss_weight`: 1 on the ranks whose loss is the replica's).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import numpy as np
 
@@ -30,10 +30,12 @@ from capstone.model.params import DTYPE, Layout
 
 @dataclass(frozen=True)
 class Flags:
-    """What the ranks agree on at every step: any rank's stop request, rank 0's wall clock."""
+    """What the ranks agree on at every step (set on any rank): a stop request, rank 0's wall clock,
+    a checkpoint write still running in the background (capstone.checkpoint.background)."""
 
     stop: bool = False
     clock_due: bool = False
+    writing: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,11 +85,11 @@ class GradReducer:
         raise NotImplementedError
 
     def stats(self, loss: float, flags: Flags, sumsq: float | None = None) -> GradStats:
-        """Collective over the world: one allreduce of [sum of squares, loss, stop, clock]."""
+        """Collective over the world: one allreduce of [sum of squares, loss, *flags]."""
         mine = sum_squares(self.grad_shard, self.norm_weight) if sumsq is None else sumsq
-        total = self.world.sum([mine, loss * self.loss_weight, flags.stop, flags.clock_due],
+        total = self.world.sum([mine, loss * self.loss_weight, *astuple(flags)],
                                "allreduce of the gradient norm and loss", "allreduce_stats")
-        return GradStats(total[1], math.sqrt(total[0]), Flags(total[2] > 0, total[3] > 0))
+        return GradStats(total[1], math.sqrt(total[0]), Flags(*(bool(f > 0) for f in total[2:])))
 
     def nbytes(self) -> int:
         """Bytes this reduction holds besides the flat gradient buffer (the received shard...)."""
