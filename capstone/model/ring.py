@@ -110,8 +110,12 @@ class Ring:
         return got, [self.cp.Irecv(got, prev, TAG + hop), self.cp.Isend(send, nxt, TAG + hop)]
 
     def _wait(self, requests, nbytes: int, what: str, hop: int) -> None:
-        self.cp.wait(requests, f"context-parallel ring attention: {what} of hop {hop} from cp rank "
-                     f"{(self.c - 1) % self.k}", "cp_ring", "p2p", nbytes)
+        """Wait for a shift's receive, then its send, each named by its peer: a stopped rank stalls
+        the receive of the rank after it and, past MPI's eager size, the send of the rank before."""
+        recv, send = requests
+        name = f"context-parallel ring attention: {what} of hop {hop}"
+        self.cp.wait(recv, f"{name} from cp rank {(self.c - 1) % self.k}", "cp_ring", "p2p", nbytes)
+        self.cp.wait(send, f"{name} to cp rank {(self.c + 1) % self.k}", "cp_ring", "p2p")
 
     def attention(self, qkv, t: int, h: int, drop=None):
         """Causal softmax attention of this rank's rows over the whole sequence: qkv (B*t, 3C) ->
