@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import astuple
 
 import numpy as np
 
@@ -191,14 +190,13 @@ class DeterministicReducer(GradReducer):
         if self.plans is not None:   # --inject-nan (a test seam), where no flat buffer is
             self.dp.hooks.gradients(self.dp.hooks.step, 0, self.grad_shard)
         shard = self.grad_shard if self.norm_weight is None else self.grad_shard * self.norm_weight
-        small = np.array([*losses, *astuple(flags), self.norm.sum_of_squares(shard)], dtype=np.float64)
+        small = np.array([*losses, *flags.counts(), self.norm.sum_of_squares(shard)], dtype=np.float64)
         every = np.empty((self.world.size, len(small)), dtype=np.float64)
         self.world.Allgather(every, "allgather of the micro-batch losses and norms", "allgather_stats", send=small)
         blocks = every[self.loss_ranks, :self.accum]   # (dp x cp, accum) of the loss-holding parts
         loss = tree_sum(blocks.T.reshape(-1))          # index j*world + q = block k (--cp: its part q % cp)
-        agreed = every[:, self.accum:-1].sum(axis=0) > 0              # each flag: set on any rank
         norm = math.sqrt(tree_sum(every[self.first, -1]))          # replica 0's parts, in part order
-        return GradStats(loss, norm, Flags(*map(bool, agreed)))
+        return GradStats(loss, norm, Flags.any_rank(every[:, self.accum:-1].sum(axis=0)))
 
 
 def group_plans(layout, rank: int) -> dict:

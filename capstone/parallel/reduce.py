@@ -37,6 +37,15 @@ class Flags:
     clock_due: bool = False
     writing: bool = False
 
+    def counts(self) -> tuple[float, ...]:
+        """Each flag as 0 or 1, to be summed over the ranks."""
+        return tuple(map(float, astuple(self)))
+
+    @classmethod
+    def any_rank(cls, sums) -> Flags:
+        """The flags set on any rank, from `counts()` summed over the ranks."""
+        return cls(*(bool(n > 0) for n in sums))
+
 
 @dataclass(frozen=True)
 class GradStats:
@@ -87,9 +96,9 @@ class GradReducer:
     def stats(self, loss: float, flags: Flags, sumsq: float | None = None) -> GradStats:
         """Collective over the world: one allreduce of [sum of squares, loss, *flags]."""
         mine = sum_squares(self.grad_shard, self.norm_weight) if sumsq is None else sumsq
-        total = self.world.sum([mine, loss * self.loss_weight, *astuple(flags)],
+        total = self.world.sum([mine, loss * self.loss_weight, *flags.counts()],
                                "allreduce of the gradient norm and loss", "allreduce_stats")
-        return GradStats(total[1], math.sqrt(total[0]), Flags(*(bool(f > 0) for f in total[2:])))
+        return GradStats(total[1], math.sqrt(total[0]), Flags.any_rank(total[2:]))
 
     def nbytes(self) -> int:
         """Bytes this reduction holds besides the flat gradient buffer (the received shard...)."""
