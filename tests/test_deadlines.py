@@ -140,28 +140,27 @@ def assert_named(rc: int, text: str, ended: float, what: str, step, timeout: flo
     assert ended <= timeout + SLACK_S, f"the job took {ended:.1f} s after the stop (timeout {timeout} s)"
 
 
-@pytest.mark.parametrize("kind, flags, what", [
-    ("reduce_scatter", ("--no-overlap",), "reduce-scatter of the gradient at"),
-    ("reduce_scatter", ("--bucket-mb", "0.01"), "reduce-scatter of the gradient (7 buckets"),
-    ("alltoall", ("--deterministic", "--grad-accum", "2"), "deterministic exchange of a micro-batch's gradient"),
-    ("allreduce_stats", (), "allreduce of the gradient norm and loss"),
-    ("allreduce_eval", (), "allreduce of the held-out loss"),
-    ("allgather", (), "allgather of the updated parameters"),
-    ("reduce_scatter", ("--zero-stage", "2", "--bucket-mb", "0.01"), "reduce-scatter of a gradient bucket (ZeRO-2)"),
-    ("allgather_params", ("--zero-stage", "3"), "allgather of the parameters of embed (ZeRO-3)"),
-    ("send", ("--pp", "2", "--grad-accum", "2"), "pipeline receive of micro-batch 0's gradient from stage 1"),
+# The pipeline alone (2 ranks, no data parallelism): with a second replica its stage 0 would wait for
+# rank 0 in the gradient's reduce-scatter, a deadline that races the receive's to the abort.
+@pytest.mark.parametrize("kind, ranks, flags, what", [
+    ("reduce_scatter", 4, ("--no-overlap",), "reduce-scatter of the gradient at"),
+    ("reduce_scatter", 4, ("--bucket-mb", "0.01"), "reduce-scatter of the gradient (7 buckets"),
+    ("alltoall", 4, ("--deterministic", "--grad-accum", "2"), "deterministic exchange of a micro-batch's gradient"),
+    ("allreduce_stats", 4, (), "allreduce of the gradient norm and loss"),
+    ("allreduce_eval", 4, (), "allreduce of the held-out loss"),
+    ("allgather", 4, (), "allgather of the updated parameters"),
+    ("reduce_scatter", 4, ("--zero-stage", "2", "--bucket-mb", "0.01"), "reduce-scatter of a gradient bucket (ZeRO-2)"),
+    ("allgather_params", 4, ("--zero-stage", "3"), "allgather of the parameters of embed (ZeRO-3)"),
+    ("send", 2, ("--pp", "2", "--grad-accum", "2"), "pipeline receive of micro-batch 0's gradient from stage 1"),
 ], ids=["one-shot-reduce", "bucketed-reduce", "deterministic-exchange", "stats-allreduce", "eval-allreduce",
         "parameter-allgather", "zero2-progressed-reduce", "zero3-prefetched-gather", "pipeline-message"])
-def test_a_rank_stopped_before_a_collective_ends_the_job(tmp_path, kind, flags, what):
+def test_a_rank_stopped_before_a_collective_ends_the_job(tmp_path, kind, ranks, flags, what):
     """Rank 1 stops itself (SIGSTOP) at step 3 right before it would take part in the collective;
     the others wait in it until the deadline, which names it and the step; the last checkpoint
     (step 2) still verifies. Synchronous checkpoints: the subject is the step's collectives, and in
     the background the write of step 2 may still be in flight when rank 1 stops, so that it is never
     published (tests/test_async_checkpoints.py; a stop inside a background save: below)."""
     out = tmp_path / "run"
-    # A pipeline alone (2 ranks, no data parallelism): with a second replica, its stage 0 would wait
-    # for rank 0 in the gradient's reduce-scatter, and that deadline races the receive's to the abort.
-    ranks = 2 if kind == "send" else 4
     rc, text, ended = stopped_job(out, ranks, f"stop:1:3:{kind}", "--steps", "6", "--no-ckpt-async", *flags)
     assert_named(rc, text, ended, what, 3)
     assert (out / "checkpoints" / "latest").read_text().strip() == "ckpt-00000002.h5"
