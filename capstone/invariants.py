@@ -95,14 +95,15 @@ def jumps(evals: list, tol: float, rel: float, settle_until: int, start: float, 
             **worst}
 
 
-def trend(losses: list, tol: float, settle_until: int = 0) -> dict:
+def trend(losses: list, tol: float, settle_until: int = 0, block: int | None = None) -> dict:
     """(a)'s training check on the accepted steps' (step, training loss): means of consecutive blocks of
-    w = max(MIN_BLOCK, n / 10) steps (aligned to the last step); the largest rise of a block over an
-    earlier block, against tol + TREND_SIGMAS x the noise of a difference of two block means (per step:
+    w = `block` steps (default max(MIN_BLOCK, n / 10); a run's segment passes its whole run's, so where
+    a launch began does not change the scale a rise is judged at), aligned to the last step; the
+    largest rise of a block over an earlier block, against tol + TREND_SIGMAS x the noise of a difference of two block means (per step:
     the robust sigma of the step-to-step changes / sqrt(2)). Rises that end by `settle_until` are
     Adam settling. Fewer than two blocks: not judged."""
     n = len(losses)
-    w = max(MIN_BLOCK, n // 10)
+    w = max(MIN_BLOCK, n // 10) if block is None else block
     if n < 2 * w:
         return {"ok": True, "judged": False, "block": w, "steps": n}
     values = [loss for _, loss in losses]
@@ -122,7 +123,7 @@ def trend(losses: list, tol: float, settle_until: int = 0) -> dict:
 def learns(evals: list, train: list, tol: float, rel: float = 0.0, settle_until: int = 0, start: float | None = None,
            best: float | None = None, fresh: bool = True, run_best: float | None = None,
            trend_settle: int = 0, preempted: bool = False, trained_start: bool = False,
-           planned: int | None = None) -> dict:
+           planned: int | None = None, block: int | None = None) -> dict:
     """(a) over this segment's held-out points `evals` (as loss_monotone) and accepted training losses
     `train` [(step, loss)]: learnt (the run's best held-out loss `run_best`, default this segment's, at
     least MIN_DROP below `start`), no jump, no rising training trend. `rose`: the held-out loss ended
@@ -130,7 +131,7 @@ def learns(evals: list, train: list, tol: float, rel: float = 0.0, settle_until:
     it learnt cannot be told (`unjudged`; then only a jump or a training rise fails). `planned`: the
     evaluations the segment's cadence called for (default: those in `evals`); the others were rolled
     back by the guard, and an update so undone, like a held-out loss SETTLE_MARGIN above the start,
-    counts as damage."""
+    counts as damage. `block`: the training trend's block (trend's)."""
     strict = loss_monotone(evals, tol, rel, settle_until, start, best, fresh)
     start = strict["start"]
     lowest = min([h for _, h in evals] + ([run_best] if run_best is not None else []), default=None)
@@ -143,7 +144,7 @@ def learns(evals: list, train: list, tol: float, rel: float = 0.0, settle_until:
               "damaged": planned > len(evals) - 1 or (highest is not None and start is not None
                                                       and highest > start * (1 + SETTLE_MARGIN) + tol)}
     jump = jumps(evals, tol, rel, settle_until, start, best) if evals else {"ok": True, "sigmas": 0.0, "at_step": None}
-    rising = trend(train, tol, trend_settle)
+    rising = trend(train, tol, trend_settle, block)
     why = None if learnt["ok"] or not (jump["ok"] and rising["ok"]) else \
         unjudged(learnt, train, preempted, trained_start)
     return {**strict, "ok": (learnt["ok"] or why is not None) and jump["ok"] and rising["ok"],
@@ -192,7 +193,9 @@ def of_segment(state, tcfg, start_step: int, segment_start: tuple, preempted: bo
     """`learns` on a run segment's RunState: its evaluation points from its baseline (the start, or
     the state it resumed from, `segment_start` = (held-out loss, best held-out loss) there) and its
     accepted steps' training losses, with the tolerances and settle window of TrainConfig `tcfg`;
-    `preempted`: the segment was stopped early; `trained_start`: the run began from trained weights."""
+    `preempted`: the segment was stopped early; `trained_start`: the run began from trained weights. The
+    training trend's blocks are the whole run's (a tenth of its steps): a bump that an uninterrupted run
+    averages away is not a rise in a launch that resumed just before it."""
     fresh = start_step == 0
     points = [(start_step, state.eval_start if fresh else segment_start[0])]
     points += [(step, held) for step, _, held in state.losses if held is not None]
@@ -202,7 +205,8 @@ def of_segment(state, tcfg, start_step: int, segment_start: tuple, preempted: bo
     return learns(points, [(step, loss) for step, loss, _ in state.losses], tcfg.loss_tol, tcfg.loss_tol_rel, settle,
                   state.eval_start, state.eval_start if fresh else segment_start[1], fresh=fresh,
                   run_best=state.best_eval, trend_settle=-(-tcfg.steps // 10), preempted=preempted,
-                  trained_start=trained_start, planned=len(due | {step for step, _ in points[1:]}))
+                  trained_start=trained_start, planned=len(due | {step for step, _ in points[1:]}),
+                  block=max(MIN_BLOCK, tcfg.steps // 10))
 
 
 def rose_from_best(evals: list, tol: float, rel: float, start: float | None) -> dict | None:
@@ -216,10 +220,12 @@ def rose_from_best(evals: list, tol: float, rel: float, start: float | None) -> 
     return {"best": best, "best_step": best_step, "last": last, "last_step": last_step, "rise": last - best}
 
 
-def params_identical(mismatches: list[dict], steps_checked: int) -> dict:
-    """(b) from the per-step cross-rank comparisons: `mismatches` lists the steps that disagreed."""
-    return {"ok": not mismatches and steps_checked > 0, "steps_checked": steps_checked,
-            "mismatches": mismatches[:5], "n_mismatches": len(mismatches)}
+def params_identical(mismatches: list[dict], steps_checked: int, steps_run: int = 1) -> dict:
+    """(b) from the per-step cross-rank comparisons: `mismatches` lists the steps that disagreed. A
+    launch that ran steps must have compared some; one stopped before its first step (`steps_run` 0)
+    has nothing to compare, and says so (`judged` False) without failing."""
+    return {"ok": not mismatches and (steps_checked > 0 or steps_run == 0), "judged": steps_run > 0,
+            "steps_checked": steps_checked, "mismatches": mismatches[:5], "n_mismatches": len(mismatches)}
 
 
 def optimizer_memory(per_rank_bytes: list[int], n_params: int, padded: int, world: int | None = None,

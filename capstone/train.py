@@ -10,6 +10,11 @@ same for every grid, reducer and mode: those are chosen once, when the run is bu
 
 from __future__ import annotations
 
+from capstone.runtime import signals
+
+if __name__ == "__main__":   # before NumPy and MPI load (seconds under mpirun): a stop asked for meanwhile
+    signals.install()        # is kept, where SIGUSR1's default action would kill the rank
+
 import os
 import sys
 import time
@@ -27,7 +32,7 @@ from capstone.observe.timer import PhaseTimer
 from capstone.collective import launch
 from capstone.parallel.reduce import Flags
 from capstone.run import Run, open_run
-from capstone.runtime import heap, margin, signals, stop
+from capstone.runtime import heap, margin, stop
 
 
 @dataclass
@@ -140,7 +145,8 @@ def finish(run: Run, status: str, rows: list, start_step: int, wall: float) -> i
     results = {
         "a_loss_monotone": invariants.of_segment(run.state, run.tcfg, start_step, run.segment_start,
                                                  status == "preempted", run.init_from is not None),
-        "b_params_identical": invariants.params_identical(run.replicas.mismatches, run.replicas.checked),
+        "b_params_identical": invariants.params_identical(run.replicas.mismatches, run.replicas.checked,
+                                                          run.state.step - start_step),
         "c_memory": invariants.memory(mem, run.grid.dp.size),
         "d_resume_bytes": invariants.resume_bytes(verified, status == "preempted" and run.state.step == start_step)}
     failed = verdict.failures(results)

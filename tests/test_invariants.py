@@ -62,7 +62,10 @@ def test_loss_monotone_settle_window_and_resumed_segments():
 def test_params_identical():
     assert invariants.params_identical([], 20)["ok"]
     assert not invariants.params_identical([{"step": 3}], 20)["ok"]
-    assert not invariants.params_identical([], 0)["ok"]
+    assert not invariants.params_identical([], 0)["ok"]            # steps ran, none compared
+    assert not invariants.params_identical([], 0, steps_run=3)["ok"]
+    stopped = invariants.params_identical([], 0, steps_run=0)        # stopped before its first step
+    assert stopped["ok"] and not stopped["judged"]
 
 
 def test_optimizer_memory():

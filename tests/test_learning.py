@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from capstone import invariants
+from capstone.config import TrainConfig
 from capstone.observe import verdict
+from capstone.state import RunState
 
 from conftest import ROOT, mpi_env, mpirun, step_rows, summary
 
@@ -197,3 +199,18 @@ def test_robust_sigma():
     x = np.random.default_rng(2).normal(0, 2.0, 20001)
     assert invariants.robust_sigma(list(x)) == pytest.approx(2.0, rel=0.03)
     assert invariants.robust_sigma(list(x) + [1e9] * 100) == pytest.approx(2.0, rel=0.05), "outliers do not move it"
+
+
+def test_a_resumed_launch_judges_the_trend_at_its_whole_runs_scale():
+    """A launch that resumed a 3000-step run at step 342 and stopped at 484, its training loss flat at its
+    floor but for a bump of 14 steps that recovers (what a helper's run showed): the whole run's blocks
+    (300 steps) do not judge a rise in 142 steps; blocks of a tenth of the launch (14) failed it, where an
+    uninterrupted run of the same steps passed."""
+    rng = np.random.default_rng(4)
+    train = [(s, 0.355 + float(rng.normal(0, 0.008)) + (0.03 if 401 <= s <= 414 else 0.0)) for s in range(343, 485)]
+    state = RunState(step=484, eval_start=4.18, best_eval=0.347)
+    state.losses = [(s, loss, 0.35 + float(rng.normal(0, 0.002))) for s, loss in train]
+    a = invariants.of_segment(state, TrainConfig(steps=3000), 342, (0.361, 0.347), preempted=True)
+    assert a["ok"] and a["trend"]["block"] == 300 and not a["trend"]["judged"], a["trend"]
+    launch_scale = invariants.trend(train, 1e-4, 300)        # blocks of n / 10 = 14 steps
+    assert launch_scale["judged"] and not launch_scale["ok"], "the bump must be one a launch's own blocks fail"

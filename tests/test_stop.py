@@ -123,3 +123,60 @@ def test_a_stop_at_the_last_step_completes_the_run(tmp_path):
     res = mpirun(2, "--out", out, "--steps", "4", "--stop-after", "4", "--quiet")
     assert res.returncode == 0, res.stdout + res.stderr
     assert summary(out)["status"] == "completed" and "stopped at step" not in res.stdout
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process pid has a handler for sig (its SigCgt mask in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(mask >> (sig - 1) & 1)
+
+
+def test_a_sigusr1_while_the_ranks_start_stops_the_run_before_its_first_step(tmp_path):
+    """`kill -USR1 <mpirun pid>` (docs/running.md's way to stop a run) as soon as both ranks catch it,
+    while they still load NumPy and MPI: the run stops before its first step, saves step 0, ends
+    "preempted" with exit 0, and (b) says it had nothing to compare (catches: (b) failing the run
+    at 0 of 0 steps, which a batch script's requeue would not restart); --resume latest continues."""
+    out, tag = tmp_path / "run", uuid.uuid4().hex
+    cmd = ["mpirun", "-n", "2", sys.executable, "-m", "capstone.train", "--out", str(out), "--steps", "6"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**mpi_env(), "CAPSTONE_TEST_TAG": tag}, cwd=ROOT)
+    try:
+        ranks = [find_rank_pid(tag, r) for r in (0, 1)]
+        deadline = time.time() + 30
+        while time.time() < deadline and not all(catches(pid, signal.SIGUSR1) for pid in ranks):
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGUSR1)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, stdout + stderr
+    s = summary(out)
+    assert s["status"] == "preempted" and s["final_step"] == 0, stdout
+    assert "(b) not judged: the launch stopped before its first step" in stdout and "FAILED" not in stdout
+    res = mpirun(2, "--out", out, "--steps", "6", "--resume", "latest")
+    assert res.returncode == 0 and summary(out)["final_step"] == 6, res.stdout + res.stderr
+
+
+def test_the_stop_handlers_are_in_place_before_numpy_and_mpi_load():
+    """`python -m capstone.train` installs its stop handlers before it imports NumPy or mpi4py (under
+    mpirun that import and MPI's start take seconds; SIGUSR1's default action would kill the rank)."""
+    spy = ("import runpy, signal, sys\n"
+           "seen = {}\n"
+           "class Spy:\n"
+           "    def find_spec(self, name, path=None, target=None):\n"
+           "        if name in ('numpy', 'mpi4py'):\n"
+           "            seen.setdefault(name, getattr(signal.getsignal(signal.SIGUSR1), '__module__', None))\n"
+           "sys.meta_path.insert(0, Spy())\n"
+           "sys.argv = ['capstone.train', '--help']\n"
+           "try:\n"
+           "    runpy.run_module('capstone.train', run_name='__main__', alter_sys=True)\n"
+           "except SystemExit:\n"
+           "    pass\n"
+           "print('SEEN', seen)\n")
+    res = subprocess.run([sys.executable, "-c", spy], capture_output=True, text=True, env=mpi_env(), cwd=ROOT,
+                         timeout=120)
+    seen = res.stdout.rsplit("SEEN", 1)[-1].strip()
+    assert seen == str({"numpy": "capstone.runtime.signals", "mpi4py": "capstone.runtime.signals"}), res.stdout + res.stderr

@@ -37,7 +37,10 @@ _REASONS = {signal.SIGUSR1: "SIGUSR1", signal.SIGTERM: "SIGTERM", signal.SIGINT:
 
 
 def install() -> None:
-    """Install the handlers; call first thing, so an early signal is not fatal either."""
+    """Install the handlers; call first thing, so an early signal is not fatal either. Once: a second
+    call leaves them as they are."""
+    if signal.getsignal(signal.SIGUSR1) is _request:
+        return
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, _request)
     atexit.register(_ended)
