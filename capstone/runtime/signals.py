@@ -33,7 +33,7 @@ from capstone.runtime import stop
 _GAP = 1.0                      # seconds without a heartbeat: the process was stopped (SIGSTOP)
 _beat = [time.monotonic(), -_GAP]   # the heartbeat thread's last tick, and when it last saw a gap
 _REASONS = {signal.SIGUSR1: "SIGUSR1", signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT",
-            signal.SIGCONT: "mpirun is ending the job (Ctrl-C, a kill, or a failed rank)"}
+            signal.SIGCONT: "mpirun's ending of the job (Ctrl-C, a kill, or a failed rank)"}
 
 
 def install() -> None:
