@@ -78,19 +78,19 @@ class Settings:
 def check_preset(settings: Settings, model: dict, train: dict, source: str) -> None:
     """ConfigError if an explicit --preset sets a value that `source`'s settings (a checkpoint's, on
     --resume) contradict, unless a flag sets it too: the checkpoint's settings win, so the preset would
-    be ignored. The same command line again (a requeued job) passes."""
+    be ignored. The same command line again passes (a requeued job; another --steps too: the preset's
+    warmup is compared as fitted to the run's own steps)."""
     if settings.preset is None:
         return
     saved = {**model, **train}
     differ = [f"{key} {saved.get(key)!r} there, {value!r} in the preset" for key, value in
-              sorted(preset_values(settings.preset, settings.explicit)[0].items())
+              sorted(preset_values(settings.preset, {**settings.explicit, "steps": saved["steps"]})[0].items())
               if key not in settings.explicit and saved.get(key) != value]
     if differ:
         more = f"; and {len(differ) - 5} more" if len(differ) > 5 else ""
         raise ConfigError(f"--preset {settings.preset} contradicts the settings of {source}: {'; '.join(differ[:5])}"
-                          f"{more}. On "
-                          f"--resume the checkpoint's settings win; drop --preset, or give the settings you want to "
-                          f"change as flags (e.g. --lr 5e-4), which override the checkpoint's.")
+                          f"{more}. On --resume the checkpoint's settings win; drop --preset, or give the settings "
+                          f"you want to change as flags (e.g. --lr 5e-4), which override the checkpoint's.")
 
 
 def _pick(cls, values: dict) -> dict:

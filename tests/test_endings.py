@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, mpi_env, mpirun, step_rows, summary
 from test_deadlines import stalled_run
 from test_observe import printed_steps
@@ -132,6 +134,18 @@ def test_a_preset_on_resume_is_refused_when_it_contradicts_the_checkpoint(tmp_pa
     assert res.returncode == 0 and summary(out)["train_config"]["lr"] == 5e-3, res.stdout + res.stderr
     clean_error(mpirun(2, "--out", out, "--preset", "medium", "--steps", 200, "--resume", "latest"),
                 "--preset medium contradicts", "d_model 32 there, 256 in the preset", "drop --preset")
+
+
+@pytest.mark.parametrize("first, then", [(8, 12), (12, 8)], ids=["longer", "shorter"])
+def test_the_same_preset_resumes_with_another_steps(tmp_path, first, then):
+    """A preset's warmup is fitted to the run's --steps (medium's 40 of 400 -> 1); resuming the same preset
+    with another --steps compares the preset as fitted to the run's own steps, not to the new --steps
+    (it was refused: "warmup_steps 1 there, 2 in the preset"). A tiny medium: its model flags given."""
+    out, tiny = tmp_path / "run", ["--preset", "medium", "--d-model", 32, "--n-heads", 2, "--n-layers", 1,
+                                   "--seq-len", 16, "--batch-size", 2, "--eval-batches", 1, "--eval-batch-size", 2]
+    assert mpirun(2, "--out", out, *tiny, "--steps", first, "--stop-after", 4).returncode == 0
+    res = mpirun(2, "--out", out, *tiny, "--steps", then, "--resume", "latest")
+    assert res.returncode == 0 and summary(out)["final_step"] == then, res.stdout + res.stderr
 
 
 def test_a_warmup_longer_than_the_run_is_refused(tmp_path):
