@@ -113,7 +113,8 @@ def read_weights(path: str, cfg: ModelConfig) -> np.ndarray:
 
 
 def read(path: str, seq_len: int | None = None):
-    """(ModelConfig, flat parameters, data identity with the tokenizer if vocab.json + merges.txt are there)."""
+    """(ModelConfig, flat parameters, data identity: the tokenizer of vocab.json + merges.txt if they are
+    there, else the one capstone's export kept in the weights' metadata)."""
     with open(os.path.join(path, FILES[0])) as f:
         try:
             hf = json.load(f)
@@ -121,8 +122,18 @@ def read(path: str, seq_len: int | None = None):
             raise ConfigError(f"--init-from {path}: config.json is not JSON ({exc}).") from None
     cfg = model_config(hf, seq_len, path)
     params = read_weights(path, cfg)
-    has_bpe = all(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES)
-    return cfg, params, {"tokenizer": gpt2_tokenizer(path).describe()} if has_bpe else {}
+    if all(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES):
+        return cfg, params, {"tokenizer": gpt2_tokenizer(path).describe()}
+    return cfg, params, exported_data(path)
+
+
+def exported_data(path: str) -> dict:
+    """The tokenizer `capstone.export --format hf` keeps in model.safetensors' metadata (a run on text), as
+    a data identity; {} for a directory without it: ids only, as the synthetic corpus's."""
+    from safetensors import safe_open
+    with safe_open(os.path.join(path, FILES[1]), framework="numpy") as f:
+        meta = f.metadata() or {}
+    return {"tokenizer": json.loads(meta["tokenizer"])} if "tokenizer" in meta else {}
 
 
 def gpt2_tokenizer(path: str):

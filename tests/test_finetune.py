@@ -211,3 +211,21 @@ def test_an_export_takes_the_training_settings_of_the_preset_given():
         got = finetune.settings_for(settings, source)
         assert {k: getattr(got.train, k) for k in want} == want, (argv, got.train)
         assert ("--preset gpt2 (an export holds none)" in got.notes[0]) == bool(argv), got.notes
+
+
+def test_init_from_an_hf_export_keeps_its_vocabulary(base, tmp_path):
+    """`export --format hf` of a model trained on text keeps its tokenizer in model.safetensors' metadata
+    (no vocab.json + merges.txt: a character vocabulary); --init-from that directory reads it there, as
+    from a .safetensors export: text of the same vocabulary trains, the synthetic corpus is refused (it
+    was read as ids only: the same-vocabulary text refused as "trained on the synthetic corpus", and
+    no --data accepted)."""
+    run, hf_dir = tmp_path / "run", tmp_path / "hf"
+    res = mpirun(2, "--out", run, "--data", base / "a", *MODEL, *TRAIN, "--no-head-bias", "--steps", 4)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert run_module("capstone.export", run, "--out", hf_dir, "--format", "hf").returncode == 0
+    res = mpirun(2, "--out", tmp_path / "ft", "--init-from", hf_dir, "--data", base / "b", *TRAIN, "--steps", 2)
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = mpirun(2, "--out", tmp_path / "ids", "--init-from", hf_dir, *TRAIN, "--steps", 2)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert res.returncode == 2 and len(errors) == 1 and "the synthetic corpus (no --data)" in errors[0], res.stderr
+    assert not (tmp_path / "ids").exists()
