@@ -86,6 +86,8 @@ def metadata(meta: dict, cfg: ModelConfig, path: str, head_bias: bool = True) ->
            "checkpoint": os.path.basename(path), "weights": "Conv1D (in, out); lm_head.weight (out, in)"}
     if tokenizer is not None:
         out["tokenizer"] = json.dumps(tokenizer, sort_keys=True)
+    if meta.get("judged", True) is False:   # a stop's checkpoint the guard never judged: --init-from refuses it
+        out["judged"] = "false"
     return out
 
 
@@ -200,7 +202,8 @@ def export(target: str, out: str, fmt: str = "safetensors", force: bool = False)
         write_bytes(st.save(tensors, metadata=metadata(meta, cfg, path, "lm_head.b" in views)), out)
         size = os.path.getsize(out)
     return {"checkpoint": path, "step": meta["step"], "tensors": len(tensors),
-            "parameters": int(sum(a.size for a in tensors.values())), "bytes": size}
+            "parameters": int(sum(a.size for a in tensors.values())), "bytes": size,
+            "judged": meta.get("judged", True) is not False}
 
 
 def main(argv=None) -> int:
@@ -222,6 +225,9 @@ def main(argv=None) -> int:
         return exc.code
     print(f"wrote {args.out}: {s['tensors']} tensors, {s['parameters']} parameters, {s['bytes']} bytes, from "
           f"{s['checkpoint']} (step {s['step']})")
+    if not s["judged"]:
+        print(f"note: {s['checkpoint']} was saved by a stop before the divergence guard judged it; the export says so, "
+              f"and --init-from refuses it (resume that run once to judge the state, then export a later checkpoint)")
     return 0
 
 

@@ -72,6 +72,9 @@ def read(target: str, seq_len: int | None = None) -> Source:
     if all(os.path.isfile(os.path.join(target, n)) for n in ("config.json", "model.safetensors")):
         from capstone import hf
         cfg, params, data = hf.read(target, seq_len)
+        meta = hf.exported_meta(target)
+        if meta.get("judged") == "false":
+            unjudged(target, meta.get("checkpoint", target))
         return Source(target, "export", 0, cfg, data, params)
     try:
         path = serial.find(target)
@@ -80,11 +83,17 @@ def read(target: str, seq_len: int | None = None) -> Source:
         raise (CheckpointError if isinstance(exc, CheckpointError) else ConfigError)(f"--init-from {target}: {exc}") \
             from None
     if meta.get("judged", True) is False:
-        raise ConfigError(f"--init-from {target}: {path} was saved by a stop before the divergence guard judged it "
-                          f"(no held-out evaluation), so nothing may train from it yet. Resume its run once (--out "
-                          f"<that run> --resume latest), which judges it, or pass an older checkpoint of that run.")
+        unjudged(target, path)
     return Source(path, "checkpoint", int(meta["step"]), cfg, meta.get("data") or {}, params[:cfg_params(cfg)],
                   meta.get("train_config") or {})
+
+
+def unjudged(target: str, path: str) -> None:
+    """ConfigError: `path` (a checkpoint, or an export of one) holds a state the guard never judged."""
+    raise ConfigError(f"--init-from {target}: {path} was saved by a stop before the divergence guard judged it "
+                      f"(no held-out evaluation), so nothing may train from it yet. Resume its run (--out <that run> "
+                      f"--resume latest), which judges it before its first step, and export or pass a checkpoint "
+                      f"it saves after that; or pass an older checkpoint of that run.")
 
 
 def cfg_params(cfg: ModelConfig) -> int:
@@ -109,6 +118,8 @@ def _read_export(path: str) -> Source:
             if meta.get("format") != FORMAT:
                 raise ConfigError(f"--init-from {path}: not a capstone export (format {meta.get('format')!r}); "
                                   f"pass a file `python -m capstone.export` wrote.")
+            if meta.get("judged") == "false":
+                unjudged(path, meta.get("checkpoint", path))
             cfg = ModelConfig(**json.loads(meta["capstone_model_config"]))
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except ConfigError:

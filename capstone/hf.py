@@ -130,10 +130,15 @@ def read(path: str, seq_len: int | None = None):
 def exported_data(path: str) -> dict:
     """The tokenizer `capstone.export --format hf` keeps in model.safetensors' metadata (a run on text), as
     a data identity; {} for a directory without it: ids only, as the synthetic corpus's."""
+    meta = exported_meta(path)
+    return {"tokenizer": json.loads(meta["tokenizer"])} if "tokenizer" in meta else {}
+
+
+def exported_meta(path: str) -> dict:
+    """DIR/model.safetensors' metadata (strings; capstone.export's keys, or the "pt" format key alone)."""
     from safetensors import safe_open
     with safe_open(os.path.join(path, FILES[1]), framework="numpy") as f:
-        meta = f.metadata() or {}
-    return {"tokenizer": json.loads(meta["tokenizer"])} if "tokenizer" in meta else {}
+        return f.metadata() or {}
 
 
 def gpt2_tokenizer(path: str):

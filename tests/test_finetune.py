@@ -3,12 +3,13 @@ checkpoint (--keep-best), end to end on tiny models and texts (a few seconds eac
 
 import json
 import random
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, mpi_env, mpirun, step_rows, summary
+from conftest import ROOT, mpi_env, mpirun, step_rows, summary, wait_for_steps
 
 WORDS_A = "the of and to in is that it was for on are as with his they at be this from have or by one".split()
 WORDS_B = "then she so these other into has her two time mother either heart hand boat worth bread stream".split()
@@ -229,3 +230,27 @@ def test_init_from_an_hf_export_keeps_its_vocabulary(base, tmp_path):
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
     assert res.returncode == 2 and len(errors) == 1 and "the synthetic corpus (no --data)" in errors[0], res.stderr
     assert not (tmp_path / "ids").exists()
+
+
+def test_an_unjudged_checkpoint_is_refused_directly_and_through_its_exports(base, tmp_path):
+    """A stop between evaluations saves a state the guard never judged: --init-from refuses the checkpoint,
+    and (it did not) its .safetensors and --format hf exports too, which say so in their metadata; the
+    export itself still writes, with a note."""
+    run = tmp_path / "run"
+    cmd = ["mpirun", "-n", "2", sys.executable, "-m", "capstone.train", "--out", str(run), "--data", str(base / "a"),
+           *MODEL, *TRAIN, "--no-head-bias", "--steps", "40", "--eval-every", "20", "--sleep-per-step", "0.3"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=mpi_env(), cwd=ROOT)
+    wait_for_steps(run, 3)
+    proc.send_signal(signal.SIGUSR1)   # a stop between evaluations: saved without one
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and summary(run)["status"] == "preempted", stdout + stderr
+    sources = [run]
+    for out, fmt in ((tmp_path / "x.safetensors", []), (tmp_path / "hf", ["--format", "hf"])):
+        res = run_module("capstone.export", run, "--out", out, *fmt)
+        assert res.returncode == 0 and "the divergence guard judged it" in res.stdout, res.stdout + res.stderr
+        sources.append(out)
+    for k, source in enumerate(sources):
+        res = mpirun(2, "--out", tmp_path / f"ft{k}", "--init-from", source, "--data", base / "b", *TRAIN)
+        errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+        assert res.returncode == 2 and len(errors) == 1 and "before the divergence guard judged it" in errors[0], \
+            f"{source}: {res.stdout + res.stderr}"
