@@ -32,6 +32,14 @@ def test_each_run_option_is_named_alone(flag, value):
     assert len(said) == 1 and said[0].startswith(f"{flag} must be") and not any(o in said[0] for o in others), said
 
 
+def test_resume_latest_without_out_names_the_missing_flag():
+    """It used to look for checkpoints in the new runs/run-<time> directory it had just named, and say none."""
+    said = problems("--resume", "latest")
+    assert len(said) == 1 and "no --out was given" in said[0] and "pass --out RUN_DIR" in said[0], said
+    assert cli.parse(["--resume", "latest", "--out", "runs/x"]).opts.resume == "latest"
+    assert cli.parse(["--resume", "auto"]).opts.resume == "auto"   # auto starts fresh where there is none
+
+
 def test_every_bad_flag_is_reported_at_once():
     said = problems("--bucket-mb", 0, "--log-every", -1, "--steps", 0, "--lr", -1, "--d-model", 30,
                     "--zero-stage", 5, "--eval-every", "x", "--max-iters", 3)
