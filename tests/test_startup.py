@@ -100,7 +100,7 @@ def test_failed_resume_into_a_new_out_leaves_no_directories(tmp_path):
 def test_batch_too_large_for_memory_is_refused_with_the_estimate(tmp_path):
     res = mpirun(2, "--out", tmp_path / "run", "--batch-size", "100000", timeout=60)
     assert res.returncode == 2, res.stderr[-2000:]
-    assert res.stderr.count("--batch-size 100000 needs about") == 1 and "MiB is available" in res.stderr
+    assert res.stderr.count("--batch-size 100000 at --seq-len") == 1 and "MiB is available" in res.stderr
     assert not (tmp_path / "run").exists()
 
 

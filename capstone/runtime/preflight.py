@@ -178,14 +178,15 @@ def check_memory(comm, mcfg, tcfg, opts) -> None:
     def check() -> None:
         if avail is not None and need * local > avail:
             raise ConfigError(
-                f"--batch-size {tcfg.batch_size} needs about {need / MIB:.0f} MiB per rank ({acts / MIB:.0f} MiB "
+                f"--batch-size {tcfg.batch_size} at --seq-len {mcfg.seq_len} needs about {need / MIB:.0f} MiB per rank "
+                f"({acts / MIB:.0f} MiB "
                 f"of activations{' with --recompute' if opts.recompute else ''} or a checkpoint's conversion, "
                 f"{states / MIB:.0f} MiB of model "
                 f"states at --zero-stage {opts.zero_stage}; {local} ranks on {socket.gethostname()}: "
                 f"{need * local / MIB:.0f} MiB), but only {avail / MIB:.0f} MiB is available ({source}); the kernel "
                 f"would kill the run in its first step; {ranks_needed(mcfg, tcfg, opts, avail // local)}. Lower "
-                f"--batch-size (raise --grad-accum to keep the global batch), add --recompute, raise --zero-stage, or "
-                f"run fewer ranks per node.")
+                f"--batch-size (raise --grad-accum to keep the global batch) or --seq-len, add --recompute, raise "
+                f"--zero-stage, or run fewer ranks per node.")
     agreed(comm, check, errors=(ConfigError,), every=True, explain=lambda failed: ConfigError(failed[0][1]))
 
 
