@@ -16,8 +16,8 @@ def test_no_deterministic_turns_a_kept_deterministic_off():
     """The checkpoint's settings win on --resume: without a negative flag a --deterministic run could
     never resume in the default (bucketed, overlapped) mode."""
     saved = {"deterministic": True}
-    assert parse(["--resume", "latest"]).on_top_of({}, saved).train.deterministic is True
-    assert parse(["--resume", "latest", "--no-deterministic"]).on_top_of({}, saved).train.deterministic is False
+    assert parse(["--resume", "latest", "--out", "runs/x"]).on_top_of({}, saved).train.deterministic is True
+    assert parse(["--resume", "latest", "--out", "runs/x", "--no-deterministic"]).on_top_of({}, saved).train.deterministic is False
     assert parse(["--no-deterministic"]).train.deterministic is False
 
 
