@@ -72,9 +72,7 @@ def read(target: str, seq_len: int | None = None) -> Source:
     if all(os.path.isfile(os.path.join(target, n)) for n in ("config.json", "model.safetensors")):
         from capstone import hf
         cfg, params, data = hf.read(target, seq_len)
-        meta = hf.exported_meta(target)
-        if meta.get("judged") == "false":
-            unjudged(target, meta.get("checkpoint", target))
+        refuse_unjudged(target, hf.exported_meta(target))
         return Source(target, "export", 0, cfg, data, params)
     try:
         path = serial.find(target)
@@ -82,14 +80,17 @@ def read(target: str, seq_len: int | None = None) -> Source:
     except (ConfigError, CheckpointError) as exc:
         raise (CheckpointError if isinstance(exc, CheckpointError) else ConfigError)(f"--init-from {target}: {exc}") \
             from None
-    if meta.get("judged", True) is False:
-        unjudged(target, path)
+    refuse_unjudged(target, meta, path)
     return Source(path, "checkpoint", int(meta["step"]), cfg, meta.get("data") or {}, params[:cfg_params(cfg)],
                   meta.get("train_config") or {})
 
 
-def unjudged(target: str, path: str) -> None:
-    """ConfigError: `path` (a checkpoint, or an export of one) holds a state the guard never judged."""
+def refuse_unjudged(target: str, meta: dict, path: str | None = None) -> None:
+    """ConfigError if `meta` (a checkpoint's, judged False; or an export's, "false", naming its checkpoint)
+    marks a state the guard never judged."""
+    if meta.get("judged", True) not in (False, "false"):
+        return
+    path = path or meta.get("checkpoint", target)
     raise ConfigError(f"--init-from {target}: {path} was saved by a stop before the divergence guard judged it "
                       f"(no held-out evaluation), so nothing may train from it yet. Resume its run (--out <that run> "
                       f"--resume latest), which judges it before its first step, and export or pass a checkpoint "
@@ -118,8 +119,7 @@ def _read_export(path: str) -> Source:
             if meta.get("format") != FORMAT:
                 raise ConfigError(f"--init-from {path}: not a capstone export (format {meta.get('format')!r}); "
                                   f"pass a file `python -m capstone.export` wrote.")
-            if meta.get("judged") == "false":
-                unjudged(path, meta.get("checkpoint", path))
+            refuse_unjudged(path, meta)
             cfg = ModelConfig(**json.loads(meta["capstone_model_config"]))
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except ConfigError:

@@ -99,8 +99,8 @@ def trend(losses: list, tol: float, settle_until: int = 0, block: int | None = N
     """(a)'s training check on the accepted steps' (step, training loss): means of consecutive blocks of
     w = `block` steps (default max(MIN_BLOCK, n / 10); a run's segment passes its whole run's, so where
     a launch began does not change the scale a rise is judged at), aligned to the last step; the
-    largest rise of a block over an earlier block, against tol + TREND_SIGMAS x the noise of a difference of two block means (per step:
-    the robust sigma of the step-to-step changes / sqrt(2)). Rises that end by `settle_until` are
+    largest rise of a block over an earlier block, against tol + TREND_SIGMAS x the noise of a
+    difference of two block means (per step: the robust sigma of the step-to-step changes / sqrt(2)). Rises that end by `settle_until` are
     Adam settling. Fewer than two blocks: not judged."""
     n = len(losses)
     w = max(MIN_BLOCK, n // 10) if block is None else block

@@ -75,8 +75,10 @@ def option_problems(values: dict) -> list[str]:
               ("bucket_mb", lambda v: v > 0, "must be > 0 MB (default 1.0; --no-overlap for one reduction)"),
               ("tp", lambda v: v >= 1, "must be >= 1 (1: no tensor parallelism)"),
               ("pp", lambda v: v >= 1, "must be >= 1 (1: no pipeline)"))
-    latest = values.get("resume") == "latest" and not values.get("out")
-    return [f"--{name.replace('_', '-')} {text}, got {values[name]!r}." for name, ok, text in checks
-            if name in values and values[name] is not None and not ok(values[name])] + latest * [
-        "--resume latest continues the run in --out, and no --out was given (without one a run starts in a new "
-        "directory, which holds no checkpoint): pass --out RUN_DIR, or --resume a run directory or ckpt-*.h5 path."]
+    problems = [f"--{name.replace('_', '-')} {text}, got {values[name]!r}." for name, ok, text in checks
+                if name in values and values[name] is not None and not ok(values[name])]
+    if values.get("resume") == "latest" and not values.get("out"):
+        problems.append("--resume latest continues the run in --out, and no --out was given (without one a run starts "
+                        "in a new directory, which holds no checkpoint): pass --out RUN_DIR, or --resume a run "
+                        "directory or ckpt-*.h5 path.")
+    return problems
