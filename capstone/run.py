@@ -241,6 +241,10 @@ def _resume(run: Run, path: str, saved: dict, why: dict) -> None:
                               f"--steps larger than {state.step} to train on.")
         raise ConfigError(f"{path} is at step {state.step} and --steps is {run.tcfg.steps}: nothing left to do. "
                           f"Pass --steps larger than {state.step} to train on.")
+    if 0 < run.opts.stop_after <= state.step and run.opts.resume != "auto":   # auto: a requeue after that stop
+        raise ConfigError(f"--stop-after {run.opts.stop_after} is not after {path}'s step {state.step}, so the run "
+                          f"would never stop there and would train on to --steps {run.tcfg.steps}. Pass --stop-after "
+                          f"larger than {state.step}, or leave it out to train to the end.")
     changed = {k: (v, getattr(run.tcfg, k)) for k, v in saved.items() if getattr(run.tcfg, k, v) != v}
     if meta.get("global_batch", run.global_batch) != run.global_batch:   # batch_size x grad_accum x replicas
         changed["global batch (sequences per step)"] = (meta["global_batch"], run.global_batch)

@@ -113,6 +113,20 @@ def test_resume_auto_on_a_finished_run_is_done(tmp_path):
     assert {name: digest(out / name) for name in kept} == kept
 
 
+def test_a_stop_after_the_checkpoint_already_passed_is_refused_on_resume(tmp_path):
+    """`--resume latest --stop-after 2` from step 3 never stopped and trained on to --steps; it is a usage
+    error now (exit 2, nothing written); `--resume auto` (a requeued batch job after that planned stop)
+    trains on to the end."""
+    out = tmp_path / "run"
+    assert mpirun(2, "--out", out, "--steps", 6, "--stop-after", 3).returncode == 0
+    kept = {name: digest(out / name) for name in ("summary.json", "metrics.jsonl")}
+    clean_error(mpirun(2, "--out", out, "--steps", 6, "--resume", "latest", "--stop-after", 2),
+                "--stop-after 2 is not after", "step 3", "--stop-after larger than 3")
+    assert {name: digest(out / name) for name in kept} == kept
+    res = mpirun(2, "--out", out, "--steps", 6, "--resume", "auto", "--stop-after", 3)
+    assert res.returncode == 0 and summary(out)["status"] == "completed", res.stdout + res.stderr
+
+
 def test_a_changed_global_batch_is_listed_on_resume(tmp_path):
     """2 ranks x 4 sequences, resumed on 4 ranks: the global batch doubles; it is listed with the other
     changed settings (it used to change without a word)."""
