@@ -156,6 +156,7 @@ def test_a_sigusr1_while_the_ranks_start_stops_the_run_before_its_first_step(tmp
     s = summary(out)
     assert s["status"] == "preempted" and s["final_step"] == 0, stdout
     assert "(b) not judged: the launch stopped before its first step" in stdout and "FAILED" not in stdout
+    assert "(a) not judged" in stdout and "over 0 evaluations" not in stdout, stdout   # no figures of nothing
     res = mpirun(2, "--out", out, "--steps", "6", "--resume", "latest")
     assert res.returncode == 0 and summary(out)["final_step"] == 6, res.stdout + res.stderr
 

@@ -102,6 +102,8 @@ def describe_learning(a: dict, mark: str) -> list[str]:
         lines = [f"(a) not judged: {a['not_judged']}; the run's status stands",
                  f"           held-out loss {a['first']:.5f} -> {a['last']:.5f} over {a['steps']} evaluations; "
                  f"best {best}"]
+        if not a["steps"]:   # nothing measured in this launch: no figures to show
+            return lines[:1]
     jumped = "no rise beyond the strict tolerance" if jump["at_step"] is None else \
         f"largest rise beyond the strict tolerance {jump['rise']:+.2e} at step {jump['at_step']} = " \
         f"{jump['sigmas']:.1f} sigmas (limit {jump['limit']:g})"
