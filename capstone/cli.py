@@ -82,9 +82,9 @@ def check_preset(settings: Settings, model: dict, train: dict, source: str) -> N
     warmup is compared as fitted to the run's own steps)."""
     if settings.preset is None:
         return
-    saved = {**model, **train}
-    differ = [f"{key} {saved.get(key)!r} there, {value!r} in the preset" for key, value in
-              sorted(preset_values(settings.preset, {**settings.explicit, "steps": saved["steps"]})[0].items())
+    saved, steps = {**model, **train}, {k: v for k, v in PRESETS[settings.preset].items() if k == "steps"}
+    preset = {**preset_values(settings.preset, {**settings.explicit, "steps": saved["steps"]})[0], **steps}
+    differ = [f"{key} {saved.get(key)!r} there, {value!r} in the preset" for key, value in sorted(preset.items())
               if key not in settings.explicit and saved.get(key) != value]
     if differ:
         more = f"; and {len(differ) - 5} more" if len(differ) > 5 else ""

@@ -154,10 +154,13 @@ def test_a_preset_on_resume_is_refused_when_it_contradicts_the_checkpoint(tmp_pa
 def test_the_same_preset_resumes_with_another_steps(tmp_path, first, then):
     """A preset's warmup is fitted to the run's --steps (medium's 40 of 400 -> 1); resuming the same preset
     with another --steps compares the preset as fitted to the run's own steps, not to the new --steps
-    (it was refused: "warmup_steps 1 there, 2 in the preset"). A tiny medium: its model flags given."""
+    (it was refused: "warmup_steps 1 there, 2 in the preset"); without --steps the preset's own steps
+    contradict the run's. A tiny medium: its model flags given."""
     out, tiny = tmp_path / "run", ["--preset", "medium", "--d-model", 32, "--n-heads", 2, "--n-layers", 1,
                                    "--seq-len", 16, "--batch-size", 2, "--eval-batches", 1, "--eval-batch-size", 2]
     assert mpirun(2, "--out", out, *tiny, "--steps", first, "--stop-after", 4).returncode == 0
+    clean_error(mpirun(2, "--out", out, *tiny, "--resume", "latest"),   # without --steps: the preset's 400 is not the run's
+                "--preset medium contradicts", f"steps {first} there, 400 in the preset")
     res = mpirun(2, "--out", out, *tiny, "--steps", then, "--resume", "latest")
     assert res.returncode == 0 and summary(out)["final_step"] == then, res.stdout + res.stderr
 

@@ -32,12 +32,13 @@ def test_each_run_option_is_named_alone(flag, value):
     assert len(said) == 1 and said[0].startswith(f"{flag} must be") and not any(o in said[0] for o in others), said
 
 
-def test_resume_latest_without_out_names_the_missing_flag():
-    """It used to look for checkpoints in the new runs/run-<time> directory it had just named, and say none."""
-    said = problems("--resume", "latest")
-    assert len(said) == 1 and "no --out was given" in said[0] and "pass --out RUN_DIR" in said[0], said
-    assert cli.parse(["--resume", "latest", "--out", "runs/x"]).opts.resume == "latest"
-    assert cli.parse(["--resume", "auto"]).opts.resume == "auto"   # auto starts fresh where there is none
+@pytest.mark.parametrize("how", ["latest", "auto"])
+def test_resume_latest_or_auto_without_out_names_the_missing_flag(how):
+    """latest used to look for checkpoints in the new runs/run-<time> directory it had just named, and
+    say none; auto started afresh there at every launch, never resuming."""
+    said = problems("--resume", how)
+    assert len(said) == 1 and f"--resume {how} continues" in said[0] and "pass --out RUN_DIR" in said[0], said
+    assert cli.parse(["--resume", how, "--out", "runs/x"]).opts.resume == how
 
 
 def test_every_bad_flag_is_reported_at_once():
