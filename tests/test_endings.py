@@ -115,10 +115,11 @@ def test_resume_auto_on_a_finished_run_is_done(tmp_path):
 
 def test_a_stop_after_the_checkpoint_already_passed_is_refused_on_resume(tmp_path):
     """`--resume latest --stop-after 2` from step 3 never stopped and trained on to --steps; it is a usage
-    error now (exit 2, nothing written); `--resume auto` (a requeued batch job after that planned stop)
-    trains on to the end."""
+    error now (exit 2, nothing written), and the stop's hint says so; `--resume auto` (a requeued batch
+    job after that planned stop) trains on to the end."""
     out = tmp_path / "run"
-    assert mpirun(2, "--out", out, "--steps", 6, "--stop-after", 3).returncode == 0
+    first = mpirun(2, "--out", out, "--steps", 6, "--stop-after", 3)
+    assert first.returncode == 0 and "--resume latest and --stop-after above 3 or none" in first.stdout, first.stdout
     kept = {name: digest(out / name) for name in ("summary.json", "metrics.jsonl")}
     clean_error(mpirun(2, "--out", out, "--steps", 6, "--resume", "latest", "--stop-after", 2),
                 "--stop-after 2 is not after", "step 3", "--stop-after larger than 3")

@@ -302,8 +302,7 @@ def final(summary: Summary, verified: dict | None, failed: list[str], rank: int)
     if failed:
         say("INVARIANT VIOLATED:\n  " + "\n  ".join(failed), rank)
         return
-    again = f"; continue with --out {run.out} --resume latest" if summary.status == "preempted" and \
-        run.opts.quiet else ""
+    again = f"; {how_to_continue(run)}" if summary.status == "preempted" and run.opts.quiet else ""
     say(f"{summary.status} step {run.state.step} in {summary.wall:.2f} s; summary "
         f"{os.path.join(run.out, 'summary.json')}{again}", rank)
 
@@ -336,7 +335,13 @@ def stopped(run, step: int, why: str | None) -> None:
     saved = "saved checkpoint" if run.ckpt.manifests else "nothing trained since the checkpoint it resumed from,"
     unjudged = " (saved without its held-out evaluation: a resume judges it first)" if man.get("judged") is False else ""
     say(f"stopped at step {step} on {why}: {saved} {man['path']}{unjudged} (check it with python -m capstone.checkpoint "
-        f"verify {man['path']}); continue with --out {run.out} --resume latest", run.grid.world.rank)
+        f"verify {man['path']}); {how_to_continue(run)}", run.grid.world.rank)
+
+
+def how_to_continue(run) -> str:
+    """The command's tail that continues a stopped run (the --stop-after it reached refuses a resume)."""
+    passed = f" and --stop-after above {run.state.step} or none" if 0 < run.opts.stop_after <= run.state.step else ""
+    return f"continue with --out {run.out} --resume latest{passed}"
 
 
 def error(text: str) -> None:
