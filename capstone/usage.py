@@ -77,7 +77,10 @@ def option_problems(values: dict) -> list[str]:
               ("pp", lambda v: v >= 1, "must be >= 1 (1: no pipeline)"))
     problems = [f"--{name.replace('_', '-')} {text}, got {values[name]!r}." for name, ok, text in checks
                 if name in values and values[name] is not None and not ok(values[name])]
-    if values.get("resume") in ("latest", "auto") and not values.get("out"):
+    if values.get("out") == "":
+        problems.append("--out is empty (an unset shell variable?): pass the run directory, or leave --out out for a "
+                        "new runs/run-<time>.")
+    elif values.get("resume") in ("latest", "auto") and not values.get("out"):
         problems.append(f"--resume {values['resume']} continues the run in --out, and no --out was given (without one "
                         "each launch starts in a new directory, which holds no checkpoint): pass --out RUN_DIR, or "
                         "--resume a run directory or ckpt-*.h5 path.")

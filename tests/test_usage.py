@@ -41,6 +41,13 @@ def test_resume_latest_or_auto_without_out_names_the_missing_flag(how):
     assert cli.parse(["--resume", how, "--out", "runs/x"]).opts.resume == how
 
 
+def test_an_empty_out_is_refused():
+    """`--out "$RUN_DIR"` with RUN_DIR unset trained into a new runs/run-<time> of the checkout without a word."""
+    said = problems("--out", "", "--steps", 3)
+    assert len(said) == 1 and said[0].startswith("--out is empty") and "leave --out out" in said[0], said
+    assert len(problems("--out", "", "--resume", "latest")) == 1   # the empty --out, said once
+
+
 def test_every_bad_flag_is_reported_at_once():
     said = problems("--bucket-mb", 0, "--log-every", -1, "--steps", 0, "--lr", -1, "--d-model", 30,
                     "--zero-stage", 5, "--eval-every", "x", "--max-iters", 3)
