@@ -68,6 +68,7 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
         if path is not None:
             saved = _agreed(world, lambda: checkpoint.read_meta_file(path))
             check_preset(settings, saved["model_config"], saved["train_config"], path)
+            _check_same_data(world, settings, saved, path)
             if opts.init_from:
                 report.say(f"note: resuming from {path}; --init-from starts a run only, it is not used now", world.rank)
             settings, why = _kept_modes(world, settings.on_top_of(saved["model_config"], saved["train_config"]),
@@ -132,6 +133,23 @@ def _out_dir(opts: RunOptions) -> tuple[str, str | None]:
     if home:
         return home, f"continuing in {home}, the run directory of --resume {opts.resume} (--out DIR branches off)"
     return time.strftime("runs/run-%Y%m%d-%H%M%S") + f"-{os.getpid()}", None
+
+
+def _check_same_data(world: Comm, settings: Settings, saved: dict, path: str) -> None:
+    """On --resume with --data: ConfigError unless it is the dataset the checkpoint trained on (by its
+    digest: a moved copy is the same); the vocabulary's or layout's mismatch would name other flags."""
+    data = settings.train.data
+    if "data" not in settings.explicit or not data:
+        return
+    had = (saved.get("data") or {}).get("digest")
+    if _agreed(world, lambda: identity(load_meta(data))["digest"]) == had:
+        return
+    was = saved["train_config"].get("data")
+    do = (f"Pass --data {was} (or a moved copy of it) or leave --data out; to train those weights on {data}, "
+          f"fine-tune instead: --init-from {path} --data {data} --out NEW_DIR.") if had else "Leave --data out."
+    raise ConfigError(f"--data {data} is not the data {path} was trained on "
+                      f"({f'the dataset {was}' if had else 'the synthetic corpus'}; the digests differ), and a resume "
+                      f"continues on the same data. {do}")
 
 
 def _init_from(world: Comm, settings: Settings):

@@ -63,14 +63,21 @@ def test_text_run_resumes_bit_identically(data, two_ranks, tmp_path):
     assert summary(out)["final_param_fingerprint"] == summary(two_ranks)["final_param_fingerprint"]
 
 
-def test_resume_with_changed_data_is_refused(two_ranks, tmp_path):
+def test_resume_with_changed_data_is_refused_naming_data(data, two_ranks, tmp_path):
+    """Other data on --resume is a usage mistake named by --data (it was blamed on the model flags, or on a
+    --vocab-size never given when the vocabularies differed); a moved copy of the same data resumes."""
     import shutil
     out = tmp_path / "run"
     shutil.copytree(two_ranks, out)
-    other = prepare(tmp_path, TEXT.replace("speak", "spake"), "other")
-    res = mpirun(2, "--out", out, "--resume", "latest", "--data", other, "--steps", 9)
-    assert res.returncode == 2, res.stdout + res.stderr   # a usage mistake: --data of other data
-    assert res.stderr.count("incompatible") == 1 and "train_sha256" in res.stderr
+    for name, text in (("other", TEXT.replace("speak", "spake")), ("wider", TEXT + "xyz QZ")):
+        res = mpirun(2, "--out", out, "--resume", "latest", "--data", prepare(tmp_path, text, name), "--steps", 9)
+        assert res.returncode == 2 and res.stderr.count("error:") == 1, res.stdout + res.stderr
+        assert f"--data {tmp_path / name} is not the data" in res.stderr and f"--data {data}" in res.stderr, res.stderr
+        assert "--vocab-size" not in res.stderr and "model flags" not in res.stderr, res.stderr
+    moved = tmp_path / "moved"
+    shutil.copytree(data, moved)
+    res = mpirun(2, "--out", out, "--resume", "latest", "--data", moved, "--steps", 7)
+    assert res.returncode == 0 and summary(out)["final_step"] == 7, res.stdout + res.stderr
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
