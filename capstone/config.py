@@ -30,13 +30,14 @@ def _require(ok: bool, message: str) -> None:
 
 
 class _Checks:
-    """`require(ok, message)` for each check of a __post_init__; `done()` raises every failed one at once."""
+    """`require(ok, message)` for each check of a __post_init__ (a message starts with its field's name:
+    one problem per field, the first); `done()` raises every failed one at once."""
 
     def __init__(self):
         self.failed: list[str] = []
 
     def __call__(self, ok: bool, message: str) -> None:
-        if not ok:
+        if not ok and not any(f.split(" ", 1)[0] == message.split(" ", 1)[0] for f in self.failed):
             self.failed.append(message)
 
     def done(self) -> None:

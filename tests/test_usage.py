@@ -48,6 +48,12 @@ def test_an_empty_out_is_refused():
     assert len(problems("--out", "", "--resume", "latest")) == 1   # the empty --out, said once
 
 
+def test_a_flag_is_one_problem_however_many_checks_it_fails():
+    """--lr nan was "2 problems" (not finite; not > 0)."""
+    said = problems("--lr", "nan", "--beta1", 2)
+    assert len(said) == 2 and said[0] == "--lr must be a finite number, got nan." and "--beta1" in said[1], said
+
+
 def test_every_bad_flag_is_reported_at_once():
     said = problems("--bucket-mb", 0, "--log-every", -1, "--steps", 0, "--lr", -1, "--d-model", 30,
                     "--zero-stage", 5, "--eval-every", "x", "--max-iters", 3)
