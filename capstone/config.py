@@ -30,8 +30,7 @@ def _require(ok: bool, message: str) -> None:
 
 
 class _Checks:
-    """`require(ok, message)` for each check of a __post_init__ (a message starts with its field's name:
-    one problem per field, the first); `done()` raises every failed one at once."""
+    """`require(ok, message)` per check (one problem per field: its messages start with its name); `done()` raises."""
 
     def __init__(self):
         self.failed: list[str] = []
