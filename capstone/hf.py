@@ -18,6 +18,7 @@ import os
 
 import numpy as np
 
+from capstone.checkpoint import CheckpointError
 from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout
 
@@ -114,24 +115,27 @@ def read_weights(path: str, cfg: ModelConfig) -> np.ndarray:
 
 def read(path: str, seq_len: int | None = None):
     """(ModelConfig, flat parameters, data identity: the tokenizer of vocab.json + merges.txt if they are
-    there, else the one capstone's export kept in the weights' metadata)."""
+    there, else the one capstone's export kept in the weights' metadata). CheckpointError for a
+    model.safetensors safetensors cannot read."""
     with open(os.path.join(path, FILES[0])) as f:
         try:
             hf = json.load(f)
         except ValueError as exc:
             raise ConfigError(f"--init-from {path}: config.json is not JSON ({exc}).") from None
     cfg = model_config(hf, seq_len, path)
-    params = read_weights(path, cfg)
+    try:
+        meta = exported_meta(path)
+        params = read_weights(path, cfg)
+        exported = {"tokenizer": json.loads(meta["tokenizer"])} if "tokenizer" in meta else {}
+    except (ConfigError, CheckpointError):
+        raise
+    except Exception as exc:   # noqa: BLE001 - safetensors' own SafetensorError, a bad header, bad JSON
+        raise CheckpointError(f"--init-from {path}: unreadable {FILES[1]} ({type(exc).__name__}: {exc}); export "
+                              f"the checkpoint again (python -m capstone.export RUN_DIR --out {path} --format hf "
+                              f"--force), or download the model again.") from None
     if all(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES):
         return cfg, params, {"tokenizer": gpt2_tokenizer(path).describe()}
-    return cfg, params, exported_data(path)
-
-
-def exported_data(path: str) -> dict:
-    """The tokenizer `capstone.export --format hf` keeps in model.safetensors' metadata (a run on text), as
-    a data identity; {} for a directory without it: ids only, as the synthetic corpus's."""
-    meta = exported_meta(path)
-    return {"tokenizer": json.loads(meta["tokenizer"])} if "tokenizer" in meta else {}
+    return cfg, params, exported
 
 
 def exported_meta(path: str) -> dict:
