@@ -66,7 +66,14 @@ class Source:
 
 def read(target: str, seq_len: int | None = None) -> Source:
     """One process: the weights of a checkpoint, an export or a Hugging Face GPT-2 directory (capstone.hf:
-    `seq_len` crops its positions). CheckpointError for an invalid file, ConfigError for a path that is none."""
+    `seq_len` crops its positions). CheckpointError for an invalid file or weights that are not all finite,
+    ConfigError for a path that is none."""
+    source = _read(target, seq_len)
+    refuse_non_finite(target, source)
+    return source
+
+
+def _read(target: str, seq_len: int | None) -> Source:
     if target.endswith(".safetensors"):
         return _read_export(target)
     if all(os.path.isfile(os.path.join(target, n)) for n in ("config.json", "model.safetensors")):
@@ -83,6 +90,20 @@ def read(target: str, seq_len: int | None = None) -> Source:
     refuse_unjudged(target, meta, path)
     return Source(path, "checkpoint", int(meta["step"]), cfg, meta.get("data") or {}, params[:cfg_params(cfg)],
                   meta.get("train_config") or {})
+
+
+def refuse_non_finite(target: str, source: Source) -> None:
+    """CheckpointError if any weight is NaN or infinite (a diverged run's, or a damaged file's), naming the tensors."""
+    if np.isfinite(source.params).all():
+        return
+    layout = Layout.for_model(source.model, 1)
+    flat = layout.zeros()
+    flat[:source.params.size] = source.params
+    bad = [name for name, view in layout.views(flat).items() if not np.isfinite(view).all()]
+    raise CheckpointError(f"--init-from {target}: {int(np.count_nonzero(~np.isfinite(source.params)))} of its weights "
+                          f"are NaN or infinite (in {', '.join(bad[:4])}{' and more' if len(bad) > 4 else ''}): "
+                          f"no training can start from them. Pass an earlier checkpoint of that run, saved before "
+                          f"it diverged, or export one again.")
 
 
 def refuse_unjudged(target: str, meta: dict, path: str | None = None) -> None:
@@ -103,7 +124,7 @@ def cfg_params(cfg: ModelConfig) -> int:
 
 def _read_export(path: str) -> Source:
     """An export's tensors back into the flat layout (lm_head.weight transposed back to (in, out))."""
-    from capstone.export import FORMAT, _save_file, gpt2_name
+    from capstone.export import DIGEST_KEY, FORMAT, _save_file, check_digest, gpt2_name, tensor_digest
     from capstone.vocab import SampleError
     try:
         _save_file()   # the library, or the install command
@@ -127,6 +148,7 @@ def _read_export(path: str) -> Source:
     except Exception as exc:   # noqa: BLE001 - safetensors' own SafetensorError, a bad header, bad JSON
         raise CheckpointError(f"--init-from {path}: unreadable export ({type(exc).__name__}: {exc}); export the "
                               f"checkpoint again.") from None
+    check_digest(path, meta.get(DIGEST_KEY), tensor_digest(tensors))
     layout = Layout.for_model(cfg, 1)
     flat = layout.zeros()
     for name, view in layout.views(flat).items():

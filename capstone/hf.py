@@ -13,6 +13,7 @@ Imported only when such a directory is used.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -85,27 +86,26 @@ def capstone_name(name: str) -> str:
     return name       # unknown: reported by `read_weights`
 
 
-def read_weights(path: str, cfg: ModelConfig) -> np.ndarray:
+def read_weights(path: str, cfg: ModelConfig, digest: str | None = None) -> np.ndarray:
     """The flat 1-rank parameters of model `cfg` from DIR/model.safetensors (wpe cropped to cfg.seq_len;
-    a tied model's lm_head.weight, if stored, must be wte); ConfigError for missing or extra tensors."""
+    a tied model's lm_head.weight, if stored, must be wte); ConfigError for missing or extra tensors,
+    CheckpointError if the tensors' sha256 is not `digest` (capstone's export records it; None: unchecked)."""
     from safetensors import safe_open
+
+    from capstone.export import check_digest, digest_update
     layout = Layout.for_model(cfg, 1)
     flat = layout.zeros()
-    views, seen = layout.views(flat), set()
+    views, seen, h = layout.views(flat), set(), hashlib.sha256()
     with safe_open(os.path.join(path, FILES[1]), framework="numpy") as f:
-        for key in f.keys():
+        for key in sorted(f.keys()):
+            tensor = f.get_tensor(key)
+            digest_update(h, key, tensor)
             name = capstone_name(key)
             if not name or name == "lm_head.w" and cfg.tie_embeddings:
                 continue      # a buffer, or the tied head's copy of wte (save_pretrained may keep it)
-            if name not in views:
-                raise ConfigError(f"--init-from {path}: tensor {key} is not part of a GPT-2 of this config.")
-            got = f.get_tensor(key).astype(np.float32)
-            got = got.T if name == "lm_head.w" else got[:cfg.seq_len] if name == "wpe" else got
-            if got.shape != views[name].shape:
-                raise ConfigError(f"--init-from {path}: tensor {key} has shape {got.shape}, the config's model "
-                                  f"needs {views[name].shape}.")
-            views[name][...] = got
+            place(path, key, name, tensor, views, cfg)
             seen.add(name)
+    check_digest(path, digest, h.hexdigest())
     missing = sorted(set(views) - seen)
     if missing:
         raise ConfigError(f"--init-from {path}: model.safetensors lacks {', '.join(missing[:4])}"
@@ -113,10 +113,24 @@ def read_weights(path: str, cfg: ModelConfig) -> np.ndarray:
     return flat[:layout.n_params].copy()
 
 
+def place(path: str, key: str, name: str, tensor: np.ndarray, views: dict, cfg: ModelConfig) -> None:
+    """GPT-2 tensor `key` into capstone's parameter `name` (lm_head transposed, wpe cropped); ConfigError if
+    the config's model has no such parameter or another shape."""
+    if name not in views:
+        raise ConfigError(f"--init-from {path}: tensor {key} is not part of a GPT-2 of this config.")
+    got = tensor.astype(np.float32)
+    got = got.T if name == "lm_head.w" else got[:cfg.seq_len] if name == "wpe" else got
+    if got.shape != views[name].shape:
+        raise ConfigError(f"--init-from {path}: tensor {key} has shape {got.shape}, the config's model "
+                          f"needs {views[name].shape}.")
+    views[name][...] = got
+
+
 def read(path: str, seq_len: int | None = None):
     """(ModelConfig, flat parameters, data identity: the tokenizer of vocab.json + merges.txt if they are
     there, else the one capstone's export kept in the weights' metadata). CheckpointError for a
-    model.safetensors safetensors cannot read."""
+    model.safetensors safetensors cannot read or whose recorded digest does not match."""
+    from capstone.export import DIGEST_KEY
     with open(os.path.join(path, FILES[0])) as f:
         try:
             hf = json.load(f)
@@ -125,7 +139,7 @@ def read(path: str, seq_len: int | None = None):
     cfg = model_config(hf, seq_len, path)
     try:
         meta = exported_meta(path)
-        params = read_weights(path, cfg)
+        params = read_weights(path, cfg, meta.get(DIGEST_KEY))
         exported = {"tokenizer": json.loads(meta["tokenizer"])} if "tokenizer" in meta else {}
     except (ConfigError, CheckpointError):
         raise

@@ -5,11 +5,21 @@ the advice of the refusals (tiny models written here; one 2-rank run of 2 steps 
 import os
 import shutil
 
+import numpy as np
 import pytest
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
 
 from conftest import mpirun
 from test_finetune import run_module
+from test_gpt2_hf import write_dir
 
+from capstone import export, finetune
+from capstone.checkpoint import CheckpointError
+from capstone.config import ModelConfig
+from capstone.model.params import Layout, init_params
+
+CFG = ModelConfig(vocab_size=20, seq_len=8, d_model=16, n_heads=2, n_layers=1, head_bias=False)
 MODEL = ["--d-model", "16", "--n-layers", "1", "--n-heads", "2", "--seq-len", "8", "--no-head-bias"]
 
 
@@ -53,4 +63,39 @@ def test_a_damaged_hf_directory_is_refused_cleanly_on_every_rank(run, tmp_path, 
     error = refused(res)
     assert res.returncode == 1 and "unreadable model.safetensors" in error and "export the checkpoint again" in error
     assert not (tmp_path / "ft").exists(), "a refused start leaves nothing behind"
+
+
+def test_both_exports_record_a_tensor_digest_that_init_from_checks(run, tmp_path):
+    """The digest is a string in the metadata (transformers reads it as any), over the tensors as stored;
+    one flipped byte of tensor data is refused, with the advice to export again."""
+    for source in (run / "x.safetensors", run / "hf" / "model.safetensors"):
+        with safe_open(str(source), framework="numpy") as f:
+            meta = f.metadata()
+        assert meta[export.DIGEST_KEY] == export.tensor_digest(load_file(str(source)))
+        assert all(isinstance(v, str) for v in meta.values())
+    shutil.copy(run / "x.safetensors", tmp_path / "x.safetensors")
+    shutil.copytree(run / "hf", tmp_path / "hf")
+    for source in (tmp_path / "x.safetensors", tmp_path / "hf"):
+        finetune.read(str(source))   # intact: accepted
+        flip(source if source.is_file() else source / "model.safetensors")
+        with pytest.raises(CheckpointError, match="does not match the sha256 its export recorded") as exc:
+            finetune.read(str(source))
+        assert f"--init-from {source}" in str(exc.value) and "Export the checkpoint again" in str(exc.value)
+
+
+def test_non_finite_weights_are_refused_from_any_source(run, tmp_path):
+    """A foreign HF model (no digest) and an export whose digest matches its NaN both name the tensor."""
+    params = init_params(Layout.for_model(CFG, 1), CFG, 1)
+    params[3] = np.nan   # in wte, the first tensor
+    write_dir(tmp_path / "foreign", CFG, params)
+    tensors = load_file(str(run / "x.safetensors"))
+    with safe_open(str(run / "x.safetensors"), framework="numpy") as f:
+        meta = f.metadata()
+    tensors["transformer.h.0.mlp.c_fc.bias"][0] = np.inf
+    save_file(tensors, str(tmp_path / "inf.safetensors"),
+              metadata={**meta, export.DIGEST_KEY: export.tensor_digest(tensors)})
+    for source, tensor in ((tmp_path / "foreign", "wte"), (tmp_path / "inf.safetensors", "h0.mlp.c_fc.b")):
+        with pytest.raises(CheckpointError, match="1 of its weights are NaN or infinite") as exc:
+            finetune.read(str(source))
+        assert f"(in {tensor})" in str(exc.value) and "earlier checkpoint" in str(exc.value)
 
