@@ -64,6 +64,11 @@ class Source:
                 "model_config": dataclasses.asdict(self.model), "data_digest": self.data.get("digest")}
 
 
+ACCEPTS = ("--init-from takes a run directory (its checkpoints/latest), a ckpt-*.h5 file, a .safetensors file "
+           "`python -m capstone.export` wrote, or a Hugging Face GPT-2 directory (config.json + model.safetensors).")
+
+
+
 def read(target: str, seq_len: int | None = None) -> Source:
     """One process: the weights of a checkpoint, an export or a Hugging Face GPT-2 directory (capstone.hf:
     `seq_len` crops its positions). CheckpointError for an invalid file or weights that are not all finite,
@@ -76,6 +81,8 @@ def read(target: str, seq_len: int | None = None) -> Source:
 def _read(target: str, seq_len: int | None) -> Source:
     if target.endswith(".safetensors"):
         return _read_export(target)
+    if os.path.isdir(target):
+        refuse_other_directory(target)
     if all(os.path.isfile(os.path.join(target, n)) for n in ("config.json", "model.safetensors")):
         from capstone import hf
         cfg, params, data = hf.read(target, seq_len)
@@ -90,6 +97,22 @@ def _read(target: str, seq_len: int | None) -> Source:
     refuse_unjudged(target, meta, path)
     return Source(path, "checkpoint", int(meta["step"]), cfg, meta.get("data") or {}, params[:cfg_params(cfg)],
                   meta.get("train_config") or {})
+
+
+def refuse_other_directory(target: str) -> None:
+    """ConfigError for a directory that is not a run's, a checkpoints directory or a whole HF model directory."""
+    config, weights = (os.path.isfile(os.path.join(target, n)) for n in ("config.json", "model.safetensors"))
+    if config != weights:
+        found, lacks = ("config.json", "model.safetensors") if config else ("model.safetensors", "config.json")
+        raise ConfigError(f"--init-from {target}: {found} found but {lacks} missing: a Hugging Face model directory "
+                          f"needs both (as save_pretrained writes them; a sharded model is not read). Export it "
+                          f"again (python -m capstone.export RUN_DIR --out {target} --format hf --force) or copy "
+                          f"the missing file. {ACCEPTS}")
+    if not config and not os.path.isdir(os.path.join(target, "checkpoints")) \
+            and not os.path.exists(os.path.join(target, "latest")):
+        raise ConfigError(f"--init-from {target}: not a run directory, checkpoint, .safetensors export or Hugging "
+                          f"Face model directory (it has no checkpoints/, config.json or model.safetensors). "
+                          f"{ACCEPTS}")
 
 
 def refuse_non_finite(target: str, source: Source) -> None:

@@ -16,7 +16,7 @@ from test_gpt2_hf import write_dir
 
 from capstone import export, finetune
 from capstone.checkpoint import CheckpointError
-from capstone.config import ModelConfig
+from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout, init_params
 
 CFG = ModelConfig(vocab_size=20, seq_len=8, d_model=16, n_heads=2, n_layers=1, head_bias=False)
@@ -98,4 +98,18 @@ def test_non_finite_weights_are_refused_from_any_source(run, tmp_path):
         with pytest.raises(CheckpointError, match="1 of its weights are NaN or infinite") as exc:
             finetune.read(str(source))
         assert f"(in {tensor})" in str(exc.value) and "earlier checkpoint" in str(exc.value)
+
+
+def test_a_directory_that_is_no_source_says_what_it_is_and_what_is_taken(run, tmp_path):
+    shutil.copytree(run / "hf", tmp_path / "hf")
+    os.remove(tmp_path / "hf" / "model.safetensors")
+    (tmp_path / "dataset").mkdir()
+    (tmp_path / "dataset" / "meta.json").write_text("{}")
+    (tmp_path / "fresh" / "checkpoints").mkdir(parents=True)
+    for source, words in (("hf", "config.json found but model.safetensors missing"),
+                          ("dataset", "not a run directory, checkpoint, .safetensors export or Hugging Face model"),
+                          ("fresh", "the run wrote no checkpoint yet")):
+        with pytest.raises(ConfigError, match=words) as exc:
+            finetune.read(str(tmp_path / source))
+        assert source == "fresh" or finetune.ACCEPTS in str(exc.value)
 
