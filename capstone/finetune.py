@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from capstone.checkpoint import CheckpointError, serial
+from capstone.checkpoint import CheckpointError, integrity, serial
 from capstone.collective.agree import agreed
 from capstone.config import ConfigError, ModelConfig, TrainConfig
 from capstone.data.tokenizer import difference, from_description
@@ -66,7 +66,8 @@ class Source:
 
 ACCEPTS = ("--init-from takes a run directory (its checkpoints/latest), a ckpt-*.h5 file, a .safetensors file "
            "`python -m capstone.export` wrote, or a Hugging Face GPT-2 directory (config.json + model.safetensors).")
-
+CORRUPT = ("Do not fine-tune from it: pass another checkpoint of that run (python -m capstone.checkpoint verify "
+           "RUN_DIR/checkpoints/ckpt-*.h5 says which verify), or restore a good copy.")
 
 
 def read(target: str, seq_len: int | None = None) -> Source:
@@ -91,8 +92,10 @@ def _read(target: str, seq_len: int | None) -> Source:
     try:
         path = serial.find(target)
         meta, cfg, params = serial.load_weights(path)
-    except (ConfigError, CheckpointError) as exc:
-        raise (CheckpointError if isinstance(exc, CheckpointError) else ConfigError)(f"--init-from {target}: {exc}") \
+    except ConfigError as exc:
+        raise ConfigError(f"--init-from {target}: {exc}") from None
+    except CheckpointError as exc:   # its advice is a resume's: say what a fine-tuning run does instead
+        raise CheckpointError(f"--init-from {target}: {str(exc).replace(integrity.NEXT['corrupt'], CORRUPT)}") \
             from None
     refuse_unjudged(target, meta, path)
     return Source(path, "checkpoint", int(meta["step"]), cfg, meta.get("data") or {}, params[:cfg_params(cfg)],
@@ -253,7 +256,8 @@ def check_vocabulary(source: Source, data: dict, data_dir: str) -> None:
         which = "the synthetic corpus" if mine is None else f"text ({from_description(mine).kind} tokens)"
         new = "the synthetic corpus (no --data)" if theirs is None else f"the text of --data {data_dir}"
         raise ConfigError(f"--init-from {source.path}: it was trained on {which}, this run on {new}: the token ids "
-                          f"would mean other things. " + ("" if theirs is None else fix))
+                          f"would mean other things. " + (fix if theirs is not None else "Pass --data with the "
+                          "dataset it was trained on, or one prepared with prepare --vocab-from that dataset."))
     diff = difference(from_description(mine), from_description(theirs), ("the --init-from model's", "--data's"))
     if diff:
         raise ConfigError(f"--init-from {source.path}: the vocabularies differ: {diff}. The token ids would mean "

@@ -109,7 +109,9 @@ def read_weights(path: str, cfg: ModelConfig, digest: str | None = None) -> np.n
     missing = sorted(set(views) - seen)
     if missing:
         raise ConfigError(f"--init-from {path}: model.safetensors lacks {', '.join(missing[:4])}"
-                          f"{' and more' if len(missing) > 4 else ''}.")
+                          f"{' and more' if len(missing) > 4 else ''}, which its config.json's model has: the two "
+                          f"disagree (n_layer, n_embd, ... changed in config.json?). Restore config.json to the "
+                          f"model's own settings, or export (or download) the model again.")
     return flat[:layout.n_params].copy()
 
 

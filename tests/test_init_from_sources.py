@@ -2,6 +2,7 @@
 data no longer matches the sha256 it recorded, non-finite weights, a directory that is no source, and
 the advice of the refusals (tiny models written here; one 2-rank run of 2 steps for a checkpoint)."""
 
+import json
 import os
 import shutil
 
@@ -14,7 +15,7 @@ from conftest import mpirun
 from test_finetune import run_module
 from test_gpt2_hf import write_dir
 
-from capstone import export, finetune
+from capstone import export, finetune, hf
 from capstone.checkpoint import CheckpointError
 from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout, init_params
@@ -113,3 +114,23 @@ def test_a_directory_that_is_no_source_says_what_it_is_and_what_is_taken(run, tm
             finetune.read(str(tmp_path / source))
         assert source == "fresh" or finetune.ACCEPTS in str(exc.value)
 
+
+def test_the_refusals_say_what_to_do(run, tmp_path):
+    """No --data for a text model; a config.json whose n_layer was raised; a corrupt checkpoint (whose
+    advice is fine-tuning's, not --resume auto's)."""
+    text = finetune.Source("m.safetensors", "export", 0, CFG, {"tokenizer": {"kind": "char", "chars": "ab"}},
+                           np.empty(0, np.float32))
+    with pytest.raises(ConfigError, match="Pass --data with the dataset it was trained on"):
+        finetune.check_vocabulary(text, {}, None)
+    shutil.copytree(run / "hf", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "n_layer": 2}))
+    with pytest.raises(ConfigError, match=r"lacks h1\..*Restore config.json to the model's own settings"):
+        hf.read(str(tmp_path / "hf"))
+    ckpt = os.path.realpath(os.path.join(run, "run", "checkpoints", "ckpt-00000002.h5"))
+    shutil.copy(ckpt, tmp_path / "bad.h5")
+    shutil.copy(ckpt + ".sha256", tmp_path / "bad.h5.sha256")
+    flip(tmp_path / "bad.h5", os.path.getsize(ckpt) // 2)
+    with pytest.raises(CheckpointError, match="pass another checkpoint of that run") as exc:
+        finetune.read(str(tmp_path / "bad.h5"))
+    assert "--resume" not in str(exc.value)
