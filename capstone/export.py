@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -30,6 +31,7 @@ from capstone.vocab import SampleError
 SAFETENSORS_PIN = "safetensors==0.8.0"
 FORMAT = "capstone-gpt2"
 HF_FILES = ("config.json", "model.safetensors")
+DIGEST_KEY = "tensor_sha256"     # metadata: sha256 of the tensors (`tensor_digest`), verified by --init-from
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")   # torch.save's and pickle's names
 LAYER_NORM_EPS = 1e-5            # capstone.model.kernels._ln_fwd
 BLOCK = {"ln_1.w": "ln_1.weight", "ln_1.b": "ln_1.bias", "attn.c_attn.w": "attn.c_attn.weight",
@@ -55,6 +57,31 @@ def named_tensors(views: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     transposed to (vocab, d_model)."""
     return {gpt2_name(n): np.ascontiguousarray(a.T if n == "lm_head.w" else a, dtype=np.float32)
             for n, a in views.items()}
+
+
+def digest_update(h, name: str, a: np.ndarray) -> None:
+    """Feed one tensor to the sha256 `h`: its name, dtype and shape (a text line), then its little-endian
+    bytes in C order."""
+    a = np.ascontiguousarray(a, dtype=np.dtype(a.dtype).newbyteorder("<"))
+    h.update(f"{name} {a.dtype.str} {list(a.shape)}\n".encode())
+    h.update(a.tobytes())
+
+
+def tensor_digest(tensors: dict[str, np.ndarray]) -> str:
+    """sha256 hex of the tensors in name order (`digest_update`): what an export records under DIGEST_KEY."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        digest_update(h, name, tensors[name])
+    return h.hexdigest()
+
+
+def check_digest(target: str, want: str | None, got: str) -> None:
+    """CheckpointError (exit 1) if an export's recorded digest `want` (None: none recorded) is not `got`."""
+    if want is not None and want != got:
+        raise CheckpointError(f"--init-from {target}: its tensor data does not match the sha256 its export recorded "
+                              f"({DIGEST_KEY} {want[:12]}..., the data's {got[:12]}...): the file was damaged or "
+                              f"altered after it was written. Export the checkpoint again (python -m capstone.export "
+                              f"RUN_DIR --out ...) and pass the new export.")
 
 
 def absent_biases(cfg: ModelConfig) -> dict[str, np.ndarray]:
@@ -169,7 +196,7 @@ def write_hf(views: dict[str, np.ndarray], cfg: ModelConfig, md: dict, out: str,
                              "a model trained with --no-head-bias, or drop --format hf: the default safetensors file "
                              "keeps the bias (docs/export.md shows a PyTorch module that loads it).")
     tensors = named_tensors({**views, **absent_biases(cfg)})
-    md = {"capstone_format": md.pop("format"), **md, "format": "pt"}
+    md = {"capstone_format": md.pop("format"), **md, DIGEST_KEY: tensor_digest(tensors), "format": "pt"}
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as exc:
@@ -199,7 +226,8 @@ def export(target: str, out: str, fmt: str = "safetensors", force: bool = False)
         size = sum(os.path.getsize(os.path.join(out, n)) for n in HF_FILES)
     else:
         tensors = named_tensors(views)
-        write_bytes(st.save(tensors, metadata=metadata(meta, cfg, path, "lm_head.b" in views)), out)
+        md = {**metadata(meta, cfg, path, "lm_head.b" in views), DIGEST_KEY: tensor_digest(tensors)}
+        write_bytes(st.save(tensors, metadata=md), out)
         size = os.path.getsize(out)
     return {"checkpoint": path, "step": meta["step"], "tensors": len(tensors),
             "parameters": int(sum(a.size for a in tensors.values())), "bytes": size,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from capstone.checkpoint import CheckpointError, serial
+from capstone.checkpoint import CheckpointError, integrity, serial
 from capstone.collective.agree import agreed
 from capstone.config import ConfigError, ModelConfig, TrainConfig
 from capstone.data.tokenizer import difference, from_description
@@ -64,11 +64,26 @@ class Source:
                 "model_config": dataclasses.asdict(self.model), "data_digest": self.data.get("digest")}
 
 
+ACCEPTS = ("--init-from takes a run directory (its checkpoints/latest), a ckpt-*.h5 file, a .safetensors file "
+           "`python -m capstone.export` wrote, or a Hugging Face GPT-2 directory (config.json + model.safetensors).")
+CORRUPT = ("Do not fine-tune from it: pass another checkpoint of that run (python -m capstone.checkpoint verify "
+           "RUN_DIR/checkpoints/ckpt-*.h5 says which verify), or restore a good copy.")
+
+
 def read(target: str, seq_len: int | None = None) -> Source:
     """One process: the weights of a checkpoint, an export or a Hugging Face GPT-2 directory (capstone.hf:
-    `seq_len` crops its positions). CheckpointError for an invalid file, ConfigError for a path that is none."""
+    `seq_len` crops its positions). CheckpointError for an invalid file or weights that are not all finite,
+    ConfigError for a path that is none."""
+    source = _read(target, seq_len)
+    refuse_non_finite(target, source)
+    return source
+
+
+def _read(target: str, seq_len: int | None) -> Source:
     if target.endswith(".safetensors"):
         return _read_export(target)
+    if os.path.isdir(target):
+        refuse_other_directory(target)
     if all(os.path.isfile(os.path.join(target, n)) for n in ("config.json", "model.safetensors")):
         from capstone import hf
         cfg, params, data = hf.read(target, seq_len)
@@ -77,12 +92,44 @@ def read(target: str, seq_len: int | None = None) -> Source:
     try:
         path = serial.find(target)
         meta, cfg, params = serial.load_weights(path)
-    except (ConfigError, CheckpointError) as exc:
-        raise (CheckpointError if isinstance(exc, CheckpointError) else ConfigError)(f"--init-from {target}: {exc}") \
+    except ConfigError as exc:
+        raise ConfigError(f"--init-from {target}: {exc}") from None
+    except CheckpointError as exc:   # its advice is a resume's: say what a fine-tuning run does instead
+        raise CheckpointError(f"--init-from {target}: {str(exc).replace(integrity.NEXT['corrupt'], CORRUPT)}") \
             from None
     refuse_unjudged(target, meta, path)
     return Source(path, "checkpoint", int(meta["step"]), cfg, meta.get("data") or {}, params[:cfg_params(cfg)],
                   meta.get("train_config") or {})
+
+
+def refuse_other_directory(target: str) -> None:
+    """ConfigError for a directory that is not a run's, a checkpoints directory or a whole HF model directory."""
+    config, weights = (os.path.isfile(os.path.join(target, n)) for n in ("config.json", "model.safetensors"))
+    if config != weights:
+        found, lacks = ("config.json", "model.safetensors") if config else ("model.safetensors", "config.json")
+        raise ConfigError(f"--init-from {target}: {found} found but {lacks} missing: a Hugging Face model directory "
+                          f"needs both (as save_pretrained writes them; a sharded model is not read). Export it "
+                          f"again (python -m capstone.export RUN_DIR --out {target} --format hf --force) or copy "
+                          f"the missing file. {ACCEPTS}")
+    if not config and not os.path.isdir(os.path.join(target, "checkpoints")) \
+            and not os.path.exists(os.path.join(target, "latest")):
+        raise ConfigError(f"--init-from {target}: not a run directory, checkpoint, .safetensors export or Hugging "
+                          f"Face model directory (it has no checkpoints/, config.json or model.safetensors). "
+                          f"{ACCEPTS}")
+
+
+def refuse_non_finite(target: str, source: Source) -> None:
+    """CheckpointError if any weight is NaN or infinite (a diverged run's, or a damaged file's), naming the tensors."""
+    if np.isfinite(source.params).all():
+        return
+    layout = Layout.for_model(source.model, 1)
+    flat = layout.zeros()
+    flat[:source.params.size] = source.params
+    bad = [name for name, view in layout.views(flat).items() if not np.isfinite(view).all()]
+    raise CheckpointError(f"--init-from {target}: {int(np.count_nonzero(~np.isfinite(source.params)))} of its weights "
+                          f"are NaN or infinite (in {', '.join(bad[:4])}{' and more' if len(bad) > 4 else ''}): "
+                          f"no training can start from them. Pass an earlier checkpoint of that run, saved before "
+                          f"it diverged, or export one again.")
 
 
 def refuse_unjudged(target: str, meta: dict, path: str | None = None) -> None:
@@ -103,7 +150,7 @@ def cfg_params(cfg: ModelConfig) -> int:
 
 def _read_export(path: str) -> Source:
     """An export's tensors back into the flat layout (lm_head.weight transposed back to (in, out))."""
-    from capstone.export import FORMAT, _save_file, gpt2_name
+    from capstone.export import DIGEST_KEY, FORMAT, _save_file, check_digest, gpt2_name, tensor_digest
     from capstone.vocab import SampleError
     try:
         _save_file()   # the library, or the install command
@@ -127,6 +174,7 @@ def _read_export(path: str) -> Source:
     except Exception as exc:   # noqa: BLE001 - safetensors' own SafetensorError, a bad header, bad JSON
         raise CheckpointError(f"--init-from {path}: unreadable export ({type(exc).__name__}: {exc}); export the "
                               f"checkpoint again.") from None
+    check_digest(path, meta.get(DIGEST_KEY), tensor_digest(tensors))
     layout = Layout.for_model(cfg, 1)
     flat = layout.zeros()
     for name, view in layout.views(flat).items():
@@ -208,7 +256,8 @@ def check_vocabulary(source: Source, data: dict, data_dir: str) -> None:
         which = "the synthetic corpus" if mine is None else f"text ({from_description(mine).kind} tokens)"
         new = "the synthetic corpus (no --data)" if theirs is None else f"the text of --data {data_dir}"
         raise ConfigError(f"--init-from {source.path}: it was trained on {which}, this run on {new}: the token ids "
-                          f"would mean other things. " + ("" if theirs is None else fix))
+                          f"would mean other things. " + (fix if theirs is not None else "Pass --data with the "
+                          "dataset it was trained on, or one prepared with prepare --vocab-from that dataset."))
     diff = difference(from_description(mine), from_description(theirs), ("the --init-from model's", "--data's"))
     if diff:
         raise ConfigError(f"--init-from {source.path}: the vocabularies differ: {diff}. The token ids would mean "

@@ -13,11 +13,13 @@ Imported only when such a directory is used.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
 import numpy as np
 
+from capstone.checkpoint import CheckpointError
 from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout
 
@@ -84,54 +86,72 @@ def capstone_name(name: str) -> str:
     return name       # unknown: reported by `read_weights`
 
 
-def read_weights(path: str, cfg: ModelConfig) -> np.ndarray:
+def read_weights(path: str, cfg: ModelConfig, digest: str | None = None) -> np.ndarray:
     """The flat 1-rank parameters of model `cfg` from DIR/model.safetensors (wpe cropped to cfg.seq_len;
-    a tied model's lm_head.weight, if stored, must be wte); ConfigError for missing or extra tensors."""
+    a tied model's lm_head.weight, if stored, must be wte); ConfigError for missing or extra tensors,
+    CheckpointError if the tensors' sha256 is not `digest` (capstone's export records it; None: unchecked)."""
     from safetensors import safe_open
+
+    from capstone.export import check_digest, digest_update
     layout = Layout.for_model(cfg, 1)
     flat = layout.zeros()
-    views, seen = layout.views(flat), set()
+    views, seen, h = layout.views(flat), set(), hashlib.sha256()
     with safe_open(os.path.join(path, FILES[1]), framework="numpy") as f:
-        for key in f.keys():
+        for key in sorted(f.keys()):
+            tensor = f.get_tensor(key)
+            digest_update(h, key, tensor)
             name = capstone_name(key)
             if not name or name == "lm_head.w" and cfg.tie_embeddings:
                 continue      # a buffer, or the tied head's copy of wte (save_pretrained may keep it)
-            if name not in views:
-                raise ConfigError(f"--init-from {path}: tensor {key} is not part of a GPT-2 of this config.")
-            got = f.get_tensor(key).astype(np.float32)
-            got = got.T if name == "lm_head.w" else got[:cfg.seq_len] if name == "wpe" else got
-            if got.shape != views[name].shape:
-                raise ConfigError(f"--init-from {path}: tensor {key} has shape {got.shape}, the config's model "
-                                  f"needs {views[name].shape}.")
-            views[name][...] = got
+            place(path, key, name, tensor, views, cfg)
             seen.add(name)
+    check_digest(path, digest, h.hexdigest())
     missing = sorted(set(views) - seen)
     if missing:
         raise ConfigError(f"--init-from {path}: model.safetensors lacks {', '.join(missing[:4])}"
-                          f"{' and more' if len(missing) > 4 else ''}.")
+                          f"{' and more' if len(missing) > 4 else ''}, which its config.json's model has: the two "
+                          f"disagree (n_layer, n_embd, ... changed in config.json?). Restore config.json to the "
+                          f"model's own settings, or export (or download) the model again.")
     return flat[:layout.n_params].copy()
+
+
+def place(path: str, key: str, name: str, tensor: np.ndarray, views: dict, cfg: ModelConfig) -> None:
+    """GPT-2 tensor `key` into capstone's parameter `name` (lm_head transposed, wpe cropped); ConfigError if
+    the config's model has no such parameter or another shape."""
+    if name not in views:
+        raise ConfigError(f"--init-from {path}: tensor {key} is not part of a GPT-2 of this config.")
+    got = tensor.astype(np.float32)
+    got = got.T if name == "lm_head.w" else got[:cfg.seq_len] if name == "wpe" else got
+    if got.shape != views[name].shape:
+        raise ConfigError(f"--init-from {path}: tensor {key} has shape {got.shape}, the config's model "
+                          f"needs {views[name].shape}.")
+    views[name][...] = got
 
 
 def read(path: str, seq_len: int | None = None):
     """(ModelConfig, flat parameters, data identity: the tokenizer of vocab.json + merges.txt if they are
-    there, else the one capstone's export kept in the weights' metadata)."""
+    there, else the one capstone's export kept in the weights' metadata). CheckpointError for a
+    model.safetensors safetensors cannot read or whose recorded digest does not match."""
+    from capstone.export import DIGEST_KEY
     with open(os.path.join(path, FILES[0])) as f:
         try:
             hf = json.load(f)
         except ValueError as exc:
             raise ConfigError(f"--init-from {path}: config.json is not JSON ({exc}).") from None
     cfg = model_config(hf, seq_len, path)
-    params = read_weights(path, cfg)
+    try:
+        meta = exported_meta(path)
+        params = read_weights(path, cfg, meta.get(DIGEST_KEY))
+        exported = {"tokenizer": json.loads(meta["tokenizer"])} if "tokenizer" in meta else {}
+    except (ConfigError, CheckpointError):
+        raise
+    except Exception as exc:   # noqa: BLE001 - safetensors' own SafetensorError, a bad header, bad JSON
+        raise CheckpointError(f"--init-from {path}: unreadable {FILES[1]} ({type(exc).__name__}: {exc}); export "
+                              f"the checkpoint again (python -m capstone.export RUN_DIR --out {path} --format hf "
+                              f"--force), or download the model again.") from None
     if all(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES):
         return cfg, params, {"tokenizer": gpt2_tokenizer(path).describe()}
-    return cfg, params, exported_data(path)
-
-
-def exported_data(path: str) -> dict:
-    """The tokenizer `capstone.export --format hf` keeps in model.safetensors' metadata (a run on text), as
-    a data identity; {} for a directory without it: ids only, as the synthetic corpus's."""
-    meta = exported_meta(path)
-    return {"tokenizer": json.loads(meta["tokenizer"])} if "tokenizer" in meta else {}
+    return cfg, params, exported
 
 
 def exported_meta(path: str) -> dict:
