@@ -107,7 +107,7 @@ def build(texts: list[Text], kind: str, vocab_size: int | None, vocab_from: str 
     n_val = split_text(text)
     n_train = len(text) - n_val
     if vocab_from is not None or given is not None:
-        tok = given or load_meta(vocab_from).tokenizer
+        tok = given or load_meta(vocab_from, "--vocab-from").tokenizer
         train, val = reuse(tok, text, n_train, vocab_from)
     elif kind == "char":
         tok, ids = char_tokenizer(text)
@@ -237,7 +237,7 @@ def prepare(inputs: list[str], out: str, members: str | None = None, tokenizer: 
     if tokenizer == "bpe":
         check_bpe_options(vocab_size)   # before any download
     if vocab_from is not None:
-        tokenizer = load_meta(vocab_from).tokenizer.kind   # a bad directory: its DatasetError, before reading
+        tokenizer = load_meta(vocab_from, "--vocab-from").tokenizer.kind   # a bad directory: its DatasetError, before reading
     given = None
     if tokenizer_from is not None:
         from capstone.hf import gpt2_tokenizer
