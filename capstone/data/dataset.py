@@ -189,10 +189,16 @@ def _no_meta(directory: str, path: str, flag: str) -> DatasetError:
 
 
 def _not_a_directory(directory: str, flag: str) -> DatasetError:
-    """FLAG names a path that is no directory."""
-    return DatasetError(f"not a valid dataset: {flag} {directory}: no such directory. Check the path: {flag} "
-                        f"takes the directory `python -m capstone.prepare TEXT_FILE... --out DIR` wrote; to "
-                        f"make one there, run `python -m capstone.prepare TEXT_FILE... --out {directory}`.")
+    """FLAG names a path that does not exist, or a file (most likely the text itself, not yet prepared)."""
+    if not os.path.exists(directory):
+        return DatasetError(f"not a valid dataset: {flag} {directory}: no such directory. Check the path: {flag} "
+                            f"takes the directory `python -m capstone.prepare TEXT_FILE... --out DIR` wrote; to "
+                            f"make one there, run `python -m capstone.prepare TEXT_FILE... --out {directory}`.")
+    root, _ = os.path.splitext(directory)
+    out = (root[:-4] if root.endswith(".tar") else root) + "-data"
+    return DatasetError(f"not a valid dataset: {flag} {directory} is a file, not a prepared dataset (a directory). "
+                        f"If it is text, prepare a dataset from it first: `python -m capstone.prepare "
+                        f"{directory} --out {out}`, then pass {flag} {out}.")
 
 
 def _run_data(directory: str) -> str:
