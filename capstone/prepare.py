@@ -27,6 +27,7 @@ from capstone.data.dataset import (DATASET_FILES, DTYPE_NAME, FORMAT, META_FILE,
                                    identity, load_meta)
 from capstone.data.sources import RECIPES, PrepareError, Text, read_inputs
 from capstone.data.tokenizer import MAX_VOCAB, BPETokenizer, CharTokenizer, check_bpe_options, train_bpe
+from capstone.pipe import run_tool
 
 VAL_FRACTION = 10               # the last 1/10 of the characters is the validation split
 MIN_VAL_TOKENS = 2              # one input and one target
@@ -314,4 +315,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

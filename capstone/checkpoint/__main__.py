@@ -26,6 +26,7 @@ import sys
 from capstone.checkpoint import integrity, kept
 from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError
 from capstone.checkpoint.serial import checks, load_all
+from capstone.pipe import run_tool
 from capstone.state import ROWS
 
 
@@ -121,4 +122,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))
