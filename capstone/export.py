@@ -26,6 +26,7 @@ import numpy as np
 from capstone.checkpoint import CheckpointError, serial
 from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout, param_shapes
+from capstone.pipe import run_tool
 from capstone.vocab import SampleError
 
 SAFETENSORS_PIN = "safetensors==0.8.0"
@@ -260,4 +261,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -14,6 +14,7 @@ import sys
 
 from capstone.observe.runlog import (Run, clip_level, event_steps, memory_rows, number, phase_order, read_run, resume_steps,
                      run_labels, series, timing_parts, x_of_step)
+from capstone.pipe import run_tool
 
 INSTALL = "pip install matplotlib   (or: pip install -e '.[plot]')"
 MIB, KIB = 1024 * 1024, 1024
@@ -210,12 +211,9 @@ def main(argv=None) -> int:
         skipped = f", {run.skipped_lines} unparsable line(s) skipped" if run.skipped_lines else ""
         lines.append(f"{run.path}: {len(run.rows)} steps, {state}{skipped}")
     lines += [f"wrote {path}" for path in paths]
-    try:
-        print("\n".join(lines), flush=True)
-    except BrokenPipeError:           # `plot RUN | head -1`: the reader has gone; the figures are written
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    print("\n".join(lines))          # a reader gone early (`plot RUN | head -1`): capstone.pipe
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -27,6 +27,7 @@ from capstone.data.dataset import (DATASET_FILES, DTYPE_NAME, FORMAT, META_FILE,
                                    identity, load_meta)
 from capstone.data.sources import RECIPES, PrepareError, Text, read_inputs
 from capstone.data.tokenizer import MAX_VOCAB, BPETokenizer, CharTokenizer, check_bpe_options, train_bpe
+from capstone.pipe import run_tool
 
 VAL_FRACTION = 10               # the last 1/10 of the characters is the validation split
 MIN_VAL_TOKENS = 2              # one input and one target
@@ -107,7 +108,7 @@ def build(texts: list[Text], kind: str, vocab_size: int | None, vocab_from: str 
     n_val = split_text(text)
     n_train = len(text) - n_val
     if vocab_from is not None or given is not None:
-        tok = given or load_meta(vocab_from).tokenizer
+        tok = given or load_meta(vocab_from, "--vocab-from").tokenizer
         train, val = reuse(tok, text, n_train, vocab_from)
     elif kind == "char":
         tok, ids = char_tokenizer(text)
@@ -237,7 +238,7 @@ def prepare(inputs: list[str], out: str, members: str | None = None, tokenizer: 
     if tokenizer == "bpe":
         check_bpe_options(vocab_size)   # before any download
     if vocab_from is not None:
-        tokenizer = load_meta(vocab_from).tokenizer.kind   # a bad directory: its DatasetError, before reading
+        tokenizer = load_meta(vocab_from, "--vocab-from").tokenizer.kind   # a bad directory: its DatasetError, before reading
     given = None
     if tokenizer_from is not None:
         from capstone.hf import gpt2_tokenizer
@@ -314,4 +315,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

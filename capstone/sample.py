@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import sys
 import time
 
@@ -21,6 +20,7 @@ import numpy as np
 from capstone.checkpoint import CheckpointError, serial
 from capstone.config import ConfigError, ModelConfig
 from capstone.generate import KVCache, generate, pick  # noqa: F401  (capstone.sample.KVCache etc., as before)
+from capstone.pipe import run_tool
 from capstone.vocab import SampleError, Vocab, load_vocab
 
 def resolve(target: str) -> str:
@@ -194,10 +194,7 @@ def main(argv=None) -> int:
     except ConfigError as exc:   # e.g. a BPE checkpoint without the tokenizers library
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except BrokenPipeError:     # `sample ... | head`: the reader left; not an error of ours
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -2,13 +2,15 @@
 the ZeRO paper's own numbers) and a real run's measured memory against it."""
 
 import re
+import subprocess
+import sys
 
 import pytest
 
 from capstone.observe import accounting as acc
 from capstone.observe.accounting import Collective
 
-from conftest import mpirun, summary
+from conftest import ROOT, mpi_env, mpirun, summary
 
 SIZES = (1, 7536, 1 << 20)  # elements per rank: tiny, the default model's shard on 4 ranks, 4 MiB
 WORLDS = (1, 3, 4)
@@ -95,6 +97,15 @@ def test_cli_what_if(capsys):
     assert acc.main(["--params", "30144", "--world", "4", "--precision", "mixed"]) == 0
     out = capsys.readouterr().out
     assert "mixed (2+2+12" in out and f"{16 * 30144:>12}" in out and f"{16 * 30144 // 4:>12}" in out
+
+
+@pytest.mark.parametrize("argv, flag", [(["--world", "0"], "--world 0"), (["--params", "-5", "--world", "3"], "--params -5")])
+def test_cli_bad_params_or_world_is_a_usage_error(argv, flag):
+    """A negative --params or a --world below 1: exit 2, one line naming the flag, no traceback."""
+    res = subprocess.run([sys.executable, "-m", "capstone.observe.accounting", *argv], capture_output=True, text=True,
+                         env=mpi_env(), cwd=ROOT, timeout=60)
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    assert res.stderr.startswith(f"error: {flag}:") and res.stderr.count("\n") == 1, res.stderr
 
 
 def test_a_real_run_measures_what_stage_1_predicts(tmp_path, capsys):

@@ -38,7 +38,7 @@ def test_verify_json_prints_one_json_object(run, tmp_path):
     assert report["problems"] == [] and all(c["ok"] for c in report["checks"]) and len(report["checks"]) >= 5
     assert "verified" in res.stderr                                   # the human lines go to stderr
     missing = checkpoint_tool("verify", tmp_path / "nope", "--json")
-    assert missing.returncode == 1 and json.loads(missing.stdout)["verified"] is False
+    assert missing.returncode == 2 and json.loads(missing.stdout)["verified"] is False   # a usage mistake
     plain = checkpoint_tool("verify", run)
     assert plain.returncode == 0 and not plain.stdout.startswith("{")
 

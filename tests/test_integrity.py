@@ -254,8 +254,9 @@ def test_tools_and_resume_accept_a_run_directory_or_latest(run, tmp_path):
     empty.mkdir()
     code, out, err = cli("verify", empty)
     assert code == 1 and "is a directory without checkpoints" in err and "errno" not in err.lower()
-    code, out, err = cli("verify", tmp_path / "missing.h5")
-    assert code == 1 and f"{CLEAN}: {tmp_path / 'missing.h5'}: it does not exist" in err
+    for command in ("verify", "inspect", "seal"):   # a mistyped path is a usage mistake: 2, as sample and export
+        code, out, err = cli(command, tmp_path / "missing.h5")
+        assert code == 2 and f"{CLEAN}: {tmp_path / 'missing.h5'}: it does not exist" in err, (command, err)
     res = mpirun(2, "--out", tmp_path / "branch", "--steps", "6", "--resume", run, timeout=90)
     assert res.returncode == 0, res.stderr
     assert summary(tmp_path / "branch")["resumed_from"] == want

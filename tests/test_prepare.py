@@ -271,3 +271,16 @@ def test_an_unreachable_bpe_vocab_size_is_said(tmp_path, capsys):
     assert code == 0 and got < 2000 and f"--vocab-size 2000 was not reached: this text gives {got} tokens" in err
     code, out, err = run(capsys, text, "--tokenizer", "bpe", "--vocab-size", 260, "--out", tmp_path / "small")
     assert code == 0 and load_meta(str(tmp_path / "small")).vocab_size == 260 and "note:" not in err
+
+
+def test_vocab_from_errors_name_vocab_from(tmp_path, capsys):
+    """--vocab-from a run directory, a missing one, or a file: the message names --vocab-from (not --data)."""
+    text = write(tmp_path / "a.txt", TEXT)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "summary.json").write_text(json.dumps({"train_config": {"data": None}}))
+    for source in (run_dir, tmp_path / "nodir", text):
+        code, _, err = run(capsys, text, "--vocab-from", source, "--out", tmp_path / "ds")
+        assert code == 2 and f"--vocab-from {source}" in err and "--data" not in err, err
+        assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "ds").exists()

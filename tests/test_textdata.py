@@ -218,6 +218,21 @@ def test_missing_dataset(tmp_path):
         load_meta(str(tmp_path))
 
 
+def test_data_that_is_a_text_file_gets_a_prepare_command_that_works(tmp_path):
+    """--data story.txt: said to be a file, not a dataset; the suggested prepare writes elsewhere and loads."""
+    story = tmp_path / "story.txt"
+    story.write_text("once upon a time there was a tiny model\n" * 20)
+    with pytest.raises(DatasetError) as exc:
+        load_meta(str(story))
+    said = str(exc.value)
+    assert "--data " + str(story) + " is a file" in said and "no such directory" not in said, said
+    command = said.split("`")[1].split()
+    assert command[:4] == ["python", "-m", "capstone.prepare", str(story)] and command[4] == "--out", said
+    assert command[5] != str(story) and os.path.dirname(command[5]) == str(tmp_path)
+    prepare([str(story)], command[5])
+    assert load_meta(command[5]).vocab_size > 0 and f"pass --data {command[5]}." in said
+
+
 def test_eval_batch_is_val_batch_zero(ds):
     data = TokenData(ds, T, B, SEED)
     full = data.val_batch(0, 32)[0]

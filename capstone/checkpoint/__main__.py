@@ -10,13 +10,15 @@ inspect prints the manifest and only the failed checks, verify prints every chec
 "step", "world_size", "checks" (each {"ok", "check"}) and "problems"; messages go to stderr.
 seal writes the digest file of a checkpoint that has none (written before digest files existed)
 after `verify --unsealed` passed in a child process.
-Exit codes: 0 verified (sealed); 1 a check failed or the file is not a valid checkpoint.
+Exit codes: 0 verified (sealed); 1 a check failed or the file is not a valid checkpoint; 2 a usage
+mistake (a TARGET that does not exist, a bad option).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -24,6 +26,7 @@ import sys
 from capstone.checkpoint import integrity, kept
 from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError
 from capstone.checkpoint.serial import checks, load_all
+from capstone.pipe import run_tool
 from capstone.state import ROWS
 
 
@@ -41,16 +44,21 @@ def manifest(path: str, meta: dict) -> None:
         print(f"  logical {row:<11} {root}")
 
 
+def failed(args, error: str, code: int) -> int:
+    """Say that TARGET could not be read (on stdout too as JSON for inspect/verify --json); return `code`."""
+    if args.json and args.command != "seal":
+        print(json.dumps({"file": args.target, "verified": False, "error": error}, indent=2))
+    print(f"error: {error}", file=sys.stderr)
+    return code
+
+
 def inspect_or_verify(args) -> int:
     as_json = args.json
     try:
         path = integrity.resolve(args.target)
         meta, results = load_all(path, require_digest=not args.unsealed)
     except CheckpointError as exc:
-        if as_json:
-            print(json.dumps({"file": args.target, "verified": False, "error": str(exc)}, indent=2))
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return failed(args, str(exc), 1)
     lines = checks(path, meta, results, sealed=not args.unsealed)
     ok = all(good for good, _ in lines)
     problems = [line for good, line in lines if not good]
@@ -108,8 +116,10 @@ def main(argv=None) -> int:
                    help="check a file that has no digest file (HDF5 then parses unverified bytes: a damaged "
                         "file can crash this process; seal runs it in a child process)")
     args = p.parse_args(argv)
+    if not os.path.exists(args.target):       # a mistyped path: a usage mistake (exit 2), as sample and export
+        return failed(args, integrity.message(args.target, "missing", "it does not exist"), 2)
     return seal(args.target) if args.command == "seal" else inspect_or_verify(args)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))

@@ -172,20 +172,33 @@ def _tokenizer(directory: str, path: str, meta: dict):
 RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json")   # what a training run's --out holds
 
 
-def _no_meta(directory: str, path: str) -> DatasetError:
+def _no_meta(directory: str, path: str, flag: str) -> DatasetError:
     """A directory without meta.json: re-creating it is advice only for the leftovers of a prepare; a run
     directory or any other folder must not get dataset files written into it."""
     others = sorted(set(os.listdir(directory)) - set(DATASET_FILES))
     if any(name in others for name in RUN_FILES):
-        return DatasetError(f"--data {directory} is a training run's directory (--out), not a prepared dataset. "
-                            f"Pass --data the directory `python -m capstone.prepare ... --out DIR` wrote"
+        return DatasetError(f"{flag} {directory} is a training run's directory (--out), not a prepared dataset. "
+                            f"Pass {flag} the directory `python -m capstone.prepare ... --out DIR` wrote"
                             f"{_run_data(directory)}.")
     if others:
-        return DatasetError(f"--data {directory} holds no {META_FILE} and is not a prepared dataset (it holds "
-                            f"{', '.join(others[:5])}{', ...' if len(others) > 5 else ''}). Pass --data the directory "
+        return DatasetError(f"{flag} {directory} holds no {META_FILE} and is not a prepared dataset (it holds "
+                            f"{', '.join(others[:5])}{', ...' if len(others) > 5 else ''}). Pass {flag} the directory "
                             f"`python -m capstone.prepare TEXT_FILE... --out DIR` wrote, or prepare one into a new "
                             f"directory.")
     return invalid(path, "missing (an interrupted prepare leaves no meta.json)")
+
+
+def _not_a_directory(directory: str, flag: str) -> DatasetError:
+    """FLAG names a path that does not exist, or a file (most likely the text itself, not yet prepared)."""
+    if not os.path.exists(directory):
+        return DatasetError(f"not a valid dataset: {flag} {directory}: no such directory. Check the path: {flag} "
+                            f"takes the directory `python -m capstone.prepare TEXT_FILE... --out DIR` wrote; to "
+                            f"make one there, run `python -m capstone.prepare TEXT_FILE... --out {directory}`.")
+    root, _ = os.path.splitext(directory)
+    out = (root[:-4] if root.endswith(".tar") else root) + "-data"
+    return DatasetError(f"not a valid dataset: {flag} {directory} is a file, not a prepared dataset (a directory). "
+                        f"If it is text, prepare a dataset from it first: `python -m capstone.prepare "
+                        f"{directory} --out {out}`, then pass {flag} {out}.")
 
 
 def _run_data(directory: str) -> str:
@@ -198,15 +211,14 @@ def _run_data(directory: str) -> str:
     return f" (that run trained on --data {data})" if data else " (that run trained on the synthetic corpus)"
 
 
-def _read(directory: str, path: str) -> dict:
+def _read(directory: str, path: str, flag: str) -> dict:
     if not os.path.isdir(directory):
-        raise DatasetError(f"not a valid dataset: {directory}: no such directory. Prepare one with "
-                           f"`python -m capstone.prepare TEXT_FILE... --out {directory}`.")
+        raise _not_a_directory(directory, flag)
     try:
         with open(path, "rb") as f:
             meta = strict_json(f.read().decode("utf-8"))
     except FileNotFoundError:
-        raise _no_meta(directory, path) from None
+        raise _no_meta(directory, path, flag) from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise invalid(path, f"unreadable or not strict JSON ({exc})") from None
     _check(isinstance(meta, dict), path, "the top level must be a JSON object")
@@ -222,10 +234,11 @@ def _read(directory: str, path: str) -> dict:
     return meta
 
 
-def load_meta(directory: str) -> Meta:
-    """Read and strictly check DIR/meta.json (format, version, keys, types); DatasetError if anything is off."""
+def load_meta(directory: str, flag: str = "--data") -> Meta:
+    """Read and strictly check DIR/meta.json (format, version, keys, types); DatasetError if anything is off.
+    `flag`: the option that named DIR, for the messages (--data, prepare's --vocab-from)."""
     path = os.path.join(directory, META_FILE)
-    raw = _read(directory, path)
+    raw = _read(directory, path, flag)
     tokenizer = _tokenizer(directory, path, raw)
     splits = raw["splits"]
     _check(isinstance(splits, dict) and set(splits) == set(SPLITS), path, "splits must have exactly train and val")

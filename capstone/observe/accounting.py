@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 
 from capstone.observe.runlog import read_run
+from capstone.pipe import run_tool
 
 # nccl-tests doc/PERFORMANCE.md, "Summary": busbw = algbw * factor(n), independent of the algorithm
 # as long as it is built from point-to-point transfers.
@@ -283,8 +284,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def bad_flag(args) -> str | None:
+    """The usage mistake in --params/--world, or None."""
+    if args.params < 0:
+        return f"--params {args.params}: a parameter count is 0 or more; pass e.g. --params 30144."
+    if args.world < 1:
+        return f"--world {args.world}: a run has 1 rank or more; pass e.g. --world 4."
+    return None
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if bad_flag(args):
+        print(f"error: {bad_flag(args)}", file=sys.stderr)
+        return 2
     n_params, world = args.params, args.world
     if args.run:
         try:
@@ -301,4 +314,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_tool(main))
