@@ -136,13 +136,16 @@ def _out_dir(opts: RunOptions) -> tuple[str, str | None]:
 
 
 def _check_same_data(world: Comm, settings: Settings, saved: dict, path: str) -> None:
-    """On --resume with --data: ConfigError unless it is the dataset the checkpoint trained on (by its
-    digest: a moved copy is the same); the vocabulary's or layout's mismatch would name other flags."""
+    """On --resume with --data: ConfigError unless it is the dataset the checkpoint trained on (by the digests
+    it records, an older one's fewer: a moved copy is the same); the vocabulary's or layout's mismatch would
+    name other flags. A checkpoint that records none trained on the synthetic corpus."""
     data = settings.train.data
     if "data" not in settings.explicit or not data:
         return
-    had = (saved.get("data") or {}).get("digest")
-    if _agreed(world, lambda: identity(load_meta(data))["digest"]) == had:
+    recorded = saved.get("data") or {}
+    had = {k: v for k, v in recorded.items() if k == "digest" or k.endswith("sha256") and "digest" not in recorded}
+    given = _agreed(world, lambda: identity(load_meta(data)))
+    if had and all(given.get(k) == v for k, v in had.items()):
         return
     was = saved["train_config"].get("data")
     do = (f"Pass --data {was} (or a moved copy of it) or leave --data out; to train those weights on {data}, "
