@@ -180,6 +180,11 @@ MUTANTS = [
            "    atexit.register(_ended)\n", "",
            ("tests/test_endings.py::test_a_refused_start_exits_2_on_every_rank_when_the_launcher_terminates_a_slow_one",),
            "a launcher's SIGTERM to a rank finalizing MPI turns an agreed exit 2 into 143"),
+    Mutant("stop/sigusr1-at-exit-kills", "capstone/runtime/signals.py",
+           "for sig in (signal.SIGTERM, signal.SIGUSR1):\n        signal.signal(sig, signal.SIG_IGN)",
+           "signal.signal(signal.SIGTERM, signal.SIG_IGN)",
+           ("tests/test_endings.py::test_a_time_limit_warning_as_a_run_completes_leaves_it_completed",),
+           "Slurm's time-limit warning as a run completes kills a finished rank: the job fails with 138"),
 
     # ---- data -----------------------------------------------------------------------------------
     Mutant("data/micro-batch-index", "capstone/data/synthetic.py",

@@ -178,15 +178,22 @@ def test_a_warmup_longer_than_the_run_is_refused(tmp_path):
     assert res.returncode == 0 and "warmup_steps: 0 -> 30" in res.stdout, res.stdout + res.stderr
 
 
-LATE_TERM = r'''
+LATE_SIGNAL = r'''
 import atexit, os, signal, sys, time
 from mpi4py import MPI
 from capstone import train
 pids = MPI.COMM_WORLD.allgather(os.getpid())
+sig = getattr(signal, sys.argv.pop(1))
 if MPI.COMM_WORLD.Get_rank() == 1:   # after main's exit, before this rank's MPI_Finalize: rank 0 waits in its own
-    atexit.register(lambda: (time.sleep(1.0), os.kill(pids[0], signal.SIGTERM), time.sleep(0.5)))
+    atexit.register(lambda: (time.sleep(1.0), os.kill(pids[0], sig), time.sleep(0.5)))
 train.main(sys.argv[1:])
 '''
+
+
+def late_signal(tmp_path, name, *flags):
+    return subprocess.run(["mpirun", "-n", "2", "--oversubscribe", sys.executable, "-c", LATE_SIGNAL, name, "--out",
+                           str(tmp_path / "run"), *map(str, flags)], capture_output=True, text=True, timeout=120,
+                          env=mpi_env(), cwd=ROOT)
 
 
 def test_a_refused_start_exits_2_on_every_rank_when_the_launcher_terminates_a_slow_one(tmp_path):
@@ -195,8 +202,16 @@ def test_a_refused_start_exits_2_on_every_rank_when_the_launcher_terminates_a_sl
     non-zero: a real SIGTERM to rank 0 while it waits in MPI_Finalize. Python has restored SIGTERM's
     default action by then, so the rank used to end "Terminated" and the job with 143 (the multi-node
     Slurm test of a cyclic placement saw it); the status stays 2, the error printed once."""
-    res = subprocess.run(["mpirun", "-n", "2", "--oversubscribe", sys.executable, "-c", LATE_TERM, "--out",
-                          str(tmp_path / "run"), "--steps", "0"], capture_output=True, text=True, timeout=120,
-                         env=mpi_env(), cwd=ROOT)
+    res = late_signal(tmp_path, "SIGTERM", "--steps", 0)
     clean_error(res, "--steps")
     assert "signal 15" not in res.stdout + res.stderr, res.stdout + res.stderr
+
+
+def test_a_time_limit_warning_as_a_run_completes_leaves_it_completed(tmp_path):
+    """Slurm's time-limit warning (--signal=B:USR1@60, which the batch script forwards) landing while a
+    completed run finalizes MPI: a real SIGUSR1 to rank 0 in MPI_Finalize. Python has restored the
+    default action (terminate) by then, so the rank used to die of it and a finished job to end FAILED
+    with 138 (CI's two-node time-limit test saw it on a requeued job, warned early); it exits 0."""
+    res = late_signal(tmp_path, "SIGUSR1", "--steps", 2)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert summary(tmp_path / "run")["status"] == "completed"

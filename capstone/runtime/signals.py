@@ -52,11 +52,14 @@ def install() -> None:
 
 def _ended() -> None:
     """At exit (an exit code every rank agrees on: a failure of one rank aborts the job instead),
-    ignore SIGTERM. When the first rank exits non-zero, srun --kill-on-bad-exit and mpirun send
-    SIGTERM to the others, which may still be finalizing MPI after Python has put the default action
-    back on its handled signals: they would end "Terminated" and the job with 143, not the 2 of a
-    refused start or the 1 of a failed run. SIG_IGN survives that reset; SIGKILL still ends them."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ignore SIGTERM and SIGUSR1: Python puts the default action back on its handled signals while it
+    finalizes, and both would kill a rank that has finished. SIGTERM: when the first rank exits
+    non-zero, srun --kill-on-bad-exit and mpirun send it to the others, which would end "Terminated"
+    and the job with 143, not the 2 of a refused start or the 1 of a failed run. SIGUSR1: Slurm's
+    time-limit warning landing as a run completes (a requeued job's too) would end the job with 138,
+    failed. SIG_IGN survives that reset; SIGKILL still ends them."""
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _heartbeat() -> None:
