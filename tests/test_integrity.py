@@ -252,8 +252,9 @@ def test_tools_and_resume_accept_a_run_directory_or_latest(run, tmp_path):
             assert code == 0 and f"{want}: verified" in out, (target, command, out, err)
     empty = tmp_path / "empty"
     empty.mkdir()
-    code, out, err = cli("verify", empty)
-    assert code == 1 and "is a directory without checkpoints" in err and "errno" not in err.lower()
+    for command in ("verify", "inspect", "seal"):   # names no checkpoint: a usage mistake, 2, as sample
+        code, out, err = cli(command, empty)
+        assert code == 2 and "is a directory without checkpoints" in err and "errno" not in err.lower(), err
     for command in ("verify", "inspect", "seal"):   # a mistyped path is a usage mistake: 2, as sample and export
         code, out, err = cli(command, tmp_path / "missing.h5")
         assert code == 2 and f"{CLEAN}: {tmp_path / 'missing.h5'}: it does not exist" in err, (command, err)

@@ -11,7 +11,7 @@ inspect prints the manifest and only the failed checks, verify prints every chec
 seal writes the digest file of a checkpoint that has none (written before digest files existed)
 after `verify --unsealed` passed in a child process.
 Exit codes: 0 verified (sealed); 1 a check failed or the file is not a valid checkpoint; 2 a usage
-mistake (a TARGET that does not exist, a bad option).
+mistake (a TARGET that does not exist or holds no checkpoint, a bad option).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 
 
 from capstone.checkpoint import integrity, kept
-from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError
+from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError, CheckpointUsageError
 from capstone.checkpoint.serial import checks, load_all
 from capstone.pipe import run_tool
 from capstone.state import ROWS
@@ -57,8 +57,8 @@ def inspect_or_verify(args) -> int:
     try:
         path = integrity.resolve(args.target)
         meta, results = load_all(path, require_digest=not args.unsealed)
-    except CheckpointError as exc:
-        return failed(args, str(exc), 1)
+    except CheckpointError as exc:   # a TARGET that names no checkpoint is a usage mistake (2)
+        return failed(args, str(exc), 2 if isinstance(exc, CheckpointUsageError) else 1)
     lines = checks(path, meta, results, sealed=not args.unsealed)
     ok = all(good for good, _ in lines)
     problems = [line for good, line in lines if not good]
@@ -85,7 +85,7 @@ def seal(target: str) -> int:
         path = integrity.resolve(target)
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, CheckpointUsageError) else 1
     found = integrity.problem(path)
     if found is None:
         print(f"{path}: already sealed: its digest file {path}{DIGEST_SUFFIX} matches")

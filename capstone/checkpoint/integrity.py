@@ -151,7 +151,7 @@ def resolve(target: str) -> str:
         directory = sub if os.path.isdir(sub) else target
         path = _pointed(directory) or next(reversed([p for _, p in files.complete_checkpoints(directory)]), None)
         if path is None:
-            raise CheckpointError(f"{target} is a directory without checkpoints (no {files.POINTER} pointer, no "
+            raise CheckpointUsageError(f"{target} is a directory without checkpoints (no {files.POINTER} pointer, no "
                                   f"ckpt-*.h5 in {directory}); pass a ckpt-*.h5 file, a run directory (--out) "
                                   f"or its checkpoints/{files.POINTER}.")
         return path
