@@ -9,18 +9,31 @@
 # ends it; then, with a checkpoint to
 # resume from, it requeues the job like a preemption (the node is probably bad: see the note printed).
 # Environment: CAPSTONE_REQUEUE (1: requeue after a preemption checkpoint or a collective timeout;
-# 0: just exit), CAPSTONE_MAX_REQUEUES (default 20), CAPSTONE_ABORT_GRACE (default 3).
+# 0: just exit), CAPSTONE_MAX_REQUEUES (default 20), CAPSTONE_ABORT_GRACE (default 3),
+# CAPSTONE_SIGNAL_SETTLE (default 3000: a stop request is forwarded once the step is this many ms old).
 
 step_log() { echo "[capstone.sbatch $(date +%H:%M:%S)] $*"; }
 
 run_step() {
   local run_dir="$1" python="$2"; shift 2
-  local signalled=0 step_pid="" rc=0 status restarts
+  local signalled=0 pending=0 step_pid="" launched=0 rc=0 status restarts
   # shellcheck disable=SC2317  # called by the trap
   on_usr1() {
     signalled=1
     step_log "SIGUSR1 (time limit near or preemption): asking the job step to checkpoint and stop"
-    if [[ -n "$step_pid" ]]; then kill -USR1 "$step_pid" 2>/dev/null || true; fi
+    pending=1
+    forward_usr1
+  }
+  # A request that comes before the step is CAPSTONE_SIGNAL_SETTLE ms old waits for that age (the wait
+  # loop forwards it): mpirun drops a SIGUSR1 in its first seconds, and a rank not yet started would die
+  # of one (a requeued job can be warned of its time limit as it starts).
+  # shellcheck disable=SC2317  # called by the trap and the wait loop
+  forward_usr1() {
+    if (( pending )) && [[ -n "$step_pid" ]] &&
+       (( ($(date +%s%N) - launched) / 1000000 >= ${CAPSTONE_SIGNAL_SETTLE:-3000} )); then
+      pending=0
+      kill -USR1 "$step_pid" 2>/dev/null || true
+    fi
   }
   # shellcheck disable=SC2317  # called by the trap
   on_int() {   # scripts/launch: a Ctrl-C reaches only this script (the job runs in its own session)
@@ -35,7 +48,7 @@ run_step() {
   }
   trap on_usr1 USR1
   local started timed_out="" interrupts=0
-  started="$(date +%s)"
+  started="$(date +%s)" launched="$(date +%s%N)"
   if [[ -n "${CAPSTONE_PLAIN_MPIRUN:-}" ]]; then
     # Open MPI's mpirun meets a Ctrl-C with its kill sequence (SIGKILL 2 x odls_base_sigkill_timeout
     # later, 2 s by default) but forwards SIGUSR1 with none: so mpirun gets a session of its own,
@@ -49,6 +62,7 @@ run_step() {
   while kill -0 "$step_pid" 2>/dev/null; do
     sleep 1 &
     wait $! || true                # returns early (status > 128) when a trap ran
+    forward_usr1
     timed_out="$(timeout_record "$run_dir" "$started")"
     [[ -n "$timed_out" ]] && stop_lingering_step "$step_pid" "$timed_out"
   done
