@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from capstone.checkpoint import CheckpointError, integrity, serial
+from capstone.checkpoint import CheckpointError, CorruptCheckpoint, serial
 from capstone.collective.agree import agreed
 from capstone.config import ConfigError, ModelConfig, TrainConfig
 from capstone.data.tokenizer import difference, from_description
@@ -94,9 +94,11 @@ def _read(target: str, seq_len: int | None) -> Source:
         meta, cfg, params = serial.load_weights(path)
     except ConfigError as exc:
         raise ConfigError(f"--init-from {target}: {exc}") from None
-    except CheckpointError as exc:   # its advice is a resume's: say what a fine-tuning run does instead
-        raise CheckpointError(f"--init-from {target}: {str(exc).replace(integrity.NEXT['corrupt'], CORRUPT)}") \
+    except CorruptCheckpoint as exc:   # its advice is a resume's: say what a fine-tuning run does instead
+        raise CheckpointError(f"--init-from {target}: not a valid checkpoint: {path}: {exc.reason}. {CORRUPT}") \
             from None
+    except CheckpointError as exc:
+        raise CheckpointError(f"--init-from {target}: {exc}") from None
     refuse_unjudged(target, meta, path)
     return Source(path, "checkpoint", int(meta["step"]), cfg, meta.get("data") or {}, params[:cfg_params(cfg)],
                   meta.get("train_config") or {})

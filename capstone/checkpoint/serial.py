@@ -14,7 +14,7 @@ import numpy as np
 
 from capstone.checkpoint import files
 from capstone.checkpoint.digest import logical_root
-from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError
+from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError, CorruptCheckpoint
 from capstone.checkpoint.reader import open_verified, parse_error, read_dataset
 from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout
@@ -81,6 +81,8 @@ def load_weights(path: str) -> tuple[dict, ModelConfig, np.ndarray]:
     try:
         meta, results = load_all(path)
         bad = [line for good, line in checks(path, meta, results, sealed=True) if not good]  # verify's own checks
+    except CorruptCheckpoint:   # its message says it all; its class says the file can be set aside
+        raise
     except CheckpointError as exc:
         text = str(exc)
         raise CheckpointError(text if text.startswith("not a valid checkpoint") else f"not a valid checkpoint: {text}") from None

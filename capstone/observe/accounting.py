@@ -295,8 +295,9 @@ def bad_flag(args) -> str | None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if bad_flag(args):
-        print(f"error: {bad_flag(args)}", file=sys.stderr)
+    error = bad_flag(args)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     n_params, world = args.params, args.world
     if args.run:
