@@ -186,7 +186,7 @@ MUTANTS = [
            ("tests/test_endings.py::test_a_time_limit_warning_as_a_run_completes_leaves_it_completed",),
            "Slurm's time-limit warning as a run completes kills a finished rank: the job fails with 138"),
     Mutant("stop/early-signal-forwarded-at-once", "scripts/slurm/step.sh",
-           "${CAPSTONE_SIGNAL_SETTLE:-3000}", "${CAPSTONE_SIGNAL_SETTLE:-0}",
+           'local settle="${CAPSTONE_SIGNAL_SETTLE:-3000}"', 'local settle="${CAPSTONE_SIGNAL_SETTLE:-0}"',
            ("tests/test_ctrl_c.py::test_a_ctrl_c_as_scripts_launch_starts_is_kept_until_the_ranks_can_act_on_it",),
            "a stop request as the step starts reaches mpirun before it forwards signals: lost, or fatal (138)"),
 

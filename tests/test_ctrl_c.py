@@ -210,20 +210,22 @@ def test_scripts_launch_turns_ctrl_c_into_sigusr1(slow_steps):
 
 
 def test_a_ctrl_c_as_scripts_launch_starts_is_kept_until_the_ranks_can_act_on_it(tmp_path):
-    """Ctrl-C 0.1 s after scripts/launch starts mpirun, before mpirun forwards signals or the ranks have handlers
-    (a requeued Slurm job warned of its time limit as it starts is the same case): the request is held
-    until the step is CAPSTONE_SIGNAL_SETTLE old, then forwarded. It used to be lost (mpirun drops an
-    early SIGUSR1) and the run trained on to its end; now it stops at a step boundary, saved, exit 0."""
+    """Ctrl-C as scripts/launch starts mpirun (a requeued Slurm job warned of its time limit as it starts is
+    the same case): the request is held until the step is CAPSTONE_SIGNAL_SETTLE old, then forwarded. It
+    used to be lost (mpirun's first moments drop a SIGUSR1) and the run trained to its end, or to kill
+    setsid before it became mpirun (exit 138); now the run stops at a step boundary, saved, exit 0."""
     out = tmp_path / "early"
     proc = subprocess.Popen([os.path.join(ROOT, "scripts", "launch"), str(out), "mpirun", "-n", "2", "python", "-m",
                              "capstone.train", "--steps", "40", "--sleep-per-step", "0.5", "--ckpt-every", "0",
                              "--out", str(out)], env={**plain_env(), "CAPSTONE_PYTHON": sys.executable},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    children = f"/proc/{proc.pid}/task/{proc.pid}/children"
+    def launched():   # mpirun is a child of the script (setsid execs it): the script's traps are set by then
+        children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
+        return any(open(f"/proc/{c}/comm").read().strip() in ("setsid", "mpirun") for c in children
+                   if os.path.exists(f"/proc/{c}/comm"))
     deadline = time.time() + 30
-    while time.time() < deadline and proc.poll() is None and not open(children).read().strip():
-        time.sleep(0.01)   # until the script has launched mpirun (its traps are set by then)
-    time.sleep(0.1)
+    while time.time() < deadline and proc.poll() is None and not launched():
+        time.sleep(0.005)
     os.killpg(proc.pid, signal.SIGINT)
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "Ctrl-C: asking the job to checkpoint and stop" in stdout, stdout

@@ -56,9 +56,12 @@ def inspect_or_verify(args) -> int:
     as_json = args.json
     try:
         path = integrity.resolve(args.target)
-        meta, results = load_all(path, require_digest=not args.unsealed)
-    except CheckpointError as exc:   # a TARGET that names no checkpoint is a usage mistake (2)
+    except CheckpointError as exc:   # a directory without checkpoints is a usage mistake (2); a bad `latest`, 1
         return failed(args, str(exc), 2 if isinstance(exc, CheckpointUsageError) else 1)
+    try:
+        meta, results = load_all(path, require_digest=not args.unsealed)
+    except CheckpointError as exc:
+        return failed(args, str(exc), 1)
     lines = checks(path, meta, results, sealed=not args.unsealed)
     ok = all(good for good, _ in lines)
     problems = [line for good, line in lines if not good]

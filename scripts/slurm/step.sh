@@ -25,12 +25,17 @@ run_step() {
     forward_usr1
   }
   # A request that comes before the step is CAPSTONE_SIGNAL_SETTLE ms old waits for that age (the wait
-  # loop forwards it): mpirun drops a SIGUSR1 in its first seconds, and a rank not yet started would die
-  # of one (a requeued job can be warned of its time limit as it starts).
+  # loop forwards it): one that lands before `setsid` or the launcher has exec'd kills that process
+  # (138), Open MPI's mpirun drops one in its first moments (the run goes on), and a rank not yet
+  # started would die of one (a requeued job can be warned of its time limit as it starts).
+  local settle="${CAPSTONE_SIGNAL_SETTLE:-3000}"
+  if [[ ! "$settle" =~ ^[0-9]+$ ]]; then
+    step_log "warning: CAPSTONE_SIGNAL_SETTLE='$settle' is not a number of milliseconds; using 3000"
+    settle=3000
+  fi
   # shellcheck disable=SC2317  # called by the trap and the wait loop
   forward_usr1() {
-    if (( pending )) && [[ -n "$step_pid" ]] &&
-       (( ($(date +%s%N) - launched) / 1000000 >= ${CAPSTONE_SIGNAL_SETTLE:-3000} )); then
+    if (( pending )) && [[ -n "$step_pid" ]] && (( ($(date +%s%N) - launched) / 1000000 >= settle )); then
       pending=0
       kill -USR1 "$step_pid" 2>/dev/null || true
     fi
@@ -43,6 +48,7 @@ run_step() {
       on_usr1 >/dev/null
     else
       step_log "second Ctrl-C: ending the job without saving (SIGINT to mpirun)"
+      pending=0
       kill -INT "$step_pid" 2>/dev/null || true
     fi
   }
