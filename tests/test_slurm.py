@@ -377,3 +377,20 @@ def test_preempt_then_resubmit_same_run_dir_mpirun(slurm_conf, tmp_path, jobs):
     second = read_json(run_dir / "summary.json")
     show("resubmitted run (mpirun)", jid2, job_info(jid2, env), second)
     check_resumed(second, k, run_dir, "resubmitted run")
+
+
+@pytest.mark.parametrize("name,value", [("CAPSTONE_REQUEUE", "yes"), ("CAPSTONE_MAX_REQUEUES", "ten"),
+                                        ("CAPSTONE_ABORT_GRACE", "3s")])
+def test_a_bad_requeue_switch_is_refused_before_the_step(tmp_path, name, value):
+    """scripts/slurm/step.sh's switches: CAPSTONE_REQUEUE=yes used to run the job and then, after a
+    preemption checkpoint, silently not requeue it (only 1 requeued), as CAPSTONE_MAX_REQUEUES=ten did
+    (read as 0). Now exit 2 before the step starts, naming the variable. (No Slurm needed.)"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CAPSTONE_"))}
+    env.update(SLURM_JOB_ID="1", SLURM_NTASKS="1", CAPSTONE_LAUNCHER="mpirun", CAPSTONE_ROOT=str(ROOT),
+               CAPSTONE_RUN_DIR=str(tmp_path / "run"),
+               PATH=f"{Path(_venv()) / 'bin'}:{env['PATH']}", **{name: value})
+    p = subprocess.run(["bash", str(SBATCH_SCRIPT), "--steps", "2"], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stdout.count(f"error: {name}='{value}'") == 1, p.stdout
+    assert "job step exited" not in p.stdout and not (tmp_path / "run" / "summary.json").exists(), p.stdout

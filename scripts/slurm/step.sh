@@ -9,7 +9,7 @@
 # ends it; then, with a checkpoint to
 # resume from, it requeues the job like a preemption (the node is probably bad: see the note printed).
 # Environment: CAPSTONE_REQUEUE (1: requeue after a preemption checkpoint or a collective timeout;
-# 0: just exit), CAPSTONE_MAX_REQUEUES (default 20), CAPSTONE_ABORT_GRACE (default 3),
+# 0: just exit), CAPSTONE_MAX_REQUEUES (default 20), CAPSTONE_ABORT_GRACE (default 3) (other values: exit 2),
 # CAPSTONE_SIGNAL_SETTLE (default 3000: a stop request is forwarded once the step is this many ms old).
 
 step_log() { echo "[capstone.sbatch $(date +%H:%M:%S)] $*"; }
@@ -28,7 +28,21 @@ run_step() {
   # loop forwards it): one that lands before `setsid` or the launcher has exec'd kills that process
   # (138), Open MPI's mpirun drops one in its first moments (the run goes on), and a rank not yet
   # started would die of one (a requeued job can be warned of its time limit as it starts).
-  local settle="${CAPSTONE_SIGNAL_SETTLE:-3000}"
+  local settle="${CAPSTONE_SIGNAL_SETTLE:-3000}" var
+  # A mistyped switch would silently change what happens after a preemption (CAPSTONE_REQUEUE=yes or
+  # CAPSTONE_MAX_REQUEUES=ten: no requeue, the job just ends): refuse it before the step starts.
+  if [[ -n "${CAPSTONE_REQUEUE:-}" && ! "$CAPSTONE_REQUEUE" =~ ^[01]$ ]]; then
+    step_log "error: CAPSTONE_REQUEUE='$CAPSTONE_REQUEUE': it must be 1 (requeue after a preemption checkpoint," \
+             "the default) or 0 (just exit): unset it or set 0 or 1, and submit again"
+    exit 2
+  fi
+  for var in CAPSTONE_MAX_REQUEUES CAPSTONE_ABORT_GRACE; do
+    if [[ -n "${!var:-}" && ! "${!var}" =~ ^[0-9]+$ ]]; then
+      step_log "error: $var='${!var}': it must be a whole number (of requeues / seconds): unset it for the" \
+               "default or set a number, and submit again"
+      exit 2
+    fi
+  done
   if [[ ! "$settle" =~ ^[0-9]+$ ]]; then
     step_log "warning: CAPSTONE_SIGNAL_SETTLE='$settle' is not a number of milliseconds; using 3000"
     settle=3000
