@@ -114,6 +114,9 @@ def test_second_run_on_the_same_out_is_refused_and_a_killed_run_leaves_no_stale_
         refused_in = time.time() - t0
         assert second.returncode == 2, second.stderr
         assert second.stderr.count("another run is using --out") == 1
+        # the documented stop (docs/cluster.md): without --batch, a job run by mpirun (CAPSTONE_LAUNCHER=mpirun)
+        # on one node has no step to signal, and the advice did nothing
+        assert "scancel --signal=USR1 --batch <its job id>" in second.stderr, second.stderr
         assert f"launched by pid {first.pid}" in second.stderr and refused_in < 20
     finally:
         for pid in children(first.pid) + [first.pid]:   # kill -9 the ranks and mpirun: no cleanup at all

@@ -239,7 +239,8 @@ def _claim(done: Claim, out: str, ckpt_dir: str, ckpt_bytes: int) -> None:
         done.lock_fd, warning = lock.acquire(out)
     except BlockingIOError as exc:
         raise ConfigError(f"another run is using --out {out}: {exc}. Wait for it to end, stop it (kill -USR1 "
-                          f"<its mpirun pid>, or scancel --signal=USR1 <its job id>), or pass another --out.") from None
+                          f"<its mpirun pid>, or scancel --signal=USR1 --batch <its job id>), or pass another "
+                          f"--out.") from None
     except OSError as exc:
         raise ConfigError(f"cannot create the lock file {lock_path}: {exc.strerror}. Make {out} writable "
                           f"(chmod u+w {out}) or pass another --out.") from None
