@@ -379,16 +379,38 @@ def test_preempt_then_resubmit_same_run_dir_mpirun(slurm_conf, tmp_path, jobs):
     check_resumed(second, k, run_dir, "resubmitted run")
 
 
+def fake_job_env(tmp_path, **extra: str) -> dict:
+    """capstone.sbatch run by bash as Slurm would, 1 task through mpirun, without a Slurm."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CAPSTONE_"))}
+    env.update(SLURM_JOB_ID="1", SLURM_NTASKS="1", CAPSTONE_LAUNCHER="mpirun", CAPSTONE_ROOT=str(ROOT),
+               CAPSTONE_RUN_DIR=str(tmp_path / "run"), PATH=f"{Path(_venv()) / 'bin'}:{env['PATH']}", **extra)
+    return env
+
+
+@pytest.mark.parametrize("how", ["sbatch", "launch"])
+def test_an_out_other_than_the_watched_run_dir_is_refused(tmp_path, how):
+    """`sbatch capstone.sbatch --out X` (or `scripts/launch RUN_DIR ... --out X`): the last --out wins, so the
+    job trained in X while the script watched RUN_DIR for summary.json, and a preemption checkpoint then
+    ended the job with no requeue (no summary.json there). Now exit 2 before the step, naming both."""
+    env = fake_job_env(tmp_path)
+    if how == "sbatch":
+        cmd = ["bash", str(SBATCH_SCRIPT), "--steps", "2", "--out", "elsewhere"]
+    else:
+        cmd = [ROOT / "scripts" / "launch", "run", "mpirun", "-n", "1", "python", "-m", "capstone.train",
+               "--steps", "2", "--out=elsewhere"]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stdout.count("error: the job's --out elsewhere is not the run directory") == 1, p.stdout
+    assert "CAPSTONE_RUN_DIR=DIR" in p.stdout and not (tmp_path / "elsewhere").exists(), p.stdout
+
+
 @pytest.mark.parametrize("name,value", [("CAPSTONE_REQUEUE", "yes"), ("CAPSTONE_MAX_REQUEUES", "ten"),
                                         ("CAPSTONE_ABORT_GRACE", "3s")])
 def test_a_bad_requeue_switch_is_refused_before_the_step(tmp_path, name, value):
     """scripts/slurm/step.sh's switches: CAPSTONE_REQUEUE=yes used to run the job and then, after a
     preemption checkpoint, silently not requeue it (only 1 requeued), as CAPSTONE_MAX_REQUEUES=ten did
     (read as 0). Now exit 2 before the step starts, naming the variable. (No Slurm needed.)"""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CAPSTONE_"))}
-    env.update(SLURM_JOB_ID="1", SLURM_NTASKS="1", CAPSTONE_LAUNCHER="mpirun", CAPSTONE_ROOT=str(ROOT),
-               CAPSTONE_RUN_DIR=str(tmp_path / "run"),
-               PATH=f"{Path(_venv()) / 'bin'}:{env['PATH']}", **{name: value})
+    env = fake_job_env(tmp_path, **{name: value})
     p = subprocess.run(["bash", str(SBATCH_SCRIPT), "--steps", "2"], capture_output=True, text=True, env=env,
                        cwd=tmp_path, timeout=60)
     assert p.returncode == 2, p.stdout + p.stderr

@@ -47,6 +47,20 @@ run_step() {
     step_log "warning: CAPSTONE_SIGNAL_SETTLE='$settle' is not a number of milliseconds; using 3000"
     settle=3000
   fi
+  # The run directory this script watches (summary.json, collective-timeout.json) must be the one the
+  # job writes: a second --out (`sbatch capstone.sbatch --out X`, whose last --out wins) trained in X,
+  # and a preemption then found no summary.json here and ended the job without requeueing it.
+  local arg out="" expect=0
+  for arg in "$@"; do
+    if (( expect )); then out="$arg"; expect=0; fi
+    case "$arg" in --out) expect=1 ;; --out=*) out="${arg#--out=}" ;; esac
+  done
+  if [[ -n "$out" && "$(realpath -m -- "$out")" != "$(realpath -m -- "$run_dir")" ]]; then
+    step_log "error: the job's --out $out is not the run directory $run_dir that this script watches: give" \
+             "the run directory once, as CAPSTONE_RUN_DIR=DIR before sbatch (the batch scripts pass --out" \
+             "themselves), or as scripts/launch DIR ... --out DIR"
+    exit 2
+  fi
   # shellcheck disable=SC2317  # called by the trap and the wait loop
   forward_usr1() {
     if (( pending )) && [[ -n "$step_pid" ]] && (( ($(date +%s%N) - launched) / 1000000 >= settle )); then
