@@ -416,3 +416,25 @@ def test_a_bad_requeue_switch_is_refused_before_the_step(tmp_path, name, value):
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stdout.count(f"error: {name}='{value}'") == 1, p.stdout
     assert "job step exited" not in p.stdout and not (tmp_path / "run" / "summary.json").exists(), p.stdout
+
+
+def test_a_first_start_into_an_earlier_jobs_run_dir_is_refused(tmp_path):
+    """runs/slurm-<job id> of a job's first start holding a run: an earlier job with the same id (another
+    cluster on the filesystem, job ids started again) wrote it. The new job used to --resume auto it: here
+    it found it finished and did nothing, COMPLETED (seen on the local multi-node Slurm, whose ids start at
+    1); with more --steps it would have trained on another run. Exit 2, nothing touched; a requeue
+    (SLURM_RESTART_COUNT 1) of the same job still resumes it. (No Slurm needed.)"""
+    old = tmp_path / "runs" / "slurm-1"
+    old.mkdir(parents=True)
+    (old / "summary.json").write_text('{"status": "completed"}')
+    env = fake_job_env(tmp_path)
+    del env["CAPSTONE_RUN_DIR"]
+    p = subprocess.run(["bash", str(SBATCH_SCRIPT), "--steps", "2"], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stdout.count(f"error: {old.relative_to(tmp_path)} already holds a run") == 1, p.stdout
+    assert f"CAPSTONE_RUN_DIR={old.relative_to(tmp_path)} sbatch" in p.stdout, p.stdout
+    assert os.listdir(old) == ["summary.json"] and "running:" not in p.stdout, p.stdout
+    p = subprocess.run(["bash", str(SBATCH_SCRIPT), "--steps", "2"], capture_output=True, text=True,
+                       env={**env, "SLURM_RESTART_COUNT": "1"}, cwd=tmp_path, timeout=120)
+    assert "already holds a run" not in p.stdout and "running:" in p.stdout, p.stdout + p.stderr
