@@ -22,6 +22,10 @@ OTHER_NAMES = {
     "--per-device-train-batch-size": "--batch-size", "--resume-from-checkpoint": "--resume",
     "--max-steps": "--steps", "--warmup-ratio": "--warmup-steps",
 }
+# Slurm's options given after the batch script (`sbatch capstone.sbatch --ntasks=2`) reach capstone.train.
+SBATCH_OPTIONS = {"--nodes", "--ntasks", "--ntasks-per-node", "--cpus-per-task", "--time", "--partition", "--account",
+                  "--qos", "--mem", "--mem-per-cpu", "--exclusive", "--signal", "--requeue", "--job-name", "--output",
+                  "--error", "--gres", "--constraint", "--exclude", "--nodelist", "--dependency", "--array"}
 NOT_HERE = {"--compile": "NumPy has nothing to compile",
             "--device": "capstone runs on CPUs under MPI (ranks: mpirun -n N)", "--dtype": "it trains in float32"}
 
@@ -37,6 +41,9 @@ def _one(flag: str, value: str | None, known: list[str]) -> str:
         return f"{given}: flags are spelled with dashes: {dashed}{'' if value is None else ' ' + value}."
     if dashed in OTHER_NAMES:
         return f"{given}: unknown flag; did you mean {OTHER_NAMES[dashed]}? ({name} is nanoGPT's or Hugging Face's name)"
+    if dashed in SBATCH_OPTIONS:
+        return (f"{given}: unknown flag: an sbatch option, which sbatch takes before the script: sbatch {given} "
+                f"scripts/slurm/capstone.sbatch [capstone.train flags].")
     if dashed in NOT_HERE:
         return f"{given}: unknown flag: {NOT_HERE[dashed]}."
     close = difflib.get_close_matches(dashed, known, n=1, cutoff=0.7)

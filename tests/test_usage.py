@@ -79,6 +79,8 @@ def test_a_combination_is_still_judged_once_each_flag_is_valid():
     (["--n_layers", "3"], "spelled with dashes: --n-layers 3"), (["--init_from=resume"], "--resume latest"),
     (["--dtype", "bfloat16"], "float32"), (["--stpes", "5"], "did you mean --steps?"),
     (["config/train_shakespeare_char.py"], "--preset NAME"),
+    (["--ntasks=2"], "sbatch --ntasks=2 scripts/slurm/capstone.sbatch"),   # after the batch script's name
+    (["--time", "10"], "sbatch --time 10 scripts/slurm/capstone.sbatch"),
 ])
 def test_other_trainers_flag_names_get_a_suggestion(given, want):
     said = problems(*given)
