@@ -438,3 +438,15 @@ def test_a_first_start_into_an_earlier_jobs_run_dir_is_refused(tmp_path):
     p = subprocess.run(["bash", str(SBATCH_SCRIPT), "--steps", "2"], capture_output=True, text=True,
                        env={**env, "SLURM_RESTART_COUNT": "1"}, cwd=tmp_path, timeout=120)
     assert "already holds a run" not in p.stdout and "running:" in p.stdout, p.stdout + p.stderr
+
+
+def test_the_last_allowed_requeue_says_why_the_job_is_not_requeued(tmp_path):
+    """A preemption checkpoint once the job has been requeued CAPSTONE_MAX_REQUEUES times: the job ends
+    (exit 0) with the resume hint, and now says why it was not requeued (it used to say only 'to resume',
+    as with CAPSTONE_REQUEUE=0). --stop-after stands in for the signal. (No Slurm needed.)"""
+    env = fake_job_env(tmp_path, SLURM_RESTART_COUNT="2", CAPSTONE_MAX_REQUEUES="2")
+    p = subprocess.run(["bash", str(SBATCH_SCRIPT), "--steps", "4", "--stop-after", "2"], capture_output=True,
+                       text=True, env=env, cwd=tmp_path, timeout=120)
+    assert p.returncode == 0 and "summary status: preempted" in p.stdout, p.stdout + p.stderr
+    assert "not requeueing: job 1 has been requeued 2 times, CAPSTONE_MAX_REQUEUES=2" in p.stdout, p.stdout
+    assert "to resume: CAPSTONE_RUN_DIR=" in p.stdout, p.stdout

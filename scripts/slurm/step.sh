@@ -121,6 +121,9 @@ run_step() {
         exit 0   # Slurm ends this run and queues the job again; the next run resumes
       fi
       step_log "scontrol requeue failed"
+    elif [[ "${CAPSTONE_REQUEUE:-1}" == 1 ]]; then
+      step_log "not requeueing: job $SLURM_JOB_ID has been requeued $restarts times," \
+               "CAPSTONE_MAX_REQUEUES=${CAPSTONE_MAX_REQUEUES:-20}"
     fi
     step_log "checkpointed; to resume: $(resume_hint "$run_dir")"
     exit 0
