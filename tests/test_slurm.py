@@ -383,7 +383,8 @@ def fake_job_env(tmp_path, **extra: str) -> dict:
     """capstone.sbatch run by bash as Slurm would, 1 task through mpirun, without a Slurm."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CAPSTONE_"))}
     env.update(SLURM_JOB_ID="1", SLURM_NTASKS="1", CAPSTONE_LAUNCHER="mpirun", CAPSTONE_ROOT=str(ROOT),
-               CAPSTONE_RUN_DIR=str(tmp_path / "run"), PATH=f"{Path(_venv()) / 'bin'}:{env['PATH']}", **extra)
+               CAPSTONE_RUN_DIR=str(tmp_path / "run"), PATH=f"{Path(_venv()) / 'bin'}:{env['PATH']}")
+    env.update(extra)
     return env
 
 
@@ -450,3 +451,15 @@ def test_the_last_allowed_requeue_says_why_the_job_is_not_requeued(tmp_path):
     assert p.returncode == 0 and "summary status: preempted" in p.stdout, p.stdout + p.stderr
     assert "not requeueing: job 1 has been requeued 2 times, CAPSTONE_MAX_REQUEUES=2" in p.stdout, p.stdout
     assert "to resume: CAPSTONE_RUN_DIR=" in p.stdout, p.stdout
+
+
+def test_a_run_dir_that_cannot_be_made_is_a_clear_error(tmp_path):
+    """CAPSTONE_RUN_DIR naming a file (or a path that cannot be made): the job used to end with mkdir's
+    own message and exit 1; now exit 2 with the directory and what to set. (No Slurm needed.)"""
+    (tmp_path / "notes").write_text("kept")
+    env = fake_job_env(tmp_path, CAPSTONE_RUN_DIR="notes")
+    p = subprocess.run(["bash", str(SBATCH_SCRIPT), "--steps", "2"], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stdout.count("error: cannot create the run directory notes (") == 1, p.stdout + p.stderr
+    assert "set CAPSTONE_RUN_DIR to a directory" in p.stdout and (tmp_path / "notes").read_text() == "kept"
