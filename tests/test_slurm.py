@@ -388,7 +388,7 @@ def fake_job_env(tmp_path, **extra: str) -> dict:
     return env
 
 
-@pytest.mark.parametrize("how", ["sbatch", "launch"])
+@pytest.mark.parametrize("how", ["sbatch", "launch", "launch-no-out"])
 def test_an_out_other_than_the_watched_run_dir_is_refused(tmp_path, how):
     """`sbatch capstone.sbatch --out X` (or `scripts/launch RUN_DIR ... --out X`): the last --out wins, so the
     job trained in X while the script watched RUN_DIR for summary.json, and a preemption checkpoint then
@@ -399,8 +399,14 @@ def test_an_out_other_than_the_watched_run_dir_is_refused(tmp_path, how):
     else:
         cmd = [ROOT / "scripts" / "launch", "run", "mpirun", "-n", "1", "python", "-m", "capstone.train",
                "--steps", "2", "--out=elsewhere"]
+    if how == "launch-no-out":   # capstone.train's default --out, runs/run-<time>, is not RUN_DIR either
+        cmd = cmd[:-1]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert p.returncode == 2, p.stdout + p.stderr
+    if how == "launch-no-out":
+        assert p.stdout.count("error: no --out in the command") == 1 and "add --out run" in p.stdout, p.stdout
+        assert not (tmp_path / "runs").exists(), p.stdout
+        return
     assert p.stdout.count("error: the job's --out elsewhere is not the run directory") == 1, p.stdout
     assert "CAPSTONE_RUN_DIR=DIR" in p.stdout and not (tmp_path / "elsewhere").exists(), p.stdout
 

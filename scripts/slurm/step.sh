@@ -50,11 +50,16 @@ run_step() {
   # The run directory this script watches (summary.json, collective-timeout.json) must be the one the
   # job writes: a second --out (`sbatch capstone.sbatch --out X`, whose last --out wins) trained in X,
   # and a preemption then found no summary.json here and ended the job without requeueing it.
-  local arg out="" expect=0
+  local arg out="" expect=0 train=0
   for arg in "$@"; do
     if (( expect )); then out="$arg"; expect=0; fi
-    case "$arg" in --out) expect=1 ;; --out=*) out="${arg#--out=}" ;; esac
+    case "$arg" in --out) expect=1 ;; --out=*) out="${arg#--out=}" ;; capstone.train) train=1 ;; esac
   done
+  if (( train )) && [[ -z "$out" ]]; then   # scripts/launch DIR mpirun ... (no --out: runs/run-<time>)
+    step_log "error: no --out in the command: capstone.train would write to runs/run-<time>, not to the run" \
+             "directory $run_dir that this script watches: add --out $run_dir"
+    exit 2
+  fi
   if [[ -n "$out" && "$(realpath -m -- "$out")" != "$(realpath -m -- "$run_dir")" ]]; then
     step_log "error: the job's --out $out is not the run directory $run_dir that this script watches: give" \
              "the run directory once, as CAPSTONE_RUN_DIR=DIR before sbatch (the batch scripts pass --out" \
