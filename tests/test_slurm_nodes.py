@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -324,6 +325,19 @@ def test_tasks_per_node_switch_refuses_bad_input(tmp_path, per_node, launcher):
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stdout.count(f"error: CAPSTONE_TASKS_PER_NODE='{per_node}' (CAPSTONE_LAUNCHER={launcher})") == 1, p.stdout
     assert "running:" not in p.stdout
+
+
+def test_the_templates_tasks_per_node_refuses_bad_input(tmp_path):
+    """template.sbatch's CAPSTONE_TASKS_PER_NODE=two used to reach srun ("Invalid numeric value"), exit 1,
+    not naming the variable (seen on the local multi-node Slurm); exit 2 naming it. (No Slurm needed.)"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "CAPSTONE_"))}
+    env.update(SLURM_JOB_ID="1", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="h1", SLURM_SUBMIT_DIR=str(ROOT),
+               CAPSTONE_TASKS_PER_NODE="two", CAPSTONE_RUN_DIR=str(tmp_path / "run"),
+               CAPSTONE_VENV=os.environ.get("CAPSTONE_VENV", sys.prefix))
+    p = subprocess.run(["bash", str(TEMPLATE), "--steps", "2"], capture_output=True, text=True, env=env,
+                       cwd=tmp_path, timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stdout.count("error: CAPSTONE_TASKS_PER_NODE='two'") == 1, p.stdout + p.stderr
 
 
 # ---- taking it down --------------------------------------------------------------------------------
