@@ -28,44 +28,13 @@ run_step() {
   # loop forwards it): one that lands before `setsid` or the launcher has exec'd kills that process
   # (138), Open MPI's mpirun drops one in its first moments (the run goes on), and a rank not yet
   # started would die of one (a requeued job can be warned of its time limit as it starts).
-  local settle="${CAPSTONE_SIGNAL_SETTLE:-3000}" var
-  # A mistyped switch would silently change what happens after a preemption (CAPSTONE_REQUEUE=yes or
-  # CAPSTONE_MAX_REQUEUES=ten: no requeue, the job just ends): refuse it before the step starts.
-  if [[ -n "${CAPSTONE_REQUEUE:-}" && ! "$CAPSTONE_REQUEUE" =~ ^[01]$ ]]; then
-    step_log "error: CAPSTONE_REQUEUE='$CAPSTONE_REQUEUE': it must be 1 (requeue after a preemption checkpoint," \
-             "the default) or 0 (just exit): unset it or set 0 or 1, and submit again"
-    exit 2
-  fi
-  for var in CAPSTONE_MAX_REQUEUES CAPSTONE_ABORT_GRACE; do
-    if [[ -n "${!var:-}" && ! "${!var}" =~ ^[0-9]+$ ]]; then
-      step_log "error: $var='${!var}': it must be a whole number (of requeues / seconds): unset it for the" \
-               "default or set a number, and submit again"
-      exit 2
-    fi
-  done
+  local settle="${CAPSTONE_SIGNAL_SETTLE:-3000}"
   if [[ ! "$settle" =~ ^[0-9]+$ ]]; then
     step_log "warning: CAPSTONE_SIGNAL_SETTLE='$settle' is not a number of milliseconds; using 3000"
     settle=3000
   fi
-  # The run directory this script watches (summary.json, collective-timeout.json) must be the one the
-  # job writes: a second --out (`sbatch capstone.sbatch --out X`, whose last --out wins) trained in X,
-  # and a preemption then found no summary.json here and ended the job without requeueing it.
-  local arg out="" expect=0 train=0
-  for arg in "$@"; do
-    if (( expect )); then out="$arg"; expect=0; fi
-    case "$arg" in --out) expect=1 ;; --out=*) out="${arg#--out=}" ;; capstone.train) train=1 ;; esac
-  done
-  if (( train )) && [[ -z "$out" ]]; then   # scripts/launch DIR mpirun ... (no --out: runs/run-<time>)
-    step_log "error: no --out in the command: capstone.train would write to runs/run-<time>, not to the run" \
-             "directory $run_dir that this script watches: add --out $run_dir"
-    exit 2
-  fi
-  if [[ -n "$out" && "$(realpath -m -- "$out")" != "$(realpath -m -- "$run_dir")" ]]; then
-    step_log "error: the job's --out $out is not the run directory $run_dir that this script watches: give" \
-             "the run directory once, as CAPSTONE_RUN_DIR=DIR before sbatch (the batch scripts pass --out" \
-             "themselves), or as scripts/launch DIR ... --out DIR"
-    exit 2
-  fi
+  refuse_bad_switches
+  refuse_another_out "$run_dir" "$@"
   # shellcheck disable=SC2317  # called by the trap and the wait loop
   forward_usr1() {
     if (( pending )) && [[ -n "$step_pid" ]] && (( ($(date +%s%N) - launched) / 1000000 >= settle )); then
@@ -137,6 +106,48 @@ run_step() {
     step_log "warning: signalled, exit status 0, but summary status is '${status:-none}'"
   fi
   exit "$rc"
+}
+
+# A mistyped switch would silently change what happens after a preemption (CAPSTONE_REQUEUE=yes or
+# CAPSTONE_MAX_REQUEUES=ten: no requeue, the job just ends): exit 2 before the step starts.
+refuse_bad_switches() {
+  local var
+  if [[ -n "${CAPSTONE_REQUEUE:-}" && ! "$CAPSTONE_REQUEUE" =~ ^[01]$ ]]; then
+    step_log "error: CAPSTONE_REQUEUE='$CAPSTONE_REQUEUE': it must be 1 (requeue after a preemption checkpoint," \
+             "the default) or 0 (just exit): unset it or set 0 or 1, and submit again"
+    exit 2
+  fi
+  for var in CAPSTONE_MAX_REQUEUES CAPSTONE_ABORT_GRACE; do
+    if [[ -n "${!var:-}" && ! "${!var}" =~ ^[0-9]+$ ]]; then
+      step_log "error: $var='${!var}': it must be a whole number (of requeues / seconds): unset it for the" \
+               "default or set a number, and submit again"
+      exit 2
+    fi
+  done
+}
+
+# The run directory this script watches (summary.json, collective-timeout.json) must be the one the
+# job writes: a second --out (`sbatch capstone.sbatch --out X`, whose last --out wins) trained in X,
+# and a preemption then found no summary.json here and ended the job without requeueing it.
+#   refuse_another_out RUN_DIR COMMAND...   -> exit 2 unless COMMAND's --out is RUN_DIR
+refuse_another_out() {
+  local run_dir="$1"; shift
+  local arg out="" expect=0 train=0
+  for arg in "$@"; do
+    if (( expect )); then out="$arg"; expect=0; fi
+    case "$arg" in --out) expect=1 ;; --out=*) out="${arg#--out=}" ;; capstone.train) train=1 ;; esac
+  done
+  if (( train )) && [[ -z "$out" ]]; then   # scripts/launch DIR mpirun ... (no --out: runs/run-<time>)
+    step_log "error: no --out in the command: capstone.train would write to runs/run-<time>, not to the run" \
+             "directory $run_dir that this script watches: add --out $run_dir"
+    exit 2
+  fi
+  if [[ -n "$out" && "$(realpath -m -- "$out")" != "$(realpath -m -- "$run_dir")" ]]; then
+    step_log "error: the job's --out $out is not the run directory $run_dir that this script watches: give" \
+             "the run directory once, as CAPSTONE_RUN_DIR=DIR before sbatch (the batch scripts pass --out" \
+             "themselves), or as scripts/launch DIR ... --out DIR"
+    exit 2
+  fi
 }
 
 # RUN_DIR/collective-timeout.json if a rank wrote it during this step (since STARTED), else nothing.
