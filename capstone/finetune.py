@@ -252,18 +252,37 @@ def check_vocabulary(source: Source, data: dict, data_dir: str) -> None:
     mine, theirs = source.data.get("tokenizer"), data.get("tokenizer")
     fix = ("Prepare the new text with the source's vocabulary: python -m capstone.prepare TEXT --out DIR "
            "--vocab-from <the source run's dataset directory>.")
+    gpt2 = os.path.isdir(source.path) and foreign_gpt2(source.path)    # not from capstone's export
+    if gpt2 and mine is not None:                                      # its vocab.json + merges.txt
+        fix = ("Prepare the new text with its GPT-2 tokenizer: python -m capstone.prepare TEXT --out DIR "
+               f"--tokenizer-from {source.path}.")
     if mine is None and theirs is None:
         return   # both the synthetic corpus: ids are ids
+    if mine is None and gpt2:
+        raise ConfigError(f"--init-from {source.path}: it holds no tokenizer (no vocab.json + merges.txt beside "
+                          f"config.json), so the ids of --data {data_dir} would mean other things. Put the model's "
+                          f"GPT-2 vocab.json and merges.txt in {source.path} and prepare the text with "
+                          f"python -m capstone.prepare TEXT --out DIR --tokenizer-from {source.path}, or drop "
+                          f"--data to train on the synthetic corpus.")
     if mine is None or theirs is None:
         which = "the synthetic corpus" if mine is None else f"text ({from_description(mine).kind} tokens)"
         new = "the synthetic corpus (no --data)" if theirs is None else f"the text of --data {data_dir}"
+        other = (f"Pass --data with a text prepared with prepare --tokenizer-from {source.path}." if gpt2 else
+                 "Pass --data with the dataset it was trained on, or one prepared with prepare --vocab-from that "
+                 "dataset.")
         raise ConfigError(f"--init-from {source.path}: it was trained on {which}, this run on {new}: the token ids "
-                          f"would mean other things. " + (fix if theirs is not None else "Pass --data with the "
-                          "dataset it was trained on, or one prepared with prepare --vocab-from that dataset."))
+                          f"would mean other things. " + (fix if theirs is not None else other))
     diff = difference(from_description(mine), from_description(theirs), ("the --init-from model's", "--data's"))
     if diff:
         raise ConfigError(f"--init-from {source.path}: the vocabularies differ: {diff}. The token ids would mean "
                           f"other characters. {fix}")
+
+
+def foreign_gpt2(path: str) -> bool:
+    """A Hugging Face GPT-2 directory capstone's `export --format hf` did not write (its tokenizer, if any,
+    is vocab.json + merges.txt, not the export's metadata)."""
+    from capstone import hf
+    return "capstone_format" not in hf.exported_meta(path)
 
 
 def install(source: Source, run) -> None:

@@ -149,7 +149,13 @@ def read(path: str, seq_len: int | None = None):
         raise CheckpointError(f"--init-from {path}: unreadable {FILES[1]} ({type(exc).__name__}: {exc}); export "
                               f"the checkpoint again (python -m capstone.export RUN_DIR --out {path} --format hf "
                               f"--force), or download the model again.") from None
-    if all(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES):
+    present = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(path, n))]
+    if len(present) == 1:
+        raise ConfigError(f"--init-from {path}: {present[0]} found but "
+                          f"{next(n for n in TOKENIZER_FILES if n not in present)} missing: GPT-2's tokenizer is "
+                          f"both files (as GPT2Tokenizer.save_pretrained writes them). Copy the missing one in, or "
+                          f"remove {present[0]} to read the model as token ids only.")
+    if present:
         return cfg, params, {"tokenizer": gpt2_tokenizer(path).describe()}
     return cfg, params, exported
 
