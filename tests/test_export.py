@@ -159,6 +159,21 @@ def test_errors_are_clean(run, tmp_path):
     assert not (tmp_path / "m.safetensors").exists() and not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
+def test_weights_given_for_a_checkpoint_are_a_usage_mistake(exported, tmp_path):
+    """An export, or a Hugging Face directory, passed to export or sample: exit 2 saying it is weights and what
+    to do (was: exit 1 "not a valid checkpoint" for the file, "the run wrote no checkpoint yet" for the directory)."""
+    (tmp_path / "hf").mkdir()
+    shutil.copy(exported[0], tmp_path / "hf" / "model.safetensors")
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    for source in (exported[0], tmp_path / "hf"):
+        for tool, args in (("export", ["--out", tmp_path / "m.safetensors"]), ("sample", ["--prompt", "It"])):
+            res = subprocess.run([sys.executable, "-m", f"capstone.{tool}", str(source), *map(str, args)],
+                                 capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=120)
+            assert res.returncode == 2 and "is a model's weights" in res.stderr, res.stderr
+            assert f"--init-from {source}" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "m.safetensors").exists()
+
+
 def test_an_existing_file_is_kept_without_force_and_the_mode_is_the_umasks(run, tmp_path):
     out = tmp_path / "m.safetensors"
     out.write_bytes(b"another model")
