@@ -80,6 +80,8 @@ def read(target: str, seq_len: int | None = None) -> Source:
 
 
 def _read(target: str, seq_len: int | None) -> Source:
+    if not os.path.exists(target):
+        raise ConfigError(f"--init-from {target}: no such file or directory. {ACCEPTS}")
     if target.endswith(".safetensors"):
         return _read_export(target)
     if os.path.isdir(target):

@@ -109,10 +109,11 @@ def test_a_directory_that_is_no_source_says_what_it_is_and_what_is_taken(run, tm
     (tmp_path / "fresh" / "checkpoints").mkdir(parents=True)
     for source, words in (("hf", "config.json found but model.safetensors missing"),
                           ("dataset", "not a run directory, checkpoint, .safetensors export or Hugging Face model"),
-                          ("fresh", "the run wrote no checkpoint yet")):
+                          ("fresh", "the run wrote no checkpoint yet"),
+                          ("typo", "no such file or directory"), ("typo.safetensors", "no such file or directory")):
         with pytest.raises(ConfigError, match=words) as exc:
             finetune.read(str(tmp_path / source))
-        assert source == "fresh" or finetune.ACCEPTS in str(exc.value)
+        assert source == "fresh" or finetune.ACCEPTS in str(exc.value)      # was: a run directory or a ckpt-*.h5
 
 
 def test_the_refusals_say_what_to_do(run, tmp_path):
