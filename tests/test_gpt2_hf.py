@@ -182,3 +182,16 @@ def test_a_gpt2_directory_s_vocabulary_refusals_name_its_tokenizer(tmp_path):
     os.remove(os.path.join(model, "merges.txt"))
     with pytest.raises(ConfigError, match="vocab.json found but merges.txt missing"):
         finetune.read(model)
+
+
+def test_tokenizer_from_a_wrong_path_says_what_it_is(tmp_path):
+    """No such directory, a file, capstone's export (its tokenizer is in the metadata: --vocab-from); was
+    "missing: vocab.json, merges.txt" for each."""
+    from capstone.data.tokenizer import TokenizerError
+    (tmp_path / "export").mkdir()
+    save_file({"w": np.zeros(1, np.float32)}, str(tmp_path / "export" / "model.safetensors"),
+              metadata={"format": "pt", "capstone_format": "capstone-gpt2"})
+    for path, words in (("nope", "no such directory"), ("export/model.safetensors", "not a directory"),
+                        ("export", "--vocab-from <the dataset the run trained on>")):
+        with pytest.raises(TokenizerError, match=words):
+            hf.gpt2_tokenizer(str(tmp_path / path))
