@@ -236,11 +236,19 @@ def settings_for(settings, source: Source):
                                notes=(note,) + ((fitted,) if fitted else ()))
 
 
+def flag(key: str, value) -> str:
+    """A model setting as its flag: `--d-model 32`, `--tie-embeddings` / `--no-tie-embeddings`."""
+    name = key.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{'' if value else 'no-'}{name}"
+    return f"--{name} {value}"
+
+
 def model_for(settings, source: Source) -> ModelConfig:
     """The source's model config; ConfigError if a flag (or --preset) asks for another."""
     want = dataclasses.asdict(source.model)
-    differ = [f"--{k.replace('_', '-')} {settings.explicit[k]} (it has {want[k]})" for k in MODEL_KEYS
-              if k in settings.explicit and settings.explicit[k] != want[k] and k != "dropout"]
+    differ = [f"{flag(k, settings.explicit[k])} (it has {flag(k, want[k]) if isinstance(want[k], bool) else want[k]})"
+              for k in MODEL_KEYS if k in settings.explicit and settings.explicit[k] != want[k] and k != "dropout"]
     if differ:
         raise ConfigError(f"--init-from {source.path}: the model comes from it, but {', '.join(differ)} asks for "
                           f"another. Drop those flags (and a --preset that sets them): a fine-tuned model keeps "

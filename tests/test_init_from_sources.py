@@ -2,9 +2,11 @@
 data no longer matches the sha256 it recorded, non-finite weights, a directory that is no source, and
 the advice of the refusals (tiny models written here; one 2-rank run of 2 steps for a checkpoint)."""
 
+import dataclasses
 import json
 import os
 import shutil
+import types
 
 import numpy as np
 import pytest
@@ -135,3 +137,12 @@ def test_the_refusals_say_what_to_do(run, tmp_path):
     with pytest.raises(CheckpointError, match="pass another checkpoint of that run") as exc:
         finetune.read(str(tmp_path / "bad.h5"))
     assert "--resume" not in str(exc.value)
+
+
+def test_a_model_flag_that_differs_is_named_as_typed():
+    """A boolean model setting is named by its flag (was: `--tie-embeddings False (it has True)`)."""
+    settings = types.SimpleNamespace(explicit={"tie_embeddings": False, "d_model": 16})
+    source = finetune.Source("DIR", "export", 0, dataclasses.replace(CFG, tie_embeddings=True), {},
+                             np.empty(0, np.float32))
+    with pytest.raises(ConfigError, match=r"--no-tie-embeddings \(it has --tie-embeddings\)"):
+        finetune.model_for(settings, source)
