@@ -111,6 +111,10 @@ def refuse_other_directory(target: str) -> None:
     config, weights = (os.path.isfile(os.path.join(target, n)) for n in ("config.json", "model.safetensors"))
     if config != weights:
         found, lacks = ("config.json", "model.safetensors") if config else ("model.safetensors", "config.json")
+        if os.path.isfile(os.path.join(target, "pytorch_model.bin")) and config:   # an older hub model's pickle
+            raise ConfigError(f"--init-from {target}: its weights are pytorch_model.bin, a pickle, which capstone does "
+                              f"not read; write model.safetensors beside it in a Python with transformers: "
+                              f"GPT2LMHeadModel.from_pretrained('{target}').save_pretrained('{target}'). {ACCEPTS}")
         raise ConfigError(f"--init-from {target}: {found} found but {lacks} missing: a Hugging Face model directory "
                           f"needs both (as save_pretrained writes them; a sharded model is not read). Export it "
                           f"again (python -m capstone.export RUN_DIR --out {target} --format hf --force) or copy "

@@ -106,13 +106,15 @@ def test_non_finite_weights_are_refused_from_any_source(run, tmp_path):
 def test_a_directory_that_is_no_source_says_what_it_is_and_what_is_taken(run, tmp_path):
     shutil.copytree(run / "hf", tmp_path / "hf")
     os.remove(tmp_path / "hf" / "model.safetensors")
+    shutil.copytree(tmp_path / "hf", tmp_path / "bin")
+    (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"a pickle")
     (tmp_path / "dataset").mkdir()
     (tmp_path / "dataset" / "meta.json").write_text("{}")
     (tmp_path / "fresh" / "checkpoints").mkdir(parents=True)
     for source, words in (("hf", "config.json found but model.safetensors missing"),
                           ("dataset", "not a run directory, checkpoint, .safetensors export or Hugging Face model"),
                           ("fresh", "the run wrote no checkpoint yet"),
-                          ("typo", "no such file or directory"), ("typo.safetensors", "no such file or directory")):
+                          ("typo", "no such file or directory"), ("bin", r"pytorch_model.bin, a pickle.*save_pretrained"), ("typo.safetensors", "no such file or directory")):
         with pytest.raises(ConfigError, match=words) as exc:
             finetune.read(str(tmp_path / source))
         assert source == "fresh" or finetune.ACCEPTS in str(exc.value)      # was: a run directory or a ckpt-*.h5
