@@ -135,14 +135,14 @@ def _save_file():
 
 def check_out(out: str, fmt: str, force: bool) -> None:
     """SampleError(2) for an --out this export must not write: a pickle's name, a file where a directory
-    goes or the reverse, a missing parent, or an existing export without --force."""
+    goes or the reverse, a file's missing parent, or an existing export without --force."""
     suffix = os.path.splitext(out.rstrip("/"))[1].lower()
     if suffix in PICKLE_SUFFIXES:
         raise SampleError(2, f"--out {out}: a {suffix} name means a pickle (torch.save) to PyTorch and transformers, "
                              f"but this writes safetensors. Name it "
                              f"{out[:-len(suffix)] + ('.safetensors' if fmt == 'safetensors' else '')}.")
     folder = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(folder):
+    if fmt == "safetensors" and not os.path.isdir(folder):   # --format hf makes its directory, parents too
         raise SampleError(2, f"--out {out}: the directory {folder} does not exist; create it first.")
     if fmt == "safetensors" and os.path.isdir(out):
         raise SampleError(2, f"--out {out} is a directory; pass a file name such as {out.rstrip('/')}/model.safetensors"

@@ -80,6 +80,8 @@ def read(target: str, seq_len: int | None = None) -> Source:
 
 
 def _read(target: str, seq_len: int | None) -> Source:
+    if not os.path.exists(target):
+        raise ConfigError(f"--init-from {target}: no such file or directory. {ACCEPTS}")
     if target.endswith(".safetensors"):
         return _read_export(target)
     if os.path.isdir(target):
@@ -109,6 +111,10 @@ def refuse_other_directory(target: str) -> None:
     config, weights = (os.path.isfile(os.path.join(target, n)) for n in ("config.json", "model.safetensors"))
     if config != weights:
         found, lacks = ("config.json", "model.safetensors") if config else ("model.safetensors", "config.json")
+        if os.path.isfile(os.path.join(target, "pytorch_model.bin")) and config:   # an older hub model's pickle
+            raise ConfigError(f"--init-from {target}: its weights are pytorch_model.bin, a pickle, which capstone does "
+                              f"not read; write model.safetensors beside it in a Python with transformers: "
+                              f"GPT2LMHeadModel.from_pretrained('{target}').save_pretrained('{target}'). {ACCEPTS}")
         raise ConfigError(f"--init-from {target}: {found} found but {lacks} missing: a Hugging Face model directory "
                           f"needs both (as save_pretrained writes them; a sharded model is not read). Export it "
                           f"again (python -m capstone.export RUN_DIR --out {target} --format hf --force) or copy "
@@ -234,11 +240,19 @@ def settings_for(settings, source: Source):
                                notes=(note,) + ((fitted,) if fitted else ()))
 
 
+def flag(key: str, value) -> str:
+    """A model setting as its flag: `--d-model 32`, `--tie-embeddings` / `--no-tie-embeddings`."""
+    name = key.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{'' if value else 'no-'}{name}"
+    return f"--{name} {value}"
+
+
 def model_for(settings, source: Source) -> ModelConfig:
     """The source's model config; ConfigError if a flag (or --preset) asks for another."""
     want = dataclasses.asdict(source.model)
-    differ = [f"--{k.replace('_', '-')} {settings.explicit[k]} (it has {want[k]})" for k in MODEL_KEYS
-              if k in settings.explicit and settings.explicit[k] != want[k] and k != "dropout"]
+    differ = [f"{flag(k, settings.explicit[k])} (it has {flag(k, want[k]) if isinstance(want[k], bool) else want[k]})"
+              for k in MODEL_KEYS if k in settings.explicit and settings.explicit[k] != want[k] and k != "dropout"]
     if differ:
         raise ConfigError(f"--init-from {source.path}: the model comes from it, but {', '.join(differ)} asks for "
                           f"another. Drop those flags (and a --preset that sets them): a fine-tuned model keeps "
@@ -252,18 +266,37 @@ def check_vocabulary(source: Source, data: dict, data_dir: str) -> None:
     mine, theirs = source.data.get("tokenizer"), data.get("tokenizer")
     fix = ("Prepare the new text with the source's vocabulary: python -m capstone.prepare TEXT --out DIR "
            "--vocab-from <the source run's dataset directory>.")
+    gpt2 = os.path.isdir(source.path) and foreign_gpt2(source.path)    # not from capstone's export
+    if gpt2 and mine is not None:                                      # its vocab.json + merges.txt
+        fix = ("Prepare the new text with its GPT-2 tokenizer: python -m capstone.prepare TEXT --out DIR "
+               f"--tokenizer-from {source.path}.")
     if mine is None and theirs is None:
         return   # both the synthetic corpus: ids are ids
+    if mine is None and gpt2:
+        raise ConfigError(f"--init-from {source.path}: it holds no tokenizer (no vocab.json + merges.txt beside "
+                          f"config.json), so the ids of --data {data_dir} would mean other things. Put the model's "
+                          f"GPT-2 vocab.json and merges.txt in {source.path} and prepare the text with "
+                          f"python -m capstone.prepare TEXT --out DIR --tokenizer-from {source.path}, or drop "
+                          f"--data to train on the synthetic corpus.")
     if mine is None or theirs is None:
         which = "the synthetic corpus" if mine is None else f"text ({from_description(mine).kind} tokens)"
         new = "the synthetic corpus (no --data)" if theirs is None else f"the text of --data {data_dir}"
+        other = (f"Pass --data with a text prepared with prepare --tokenizer-from {source.path}." if gpt2 else
+                 "Pass --data with the dataset it was trained on, or one prepared with prepare --vocab-from that "
+                 "dataset.")
         raise ConfigError(f"--init-from {source.path}: it was trained on {which}, this run on {new}: the token ids "
-                          f"would mean other things. " + (fix if theirs is not None else "Pass --data with the "
-                          "dataset it was trained on, or one prepared with prepare --vocab-from that dataset."))
+                          f"would mean other things. " + (fix if theirs is not None else other))
     diff = difference(from_description(mine), from_description(theirs), ("the --init-from model's", "--data's"))
     if diff:
         raise ConfigError(f"--init-from {source.path}: the vocabularies differ: {diff}. The token ids would mean "
                           f"other characters. {fix}")
+
+
+def foreign_gpt2(path: str) -> bool:
+    """A Hugging Face GPT-2 directory capstone's `export --format hf` did not write (its tokenizer, if any,
+    is vocab.json + merges.txt, not the export's metadata)."""
+    from capstone import hf
+    return "capstone_format" not in hf.exported_meta(path)
 
 
 def install(source: Source, run) -> None:

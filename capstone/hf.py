@@ -149,7 +149,13 @@ def read(path: str, seq_len: int | None = None):
         raise CheckpointError(f"--init-from {path}: unreadable {FILES[1]} ({type(exc).__name__}: {exc}); export "
                               f"the checkpoint again (python -m capstone.export RUN_DIR --out {path} --format hf "
                               f"--force), or download the model again.") from None
-    if all(os.path.isfile(os.path.join(path, n)) for n in TOKENIZER_FILES):
+    present = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(path, n))]
+    if len(present) == 1:
+        raise ConfigError(f"--init-from {path}: {present[0]} found but "
+                          f"{next(n for n in TOKENIZER_FILES if n not in present)} missing: GPT-2's tokenizer is "
+                          f"both files (as GPT2Tokenizer.save_pretrained writes them). Copy the missing one in, or "
+                          f"remove {present[0]} to read the model as token ids only.")
+    if present:
         return cfg, params, {"tokenizer": gpt2_tokenizer(path).describe()}
     return cfg, params, exported
 
@@ -161,10 +167,25 @@ def exported_meta(path: str) -> dict:
         return f.metadata() or {}
 
 
+def exported(path: str) -> bool:
+    """Whether DIR/model.safetensors is capstone's `export --format hf` (False if it is absent or unreadable)."""
+    try:
+        return "capstone_format" in exported_meta(path)
+    except Exception:   # noqa: BLE001 - absent, or safetensors' own SafetensorError: not an export here
+        return False
+
+
 def gpt2_tokenizer(path: str):
     """The GPT-2 byte-level BPE of DIR/vocab.json + DIR/merges.txt (capstone.data.tokenizer.from_gpt2_files)."""
     from capstone.data.tokenizer import TokenizerError, from_gpt2_files
     files = [os.path.join(path, n) for n in TOKENIZER_FILES]
+    if not os.path.isdir(path):
+        raise TokenizerError(f"--tokenizer-from {path}: {'not a' if os.path.exists(path) else 'no such'} directory; "
+                             f"pass the model directory that holds the GPT-2 tokenizer's vocab.json and merges.txt.")
+    if not any(os.path.isfile(f) for f in files) and exported(path):
+        raise TokenizerError(f"--tokenizer-from {path}: capstone's export keeps its run's tokenizer in "
+                             f"model.safetensors' metadata, not in vocab.json + merges.txt: prepare the text with "
+                             f"--vocab-from <the dataset the run trained on> instead (docs/gpt2.md).")
     if not all(os.path.isfile(f) for f in files):
         raise TokenizerError(f"--tokenizer-from {path}: it needs the GPT-2 tokenizer's vocab.json and merges.txt "
                              f"(as GPT2Tokenizer.save_pretrained writes them); missing: "

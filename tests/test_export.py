@@ -159,6 +159,21 @@ def test_errors_are_clean(run, tmp_path):
     assert not (tmp_path / "m.safetensors").exists() and not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
+def test_weights_given_for_a_checkpoint_are_a_usage_mistake(exported, tmp_path):
+    """An export, or a Hugging Face directory, passed to export or sample: exit 2 saying it is weights and what
+    to do (was: exit 1 "not a valid checkpoint" for the file, "the run wrote no checkpoint yet" for the directory)."""
+    (tmp_path / "hf").mkdir()
+    shutil.copy(exported[0], tmp_path / "hf" / "model.safetensors")
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    for source in (exported[0], tmp_path / "hf"):
+        for tool, args in (("export", ["--out", tmp_path / "m.safetensors"]), ("sample", ["--prompt", "It"])):
+            res = subprocess.run([sys.executable, "-m", f"capstone.{tool}", str(source), *map(str, args)],
+                                 capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=120)
+            assert res.returncode == 2 and "is a model's weights" in res.stderr, res.stderr
+            assert f"--init-from {source}" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "m.safetensors").exists()
+
+
 def test_an_existing_file_is_kept_without_force_and_the_mode_is_the_umasks(run, tmp_path):
     out = tmp_path / "m.safetensors"
     out.write_bytes(b"another model")
@@ -184,8 +199,10 @@ def test_a_pickle_name_is_refused(run, tmp_path):
 
 def test_format_hf_refuses_a_model_with_a_head_bias(run, tmp_path):
     """GPT2LMHeadModel has no head bias: it would drop capstone's and its logits would differ by it (the
-    seed's model has one: `lm_head.b` in its layout)."""
-    res = subprocess.run([sys.executable, "-m", "capstone.export", run, "--out", str(tmp_path / "hf"), "--format", "hf"],
+    seed's model has one: `lm_head.b` in its layout). The directory's missing parent is no refusal (docs/gpt2.md's
+    `--out hf/mine`), and none is made for a refused export."""
+    res = subprocess.run([sys.executable, "-m", "capstone.export", run, "--out", str(tmp_path / "hf" / "mine"), "--format",
+                          "hf"],
                          capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=120)
     assert res.returncode == 2 and "lm_head.b" in res.stderr and "--no-head-bias" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr and os.listdir(tmp_path) == []
@@ -253,13 +270,13 @@ def test_format_hf_of_a_model_trained_without_a_head_bias(tmp_path, model):
     python = torch_python()
     res = mpirun(2, "--out", tmp_path / "run", "--steps", 3, "--ckpt-every", 3, *model, "--quiet")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert export.main([str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--format", "hf"]) == 0
+    assert export.main([str(tmp_path / "run"), "--out", str(tmp_path / "hf" / "mine"), "--format", "hf"]) == 0   # parent made
     meta, cfg, params = load_checkpoint(os.path.join(tmp_path, "run", "checkpoints", "ckpt-00000003.h5"))
     layout = Layout.for_model(cfg, 1)
     assert "lm_head.b" not in layout.views(params) and ("h0.ln_1.b" in layout.views(params)) == cfg.bias
     ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (4, cfg.seq_len)).astype(np.int32)
     want = logits(layout.groups(params), ids, cfg).reshape(4, cfg.seq_len, -1)
-    r = hf_logits(python, str(tmp_path / "hf"), ids, want, tmp_path)
+    r = hf_logits(python, str(tmp_path / "hf" / "mine"), ids, want, tmp_path)
     assert r["missing"] == [] and r["unexpected"] == [] and r["max_abs_diff"] < 1e-5, r
 
 

@@ -158,3 +158,40 @@ def test_the_preflight_says_how_many_ranks_fit_a_cap(cap_mib):
     ranks = int(re.search(r"it needs (\d+) ranks", said).group(1))
     assert sum(preflight.estimate(s.model, s.train, sharded, ranks)) <= cap_mib << 20
     assert ranks == 2 or sum(preflight.estimate(s.model, s.train, sharded, ranks - 2)) > cap_mib << 20   # the fewest
+
+
+def test_a_gpt2_directory_s_vocabulary_refusals_name_its_tokenizer(tmp_path):
+    """A Hugging Face directory's advice is `prepare --tokenizer-from DIR` (it has no dataset for --vocab-from);
+    one without a tokenizer says so, and one with half of it names the missing file (was: "trained on the
+    synthetic corpus" and --vocab-from <the source run's dataset directory>)."""
+    from capstone import finetune
+    from capstone.data.tokenizer import _library
+    cfg = ModelConfig(vocab_size=300, seq_len=8, d_model=16, n_heads=2, n_layers=1, head_bias=False)
+    model = str(tmp_path / "m")
+    write_dir(model, cfg, init_params(Layout.for_model(cfg, 1), cfg, 1))
+    char = {"tokenizer": {"kind": "char", "chars": "ab"}}
+    with pytest.raises(ConfigError, match="holds no tokenizer") as exc:
+        finetune.check_vocabulary(finetune.read(model), char, "data/x")
+    assert f"--tokenizer-from {model}" in str(exc.value) and "synthetic corpus" in str(exc.value)
+    _library().Tokenizer.from_str(train_bpe(TEXT, 300).json).model.save(model)       # vocab.json, merges.txt
+    source = finetune.read(model)
+    for data, words in ((char, "the vocabularies differ"), ({}, "this run on the synthetic corpus")):
+        with pytest.raises(ConfigError, match=words) as exc:
+            finetune.check_vocabulary(source, data, "data/x" if data else None)
+        assert f"--tokenizer-from {model}" in str(exc.value) and "--vocab-from" not in str(exc.value)
+    os.remove(os.path.join(model, "merges.txt"))
+    with pytest.raises(ConfigError, match="vocab.json found but merges.txt missing"):
+        finetune.read(model)
+
+
+def test_tokenizer_from_a_wrong_path_says_what_it_is(tmp_path):
+    """No such directory, a file, capstone's export (its tokenizer is in the metadata: --vocab-from); was
+    "missing: vocab.json, merges.txt" for each."""
+    from capstone.data.tokenizer import TokenizerError
+    (tmp_path / "export").mkdir()
+    save_file({"w": np.zeros(1, np.float32)}, str(tmp_path / "export" / "model.safetensors"),
+              metadata={"format": "pt", "capstone_format": "capstone-gpt2"})
+    for path, words in (("nope", "no such directory"), ("export/model.safetensors", "not a directory"),
+                        ("export", "--vocab-from <the dataset the run trained on>")):
+        with pytest.raises(TokenizerError, match=words):
+            hf.gpt2_tokenizer(str(tmp_path / path))

@@ -2,9 +2,11 @@
 data no longer matches the sha256 it recorded, non-finite weights, a directory that is no source, and
 the advice of the refusals (tiny models written here; one 2-rank run of 2 steps for a checkpoint)."""
 
+import dataclasses
 import json
 import os
 import shutil
+import types
 
 import numpy as np
 import pytest
@@ -104,15 +106,18 @@ def test_non_finite_weights_are_refused_from_any_source(run, tmp_path):
 def test_a_directory_that_is_no_source_says_what_it_is_and_what_is_taken(run, tmp_path):
     shutil.copytree(run / "hf", tmp_path / "hf")
     os.remove(tmp_path / "hf" / "model.safetensors")
+    shutil.copytree(tmp_path / "hf", tmp_path / "bin")
+    (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"a pickle")
     (tmp_path / "dataset").mkdir()
     (tmp_path / "dataset" / "meta.json").write_text("{}")
     (tmp_path / "fresh" / "checkpoints").mkdir(parents=True)
     for source, words in (("hf", "config.json found but model.safetensors missing"),
                           ("dataset", "not a run directory, checkpoint, .safetensors export or Hugging Face model"),
-                          ("fresh", "the run wrote no checkpoint yet")):
+                          ("fresh", "the run wrote no checkpoint yet"),
+                          ("typo", "no such file or directory"), ("bin", r"pytorch_model.bin, a pickle.*save_pretrained"), ("typo.safetensors", "no such file or directory")):
         with pytest.raises(ConfigError, match=words) as exc:
             finetune.read(str(tmp_path / source))
-        assert source == "fresh" or finetune.ACCEPTS in str(exc.value)
+        assert source == "fresh" or finetune.ACCEPTS in str(exc.value)      # was: a run directory or a ckpt-*.h5
 
 
 def test_the_refusals_say_what_to_do(run, tmp_path):
@@ -134,3 +139,12 @@ def test_the_refusals_say_what_to_do(run, tmp_path):
     with pytest.raises(CheckpointError, match="pass another checkpoint of that run") as exc:
         finetune.read(str(tmp_path / "bad.h5"))
     assert "--resume" not in str(exc.value)
+
+
+def test_a_model_flag_that_differs_is_named_as_typed():
+    """A boolean model setting is named by its flag (was: `--tie-embeddings False (it has True)`)."""
+    settings = types.SimpleNamespace(explicit={"tie_embeddings": False, "d_model": 16})
+    source = finetune.Source("DIR", "export", 0, dataclasses.replace(CFG, tie_embeddings=True), {},
+                             np.empty(0, np.float32))
+    with pytest.raises(ConfigError, match=r"--no-tie-embeddings \(it has --tie-embeddings\)"):
+        finetune.model_for(settings, source)

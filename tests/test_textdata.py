@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from capstone.config import ConfigError
+from capstone.config import ConfigError, ModelConfig, TrainConfig
+from capstone.data import open_data
 from capstone.data.synthetic import DataStream
 
 EVAL_SEQUENCES = 32  # DataStream's default held-out windows
@@ -202,6 +203,18 @@ BAD_META = {
     "splits": lambda m: m["splits"].pop("val"),
     "sources": lambda m: m["sources"][0].update(chars=1),
 }
+
+
+def test_a_validation_split_too_short_for_the_eval_batch_says_what_fits(ds):
+    """Each advised value fits (was: the count alone, no advice)."""
+    def start(seq_len, eval_batch_size):
+        return open_data(ModelConfig(vocab_size=40, seq_len=seq_len), TrainConfig(data=ds, eval_batch_size=eval_batch_size),
+                         B)
+
+    with pytest.raises(ConfigError, match=r"holds 2 sequences of 101 tokens, fewer than --eval-batch-size 8\. "
+                                          r"Pass --eval-batch-size 2 or less, --seq-len 37 or less, or prepare"):
+        start(100, 8)                                   # val holds 300 tokens
+    assert start(100, 2)[0].n_val_windows == 2 and start(37, 8)[0].n_val_windows == 8
 
 
 @pytest.mark.parametrize("case", sorted(BAD_META))

@@ -21,20 +21,28 @@ from capstone.model.params import Layout
 from capstone.state import ROWS
 
 
+WEIGHTS = ("config.json", "model.safetensors")   # a Hugging Face directory, as export --format hf writes
+
+
 def find(target: str) -> str:
     """The checkpoint file: `target` itself, or the one RUN_DIR/checkpoints/latest names."""
-    if os.path.isfile(target):
+    if os.path.isfile(target) and not target.endswith(".safetensors"):
         return target
-    if not os.path.isdir(target):
+    if not os.path.exists(target):
         raise ConfigError(f"{target}: no such file or directory; pass a run directory (--out of the "
                              f"training run) or a ckpt-*.h5 file.")
     for directory in (os.path.join(target, "checkpoints"), target):
         try:
-            path = files.read_pointer(directory)
+            path = os.path.isdir(target) and files.read_pointer(directory)
         except (ValueError, OSError) as exc:
             raise ConfigError(f"{exc}") from None
         if path:
             return path
+    if os.path.isfile(target) or any(os.path.isfile(os.path.join(target, n)) for n in WEIGHTS):
+        raise ConfigError(f"{target} is a model's weights (an export or a Hugging Face GPT-2 directory), not a "
+                          f"checkpoint: this reads a training run's. Fine-tune it into a run (python -m "
+                          f"capstone.train --init-from {target} ... --out RUN_DIR) and pass RUN_DIR, or load it "
+                          f"with transformers (GPT2LMHeadModel.from_pretrained; docs/export.md).")
     raise ConfigError(f"{target} has no checkpoints/latest: the run wrote no checkpoint yet. Pass a "
                          f"ckpt-*.h5 file, or train with --ckpt-every K first.")
 

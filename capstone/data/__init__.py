@@ -22,7 +22,10 @@ def open_data(mcfg, tcfg, batch_size: int):
                               f"{mcfg.vocab_size}; leave --vocab-size out (it is taken from the data) or raise it.")
         if data.n_val_windows < tcfg.eval_batch_size:
             raise ConfigError(f"{tcfg.data}: the validation split holds {data.n_val_windows} sequences of "
-                              f"{mcfg.seq_len + 1} tokens, fewer than --eval-batch-size {tcfg.eval_batch_size}.")
+                              f"{mcfg.seq_len + 1} tokens, fewer than --eval-batch-size {tcfg.eval_batch_size}. "
+                              f"Pass --eval-batch-size {data.n_val_windows} or less, --seq-len "
+                              f"{max(1, (data.meta.val.tokens - 1) // tcfg.eval_batch_size)} or less, or prepare "
+                              f"a longer text.")
         return data, {**data.identity(), "seed": tcfg.seed}
     corpus = make_corpus(tcfg.corpus_seed, tcfg.corpus_tokens, mcfg.vocab_size)
     identity = {"seed": tcfg.seed, "corpus_seed": tcfg.corpus_seed, "corpus_tokens": tcfg.corpus_tokens,
