@@ -150,6 +150,10 @@ def check_out(out: str, fmt: str, force: bool) -> None:
     if fmt == "hf" and os.path.exists(out) and not os.path.isdir(out):
         raise SampleError(2, f"--out {out} is a file, but --format hf writes a directory (config.json, "
                              f"model.safetensors); pass a directory name.")
+    if fmt == "hf" and suffix == ".safetensors" and not os.path.isdir(out):
+        raise SampleError(2, f"--out {out} names a file, but --format hf writes a directory (config.json, "
+                             f"model.safetensors); pass a directory name such as {out[:-len(suffix)]}, or drop "
+                             f"--format hf to write the one file.")
     taken = os.path.isfile(out) if fmt == "safetensors" else any(
         os.path.exists(os.path.join(out, n)) for n in HF_FILES)
     if taken and not force:

@@ -197,6 +197,14 @@ def test_a_pickle_name_is_refused(run, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_format_hf_to_a_file_name_is_refused(run, tmp_path):
+    """`--format hf --out x.safetensors` used to make a directory named x.safetensors."""
+    res = subprocess.run([sys.executable, "-m", "capstone.export", run, "--out", str(tmp_path / "x.safetensors"),
+                          "--format", "hf"], capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=120)
+    assert res.returncode == 2 and "--format hf writes a directory" in res.stderr, res.stderr
+    assert f"such as {tmp_path / 'x'}" in res.stderr and os.listdir(tmp_path) == [], res.stderr
+
+
 def test_format_hf_refuses_a_model_with_a_head_bias(run, tmp_path):
     """GPT2LMHeadModel has no head bias: it would drop capstone's and its logits would differ by it (the
     seed's model has one: `lm_head.b` in its layout). The directory's missing parent is no refusal (docs/gpt2.md's
