@@ -8,7 +8,8 @@ import pytest
 
 from benchmarks import memory as meter
 from benchmarks import pipeline as bench
-from capstone.config import ConfigError
+from capstone.config import ConfigError, ModelConfig
+from capstone.parallel import grid
 from capstone.parallel.pipeline import order, stage_groups, stage_layers
 
 from conftest import by_step, kill_a_rank_after_checkpoint, mpirun, summary
@@ -40,6 +41,8 @@ def test_stage_split():
     for bad in ((3, 3), (4, 3, 0), (2, 2, 2)):
         with pytest.raises(ConfigError, match="add up to the model's 7 blocks"):
             stage_layers(7, 3, bad)
+    with pytest.raises(ConfigError, match=r"Use --pp <= 2 \(or, for a model built here, not --init-from, more "):
+        grid.check(4, 1, 4, ModelConfig(n_layers=2))   # a fine-tune's model is given: --n-layers alone is wrong
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "afab"])

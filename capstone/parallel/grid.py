@@ -42,7 +42,8 @@ def check(world: int, tp: int, pp: int, mcfg, cp: int = 1) -> None:
                           f"Use a --tp that divides {mcfg.n_heads}.")
     if pp > mcfg.n_layers:
         raise ConfigError(f"--pp {pp} is more pipeline stages than the model's {mcfg.n_layers} blocks: every "
-                          f"stage holds at least one block. Use --pp <= {mcfg.n_layers} or more --n-layers.")
+                          f"stage holds at least one block. Use --pp <= {mcfg.n_layers} (or, for a model built here, not "
+                          f"--init-from, more --n-layers).")
     if cp > 1:
         _check_cp(world // (tp * pp), cp, mcfg.seq_len)
 
