@@ -26,7 +26,11 @@ def _missing_libraries() -> None:
     venv = os.path.join(root, ".venv")
     todo = (f"`source {venv}/bin/activate` (capstone's venv) and run it again" if os.path.isdir(venv) else
             f"Run {root}/scripts/setup once (it makes {venv}), then `source {venv}/bin/activate`")
-    if os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")) == "0":   # once under mpirun
+    if os.environ.get("SLURM_JOB_ID"):   # a batch script activates $CAPSTONE_VENV (default: the repository's .venv)
+        todo = (f"In a batch job: submit with CAPSTONE_VENV=<capstone's venv> set (default {venv}; "
+                f"{root}/scripts/setup makes it) and check that every node sees it")
+    ranks = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
+    if next((os.environ[k] for k in ranks if k in os.environ), "0") == "0":   # once under mpirun and srun
         print(f"error: {sys.executable} has no {', '.join(missing)}: this shell is not in capstone's venv. {todo} "
               f"(scripts/run does both).", file=sys.stderr)
     sys.exit(2)

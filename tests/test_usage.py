@@ -145,6 +145,20 @@ def test_a_python_without_the_venv_gets_one_line_saying_how_to_set_up(command, t
         assert res.stderr.count("\n") == 1 and "h5py" in res.stderr and ".venv/bin/activate" in res.stderr, res.stderr
 
 
+def test_a_batch_job_without_the_venv_says_so_once_and_names_capstone_venv(tmp_path):
+    """Under srun every task is its own Python without MPI to agree on who speaks: rank 0 (SLURM_PROCID, PMIX_RANK)
+    says it, the others exit 2 silently; in a batch job the advice is CAPSTONE_VENV, not `source activate`."""
+    env = {k: v for k, v in mpi_env().items() if k not in ("OMPI_COMM_WORLD_RANK", "PMI_RANK")}
+    env.update(PYTHONPATH=ROOT, SLURM_JOB_ID="7")
+    said = []
+    for rank in ("0", "1"):
+        res = subprocess.run([sys.executable, "-S", "-m", "capstone.train"], capture_output=True, text=True,
+                             env={**env, "SLURM_PROCID": rank, "PMIX_RANK": rank}, cwd=tmp_path, timeout=120)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+        said.append(res.stderr)
+    assert said[1] == "" and said[0].count("\n") == 1 and "CAPSTONE_VENV=" in said[0], said
+
+
 def test_the_readme_names_export_and_bpe():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
