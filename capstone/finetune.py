@@ -266,7 +266,8 @@ def check_vocabulary(source: Source, data: dict, data_dir: str) -> None:
     mine, theirs = source.data.get("tokenizer"), data.get("tokenizer")
     fix = ("Prepare the new text with the source's vocabulary: python -m capstone.prepare TEXT --out DIR "
            "--vocab-from <the source run's dataset directory>.")
-    gpt2 = os.path.isdir(source.path) and foreign_gpt2(source.path)    # not from capstone's export
+    from capstone import hf   # a Hugging Face GPT-2 directory that capstone's export did not write: its
+    gpt2 = os.path.isdir(source.path) and not hf.exported(source.path)   # tokenizer is vocab.json + merges.txt
     if gpt2 and mine is not None:                                      # its vocab.json + merges.txt
         fix = ("Prepare the new text with its GPT-2 tokenizer: python -m capstone.prepare TEXT --out DIR "
                f"--tokenizer-from {source.path}.")
@@ -290,13 +291,6 @@ def check_vocabulary(source: Source, data: dict, data_dir: str) -> None:
     if diff:
         raise ConfigError(f"--init-from {source.path}: the vocabularies differ: {diff}. The token ids would mean "
                           f"other characters. {fix}")
-
-
-def foreign_gpt2(path: str) -> bool:
-    """A Hugging Face GPT-2 directory capstone's `export --format hf` did not write (its tokenizer, if any,
-    is vocab.json + merges.txt, not the export's metadata)."""
-    from capstone import hf
-    return "capstone_format" not in hf.exported_meta(path)
 
 
 def install(source: Source, run) -> None:
