@@ -150,6 +150,26 @@ refuse_another_out() {
   fi
 }
 
+# The batch scripts' run directory: made (exit 2 naming CAPSTONE_RUN_DIR if it cannot be), and refused
+# (exit 2) when it is the default one of a job's first start and already holds a run: an earlier job
+# with the same id (another cluster on this filesystem, or job ids started again) wrote it, and
+# --resume auto would continue it (or find it finished and do nothing, COMPLETED). Requeues
+# (SLURM_RESTART_COUNT >= 1) find their own.   make_run_dir DIR
+make_run_dir() {
+  local dir="$1" made
+  if [[ -z "${CAPSTONE_RUN_DIR:-}" && "${SLURM_RESTART_COUNT:-0}" == 0 && -n "$(ls -A "$dir" 2>/dev/null)" ]]; then
+    step_log "error: $dir already holds a run, but this is the first start of job $SLURM_JOB_ID: an earlier job" \
+             "with the same id wrote it (another cluster, or job ids started again). Move it away and submit" \
+             "again, or continue that run on purpose with CAPSTONE_RUN_DIR=$dir sbatch ..."
+    exit 2
+  fi
+  if ! made="$(mkdir -p -- "$dir" 2>&1)"; then   # a file there, no permission, a missing mount
+    step_log "error: cannot create the run directory $dir (${made#mkdir: }): set CAPSTONE_RUN_DIR to a" \
+             "directory this job can write, on a filesystem every node sees, and submit again"
+    exit 2
+  fi
+}
+
 # RUN_DIR/collective-timeout.json if a rank wrote it during this step (since STARTED), else nothing.
 timeout_record() {
   local record="$1/collective-timeout.json"
