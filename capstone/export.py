@@ -24,6 +24,7 @@ import sys
 import numpy as np
 
 from capstone.checkpoint import CheckpointError, serial
+from capstone.checkpoint.files import HF_FILES
 from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout, param_shapes
 from capstone.pipe import run_tool
@@ -31,7 +32,6 @@ from capstone.vocab import SampleError
 
 SAFETENSORS_PIN = "safetensors==0.8.0"
 FORMAT = "capstone-gpt2"
-HF_FILES = ("config.json", "model.safetensors")
 DIGEST_KEY = "tensor_sha256"     # metadata: sha256 of the tensors (`tensor_digest`), verified by --init-from
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")   # torch.save's and pickle's names
 LAYER_NORM_EPS = 1e-5            # capstone.model.kernels._ln_fwd

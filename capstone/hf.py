@@ -20,10 +20,11 @@ import os
 import numpy as np
 
 from capstone.checkpoint import CheckpointError
+from capstone.checkpoint.files import HF_FILES
 from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout
 
-FILES = ("config.json", "model.safetensors")
+FILES = HF_FILES
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")      # capstone's GELU is the tanh approximation
 LAYER_NORM_EPS = 1e-5                              # capstone.model.kernels' LayerNorm

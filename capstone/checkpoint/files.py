@@ -28,6 +28,8 @@ NAME_RE = re.compile(r"^ckpt-(\d{8})\.h5$")
 DIGEST_SUFFIX = ".sha256"
 
 
+HF_FILES = ("config.json", "model.safetensors")   # a Hugging Face model directory (save_pretrained, export --format hf)
+
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or loaded; the message names the file and what to do."""
 

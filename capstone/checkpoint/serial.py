@@ -14,14 +14,11 @@ import numpy as np
 
 from capstone.checkpoint import files
 from capstone.checkpoint.digest import logical_root
-from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError, CorruptCheckpoint
+from capstone.checkpoint.files import DIGEST_SUFFIX, HF_FILES, CheckpointError, CorruptCheckpoint
 from capstone.checkpoint.reader import open_verified, parse_error, read_dataset
 from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout
 from capstone.state import ROWS
-
-
-WEIGHTS = ("config.json", "model.safetensors")   # a Hugging Face directory, as export --format hf writes
 
 
 def find(target: str) -> str:
@@ -38,7 +35,7 @@ def find(target: str) -> str:
             raise ConfigError(f"{exc}") from None
         if path:
             return path
-    if os.path.isfile(target) or any(os.path.isfile(os.path.join(target, n)) for n in WEIGHTS):
+    if os.path.isfile(target) or any(os.path.isfile(os.path.join(target, n)) for n in HF_FILES):
         raise ConfigError(f"{target} is a model's weights (an export or a Hugging Face GPT-2 directory), not a "
                           f"checkpoint: this reads a training run's. Fine-tune it into a run (python -m "
                           f"capstone.train --init-from {target} ... --out RUN_DIR) and pass RUN_DIR, or load it "
