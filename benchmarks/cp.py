@@ -55,7 +55,7 @@ def worker(argv: list[str]) -> int:
         print("RESULT " + json.dumps({"ranks": every, "B": run.batch_size, "T": m.seq_len, "H": m.n_heads,
                                       "D": m.d_model // m.n_heads, "L": m.n_layers, "tp": run.grid.tp.size,
                                       "cp": run.grid.cp_size, "accum": settings.train.grad_accum,
-                                      "recompute": settings.opts.recompute}), flush=True)
+                                      "recompute": run.plan.recompute}), flush=True)
     return 0
 
 

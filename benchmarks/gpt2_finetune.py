@@ -34,6 +34,7 @@ MIB = 1 << 20
 def capstone_run(preset: str, ranks: int, steps: int, flags: list[str]) -> dict:
     """One training run; its step times, global-batch tokens, peak RSS per rank and the preflight's estimate."""
     from capstone import cli
+    from capstone.plan import Plan
     from capstone.runtime import preflight
     argv = ["--preset", preset, "--steps", str(steps), "--eval-every", str(steps), "--eval-batches", "1",
             "--eval-batch-size", "2", "--ckpt-every", "0", "--ckpt-every-minutes", "0", "--collective-timeout", "3600",
@@ -51,7 +52,8 @@ def capstone_run(preset: str, ranks: int, steps: int, flags: list[str]) -> dict:
         with open(os.path.join(out, "run", "summary.json")) as f:
             summary = json.load(f)
     settings = cli.parse(argv)
-    acts, states = preflight.estimate(settings.model, settings.train, settings.opts, ranks)
+    plan = Plan.make(model=settings.model, train=settings.train, world=ranks, given=settings.layout)[0]
+    acts, states = preflight.estimate(settings.model, settings.train, plan)
     tokens = rows[-1]["tokens"]
     step_ms = statistics.median(r["step_ms"] for r in rows[1:] or rows)
     return {"step_ms": step_ms, "tokens": tokens, "tokens_per_s": tokens / (step_ms / 1e3),

@@ -42,7 +42,7 @@ def worker(argv: list[str]) -> int:
         steps.append(world.allgather_json(mine))
     if world.rank == 0:
         print("RESULT " + json.dumps({"pp": run.grid.pp.size, "micro_batches": settings.train.grad_accum,
-                                      "schedule": settings.opts.pp_schedule, "steps": steps}), flush=True)
+                                      "schedule": run.plan.schedule, "steps": steps}), flush=True)
     return 0
 
 

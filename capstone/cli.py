@@ -12,45 +12,10 @@ import os
 import sys
 from dataclasses import dataclass
 
-from capstone import usage
+from capstone import plan, usage
 from capstone.config import ConfigError, ModelConfig, TrainConfig, problems_error
+from capstone.options import RunOptions
 from capstone.presets import PRESETS, fit_warmup
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """What a run does besides training: where it writes, resumes from, and test hooks."""
-
-    out: str | None = None
-    resume: str | None = None
-    stop_after: int = 0
-    sleep_per_step: float = 0.0
-    inject_lr_spike: tuple[int, float] | None = None
-    inject_nan: tuple[int, int] | None = None
-    quiet: bool = False
-    log_every: int = 0                   # console row every K steps (0: 1 up to 100 steps, else about steps/50)
-    tensorboard: str | None = None       # also write TensorBoard scalars to this directory
-    tp: int = 1                          # tensor-parallel ranks per replica (capstone.parallel.grid, capstone.parallel.tensor)
-    collective_timeout: float = 0.0   # seconds; 0: automatic (capstone.collective.deadline)
-    overlap: bool = True              # reduce-scatter in buckets during the backward pass
-    bucket_mb: float = 1.0            # bucket size of the overlapped reduce-scatter
-    zero_stage: int = 1               # ZeRO: 0 none (DDP), 1 shards the optimizer state, 2 also grads, 3 also params
-    guard_undo: bool = True           # the guard keeps the state before each update to undo a bad one (--no-guard-undo)
-    recompute: bool = False           # activation checkpointing: each block recomputed in the backward pass
-    reshard: str = "micro-batch"      # ZeRO-2/3: gather and reduce-scatter per micro-batch, or once per step
-    pp: int = 1                       # pipeline stages per replica (capstone.parallel.pipeline)
-    cp: int = 1                       # context parallelism: ranks splitting each sequence (capstone.model.ring)
-    pp_schedule: str | None = None    # the order of the micro-batches' forwards and backwards (None: 1f1b)
-    pp_layers: tuple[int, ...] | None = None   # blocks per pipeline stage (None: balanced)
-    inject_grad_sign: tuple[int, int] | None = None   # test hook: negate the gradient from STEP for COUNT steps
-    inject_no_update: tuple[int, int] | None = None   # test hook: zero the gradient from STEP for COUNT steps
-    init_from: str | None = None      # start a new run from these weights (capstone.finetune)
-    ckpt_async: bool = True           # checkpoints written by a background thread (capstone.checkpoint.background)
-
-
-# the run options that lay the run out, kept by its checkpoints (capstone.checkpoint.kept): their flags
-# have no argparse default, so that a resume tells the flags given from the checkpoint's modes
-KEPT = ("zero_stage", "reshard", "recompute", "tp", "pp", "pp_schedule", "pp_layers", "guard_undo")
 
 
 @dataclass(frozen=True)
@@ -66,7 +31,7 @@ class Settings:
     flags: dict = dataclasses.field(default_factory=dict)          # the config flags on the command line only
     preset_values: dict = dataclasses.field(default_factory=dict)  # the preset's (its warmup fitted to the run)
     notes: tuple = ()           # what a fresh start says about its settings (a shortened warmup)
-    modes_given: frozenset = frozenset()   # the kept modes given as flags (capstone.checkpoint.kept)
+    layout: dict = dataclasses.field(default_factory=dict)   # the layout flags given (capstone.plan.Plan.make)
 
     def on_top_of(self, model: dict, train: dict) -> "Settings":
         """These settings over a checkpoint's (explicit flags win); raises ConfigError if invalid."""
@@ -238,16 +203,16 @@ def _run_flags(p) -> None:
                    help="abort the job with a clear message when a collective (gradient reduce, allgather, "
                         "agreement, checkpoint barrier) has waited this long: a peer is dead or unreachable "
                         "(0: automatic, max(300 s, 20 x the longest step so far); docs/multinode.md)")
-    g.add_argument("--no-overlap", dest="overlap", action="store_false",
+    g.add_argument("--no-overlap", dest="overlap", action="store_false", default=argparse.SUPPRESS,
                    help="reduce the gradient in one collective after the backward pass (a reduce-scatter; at "
                         "--zero-stage 0 an allreduce), instead of in buckets started during it (at --zero-stage 2/3: "
                         "with --reshard step only)")
-    g.add_argument("--ckpt-async", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--ckpt-async", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                    help="write checkpoints behind training: the step copies its optimizer shard and the run state "
                         "into a snapshot buffer (12 bytes per parameter / ranks) and goes on while a thread writes, "
                         "publishes and rotates the file exactly as a synchronous save; --no-ckpt-async writes "
                         "them in the step (docs/checkpoints.md; default: on)")
-    g.add_argument("--bucket-mb", type=float, default=1.0, metavar="MB",
+    g.add_argument("--bucket-mb", type=float, default=argparse.SUPPRESS, metavar="MB",
                    help="bucket size of the overlapped gradient reduce-scatter (default: 1.0)")
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=argparse.SUPPRESS,
                    help="ZeRO over the data-parallel group: 0 shards nothing (plain data parallelism, DDP: every "
@@ -272,7 +237,7 @@ def _run_flags(p) -> None:
                    help="pipeline parallelism: the blocks in K contiguous stages on K ranks of the grid's pp axis, "
                         "the step's --grad-accum micro-batches flowing through them (docs/pipeline.md; default: 1; "
                         "on --resume: the checkpoint's, if the ranks hold it)")
-    g.add_argument("--cp", type=int, default=1, metavar="K",
+    g.add_argument("--cp", type=int, default=argparse.SUPPRESS, metavar="K",
                    help="context parallelism: each sequence split over K ranks (balanced: 2K chunks, rank i taking "
                         "i and 2K-1-i), attention a causal ring passing keys and values; --seq-len a multiple of 2K "
                         "(docs/context-parallel.md; default: 1; not kept by checkpoints: resume at any --cp)")
@@ -342,10 +307,12 @@ def parse(argv=None) -> Settings:
     values = {k: v for k, v in vars(namespace).items() if v is not _BAD}
     known = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
     problems = parser.bad + usage.unknown(extras, known)
-    problems, syntax = problems + usage.option_problems(values), bool(problems)
+    problems, syntax = problems + usage.option_problems(values) + plan.problems(values), bool(problems)
     name = values.pop("preset", None)
     opts = {k: v for k, v in _pick(RunOptions, values).items()}
-    explicit = {k: v for k, v in values.items() if k not in {f.name for f in dataclasses.fields(RunOptions)}}
+    layout = {k: v for k, v in values.items() if k in plan.DEFAULTS}
+    explicit = {k: v for k, v in values.items() if k not in {f.name for f in dataclasses.fields(RunOptions)}
+                and k not in layout}
     preset, note = preset_values(name, explicit)
     try:
         model, train, deferred = _configs({**preset, **explicit}, opts.get("resume") is not None)
@@ -357,7 +324,7 @@ def parse(argv=None) -> Settings:
         raise ConfigError(f"{error} {HELP}" if syntax else str(error), error.problems)
     resuming = opts.get("resume") is not None
     return Settings(model, train, RunOptions(**opts), explicit if resuming else {**preset, **explicit}, name, deferred,
-                    explicit, preset, (note,) if note and not resuming else (), frozenset(opts) & set(KEPT))
+                    explicit, preset, (note,) if note and not resuming else (), layout)
 
 
 def preset_values(name: str | None, flags: dict) -> tuple[dict, str | None]:

@@ -1,7 +1,6 @@
-"""What one training run holds (`Run`, built by capstone.run), and the roles of its parts as
-Protocols: what the run and its training loop ask of each part, whichever mode made it
-(capstone.modes). The gradient reducer's role is the class capstone.parallel.reduce.GradReducer,
-whose implementations share its one small allreduce.
+"""What one training run holds (`Run`, built by capstone.run from its plan), and the roles of its
+parts as Protocols: what the run and its training loop ask of each part, whichever mode made it
+(capstone.modes; the gradient reducer's role is the class capstone.parallel.reduce.GradReducer).
 
 Each piece of state has one owner: the model's seam the parameter and gradient buffers
 (capstone.model.seam), the reducer the reduced gradient shard, `ZeroAdam` the optimizer shard and
@@ -18,21 +17,21 @@ import numpy as np
 
 from capstone.model.fingerprint import fingerprint
 from capstone.model.params import Layout
-from capstone.state import ShardState
+from capstone.state import RunState, ShardState
 
 if TYPE_CHECKING:   # the parts' classes, named for the reader (no import at run time)
     from capstone.checkpoint.cadence import Cadence
     from capstone.checkpoint.saver import Checkpointer
-    from capstone.cli import RunOptions
     from capstone.config import ModelConfig, TrainConfig
     from capstone.data.heldout import HeldOut
     from capstone.guard import Guard
     from capstone.hooks import Hooks
     from capstone.observe.report import MetricsLog
+    from capstone.options import RunOptions
     from capstone.parallel.grid import Grid
     from capstone.parallel.reduce import GradReducer
     from capstone.parallel.zero import ZeroAdam
-    from capstone.state import RunState
+    from capstone.plan import Plan
 
 
 class TrainedModel(Protocol):
@@ -87,6 +86,7 @@ class Run:
     """Everything one run holds (see the module for who owns what)."""
 
     grid: Grid
+    plan: Plan                             # how the run is laid out (capstone.plan)
     mcfg: ModelConfig
     tcfg: TrainConfig
     opts: RunOptions

@@ -21,9 +21,10 @@ from capstone import checkpoint, modes
 from capstone.checkpoint import background, files, judge, kept, resume, rundir
 from capstone.checkpoint.cadence import Cadence
 from capstone.checkpoint.saver import Checkpointer, RunIdentity
-from capstone.cli import RunOptions, Settings, check_preset
+from capstone.cli import Settings, check_preset
 from capstone.collective.agree import agreed
 from capstone.config import ConfigError
+from capstone.options import RunOptions
 from capstone.data import open_data
 from capstone.data.tokens import identity, load_meta
 from capstone.guard import Guard
@@ -32,6 +33,7 @@ from capstone.model.params import Layout
 from capstone.observe import provenance, report
 from capstone.collective.comm import Comm
 from capstone.parallel.grid import Grid
+from capstone.plan import Plan
 from capstone.state import ROWS
 from capstone.roles import Run
 from capstone.runtime import lock, preflight
@@ -57,7 +59,7 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
         report.say(note, world.rank)
     ckpt_dir = os.path.join(out, "checkpoints")
     check_parallel_io(world)
-    settings = _checked(world, settings)             # bad flags: ConfigError, nothing written
+    settings = _checked(world, settings)             # a bad layout: ConfigError, nothing written
     if opts.tensorboard:
         from capstone.observe.tensorboard import check_writer
         check_writer(world)
@@ -71,8 +73,7 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
             _check_same_data(world, settings, saved, path)
             if opts.init_from:
                 report.say(f"note: resuming from {path}; --init-from starts a run only, it is not used now", world.rank)
-            settings, why = _kept_modes(world, settings.on_top_of(saved["model_config"], saved["train_config"]),
-                                        saved.get("modes"))
+            settings = settings.on_top_of(saved["model_config"], saved["train_config"])
         elif settings.deferred:   # --resume auto starting fresh: the flags alone must make a valid run
             raise ConfigError(settings.deferred)
         elif opts.init_from:      # fine-tuning: the source's model and weights (capstone.finetune)
@@ -80,10 +81,12 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
         elif settings.train.data and "vocab_size" not in settings.explicit:
             vocab = _agreed(world, lambda: load_meta(settings.train.data).vocab_size)
             settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, vocab_size=vocab))
-        tcfg, opts = settings.train, settings.opts   # the modes kept from a checkpoint too
-        dp = world.size // (opts.tp * opts.pp * opts.cp)
-        preflight.check_memory(world, settings.model, dataclasses.replace(tcfg, batch_size=tcfg.batch_for(dp)), opts)
-        run = build(world, settings, out, hooks)
+        plan, why = Plan.make(model=settings.model, train=settings.train, world=world.size, given=settings.layout,
+                              saved=saved.get("modes") if path is not None else None)   # the checkpoint's modes
+        tcfg = settings.train
+        preflight.check_memory(world, settings.model, dataclasses.replace(tcfg, batch_size=tcfg.batch_for(plan.replicas)),
+                               plan)
+        run = build(world, settings, out, hooks, plan)
         if path is None and opts.init_from:
             run.init_from = source.describe()
             source.install(run)
@@ -104,24 +107,15 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
 
 
 def _checked(world: Comm, settings: Settings) -> Settings:
-    """`settings` if the flags make a run the product runs (modes.check), else ConfigError; resuming,
+    """`settings` if the flags make a layout the product runs (capstone.plan), else ConfigError; resuming,
     the flags' error waits (`deferred`): the checkpoint's modes may complete them (e.g. --pp-layers)."""
     try:
-        modes.check(world.size, settings)
+        Plan.make(model=settings.model, train=settings.train, world=world.size, given=settings.layout)
     except ConfigError as exc:
         if settings.opts.resume is None:
             raise
         return dataclasses.replace(settings, deferred=settings.deferred or str(exc))
     return settings
-
-
-def _kept_modes(world: Comm, settings: Settings, saved: dict | None) -> tuple[Settings, dict]:
-    """The checkpoint's modes under the mode flags given (capstone.checkpoint.kept), checked; and
-    why a kept grid axis fell back."""
-    opts, why = kept.layered(settings.opts, saved, settings.modes_given, world.size)
-    settings = dataclasses.replace(settings, opts=opts)
-    modes.check(world.size, settings)
-    return settings, why
 
 
 def _out_dir(opts: RunOptions) -> tuple[str, str | None]:
@@ -162,29 +156,29 @@ def _init_from(world: Comm, settings: Settings):
     source = finetune.fetch(world, settings.opts.init_from, settings.explicit.get("seq_len"))
     data = settings.train.data
     finetune.check_vocabulary(source, _agreed(world, lambda: identity(load_meta(data))) if data else {}, data)
-    settings = finetune.settings_for(settings, source)
-    modes.check(world.size, settings)
-    return source, settings
+    return source, finetune.settings_for(settings, source)
 
 
-def build(world: Comm, settings: Settings, out: str, hooks: Hooks | None = None) -> Run:
-    """Collective: call on all ranks. Fresh objects on a new grid; the initial parameters are
-    the 1-rank run's, made where the mode says (capstone.modes)."""
+def build(world: Comm, settings: Settings, out: str, hooks: Hooks | None = None, plan: Plan | None = None) -> Run:
+    """Collective: call on all ranks. Fresh objects on a new grid laid out by `plan` (None: the plan of
+    the flags); the initial parameters are the 1-rank run's, made where the mode says (capstone.modes)."""
     mcfg, tcfg, opts = settings.model, settings.train, settings.opts
+    if plan is None:
+        plan = Plan.make(model=mcfg, train=tcfg, world=world.size, given=settings.layout)[0]
     hooks = _hooks(world, opts) if hooks is None else hooks
     world.deadline.set_timeout(opts.collective_timeout)
     world.deadline.record_to(os.path.join(out, TIMEOUT_RECORD))   # for the batch script's watchdog
-    grid = Grid.build(world, opts.tp, opts.pp, opts.cp)
-    batch = tcfg.batch_for(grid.replicas)
+    grid = Grid.build(world, plan)
+    batch = tcfg.batch_for(plan.replicas)
     data, data_identity = open_data(mcfg, tcfg, batch)
-    identity = RunIdentity(mcfg, tcfg, data_identity, batch * tcfg.grad_accum * grid.replicas, kept.of(opts))
-    p = modes.make(grid, settings, data, hooks, 1.0 / (identity.global_batch * mcfg.seq_len))
+    identity = RunIdentity(mcfg, tcfg, data_identity, batch * tcfg.grad_accum * plan.replicas, plan.kept())
+    p = modes.make(grid, plan, mcfg, tcfg, data, hooks, 1.0 / (identity.global_batch * mcfg.seq_len))
     cadence = Cadence(tcfg, world.rank, opts.stop_after)
     ckpt = Checkpointer(world, os.path.join(out, "checkpoints"), p.full, identity, cadence, p.view, hooks,
-                        background.writer(world) if opts.ckpt_async else None)
+                        background.writer(world) if plan.ckpt_async else None)
     state = RunState()
-    guard = Guard(tcfg.spike_factor, tcfg.max_rollbacks, state.guard, opts.guard_undo)
-    return Run(grid=grid, mcfg=mcfg, tcfg=tcfg, opts=opts, out=out, model=p.model, opt=p.opt, reducer=p.reducer,
+    guard = Guard(tcfg.spike_factor, tcfg.max_rollbacks, state.guard, plan.guard_undo)
+    return Run(grid=grid, plan=plan, mcfg=mcfg, tcfg=tcfg, opts=opts, out=out, model=p.model, opt=p.opt, reducer=p.reducer,
                schedule=p.schedule, data=p.data, heldout=p.heldout, guard=guard, cadence=cadence, ckpt=ckpt, state=state,
                replicas=p.replicas, hooks=hooks, batch_size=batch, global_batch=identity.global_batch,
                n_params=p.full.n_params)
@@ -220,7 +214,7 @@ def start(run: Run, path: str | None = None, saved_train: dict | None = None, wh
     run.metrics.write({"event": "start", "run_id": run.state.run_id, "world": world.size, "grid": run.grid.describe(),
                        "start_step": run.state.step, "resumed_from": run.resumed_from, "time": time.time(),
                        "provenance": run.ckpt.provenance, "train_config": dataclasses.asdict(run.tcfg),
-                       "model_config": dataclasses.asdict(run.mcfg), "modes": kept.of(run.opts)})
+                       "model_config": dataclasses.asdict(run.mcfg), "modes": run.plan.kept()})
 
 
 def _agreed(world: Comm, read):
@@ -269,6 +263,6 @@ def _resume(run: Run, path: str, saved: dict, why: dict) -> None:
     changed = {k: (v, getattr(run.tcfg, k)) for k, v in saved.items() if getattr(run.tcfg, k, v) != v}
     if meta.get("global_batch", run.global_batch) != run.global_batch:   # batch_size x grad_accum x replicas
         changed["global batch (sequences per step)"] = (meta["global_batch"], run.global_batch)
-    changed.update(kept.changes(meta.get("modes"), run.opts, why))
+    changed.update(kept.changes(meta.get("modes"), run.plan, why))
     report.resumed(path, state, meta["world_size"], run.grid.world.size, changed,
                    -1 if run.opts.quiet else run.grid.world.rank)   # --quiet: the final line only

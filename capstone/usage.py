@@ -74,14 +74,11 @@ def as_flag(problem: str, fields: set[str]) -> str:
 
 
 def option_problems(values: dict) -> list[str]:
-    """The run options' own checks (the configs check theirs), one sentence per bad flag."""
+    """The run options' own checks (the configs and the plan check theirs), one sentence per bad flag."""
     checks = (("stop_after", lambda v: v >= 0, "must be >= 0 (0: off)"),
               ("sleep_per_step", lambda v: v >= 0, "must be >= 0 seconds"),
               ("log_every", lambda v: v >= 0, "must be >= 0 (0: automatic, 1: every step)"),
-              ("collective_timeout", lambda v: v >= 0, "must be >= 0 seconds (0: automatic)"),
-              ("bucket_mb", lambda v: v > 0, "must be > 0 MB (default 1.0; --no-overlap for one reduction)"),
-              ("tp", lambda v: v >= 1, "must be >= 1 (1: no tensor parallelism)"),
-              ("pp", lambda v: v >= 1, "must be >= 1 (1: no pipeline)"))
+              ("collective_timeout", lambda v: v >= 0, "must be >= 0 seconds (0: automatic)"))
     problems = [f"--{name.replace('_', '-')} {text}, got {values[name]!r}." for name, ok, text in checks
                 if name in values and values[name] is not None and not ok(values[name])]
     if values.get("out") == "":

@@ -492,3 +492,91 @@ def test_no_mutable_module_state_in_the_model():
     before = ("_grad_hook = None\n@dataclass\nclass _Landing:\n    once: bool = False\n_landing = _Landing()\n"
               "_slot: list = [None]\ndef set_grad_hook(h):\n    global _grad_hook\n    _grad_hook = h\n")
     assert sorted(module_state(before)) == ["_landing", "_slot", "global _grad_hook"]
+
+
+# ---- the plan: the layout as one object (capstone/plan.py) ---------------------------------------
+
+def layout_fields() -> set[str]:
+    from capstone import plan
+    return set(plan.DEFAULTS)
+
+
+def layout_reads(source: str) -> list[str]:
+    """`opts.<layout field>` (or `x.opts.<layout field>`): the layout read off the options object."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in layout_fields():
+            holder = node.value
+            name = holder.id if isinstance(holder, ast.Name) else holder.attr if isinstance(holder, ast.Attribute) else ""
+            if name == "opts":
+                found.append(f"opts.{node.attr}")
+    return found
+
+
+def test_the_layout_is_one_object_that_everyone_reads():
+    """The options object holds no layout field, and nobody reads one off it: everyone reads the plan."""
+    import dataclasses
+    from capstone.options import RunOptions
+    assert not {f.name for f in dataclasses.fields(RunOptions)} & layout_fields()
+    reads = {os.path.relpath(f, ROOT): layout_reads(open(f).read()) for f in package_files()}
+    assert not {f: r for f, r in reads.items() if r}, reads
+    # the check can fail: the reads of the code before the plan
+    before = "if opts.zero_stage == 3:\n    x = run.opts.tp * settings.opts.pp\n"
+    assert layout_reads(before) == ["opts.zero_stage", "opts.tp", "opts.pp"]
+
+
+def replica_divisions(source: str) -> int:
+    """Divisions of a rank count by a product that names both tp and pp: a definition of the replicas."""
+    count = 0
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv):
+            names = {n.id for n in ast.walk(node.right) if isinstance(n, ast.Name)} | \
+                    {n.attr for n in ast.walk(node.right) if isinstance(n, ast.Attribute)}
+            count += {"tp", "pp"} <= names
+    return count
+
+
+def test_one_definition_of_the_replica_count():
+    found = {os.path.relpath(f, ROOT): replica_divisions(open(f).read()) for f in package_files()}
+    assert {f for f, n in found.items() if n} == {"capstone/plan.py"}, found
+    # the check can fail: run.py's own dp of the code before
+    assert replica_divisions("dp = world.size // (opts.tp * opts.pp * opts.cp)\n") == 1
+
+
+def test_nothing_below_the_command_line_imports_it():
+    """checkpoint/, parallel/, model/, observe/ and the Protocols module take the plan and the configs,
+    never the command-line module (its KEPT once sat under the checkpoint package)."""
+    below = [f for f in package_files() if os.path.relpath(f, PACKAGE).split(os.sep)[0] in
+             ("checkpoint", "parallel", "model", "observe", "roles.py")]
+    importing = [os.path.relpath(f, ROOT) for f in below if any(m.startswith("capstone.cli") for m in imports_of(f))]
+    assert not importing, importing
+    probe_file = os.path.join(ROOT, "tests", "_cli_import_probe.py")
+    with open(probe_file, "w") as f:
+        f.write("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from capstone.cli import KEPT\n")
+    try:
+        assert "capstone.cli" in imports_of(probe_file)
+    finally:
+        os.remove(probe_file)
+
+
+LAYOUT_FLAGS = ("--tp", "--pp", "--cp", "--zero-stage", "--reshard", "--no-overlap", "--bucket-mb", "--pp-layers",
+                "--pp-schedule")
+
+
+def layout_refusals(source: str) -> int:
+    """`ConfigError(...)` calls whose message opens with a layout flag: a refusal of a layout."""
+    count = 0
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "ConfigError" and node.args:
+            opening = ast.unparse(node.args[0])[:40]
+            count += any(flag + " " in opening or flag + "'" in opening for flag in LAYOUT_FLAGS)
+    return count
+
+
+def test_every_layout_refusal_is_in_the_plan():
+    found = {os.path.relpath(f, ROOT): layout_refusals(open(f).read()) for f in package_files()}
+    assert {f for f, n in found.items() if n} == {"capstone/plan.py"}, found
+    # the check can fail: grid.check and modes.check of the code before
+    before = ('raise ConfigError(f"--tp {tp} does not divide n_heads {mcfg.n_heads}")\n'
+              "raise ConfigError(f\"{'--pp-layers' if x else '--pp-schedule'} is about pipeline stages\")\n")
+    assert layout_refusals(before) == 2

@@ -5,7 +5,6 @@ vocab.json + merges.txt. The round trip runs transformers in the torch venv (TOR
 tied GPT-2 made and saved there, its logits equal to capstone's before training, trained on 2
 ranks, exported with --format hf and loaded back with the same logits. No network."""
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -148,16 +147,20 @@ def test_the_gpt2_presets_are_gpt2s_shape():
 def test_the_preflight_says_how_many_ranks_fit_a_cap(cap_mib):
     import re
     from capstone import cli
+    from capstone.plan import Plan, Zero
     from capstone.runtime import preflight
     s = cli.parse(["--preset", "gpt2", "--no-tie-embeddings", "--pp", "2"])
-    said = preflight.ranks_needed(s.model, s.train, s.opts, cap_mib << 20)
-    sharded = dataclasses.replace(s.opts, zero_stage=3, recompute=True)
+    plan = Plan.make(model=s.model, train=s.train, world=2, given=s.layout)[0]
+    said = preflight.ranks_needed(s.model, s.train, plan, cap_mib << 20)
+
+    def sharded(ranks):
+        return plan.on(ranks, zero=Zero(3), recompute=True)
     if "no number of ranks fits" in said:     # a micro-batch's activations or a checkpoint's conversion exceed the cap
-        assert preflight.estimate(s.model, s.train, sharded, 4096)[0] > cap_mib << 20 and cap_mib < 6144, said
+        assert preflight.estimate(s.model, s.train, sharded(4096))[0] > cap_mib << 20 and cap_mib < 6144, said
         return
     ranks = int(re.search(r"it needs (\d+) ranks", said).group(1))
-    assert sum(preflight.estimate(s.model, s.train, sharded, ranks)) <= cap_mib << 20
-    assert ranks == 2 or sum(preflight.estimate(s.model, s.train, sharded, ranks - 2)) > cap_mib << 20   # the fewest
+    assert sum(preflight.estimate(s.model, s.train, sharded(ranks))) <= cap_mib << 20
+    assert ranks == 2 or sum(preflight.estimate(s.model, s.train, sharded(ranks - 2))) > cap_mib << 20   # the fewest
 
 
 def test_a_gpt2_directory_s_vocabulary_refusals_name_its_tokenizer(tmp_path):

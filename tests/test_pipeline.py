@@ -8,9 +8,9 @@ import pytest
 
 from benchmarks import memory as meter
 from benchmarks import pipeline as bench
-from capstone.config import ConfigError, ModelConfig
-from capstone.parallel import grid
-from capstone.parallel.pipeline import order, stage_groups, stage_layers
+from capstone.config import ConfigError, ModelConfig, TrainConfig
+from capstone.parallel.pipeline import order
+from capstone.plan import Plan, stage_layers
 
 from conftest import by_step, kill_a_rank_after_checkpoint, mpirun, summary
 
@@ -36,13 +36,15 @@ def test_schedule_orders(K, m):
 
 def test_stage_split():
     assert [list(r) for r in stage_layers(7, 3)] == [[0, 1, 2], [3, 4], [5, 6]]
-    assert stage_groups(4, 2) == [("embed", "h0", "h1"), ("h2", "h3", "head")]
+    plan, _ = Plan.make(model=ModelConfig(n_layers=4), train=TrainConfig(), world=2, given={"pp": 2})
+    assert plan.stages == (("embed", "h0", "h1"), ("h2", "h3", "head"))
     assert [list(r) for r in stage_layers(7, 3, (3, 3, 1))] == [[0, 1, 2], [3, 4, 5], [6]]   # a light last stage
     for bad in ((3, 3), (4, 3, 0), (2, 2, 2)):
         with pytest.raises(ConfigError, match="add up to the model's 7 blocks"):
             stage_layers(7, 3, bad)
     with pytest.raises(ConfigError, match=r"Use --pp <= 2 \(or, for a model built here, not --init-from, more "):
-        grid.check(4, 1, 4, ModelConfig(n_layers=2))   # a fine-tune's model is given: --n-layers alone is wrong
+        Plan.make(model=ModelConfig(n_layers=2), train=TrainConfig(), world=4, given={"pp": 4})   # a fine-tune's
+    # model is given: --n-layers alone is wrong
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "afab"])

@@ -67,18 +67,18 @@ def formula(run) -> ModelStates:
     stage (capstone.observe.accounting), the gathered and reduction terms of the seam and reducer
     the modes chose."""
     layout, accum = run.model.layout, run.tcfg.grad_accum
-    row = zero_row(run.opts.zero_stage, layout.padded, run.grid.dp.size)
-    whole = run.opts.reshard == "step" and not run.tcfg.deterministic   # the gradient accumulates whole
-    grads = zero_row(1, layout.padded, run.grid.dp.size).grads_bytes if whole else row.grads_bytes
+    row = zero_row(run.plan.zero.stage, layout.padded, run.plan.zero_group)
+    whole = run.plan.whole_grad   # the gradient accumulates whole
+    grads = zero_row(1, layout.padded, run.plan.zero_group).grads_bytes if whole else row.grads_bytes
     reduce = run.reducer.bound(accum) - (0 if run.model.grads is not None else grads)
     return ModelStates(row.params_bytes, run.model.seam.gathered_bound(), grads, reduce,
-                       row.optimizer_bytes, row.optimizer_bytes if run.opts.guard_undo else 0,
+                       row.optimizer_bytes, row.optimizer_bytes if run.plan.guard_undo else 0,
                        4 * len(ROWS) * run.ckpt.layout.shard if run.ckpt.writer else 0)
 
 
 def row(run) -> dict:
     """This rank's memory row for summary.json: measured bytes, the formula's, and its peak RSS."""
     layout = run.model.layout
-    return {"rank": run.grid.world.rank, "stage": run.opts.zero_stage, "n_params": layout.n_params,
+    return {"rank": run.grid.world.rank, "stage": run.plan.zero.stage, "n_params": layout.n_params,
             "padded": layout.padded, **measured(run).row(),
             "formula": formula(run).row(), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

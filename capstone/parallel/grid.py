@@ -22,42 +22,9 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from capstone.config import ConfigError
 from capstone.collective.comm import Comm
 from capstone.parallel import placement
-
-
-def check(world: int, tp: int, pp: int, mcfg, cp: int = 1) -> None:
-    """ConfigError if a tp x pp x cp split of this model does not fit `world` ranks (the same verdict
-    on every rank: it depends only on the flags and the world size)."""
-    for flag, k in (("--tp", tp), ("--pp", pp), ("--cp", cp)):
-        if not isinstance(k, int) or k < 1:
-            raise ConfigError(f"{flag} must be a positive integer, got {k!r}; 1 turns that axis off.")
-    if world % (tp * pp):
-        raise ConfigError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the {world} ranks: the grid is "
-                          f"(ranks / (tp x pp)) data-parallel replicas of tp x pp ranks. Launch a multiple of "
-                          f"{tp * pp} ranks, or choose --tp and --pp whose product divides {world}.")
-    if mcfg.n_heads % tp:
-        raise ConfigError(f"--tp {tp} does not divide n_heads {mcfg.n_heads}: attention is split by whole heads. "
-                          f"Use a --tp that divides {mcfg.n_heads}.")
-    if pp > mcfg.n_layers:
-        raise ConfigError(f"--pp {pp} is more pipeline stages than the model's {mcfg.n_layers} blocks: every "
-                          f"stage holds at least one block. Use --pp <= {mcfg.n_layers} (or, for a model built here, not "
-                          f"--init-from, more --n-layers).")
-    if cp > 1:
-        _check_cp(world // (tp * pp), cp, mcfg.seq_len)
-
-
-def _check_cp(ranks: int, cp: int, seq_len: int) -> None:
-    if ranks % cp:
-        raise ConfigError(f"--cp {cp} does not divide the {ranks} ranks per tensor- and pipeline-parallel position "
-                          f"(the world / (tp x pp)): each data-parallel replica splits its sequences over cp ranks. "
-                          f"Choose a --cp that divides {ranks}, or launch a multiple of {cp} x tp x pp ranks.")
-    if seq_len % (2 * cp):
-        raise ConfigError(f"--cp {cp}: --seq-len {seq_len} is not a multiple of 2 x cp = {2 * cp}: the balanced split "
-                          f"cuts each sequence into 2 x cp equal chunks, cp rank i taking chunks i and 2cp-1-i, so "
-                          f"that every rank does the same causal attention work. Use a --seq-len divisible by "
-                          f"{2 * cp}.")
+from capstone.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -73,12 +40,13 @@ class Grid:
     cp: Comm | None = None   # the context-parallel ring (None: cp 1, see `ring`)
 
     @classmethod
-    def build(cls, world: Comm, tp: int = 1, pp: int = 1, cp: int = 1) -> "Grid":
-        """Collective: call on all ranks of `world` (sizes already `check`ed). ConfigError on every
-        rank if the launcher split a tensor-parallel group over hosts."""
+    def build(cls, world: Comm, plan: Plan | None = None) -> "Grid":
+        """Collective: call on all ranks of `world`. The grid of `plan` (made on this world; None: plain
+        data parallelism). ConfigError on every rank if the launcher split a tensor-parallel group over hosts."""
+        plan = plan or Plan(world=world.size)
         hosts = tuple(world.allgather_json(socket.gethostname()))
-        placement.check(list(hosts), pp * cp, tp)
-        dp = world.size // (tp * pp)                     # the dp x cp ranks that hold the same parameters
+        plan.check_placement(list(hosts))
+        tp, pp, cp, dp = plan.tp, plan.pp, plan.cp, plan.zero_group   # dp: the dp x cp ranks of the same parameters
         d, rest = divmod(world.rank, tp * pp * cp)
         p, rest = divmod(rest, tp * cp)
         c, t = divmod(rest, tp)

@@ -1,6 +1,6 @@
 """Pipeline parallelism (--pp K, imported only then): the model's blocks in K contiguous stages.
 
-Stage p of K holds blocks `stage_layers` (balanced by layers; when K does not divide L the first
+Stage p of K holds the blocks of capstone.plan.stage_layers (balanced by layers; when K does not divide L the first
 stages take one more, so the last stage, which also holds the final LayerNorm and the LM head,
 has the fewer; --pp-layers gives the counts explicitly), the embedding with stage 0 and the head
 with stage K-1: a stage is the one model (capstone.model.gpt.Model) over its groups, plus the
@@ -26,29 +26,9 @@ import time
 
 import numpy as np
 
-from capstone.config import ConfigError
 from capstone.model.params import DTYPE
 
 EVAL_TAG = 30000   # the held-out evaluation's activations (training uses 2j forward, 2j+1 backward)
-
-
-def stage_layers(n_layers: int, pp: int, counts: tuple[int, ...] | None = None) -> list[range]:
-    """The blocks of each stage: `counts` if given, else balanced with the remainder on the first stages."""
-    if counts is None:
-        counts = tuple(n_layers // pp + (p < n_layers % pp) for p in range(pp))
-    if len(counts) != pp or sum(counts) != n_layers or min(counts) < 1:
-        raise ConfigError(f"--pp-layers {','.join(map(str, counts))} must give {pp} positive block counts (one per "
-                          f"stage) that add up to the model's {n_layers} blocks, e.g. "
-                          f"{','.join(str(n_layers // pp + (p < n_layers % pp)) for p in range(pp))}.")
-    starts = np.cumsum((0,) + tuple(counts))
-    return [range(starts[p], starts[p + 1]) for p in range(pp)]
-
-
-def stage_groups(n_layers: int, pp: int, counts: tuple[int, ...] | None = None) -> list[tuple[str, ...]]:
-    """The parameter groups of each stage (capstone.model.params.group_of names)."""
-    ranges = stage_layers(n_layers, pp, counts)
-    return [(("embed",) if p == 0 else ()) + tuple(f"h{i}" for i in r) + (("head",) if p == pp - 1 else ())
-            for p, r in enumerate(ranges)]
 
 
 def order(schedule: str, p: int, K: int, m: int) -> list[tuple[str, int]]:

@@ -1,19 +1,16 @@
-"""Which host holds which grid position, checked at start (capstone.parallel.grid builds the grid).
+"""Which host holds which grid position (capstone.parallel.grid builds the grid).
 
 A tensor-parallel group exchanges activations in every layer's forward and backward, so its ranks
 must share a node; the grid's rank order keeps a TP group on tp consecutive ranks for that
 (capstone.parallel.grid). Launchers place consecutive ranks on one node by default (Slurm's block
 distribution, mpirun's --map-by slot). A placement that splits a TP group over hosts (for example
-`srun --distribution=cyclic`, `mpirun --map-by node`) is refused here, with the reason and the fix,
-rather than re-mapped: a re-mapping would renumber the ranks behind the launcher's back (rank 0
+`srun --distribution=cyclic`, `mpirun --map-by node`) is refused by the plan (capstone.plan.Plan.check_placement),
+with the reason and the fix, rather than re-mapped: a re-mapping would renumber the ranks behind the launcher's back (rank 0
 writes the logs) and hide a launcher setting that also slows every other job of the site.
 Hosts are told apart by host name (one per node on a cluster, and on scripts/hosts' hosts).
 """
 
 from __future__ import annotations
-
-from capstone.config import ConfigError
-
 
 def position(rank: int, pp: int, tp: int) -> tuple[int, int, int]:
     """(dp_rank, pp_rank, tp_rank) of a world rank: rank = (dp_rank * pp + pp_rank) * tp + tp_rank."""
@@ -24,24 +21,6 @@ def position(rank: int, pp: int, tp: int) -> tuple[int, int, int]:
 def _span(values: list[int]) -> str:
     lo, hi = min(values), max(values)
     return str(lo) if lo == hi else f"{lo}-{hi}" if values == list(range(lo, hi + 1)) else ",".join(map(str, values))
-
-
-def check(hosts: list[str], pp: int, tp: int) -> None:
-    """ConfigError if a tensor-parallel group's ranks are on more than one host (the same verdict on
-    every rank: every rank has the same list of host names)."""
-    if tp == 1:
-        return
-    for first in range(0, len(hosts), tp):
-        on = sorted(set(hosts[first:first + tp]))
-        if len(on) > 1:
-            d, p, _ = position(first, pp, tp)
-            ranks = ", ".join(f"rank {r} on {hosts[r]}" for r in range(first, first + tp))
-            raise ConfigError(
-                f"--tp {tp}: the tensor-parallel group of ranks {first}-{first + tp - 1} (dp {d}, pp {p}) is split "
-                f"over {len(on)} hosts ({ranks}); its ranks exchange activations in every layer, so they must share "
-                f"a node. The launcher placed consecutive ranks on different nodes: launch them in blocks (srun "
-                f"--distribution=block, Slurm's default; mpirun --map-by slot, Open MPI's default), with a multiple "
-                f"of {tp} tasks per node.")
 
 
 def describe(hosts: list[str], pp: int, tp: int) -> str:

@@ -11,7 +11,6 @@ directories and the lock file it created, so it leaves nothing behind.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import sys
@@ -105,62 +104,57 @@ def _cgroup_files(controllers: str, path: str) -> list[tuple[str, str, str]]:
     return []
 
 
-def checkpoint_bytes(mcfg, opts, world: int) -> int:
+def checkpoint_bytes(mcfg, plan) -> int:
     """Peak bytes a model-parallel rank's checkpoint conversion adds (capstone.parallel.canonical, one of
     master/m/v at a time): its part gathered over its data-parallel group, every part of its replica (the
     largest part's size each) with its own copy, the canonical vector, and a part's position map (int64,
     a mask and their copies: 21 bytes an element). 0 without model parallelism (shards are stored as they are)."""
     from capstone.model.params import Layout
-    mp = opts.tp * opts.pp
+    mp = plan.tp * plan.pp
     if mp == 1:
         return 0
-    from capstone.parallel.pipeline import stage_groups
-    stages = stage_groups(mcfg.n_layers, opts.pp, opts.pp_layers) if opts.pp > 1 else [None]
-    width = max(Layout.for_model(mcfg, 1, opts.tp, g).n_params for g in stages)
-    part = max(Layout.for_model(mcfg, world // mp, opts.tp, g).padded for g in stages)
-    return 4 * part + 4 * width * (1 + mp) + 4 * Layout.for_model(mcfg, world).padded + 21 * width
+    width = max(Layout.for_model(mcfg, 1, plan.tp, g).n_params for g in plan.stages)
+    part = max(Layout.for_model(mcfg, plan.world // mp, plan.tp, g).padded for g in plan.stages)
+    return 4 * part + 4 * width * (1 + mp) + 4 * Layout.for_model(mcfg, plan.world).padded + 21 * width
 
 
-def _per_rank(mcfg, tcfg, opts, world: int) -> tuple[int, int]:
-    """(transient, model states) of the heaviest rank: the transient the larger of a step's activations
-    and a checkpoint's conversion (`checkpoint_bytes`); with --pp, the largest stage holding the micro-batches
-    its schedule keeps in flight (1f1b: up to K of them; afab: all), and a tied head's wte on the last stage
-    (its copy, and the share of its gradient of each micro-batch in flight: capstone.parallel.tiedstages)."""
-    whole, dp, step = mcfg, world // (opts.tp * opts.pp), opts.reshard == "step"   # dp: the dp x cp ranks of a stage
-    ckpt, keys = checkpoint_bytes(mcfg, opts, world), None
-    if opts.cp > 1:   # a rank's part of each sequence: T / cp rows; the ring holds one tile's scores at a time
+def estimate(mcfg, tcfg, plan) -> tuple[int, int]:
+    """(transient: activations or a checkpoint's conversion, model states) in bytes of the heaviest rank
+    of the run `plan` lays out: the transient the larger of a step's activations and a checkpoint's
+    conversion (`checkpoint_bytes`); with --pp, the largest stage holding the micro-batches its schedule
+    keeps in flight (1f1b: up to K of them; afab: all), and a tied head's wte on the last stage (its copy,
+    and the share of its gradient of each micro-batch in flight: capstone.parallel.tiedstages)."""
+    whole, step = mcfg, plan.reshard == "step"
+    ckpt, keys = checkpoint_bytes(mcfg, plan), None
+    if plan.cp > 1:   # a rank's part of each sequence: T / cp rows; the ring holds one tile's scores at a time
         from capstone.model.ring import TILE
-        mcfg, keys = replace(mcfg, seq_len=mcfg.seq_len // opts.cp), TILE
-    if opts.pp == 1:
-        return max(ckpt, activation_bytes(mcfg, tcfg, opts.recompute, keys=keys)), model_state_bytes(
-            whole, dp, opts.tp, opts.zero_stage, step=step, undo=opts.guard_undo, snapshot=opts.ckpt_async)
-    from capstone.parallel.pipeline import stage_groups
-    stages = stage_groups(mcfg.n_layers, opts.pp, opts.pp_layers)
-    in_flight = tcfg.grad_accum if opts.pp_schedule == "afab" else min(opts.pp, tcfg.grad_accum)
-    layers = max(sum(g not in ("embed", "head") for g in groups) for groups in stages)
-    states = [model_state_bytes(whole, dp, opts.tp, opts.zero_stage, groups, step, opts.guard_undo, opts.ckpt_async)
-              for groups in stages]
+        mcfg, keys = replace(mcfg, seq_len=mcfg.seq_len // plan.cp), TILE
+    stage, dp = plan.zero.stage, plan.zero_group
+    if plan.pp == 1:
+        return max(ckpt, activation_bytes(mcfg, tcfg, plan.recompute, keys=keys)), model_state_bytes(
+            whole, dp, plan.tp, stage, step=step, undo=plan.guard_undo, snapshot=plan.ckpt_async)
+    in_flight = tcfg.grad_accum if plan.schedule == "afab" else min(plan.pp, tcfg.grad_accum)
+    layers = max(sum(g not in ("embed", "head") for g in groups) for groups in plan.stages)
+    states = [model_state_bytes(whole, dp, plan.tp, stage, groups, step, plan.guard_undo, plan.ckpt_async)
+              for groups in plan.stages]
     states[-1] += 4 * whole.vocab_size * whole.d_model * (1 + in_flight) * whole.tie_embeddings
-    return max(ckpt, in_flight * activation_bytes(mcfg, tcfg, opts.recompute, layers, keys)), max(states)
+    return max(ckpt, in_flight * activation_bytes(mcfg, tcfg, plan.recompute, layers, keys)), max(states)
 
 
-def estimate(mcfg, tcfg, opts, world: int) -> tuple[int, int]:
-    """(transient: activations or a checkpoint's conversion, model states) in bytes of the heaviest rank of a
-    run on `world` ranks (benchmarks.gpt2_finetune)."""
-    return _per_rank(mcfg, tcfg, opts, world)
-
-
-def ranks_needed(mcfg, tcfg, opts, cap: int) -> str:
+def ranks_needed(mcfg, tcfg, plan, cap: int) -> str:
     """In words: the fewest ranks (the data-parallel size grown, tp and pp kept) at which a rank's step
     fits in `cap` bytes, with ZeRO-3 and --recompute, whose model states shrink as the ranks grow."""
-    sharded = dataclasses.replace(opts, zero_stage=3, recompute=True, reshard="micro-batch")
-    parts = opts.tp * opts.pp
+    from capstone.plan import Zero
+    parts = plan.tp * plan.pp
+
+    def sharded(dp: int):
+        return plan.on(dp * parts, zero=Zero(3), recompute=True, reshard="micro-batch")
     for dp in (d for d in range(1, 4097) if tcfg.global_batch % (d * tcfg.grad_accum) == 0 or not tcfg.global_batch):
-        acts, states = _per_rank(mcfg, tcfg, sharded, dp * parts)
+        acts, states = estimate(mcfg, tcfg, sharded(dp))
         if acts + states <= cap:
             return (f"at {cap / MIB:.0f} MiB per rank it needs {dp * parts} ranks (--zero-stage 3 --recompute, data "
-                    f"parallel {dp} x pp {opts.pp} x tp {opts.tp}: {(acts + states) / MIB:.0f} MiB each)")
-    acts, ckpt = _per_rank(mcfg, tcfg, sharded, 4096 * parts)[0], checkpoint_bytes(mcfg, sharded, 4096 * parts)
+                    f"parallel {dp} x pp {plan.pp} x tp {plan.tp}: {(acts + states) / MIB:.0f} MiB each)")
+    acts, ckpt = estimate(mcfg, tcfg, sharded(4096))[0], checkpoint_bytes(mcfg, sharded(4096))
     if ckpt >= acts:
         return (f"at {cap / MIB:.0f} MiB per rank no number of ranks fits it: a checkpoint's conversion to the 1-rank "
                 f"layout alone takes {ckpt / MIB:.0f} MiB (every model-parallel rank assembles the whole model)")
@@ -168,9 +162,9 @@ def ranks_needed(mcfg, tcfg, opts, cap: int) -> str:
             f"{acts / MIB:.0f} MiB (lower --batch-size or --seq-len, or add --pp stages)")
 
 
-def check_memory(comm, mcfg, tcfg, opts) -> None:
+def check_memory(comm, mcfg, tcfg, plan) -> None:
     """Collective. ConfigError on every rank if a step's model states and activations do not fit on some node."""
-    acts, states = _per_rank(mcfg, tcfg, opts, comm.size)
+    acts, states = estimate(mcfg, tcfg, plan)
     need = acts + states
     local = comm.node_size()
     avail, source = available_bytes()
@@ -180,11 +174,11 @@ def check_memory(comm, mcfg, tcfg, opts) -> None:
             raise ConfigError(
                 f"--batch-size {tcfg.batch_size} at --seq-len {mcfg.seq_len} needs about {need / MIB:.0f} MiB per rank "
                 f"({acts / MIB:.0f} MiB "
-                f"of activations{' with --recompute' if opts.recompute else ''} or a checkpoint's conversion, "
+                f"of activations{' with --recompute' if plan.recompute else ''} or a checkpoint's conversion, "
                 f"{states / MIB:.0f} MiB of model "
-                f"states at --zero-stage {opts.zero_stage}; {local} ranks on {socket.gethostname()}: "
+                f"states at --zero-stage {plan.zero.stage}; {local} ranks on {socket.gethostname()}: "
                 f"{need * local / MIB:.0f} MiB), but only {avail / MIB:.0f} MiB is available ({source}); the kernel "
-                f"would kill the run in its first step; {ranks_needed(mcfg, tcfg, opts, avail // local)}. Lower "
+                f"would kill the run in its first step; {ranks_needed(mcfg, tcfg, plan, avail // local)}. Lower "
                 f"--batch-size (raise --grad-accum to keep the global batch) or --seq-len, add --recompute, raise "
                 f"--zero-stage, or run fewer ranks per node.")
     agreed(comm, check, errors=(ConfigError,), every=True, explain=lambda failed: ConfigError(failed[0][1]))

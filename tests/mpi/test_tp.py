@@ -11,11 +11,11 @@ from capstone.checkpoint.saver import Checkpointer, RunIdentity
 from capstone.config import ConfigError, ModelConfig, TrainConfig
 from capstone.model.gpt import loss_and_grad, loss_sum
 from capstone.model.params import Layout, init_params
-from capstone.parallel import grid as grids
 from capstone.parallel import tensor as tp
 from capstone.parallel.canonical import Canonical
 from capstone.collective.comm import Comm
 from capstone.parallel.grid import Grid
+from capstone.plan import Plan
 from capstone.state import ShardState
 from capstone.state import RunState
 
@@ -25,7 +25,7 @@ TPS = [k for k in (1, 2, 4) if WORLD % k == 0]
 
 
 def grid(k: int) -> Grid:
-    return Grid.build(Comm(MPI.COMM_WORLD), tp=k)
+    return Grid.build(Comm(MPI.COMM_WORLD), Plan(world=WORLD, tp=k))
 
 
 @pytest.mark.parametrize("k", TPS)
@@ -44,12 +44,12 @@ def test_grid_groups(k):
 @pytest.mark.parametrize("k, why", [(3, "does not divide"), (8, "does not divide"), (0, "positive")])
 def test_bad_tp_is_a_config_error_on_every_rank(k, why):
     with pytest.raises(ConfigError, match=why):
-        grids.check(4, k, 1, CFG)
+        Plan.make(model=CFG, train=TrainConfig(), world=4, given={"tp": k})
 
 
 def test_tp_must_divide_heads():
     with pytest.raises(ConfigError, match="n_heads 2"):
-        grids.check(4, 4, 1, ModelConfig(n_heads=2, d_model=32))
+        Plan.make(model=ModelConfig(n_heads=2, d_model=32), train=TrainConfig(), world=4, given={"tp": 4})
 
 
 def _split_model(g: Grid, dtype, seed: int = 3):
