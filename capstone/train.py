@@ -111,7 +111,7 @@ def train(run: Run) -> int:
     """Collective: call on all ranks. Train to the last step or a stop request; returns the exit code."""
     t_start, status, rows = time.perf_counter(), "completed", []
     start_step = run.state.step
-    log = report.StepLog(run, start_step)
+    log, fit = report.StepLog(run, start_step), margin.StopMargin(run, start_step)   # does a stop fit mpirun's kill?
     with outcome.recorded(run, start_step, t_start, log):   # summary.json also on a guard's abort or a timeout
         while run.state.step < run.tcfg.steps:
             run.state.step += 1
@@ -129,7 +129,7 @@ def train(run: Run) -> int:
             best.keep(run, r)   # --keep-best
             rows.append(log.step(r))
             run.hooks.step_done(r.step)
-            margin.check(run, r.step, start_step, r.due.stop)   # once: does a stop fit mpirun's kill sequence?
+            fit.step_done(r.step, r.due.stop)
             if r.due.stop:
                 status = "preempted"
                 report.stopped(run, r.step, stop.reason())

@@ -194,6 +194,27 @@ def test_the_start_warns_once_when_a_stop_cannot_fit_the_kill_sequence(slow_step
         == [True]
 
 
+def test_a_save_that_cannot_fit_is_said_before_the_first_step(tmp_path):
+    """Issue 53, item 2: a run whose save alone does not fit the kill sequence says so before its first
+    step (a Ctrl-C in the first steps would lose the stop's checkpoint), from the checkpoint's size and
+    the disk's measured speed; no hidden checkpoint is written for it. A kill sequence of 0 s
+    (OMPI_MCA_odls_base_sigkill_timeout=0) leaves no save the time. The code before measured after
+    step 4 only, so a 3-step run was never warned."""
+    out = tmp_path / "run"
+    res = subprocess.run(["mpirun", "-n", "2", "--oversubscribe", "python", "-m", "capstone.train", "--steps", "3",
+                          "--out", str(out)], env={**plain_env(), "OMPI_MCA_odls_base_sigkill_timeout": "0"},
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    said = [i for i, ln in enumerate(lines) if ln.startswith(WARNING)]
+    first_step = next(i for i, ln in enumerate(lines) if ln.split()[:1] == ["1"])
+    assert len(said) == 1 and said[0] < first_step and "before any step's time" in lines[said[0]], res.stdout
+    margin = [r for r in map(json.loads, open(out / "metrics.jsonl")) if r.get("event") == "stop_margin"]
+    assert [(r["at_step"], r["step_s"], r["fits"]) for r in margin] == [(0, None, False)], margin
+    assert margin[0]["checkpoint_bytes"] > 0 and margin[0]["save_s"] > 0
+    assert sorted(os.listdir(out / "checkpoints")) == ["ckpt-00000003.h5", "ckpt-00000003.h5.sha256", "latest"]
+
+
 def test_scripts_launch_turns_ctrl_c_into_sigusr1(slow_steps):
     """Ctrl-C (SIGINT to the process group) of scripts/launch with 1.6 s steps: mpirun gets SIGUSR1, no
     kill sequence, so the run saves and exits 0, "preempted"."""

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import os
 
-from capstone import checkpoint
-
 DIRECTORY = "best"
 
 
@@ -30,11 +28,7 @@ def keep(run, r) -> None:
 
 
 def save(ckpt, state, shard) -> dict:
-    """Collective: checkpoint `state` into OUT/checkpoints/best, keeping only it; returns its manifest
-    (with "held_out", the best loss)."""
-    ckpt.drain()   # one parallel-HDF5 file at a time (capstone.checkpoint.background)
-    directory = os.path.join(ckpt.directory, DIRECTORY)
-    man = checkpoint.save(ckpt.comm, directory, state.step, ckpt.view.to_stored(shard), ckpt.layout,
-                          {**ckpt.extra(state), "best": {"held_out": state.best_eval, "step": state.step}},
-                          keep_last=1, hooks=ckpt.hooks)
+    """Collective: checkpoint `state` into OUT/checkpoints/best through the run's Checkpointer, keeping
+    only it; returns its manifest (with "held_out", the best loss)."""
+    man = ckpt.save_best(state, shard, os.path.join(ckpt.directory, DIRECTORY))
     return {**man, "held_out": state.best_eval}

@@ -23,7 +23,7 @@ from capstone.config import ConfigError
 
 MIB = 1 << 20
 POINTER = "latest"
-PROBE = ".stop-probe"     # a run's measurement of its save time (capstone.runtime.margin), removed after it
+PROBE = ".stop-probe"     # a run's measurement of its disk's speed (capstone.runtime.margin), removed after it
 NAME_RE = re.compile(r"^ckpt-(\d{8})\.h5$")
 DIGEST_SUFFIX = ".sha256"
 
@@ -142,14 +142,17 @@ def step_of(path: str) -> int:
 def set_aside_leftovers(directory: str) -> list[str]:
     """At a run's start (rank 0, the run directory locked): remove what a killed save left in
     `directory`, partial files (`*.h5.partial-*`, never complete, never read) and digest files
-    without their checkpoint, and a killed start-up measurement's PROBE directory. Returns their names."""
+    without their checkpoint, and a killed start-up measurement's PROBE file. Returns their names."""
     if not os.path.isdir(directory):
         return []
     found = [n for n in sorted(os.listdir(directory)) if ".h5.partial-" in n or _orphan_digest(directory, n)]
     for name in found:
         os.remove(os.path.join(directory, name))
-    if os.path.isdir(os.path.join(directory, PROBE)):
-        shutil.rmtree(os.path.join(directory, PROBE), ignore_errors=True)
+    probe = os.path.join(directory, PROBE)
+    if os.path.isdir(probe):   # a killed probe of the code before, a directory
+        shutil.rmtree(probe, ignore_errors=True)
+    elif os.path.exists(probe):
+        os.remove(probe)
     return [n for n in found if not n.endswith(DIGEST_SUFFIX)]
 
 

@@ -105,6 +105,14 @@ class Checkpointer:
         self.cadence.saved()
         return {**man, "judged": judged}
 
+    def save_best(self, state: RunState, shard: ShardState, directory: str) -> dict:
+        """Collective. Write `state` (a new best held-out loss) into `directory`, a folder of its own
+        that keeps only it, synchronously (capstone.checkpoint.best); returns its manifest."""
+        self.drain()   # one parallel-HDF5 file at a time (capstone.checkpoint.background)
+        extra = {**self.extra(state), "best": {"held_out": state.best_eval, "step": state.step}}
+        return checkpoint.save(self.comm, directory, state.step, self.view.to_stored(shard), self.layout, extra,
+                               keep_last=1, hooks=self.hooks)
+
     def _written(self, man: dict, judged: bool) -> dict:
         man["judged"] = judged
         self.manifests.append(man)

@@ -1,29 +1,33 @@
-"""Does a stop fit Open MPI's kill sequence? Measured by the run itself, once, near its start.
+"""Does a stop fit Open MPI's kill sequence? Said at start, from the checkpoint's size and the disk's
+measured speed, and once more after the first steps, from their measured time.
 
 Under Open MPI's mpirun a Ctrl-C or `kill <mpirun pid>` is followed by SIGKILL 2 x
 odls_base_sigkill_timeout seconds later (OMPI_MCA_odls_base_sigkill_timeout, 1 s by default). A
 signal's stop takes at most the rest of the step in progress, then a save and the run's end (the
-check of invariant (d) reloads that save). After step MEASURE of a launch, the run has timed its
-steps (the first, with its warm-up, left out) and now times one save and reload of its state into
-OUT/checkpoints/.stop-probe (removed at once; a killed one is removed by the next start). If a step
-plus that exceeds three quarters of the kill sequence, rank 0 says so once, with what to do;
-a run that fits says nothing. Both go to metrics.jsonl as a "stop_margin" event. Not under
-mpirun (srun, one process), or under scripts/launch: nothing measured (no kill sequence follows).
+check of invariant (d) reloads that save). Before the first step, rank 0 times writing, syncing and
+reading back with its sha256 a probe file in OUT/checkpoints (up to PROBE_BYTES of the checkpoint's
+size, removed at once; a killed one is removed by the next start) and scales it to the checkpoint's
+size, which the plan fixes: the save's time. If that alone exceeds three quarters of the kill
+sequence, rank 0 says so at once, with what to do. Otherwise, after step MEASURE of the launch, the
+longest step since the first (its warm-up left out) plus that save must fit, or rank 0 says so then.
+The verdict is a "stop_margin" event of metrics.jsonl, written once; a run that fits prints nothing.
+Not under mpirun (srun, one process), or under scripts/launch: nothing measured (no kill sequence
+follows). No checkpoint is written for the measurement: the run's saves are the Checkpointer's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-import shutil
 import time
 
-from capstone import checkpoint
 from capstone.checkpoint import files
-from capstone.hooks import NONE
+from capstone.state import ROWS
 
-MEASURE = 4        # the step of a launch after which the stop's time is measured
-SPARE = 0.75       # a stop must fit in this share of the kill sequence
-_ends: list[float] = []   # this launch's step ends (time.perf_counter), up to the measurement
+MEASURE = 4              # the step of a launch after which its step time is known
+SPARE = 0.75             # a stop must fit in this share of the kill sequence
+PROBE_BYTES = 32 << 20   # the most the disk's probe writes
+MIB = 1 << 20
 
 
 def kill_sequence() -> tuple[float, str] | None:
@@ -37,53 +41,76 @@ def kill_sequence() -> tuple[float, str] | None:
         return 2.0, raw
 
 
-def check(run, step: int, start_step: int, stopping: bool) -> None:
-    """Collective: call on all ranks at the end of every step. At step start_step + MEASURE (unless
-    the run ends there), the measurement; the warning on rank 0 if the stop does not fit."""
-    if step <= start_step + MEASURE:
-        _ends.append(time.perf_counter())
-    if step != start_step + MEASURE or stopping or step >= run.tcfg.steps:
-        return
-    seq = run.grid.world.bcast_json(kill_sequence())   # rank 0's: a remote node's ranks lack mpirun's environment
-    if seq is None:
-        return
-    period = max(b - a for a, b in zip(_ends, _ends[1:]))
-    save = probe(run)
-    if save is None or run.grid.world.rank != 0:
-        return
-    need, fits = period + save, period + save <= SPARE * seq[0]
-    run.metrics.write({"event": "stop_margin", "step_s": period, "save_s": save, "kill_sequence_s": seq[0],
-                       "fits": fits})
-    if not fits:
-        print(warning(need, period, save, seq, start_step), flush=True)
+class StopMargin:
+    """One launch's verdict: made before its first step (collective), told of each step's end."""
+
+    def __init__(self, run, start_step: int):
+        world = run.grid.world
+        self.run, self.start_step, self.ends = run, start_step, [time.perf_counter()]
+        self.seq = world.bcast_json(kill_sequence())   # rank 0's: a remote node's ranks lack mpirun's environment
+        self.nbytes = files.estimated_size(run.ckpt.layout.padded * len(ROWS) * 4, world.size)
+        measured = save_seconds(run.ckpt.directory, self.nbytes) if self.seq and world.rank == 0 else None
+        self.save_s = world.bcast_json(measured)
+        self.decided = self.save_s is None   # not under mpirun, or the probe could not be written
+        if not self.decided and self.save_s > SPARE * self.seq[0]:
+            self._verdict(0.0, start=True)
+
+    def step_done(self, step: int, stopping: bool) -> None:
+        """At the end of every step: at step start + MEASURE (unless the run ends there), the verdict."""
+        if self.decided:
+            return
+        self.ends.append(time.perf_counter())
+        if step == self.start_step + MEASURE and not stopping and step < self.run.tcfg.steps:
+            self._verdict(max(b - a for a, b in zip(self.ends[1:], self.ends[2:])), start=False)
+
+    def _verdict(self, period: float, start: bool) -> None:
+        self.decided = True
+        need = period + self.save_s
+        fits = need <= SPARE * self.seq[0]
+        if self.run.grid.world.rank != 0:
+            return
+        self.run.metrics.write({"event": "stop_margin", "step_s": None if start else period, "save_s": self.save_s,
+                                "checkpoint_bytes": self.nbytes, "kill_sequence_s": self.seq[0], "fits": fits,
+                                "at_step": self.start_step if start else self.start_step + MEASURE})
+        if not fits:
+            print(warning(need, period, self.save_s, self.nbytes, self.seq, None if start else self.start_step),
+                  flush=True)
 
 
-def warning(need: float, period: float, save: float, seq: tuple[float, str], start_step: int) -> str:
+def warning(need: float, period: float, save: float, nbytes: int, seq: tuple[float, str], start_step) -> str:
+    took = (f"a save of the {nbytes / MIB:.0f} MiB checkpoint with its check takes about {save:.2f} s at this "
+            f"disk's measured speed, before any step's time" if start_step is None else
+            f"a step of {period:.2f} s (the longest of steps {start_step + 2}-{start_step + MEASURE}) and a save "
+            f"with its check of about {save:.2f} s (the {nbytes / MIB:.0f} MiB checkpoint at this disk's measured "
+            f"speed)")
     return (f"warning: a Ctrl-C may not save this run. Under mpirun a Ctrl-C or `kill <mpirun pid>` is followed by "
             f"SIGKILL {seq[0]:g} s later (2 x OMPI_MCA_odls_base_sigkill_timeout, {seq[1]}), and a stop here takes up "
-            f"to {need:.2f} s: a step of {period:.2f} s (the longest of steps {start_step + 2}-{start_step + MEASURE}) "
-            f"and a save with its check of {save:.2f} s. Stop it with `kill -USR1 <mpirun pid>` (no deadline), run it "
-            f"under scripts/launch (a Ctrl-C becomes SIGUSR1), or export OMPI_MCA_odls_base_sigkill_timeout="
+            f"to {need:.2f} s: {took}. Stop it with `kill -USR1 <mpirun pid>` (no deadline), run it under "
+            f"scripts/launch (a Ctrl-C becomes SIGUSR1), or export OMPI_MCA_odls_base_sigkill_timeout="
             f"{max(3, int(need / SPARE) + 1)} before mpirun.")
 
 
-def probe(run) -> float | None:
-    """Collective: seconds (rank 0's clock) to save the run's state as a checkpoint and reload it,
-    in OUT/checkpoints/.stop-probe, removed after; None if it could not be saved (e.g. no space)."""
-    world = run.grid.world
-    directory = os.path.join(run.ckpt.directory, files.PROBE)
-    run.ckpt.drain()                          # one parallel-HDF5 file at a time (capstone.checkpoint.background)
-    hooks, world.hooks = world.hooks, NONE    # a test's faults are for the run's own saves
+def save_seconds(directory: str, nbytes: int) -> float | None:
+    """Seconds to write, sync and read back with its sha256 `nbytes` in `directory`: a probe file of at
+    most PROBE_BYTES, timed and scaled; None if it cannot be written (the run's own save will say why)."""
+    size = max(1, min(nbytes, PROBE_BYTES))
+    path, block = os.path.join(directory, files.PROBE), bytes(range(256)) * 4096   # 1 MiB
     t0 = time.perf_counter()
     try:
-        stored = run.ckpt.view.to_stored(run.opt.state)
-        man = checkpoint.save(world, directory, run.state.step, stored, run.ckpt.layout, run.ckpt.extra(run.state))
-        checkpoint.load(world, man["path"], run.ckpt.layout, run.ckpt.identity.must_match())
-        return time.perf_counter() - t0
-    except checkpoint.CheckpointError:
+        with open(path, "wb") as f:
+            for start in range(0, size, len(block)):
+                f.write(block[:size - start])
+            f.flush()
+            os.fsync(f.fileno())
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(len(block)), b""):
+                digest.update(chunk)
+        return (time.perf_counter() - t0) * nbytes / size
+    except OSError:
         return None
     finally:
-        world.hooks = hooks
-        world.Barrier("barrier after the stop-time measurement")
-        if world.rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
+        try:
+            os.remove(path)
+        except OSError:
+            pass
