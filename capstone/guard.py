@@ -1,15 +1,6 @@
 """Divergence guard: decide, from globally agreed numbers, whether a step is kept.
 
-Each step is judged twice, on numbers every rank holds identically (no further communication):
-- the batch, before the update: a non-finite training loss or gradient, or a training loss above
-  `spike_factor` x the last accepted one, skips the batch; if the previous update was not judged
-  on the held-out set (`pending`), it is undone too, since this batch is the first to see it;
-- the update, right after it: if any rank's master/m/v is non-finite, or (on evaluation steps)
-  the held-out loss rose above `spike_factor` x the last accepted one, the update is undone
-  (`ZeroAdam.revert`). Evaluation steps include every checkpoint and the last step, so a diverged
-  state reaches no checkpoint nor the run's end (at most the next forward pass). Triggers count as
-  consecutive until an update is accepted again; more than `max_consecutive` raise DivergenceError.
-Without the undo (--no-guard-undo) a held-out spike is kept; a non-finite update raises DivergenceError.
+How it works: docs/design.md, "Inside the step", guard.py.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from capstone.plan import Plan
 from capstone.data.heldout import HeldOut
+from capstone.model.blocks import WHOLE
 from capstone.model.gpt import Model
 from capstone.model.params import Layout, init_params
 from capstone.model.seam import Resident, Weights
@@ -62,16 +63,14 @@ def make(grid: Grid, plan: Plan, mcfg: ModelConfig, tcfg: TrainConfig, data, hoo
         view = zero0.ReplicatedView(grid.dp, layout, view)
         reducer = zero0.Allgathered(reducer) if plan.deterministic else reducer
     seam = _seam(grid, layout, params, reducer, plan)
-    stream, link = seam, None
+    link = masks = None
     if mcfg.tie_embeddings and grid.pp.size > 1:    # wte on the first and last pipeline stages (parallel.tiedstages)
         from capstone.parallel.tiedstages import Link
-        stream = link = Link(seam, grid.pp, (mcfg.vocab_size, mcfg.d_model))
-    if mcfg.dropout:              # the seam counts each step's micro-batches for their masks (capstone.model.dropout)
-        from capstone.model import dropout   # the sample's index is its replica's (a cp ring's ranks share samples)
-        stream = dropout.Stream(stream, mcfg.dropout, tcfg.seed, grid.replica, grid.replicas,
-                                ring or dropout.WHOLE)
-    model = Model(mcfg, layout, stream, grid.tp, plan.recompute) if ring is None else \
-        Model(mcfg, layout, stream, grid.tp, plan.recompute, ring)
+        link = Link(seam, grid.pp, (mcfg.vocab_size, mcfg.d_model))
+    if mcfg.dropout:              # each micro-batch's masks (capstone.model.dropout): the sample's index is its
+        from capstone.model import dropout   # replica's (a cp ring's ranks share samples)
+        masks = dropout.Draws(mcfg.dropout, tcfg.seed, grid.replica, grid.replicas, ring)
+    model = Model(mcfg, layout, seam, grid.tp, plan.recompute, ring or WHOLE, masks, link)
     adam = ZeroAdam
     if zero.shards_params:        # the parameters are a shard too
         from capstone.parallel.zero3 import ShardedAdam as adam
@@ -83,9 +82,6 @@ def make(grid: Grid, plan: Plan, mcfg: ModelConfig, tcfg: TrainConfig, data, hoo
     if grid.pp.size > 1:
         from capstone.parallel.pipeline import Pipeline
         schedule = Pipeline(model, reducer, hooks, scale, plan.schedule, grid.pp, link)
-    if mcfg.dropout:
-        from capstone.model.dropout import Stepped
-        schedule = Stepped(schedule, stream)
     return Parts(layout=layout, full=full, view=view, model=model, reducer=reducer,
                  replicas=_replicas(grid, layout, seam, plan), heldout=_heldout(grid, data, plan, tcfg, mcfg, schedule),
                  opt=opt, schedule=schedule, data=data)

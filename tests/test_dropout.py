@@ -11,7 +11,7 @@ import pytest
 from conftest import mpirun, step_rows
 
 from capstone.config import ConfigError, ModelConfig
-from capstone.model.dropout import Masks, Stream
+from capstone.model.dropout import Draws, Masks
 from capstone.model.gpt import Model, loss_sum
 from capstone.model.params import Layout, init_params
 from capstone.model.seam import Resident
@@ -22,13 +22,15 @@ KEYS = ("loss", "grad_norm", "eval_loss", "param_norm")
 
 
 def micro_batch(cfg, flat, x, y, step=5, rank=0, size=1, micro=0, recompute=False):
-    """(loss, gradient) of one micro-batch through the dropout seam (`micro`: its index in the step)."""
+    """(loss, gradient) of one micro-batch with the run's dropout masks (`micro`: its index in the step)."""
     layout = Layout.for_model(cfg, 1)
     g = layout.zeros()
-    stream = Stream(Resident.over(layout, flat, g), cfg.dropout, 7, rank, size)
-    stream.begin(step)
-    stream.micro = micro
-    return Model(cfg, layout, stream, recompute=recompute).micro_batch(x, y, 1.0, True), g
+    draws = Draws(cfg.dropout, 7, rank, size) if cfg.dropout else None
+    model = Model(cfg, layout, Resident.over(layout, flat, g), recompute=recompute, masks=draws)
+    model.begin(step)
+    if draws is not None:
+        draws.micro = micro
+    return model.micro_batch(x, y, 1.0, True), g
 
 
 def data(B=3, seed=0):
@@ -103,3 +105,34 @@ def test_deterministic_layouts_are_bit_identical(tmp_path):
     tables = [[{k: r[k] for k in (*KEYS, "fingerprint")} for r in rows(tmp_path, f"det{n}", n, "--deterministic",
                                                                      "--grad-accum", 4 // n)] for n in (1, 2, 4)]
     assert tables[0] == tables[1] == tables[2]
+
+
+def test_the_peak_with_dropout_is_the_peak_without_it_plus_the_masks():
+    """Issue 48: dropout is an input of the one block, not a copy of it (the copy had stopped freeing the
+    MLP's activations early): a training micro-batch's peak with --dropout exceeds the peak without it
+    by the masks the blocks keep, 2 C + H T floats per position per block (one block with --recompute),
+    and the preflight's formula adds exactly those."""
+    import tracemalloc
+    from capstone.config import TrainConfig
+    from capstone.runtime.preflight import activation_bytes
+    cfg, B = ModelConfig(vocab_size=64, seq_len=64, d_model=64, n_heads=4, n_layers=4), 8
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (B, cfg.seq_len)).astype(np.int32)
+
+    def peak(c, recompute):
+        layout = Layout.for_model(c, 1)
+        model = Model(c, layout, Resident.over(layout, init_params(layout, c, 3), layout.zeros()),
+                      recompute=recompute, masks=Draws(c.dropout, 7, 0, 1) if c.dropout else None)
+        model.micro_batch(x, np.roll(x, -1, 1), 1.0, True)      # the caches warm
+        tracemalloc.start()
+        try:
+            model.micro_batch(x, np.roll(x, -1, 1), 1.0, True)
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    on = dataclasses.replace(cfg, dropout=0.1)
+    for recompute in (False, True):
+        masks = 4 * B * cfg.seq_len * (2 * cfg.d_model + cfg.n_heads * cfg.seq_len) * (1 if recompute else cfg.n_layers)
+        extra = peak(on, recompute) - peak(cfg, recompute)
+        assert 0.75 * masks <= extra <= masks, (recompute, extra, masks)
+        tcfg = TrainConfig(batch_size=B)
+        assert activation_bytes(on, tcfg, recompute) - activation_bytes(cfg, tcfg, recompute) == masks

@@ -1,21 +1,7 @@
 """No collective waits forever: non-blocking requests waited on with a deadline, and a watchdog
 for the calls MPI and HDF5 offer only blocking.
 
-`Deadline.wait` polls `MPI.Request.Testall` (spinning, with sched_yield, for the first
-SPIN_DEDICATED_S when every rank has a core, SPIN_S when ranks share cores, then sleeping with a
-backoff capped at MAX_SLEEP_S). If the requests are not complete after `seconds`, this rank prints
-ONE line (which collective, which step, how long it waited, what to do), writes it to the run
-directory's collective-timeout.json (the batch scripts' watchdog reads it), calls the deadline's
-`on_expire` if the run set one (its summary.json) and ends the whole job (`expire`). `guard`
-covers a call MPI or HDF5 offers only blocking (a communicator `Split`, a collective parallel-HDF5
-open, write or close): this rank's watchdog process (capstone.collective.watchdog) prints the same
-line at the deadline and kills this rank, which ends the job.
-
-The timeout: `--collective-timeout SECONDS` if given (> 0); otherwise automatic,
-max(FLOOR_S, STEP_MULT x the longest step this rank has measured so far) -- generous on purpose:
-a slow shared filesystem during a checkpoint or a loaded node must not kill a healthy job. Before
-the first step (start-up: rank 0 may be reading and verifying a large checkpoint while the others
-wait) it is at least the floor. CAPSTONE_DEADLINE_FLOOR_S overrides the floor (tests).
+How it works: docs/design.md, "Inside the step", collective/deadline.py.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """Synthetic corpus and the distributed data stream.
 
-`make_corpus` concatenates short random "phrases" (fixed token sequences) drawn at random: the next token is predictable from context, so a small GPT learns it in a few
-steps, while the choice of the next phrase keeps an irreducible entropy.
-
-The last `eval_sequences` windows are held out for evaluation, never trained on.
-
-The stream is a function of the *global sample index*: sample i is a window of T+1 tokens chosen
-by a seeded per-epoch permutation of non-overlapping windows. Optimizer step s consumes samples
-[s*G, (s+1)*G) with G = batch_size * grad_accum * world (the global batch); rank r's micro-batch j
-takes the B consecutive samples starting at (j*world + r)*B within the step. Any (world, grad_accum)
-with the same G therefore sees the same samples per step, and after a world-size change the stream
-continues from the saved sample cursor: no sample is repeated or skipped.
+How it works: docs/design.md, "Inside the step", data/synthetic.py.
 """
 
 from __future__ import annotations

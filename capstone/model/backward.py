@@ -1,18 +1,6 @@
 """The one forward and backward driver: the model's layers as autograd nodes over the seam.
 
-The parameters are not inputs of the autograd graph. Each layer is one autograd primitive whose only
-differentiable input is its activations (the embedding's: the scalar `start`), and which gets its group's weights
-from the seam (capstone.model.seam) by name, in its forward and again in its backward, writes the group's gradient
-where the seam says and tells it the gradient has landed. So the graph holds no weights (ZeRO-3 gathers a block
-for its forward, drops it, and gathers it again for its backward), each gradient leaves the graph the moment its
-layer's VJP has made it (reverse order of use: the head first), and one driver serves every mode: `differentiate`
-is the only place a graph is built (`autograd.make_vjp`).
-
-A `Pass` says how the layers run: over which seam and tensor-parallel group, whether the gradients overwrite the
-buffer (`fresh`, a step's first micro-batch), whether a block keeps its activations or runs its forward again in
-its backward (`recompute`, activation checkpointing: the same kernels on the same inputs, so the same bits), and
-whether the graph is built at all (`train`; an evaluation keeps nothing). Each VJP runs once, so it owns its saved
-activations and frees them as it goes (capstone.model.blocks), which lowers the backward pass's peak.
+How it works: docs/design.md, "Inside the step", model/backward.py.
 """
 
 from __future__ import annotations
@@ -38,32 +26,44 @@ class Pass:
     recompute: bool = False       # a block saves only its input and recomputes in its backward
     train: bool = True            # False: forward only, nothing saved
     cp: object = blocks.WHOLE     # the sequence's part and attention (capstone.model.ring: split)
+    masks: object = None          # this micro-batch's dropout masks (None: no dropout)
+    tie: object = None            # this pass's tied wte (None: the head has a matrix of its own)
+
+
+def _embed_mask(ps: Pass, a, T: int):
+    """The embedding's dropout mask applied to a (B*T, C) (no dropout: a itself)."""
+    return a if ps.masks is None else a * ps.masks.channels(-1, "embed", T, a.shape[1])
 
 
 def _embedding_fwd(start, ps: Pass, idx, shapes):
     out = blocks.embedding_forward(ps.seam.weights("embed", False), idx, shapes, ps.cp)[0]
     ps.seam.release("embed")
-    return out, None
+    return _embed_mask(ps, out, idx.shape[1]), None
 
 
 def _embedding_bwd(g, saved, argnums, start, ps: Pass, idx, shapes):
+    g = _embed_mask(ps, g, idx.shape[1])
     w, gw = ps.seam.weights("embed", True), ps.seam.grad_out("embed", ps.fresh)
     blocks.embedding_backward(g, w, idx, shapes, gw, ps.cp)
+    share = None if ps.tie is None else ps.tie.share()
+    if share is not None:                              # a tied wte's gradient: the sum of its two uses
+        gw[:share.size] += share.reshape(-1)
     ps.seam.landed("embed", gw, ps.fresh)
     ps.seam.release("embed")
     return {0: np.zeros_like(start)}
 
 
 def _block_fwd(x, ps: Pass, name: str, T: int, H: int, shapes):
-    out, saved = blocks.block_forward(x, ps.seam.weights(name, False), T, H, shapes, ps.tp, ps.cp)
+    out, saved = blocks.block_forward(x, ps.seam.weights(name, False), T, H, shapes, ps.tp, ps.cp, ps.masks,
+                                      int(name[1:]))
     ps.seam.release(name)
     return out, saved if ps.train and not ps.recompute else None
 
 
 def _block_bwd(g, saved, argnums, x, ps: Pass, name: str, T: int, H: int, shapes):
     w = ps.seam.weights(name, True)
-    if saved is None:     # recomputation: the activations again, from the block's input
-        saved = blocks.block_forward(x, w, T, H, shapes, ps.tp, ps.cp)[1]
+    if saved is None:     # recomputation: the activations again, from the block's input (the same masks)
+        saved = blocks.block_forward(x, w, T, H, shapes, ps.tp, ps.cp, ps.masks, int(name[1:]))[1]
     gw = ps.seam.grad_out(name, ps.fresh)
     gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, gw, free=True, cp=ps.cp)
     ps.seam.landed(name, gw, ps.fresh)
@@ -72,17 +72,28 @@ def _block_bwd(g, saved, argnums, x, ps: Pass, name: str, T: int, H: int, shapes
 
 
 def _head_fwd(x, ps: Pass, targets, shapes):
-    loss, saved = blocks.head_loss_forward(x, ps.seam.weights("head", False), targets, shapes)
-    ps.seam.release("head")
+    w = ps.seam.weights("head", False)
+    loss, saved = blocks.head_loss_forward(x, w, targets, shapes, None if ps.tie is None else ps.tie.wte(ps.seam))
+    _release_head(ps)
     return loss, saved if ps.train else None
 
 
 def _head_bwd(g, saved, argnums, x, ps: Pass, targets, shapes):
     w, gw = ps.seam.weights("head", True), ps.seam.grad_out("head", ps.fresh)
-    gx = blocks.head_loss_backward(g, saved, w, targets, shapes, gw, free=True)
+    wte = None if ps.tie is None else ps.tie.wte(ps.seam)
+    gwte = None if wte is None else np.empty_like(wte)
+    gx = blocks.head_loss_backward(g, saved, w, targets, shapes, gw, True, wte, gwte)
+    if ps.tie is not None:
+        ps.tie.made(gwte)       # the head's share of wte's gradient, for the embedding's backward
     ps.seam.landed("head", gw, ps.fresh)
-    ps.seam.release("head")
+    _release_head(ps)
     return {0: gx}
+
+
+def _release_head(ps: Pass) -> None:
+    ps.seam.release("head")
+    if ps.tie is not None:      # the head read wte from the embedding's group
+        ps.seam.release("embed")
 
 
 embedding = K.define("embedding", _embedding_fwd, _embedding_bwd)

@@ -12,10 +12,11 @@ B rows holds the step's samples (j R + r) B ... (j R + r) B + B - 1, as capstone
 (under --cp the K ranks of a ring hold the same samples: r is the replica, not the dp x cp rank).
 The position is the sequence's own: a context-parallel rank's rows sit at its two chunks' positions
 and its ring attention (capstone.model.ring) masks each block at its global (query, key) positions,
-the same mask as the whole (T, T) one of one rank (`Whole`).
+the same mask as the whole (T, T) one of one rank (capstone.model.blocks.WHOLE, whose attention with
+a mask is `attention_forward` here).
 
-`Stream` wraps the run's seam (capstone.model.seam) and counts the micro-batches of a step as their
-forwards begin (every stage runs them in order); `Stepped` wraps the schedule and tells it the step.
+The masks are inputs of the one model's layers (capstone.model.backward's `Pass`): `Draws` makes each
+micro-batch's, counting a step's micro-batches as their forwards begin.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import math
 
 import numpy as np
 
-from capstone.model import blocks
 from capstone.model import kernels as K
 
 M64 = (1 << 64) - 1
@@ -50,35 +50,11 @@ def mix_array(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-class Whole:
-    """The whole sequence on this rank (no --cp): its rows at positions 0..t-1, its attention with the
-    (B, H, T, T) mask at once (`attention_forward`); capstone.model.ring's `Ring` is the same for a
-    context-parallel rank's part of the sequence, masking each block it computes."""
-
-    k = 1   # the ranks the sequence is split over
-
-    @staticmethod
-    def positions(t: int) -> np.ndarray:
-        return np.arange(t)
-
-    @staticmethod
-    def attention(qkv, t: int, h: int, drop):
-        pos = np.arange(t)
-        return attention_forward(qkv, t, h, drop(pos, pos))
-
-    @staticmethod
-    def attention_back(g, saved, argnums, qkv, t: int, h: int):
-        return {0: attention_backward(g, saved, qkv, t, h)}
-
-
-WHOLE = Whole()
-
-
 class Masks:
     """The masks of one micro-batch: `samples` (B,) their indices in the step's global batch, `cp`
-    where this rank's rows sit in the sequence (`Whole`, or a context-parallel `Ring`)."""
+    where this rank's rows sit in the sequence (None: the whole sequence; a context-parallel `Ring`)."""
 
-    def __init__(self, p: float, seed: int, step: int, samples: np.ndarray, cp=WHOLE):
+    def __init__(self, p: float, seed: int, step: int, samples: np.ndarray, cp=None):
         self.p, self.seed, self.step, self.samples = p, seed, step, samples.astype(np.uint64)
         self.cp = cp
         self.scale = np.float32(1.0 / (1.0 - p))
@@ -93,7 +69,8 @@ class Masks:
 
     def channels(self, layer: int, site: str, t: int, C: int) -> np.ndarray:
         """(B*t, C): element (global position u of this rank's row, channel c) of each sample, id u C + c."""
-        pos = self.cp.positions(t).astype(np.uint64)
+        pos = None if self.cp is None else self.cp.positions(t)
+        pos = np.arange(t, dtype=np.uint64) if pos is None else pos.astype(np.uint64)
         return self.keep(layer, site, (pos[:, None] * np.uint64(C) + np.arange(C, dtype=np.uint64)).reshape(-1)
                          ).reshape(-1, C)
 
@@ -108,42 +85,25 @@ class Masks:
     def drop(self, layer: int, t: int, H: int, first_head: int):
         """The attention mask of this rank's t rows as a function of (query positions, key positions),
         which `cp`'s attention calls for the blocks it computes."""
-        return functools.partial(self.attention, layer, t * self.cp.k, H, first_head)
+        return functools.partial(self.attention, layer, t * (1 if self.cp is None else self.cp.k), H, first_head)
 
 
-class Stream:
-    """The run's seam with the dropout masks of each micro-batch (everything else is the seam's)."""
+class Draws:
+    """The run's dropout masks: those of each micro-batch of a step, in the order their forwards begin
+    (every stage runs them in order). The model asks for them (capstone.model.gpt.Model: `begin`, `next`)."""
 
-    def __init__(self, inner, p: float, seed: int, dp_rank: int, dp_size: int, cp=WHOLE):
-        self.inner, self.p, self.seed, self.dp_rank, self.dp_size = inner, p, seed, dp_rank, dp_size
-        self.cp = cp
+    def __init__(self, p: float, seed: int, replica: int, replicas: int, cp=None):
+        self.p, self.seed, self.replica, self.replicas, self.cp = p, seed, replica, replicas, cp
         self.step_no, self.micro = 0, 0
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
     def begin(self, step: int) -> None:
         self.step_no, self.micro = step, 0
 
-    def next_masks(self, B: int) -> Masks:
+    def next(self, B: int) -> Masks:
         """The masks of the step's next micro-batch of B rows on this rank."""
-        first = (self.micro * self.dp_size + self.dp_rank) * B
+        first = (self.micro * self.replicas + self.replica) * B
         self.micro += 1
         return Masks(self.p, self.seed, self.step_no, np.arange(first, first + B), self.cp)
-
-
-class Stepped:
-    """The run's schedule, telling the Stream which step its micro-batches belong to."""
-
-    def __init__(self, inner, stream: Stream):
-        self.inner, self.stream = inner, stream
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def forward_backward(self, batches: list, step: int) -> list[float]:
-        self.stream.begin(step)
-        return self.inner.forward_backward(batches, step)
 
 
 def attention_forward(qkv, T, H, keep):
@@ -171,52 +131,3 @@ def attention_backward(g, saved, qkv, T, H):
     gq[...] = K._mm(gs, k) * np.float32(1.0 / math.sqrt(D))
     gk[...] = K._mm(gs.swapaxes(-1, -2), q) * np.float32(1.0 / math.sqrt(D))
     return gqkv.reshape(qkv.shape)
-
-
-def block_forward(x, w, T, H, shapes, tp, masks: Masks, layer: int):
-    """capstone.model.blocks.block_forward with dropout at the attention and both residual branches."""
-    ln1w, ln1b, aw, ab, pw, pb, ln2w, ln2b, fw, fb, mw, mb = blocks.unpack(w, shapes)
-    C, rank = x.shape[1], getattr(tp, "rank", 0)
-    a, s_ln1 = K._ln_fwd(x, ln1w, ln1b)
-    qkv, _ = K._linear_fwd(a, aw, ab)
-    y, s_att = masks.cp.attention(qkv, T, H, masks.drop(layer, T, H, rank * H))
-    m1, m2 = masks.channels(layer, "attn_out", T, C), masks.channels(layer, "mlp_out", T, C)
-    x1 = x + blocks._row_parallel(y, pw, pb, tp) * m1
-    m, s_ln2 = K._ln_fwd(x1, ln2w, ln2b)
-    h, s_fc = K._linear_gelu_fwd(m, fw, fb)
-    return x1 + blocks._row_parallel(h, mw, mb, tp) * m2, [a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc, m1, m2]
-
-
-def block_backward(g, saved, x, w, T, H, shapes, tp, gw, cp=WHOLE):
-    """The dropout block's gradient into gw; returns its input's (capstone.model.blocks.block_backward)."""
-    a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc, m1, m2 = saved
-    ln1w, _, aw, _, pw, _, ln2w, _, fw, _, mw, _ = blocks.unpack(w, shapes)
-    d_ln1w, d_ln1b, d_aw, d_ab, d_pw, d_pb, d_ln2w, d_ln2b, d_fw, d_fb, d_mw, d_mb = blocks.unpack(gw, shapes)
-    gh = blocks._linear_back(g * m2, h, mw, d_mw, d_mb)
-    gm = blocks._linear_back(K._gelu_grad(gh, *s_fc, out=gh), m, fw, d_fw, d_fb)
-    tp.Allreduce(gm, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")
-    gx1 = g + blocks._ln_back(gm, s_ln2, ln2w, d_ln2w, d_ln2b)
-    gqkv = cp.attention_back(blocks._linear_back(gx1 * m1, y, pw, d_pw, d_pb), s_att, (0,), qkv, T, H)[0]
-    ga = blocks._linear_back(gqkv, a, aw, d_aw, d_ab)
-    tp.Allreduce(ga, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")
-    return gx1 + blocks._ln_back(ga, s_ln1, ln1w, d_ln1w, d_ln1b)
-
-
-def _block_fwd(x, ps, name: str, T: int, H: int, shapes, masks: Masks):
-    out, saved = block_forward(x, ps.seam.weights(name, False), T, H, shapes, ps.tp, masks, int(name[1:]))
-    ps.seam.release(name)
-    return out, None if ps.recompute else saved
-
-
-def _block_bwd(g, saved, argnums, x, ps, name: str, T: int, H: int, shapes, masks: Masks):
-    w = ps.seam.weights(name, True)
-    if saved is None:     # recomputation: the same masks, a pure function of their indices
-        saved = block_forward(x, w, T, H, shapes, ps.tp, masks, int(name[1:]))[1]
-    gw = ps.seam.grad_out(name, ps.fresh)
-    gx = block_backward(g, saved, x, w, T, H, shapes, ps.tp, gw, masks.cp)
-    ps.seam.landed(name, gw, ps.fresh)
-    ps.seam.release(name)
-    return {0: gx}
-
-
-block = K.define("dropout_block", _block_fwd, _block_bwd)

@@ -1,10 +1,11 @@
-"""MiniGPT in NumPy + autograd, float32 end to end (pre-LN GPT-2 blocks; options: capstone.model.options).
+"""MiniGPT in NumPy + autograd, float32 end to end (pre-LN GPT-2 blocks, GPT-2's dropout and tied head).
 
 Activations are 2-D (B*T, C): every linear layer is one matmul. The embedding, L blocks and the
 head with the loss (capstone.model.blocks) are autograd nodes over flat parameter groups, run by
 the one driver (capstone.model.backward). `Model` is this rank's part, whatever the modes: its
-groups (all, or a pipeline stage's), its tensor-parallel group (`blocks.ALONE`: none) and its seam
-(capstone.model.seam: where a group's weights come from and its gradient goes).
+groups (all, or a pipeline stage's), its tensor-parallel group (`blocks.ALONE`: none), its seam
+(capstone.model.seam: where a group's weights come from and its gradient goes) and its options'
+sources (capstone.model.seam.MaskSource, TieSource): the dropout masks of each micro-batch and a tied head's wte.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from capstone.config import ModelConfig
 from capstone.model.backward import Pass, block, differentiate, embedding, head_loss
 from capstone.model.blocks import ALONE, WHOLE, head_logits
 from capstone.model.params import Layout, group_shapes
-from capstone.model.seam import Resident, Weights
+from capstone.model.seam import MaskSource, Resident, TieSource, Weights
 
 
 def hidden(ps: Pass, cfg: ModelConfig, names, start, idx):
@@ -30,25 +31,32 @@ def hidden(ps: Pass, cfg: ModelConfig, names, start, idx):
 def run_layers(ps: Pass, cfg: ModelConfig, names, start, idx, targets, scale):
     """The part of the model of group `names`: scale * (summed cross-entropy against targets), or
     (without the head) the hidden states it hands the next pipeline stage."""
-    if cfg.tie_embeddings or cfg.dropout:      # the model's options (capstone.model.options)
-        from capstone.model import options
-        return options.run_layers(ps, cfg, names, start, idx, targets, scale)
     h, shapes = hidden(ps, cfg, names, start, idx), group_shapes(cfg, ps.tp.size)
     return h if "head" not in names else head_loss(h, ps, targets.reshape(-1), shapes["head"]) * scale
 
 
+def tied_source(cfg: ModelConfig, tp=ALONE):
+    """The tie source of a model on one rank (None: an untied head)."""
+    if not cfg.tie_embeddings:
+        return None
+    from capstone.model import tied
+    return tied.Tied(group_shapes(cfg, tp.size)["embed"][0])
+
+
 def logits(groups: dict, idx, cfg: ModelConfig, tp=ALONE):
     """Next-token logits (B*T, V) for token ids idx (B, T), forward only."""
-    x = hidden(Pass(Resident(groups), tp, train=False), cfg, tuple(groups), 0.0, idx)
-    if cfg.tie_embeddings:
-        from capstone.model import tied
-        return tied.logits(x, groups, cfg, tp.size)
-    return head_logits(x, groups["head"], group_shapes(cfg, tp.size)["head"])[0]
+    seam = Resident(groups)
+    x = hidden(Pass(seam, tp, train=False), cfg, tuple(groups), 0.0, idx)
+    tie = tied_source(cfg, tp)
+    wte = None if tie is None else tie.for_pass().wte(seam)
+    return head_logits(x, groups["head"], group_shapes(cfg, tp.size)["head"], wte)[0]
 
 
 def loss_sum(groups: dict, idx, targets, cfg: ModelConfig, scale=1.0, tp=ALONE) -> float:
     """scale * (sum over the B*T positions of the softmax cross-entropy), forward only."""
-    return float(run_layers(Pass(Resident(groups), tp, train=False), cfg, tuple(groups), 0.0, idx, targets, scale))
+    tie = tied_source(cfg, tp)
+    ps = Pass(Resident(groups), tp, train=False, tie=None if tie is None else tie.for_pass())
+    return float(run_layers(ps, cfg, tuple(groups), 0.0, idx, targets, scale))
 
 
 def loss_and_grad(layout: Layout, flat: np.ndarray, idx, targets, cfg: ModelConfig, scale: float, tp=ALONE):
@@ -61,8 +69,11 @@ def loss_and_grad(layout: Layout, flat: np.ndarray, idx, targets, cfg: ModelConf
 class Model:
     """This rank's part of MiniGPT: the groups of `layout` (in order) over `seam` (see the module)."""
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, seam: Weights, tp=ALONE, recompute: bool = False, cp=WHOLE):
+    def __init__(self, cfg: ModelConfig, layout: Layout, seam: Weights, tp=ALONE, recompute: bool = False, cp=WHOLE,
+                 masks: MaskSource | None = None, tie: TieSource | None = None):
         self.cfg, self.layout, self.seam, self.tp, self.recompute, self.cp = cfg, layout, seam, tp, recompute, cp
+        self.masks = masks                                         # dropout's (None: no dropout)
+        self.tie = tied_source(cfg, tp) if tie is None else tie    # None: an untied head
         self.names = tuple(layout.group_ranges())
 
     @classmethod
@@ -83,11 +94,21 @@ class Model:
     def _run(self, ps: Pass, start, x, y, scale):
         return run_layers(ps, self.cfg, self.names, start, x, y, scale)
 
+    def begin(self, step: int) -> None:
+        """The step's micro-batches begin (their dropout masks are the step's)."""
+        if self.masks is not None:
+            self.masks.begin(step)
+
+    def _pass(self, train: bool, fresh: bool = False, B: int = 0) -> Pass:
+        masks = self.masks.next(B) if train and self.masks is not None else None
+        tie = None if self.tie is None else self.tie.for_pass()
+        return Pass(self.seam, self.tp, fresh, self.recompute, train, self.cp, masks, tie)
+
     def forward(self, x, y, scale: float, start=0.0, fresh: bool = False):
         """(output, backward): this part's scaled summed loss (or, without the head, its hidden
         states), and the function that runs its backward pass (`differentiate`). `start`: the
         previous pipeline stage's activations, if this part has no embedding."""
-        ps = Pass(self.seam, self.tp, fresh, self.recompute, cp=self.cp)
+        ps = self._pass(True, fresh, x.shape[0])
         return differentiate(lambda s: self._run(ps, s, x, y, scale), start)
 
     def micro_batch(self, x, y, scale: float, fresh: bool) -> float:
@@ -103,7 +124,7 @@ class Model:
 
     def evaluate(self, x, y, scale: float, start=0.0):
         """Forward only, nothing kept: the scaled summed loss (without the head: the hidden states)."""
-        return self._run(Pass(self.seam, self.tp, train=False, cp=self.cp), start, x, y, scale)
+        return self._run(self._pass(False), start, x, y, scale)
 
     def loss(self, x, y, scale: float) -> float:
         """scale * summed loss of one batch, forward only (the whole model)."""

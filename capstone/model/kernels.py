@@ -1,19 +1,6 @@
 """Hand-written VJPs for MiniGPT's ops: autograd primitives over plain NumPy.
 
-Composing a model out of `autograd.numpy` calls builds one graph node per elementwise op, and
-the backward pass then pays Python overhead and a temporary array for each. Here every layer-sized
-op is a single `autograd.extend.primitive` with one VJP written out by hand, so the graph has a
-few nodes per block. Shapes: B batch, T positions, C width, H heads, D = C / H; activations are
-2-D (N, C) with N = B*T, weights are (in, out) so y = x @ w + b.
-
-dtype follows the inputs (float32 in training, float64 in the gradient checks): constants are
-Python floats (weak scalars under NEP 50) and no reduction divides by an integer array.
-
-Saved tensors: a VJP maker runs right after its primitive's forward (autograd builds the node
-with the output in hand), so each forward leaves what its backward needs in its primitive's
-one-slot stash, keyed by the identity of the output. If the slot holds something else (it never
-should), the maker recomputes the forward, so the stash can cost time but never correctness.
-First-order only: the VJPs use plain NumPy and are not themselves differentiable.
+How it works: docs/design.md, "Inside the step", model/kernels.py.
 """
 
 from __future__ import annotations

@@ -198,13 +198,10 @@ class Ring:
 class Chunks:
     """The run's data with this cp rank's part of each sequence: the data-parallel rank and size
     asked of it are the dp x cp group's (capstone.parallel.grid), k consecutive ranks reading the
-    same sequences."""
+    same sequences (the run's Batches: capstone.roles)."""
 
     def __init__(self, data, ring: Ring):
         self.data, self.ring, self.k = data, ring, ring.k
-
-    def __getattr__(self, name):
-        return getattr(self.data, name)
 
     def micro_batch(self, cursor: int, micro: int, rank: int, world: int):
         x, y = self.data.micro_batch(cursor, micro, rank // self.k, world // self.k)

@@ -1,24 +1,7 @@
 """The seam between the model and the modes: where a parameter group's weights come from, and
 where its gradient goes.
 
-The model (capstone.model.gpt) computes over named parameter groups (the embedding "embed", each
-block "h<i>", the head "head") and asks one object, its `Weights`, for everything about them (the
-shape of PyTorch FSDP's pre-forward and post-backward hooks, and of picotron's per-parameter
-gradient hooks, with no module global):
-
-    weights(group, backward)    the group's flat array, for its forward or for its backward
-    release(group)              the layer is done with that array until its next use
-    grad_out(group, fresh)      the array the layer writes this micro-batch's gradient into
-    landed(group, grad, fresh)  that gradient is complete (`fresh`: the step's first micro-batch)
-    step(begins)                the step's micro-batches begin (True) or are done (False)
-
-`Resident` is the plain implementation: the weights are views of the flat parameter buffer, and a
-gradient lands in the flat gradient buffer (the first micro-batch writes it there directly, later
-ones add to it), after which `on_landed(group, sink)` is told (a bucketed reducer starts a bucket's
-reduce-scatter once every parameter in it is final). With no gradient buffer (ZeRO-2) each group's
-gradient goes to `on_landed` as it is made. ZeRO-3's gatherer (capstone.parallel.zero3) is the other
-implementation: it gathers a group from the data-parallel shards on demand, and (--reshard step)
-keeps what it gathered from the step's first use to its end, the gradient landing whole as here.
+How it works: docs/design.md, "Inside the step", model/seam.py.
 """
 
 from __future__ import annotations
@@ -42,6 +25,21 @@ class Weights(Protocol):
     def whole(self) -> np.ndarray: ...
     def gathered_peak(self) -> int: ...     # bytes of gathered weights held at once, over the run
     def gathered_bound(self) -> int: ...    # its formula (capstone.observe.memory)
+
+
+class MaskSource(Protocol):
+    """The model's second input besides its weights, with --dropout: each micro-batch's masks, a step's in
+    the order their forwards begin (capstone.model.dropout.Draws)."""
+
+    def begin(self, step: int) -> None: ...
+    def next(self, B: int): ...             # the next micro-batch's masks (capstone.model.dropout.Masks)
+
+
+class TieSource(Protocol):
+    """The model's third, with --tie-embeddings: each pass's tied wte (capstone.model.tied.Tied; on a
+    pipeline's stages capstone.parallel.tiedstages.Link, which exchanges wte and its gradient)."""
+
+    def for_pass(self): ...                 # capstone.model.tied.Tie
 
 
 def ignore(group: str, grad: np.ndarray) -> None:

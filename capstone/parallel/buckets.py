@@ -1,28 +1,6 @@
 """The gradient reduce-scatter in buckets, overlapped with the backward pass (like PyTorch DDP).
 
-Buckets are contiguous ranges [a, b) of the flat gradient buffer made of whole parameters, filled
-in REVERSE layout order (lm_head first), because backward produces the last layers' gradients
-first. Bucket k is reduced with ONE non-blocking reduce-scatter with variable counts:
-
-    recvcounts[r] = |[a, b) & [r*shard, (r+1)*shard)|     (0 for ranks owning none of it)
-
-received into the matching slice of rank r's `grad_shard`. Over all buckets every element of every
-shard is summed exactly once, so each rank ends with its ZeRO-1 shard of the summed gradient, as
-after the single reduce-scatter, and moves the same bytes (an allreduce per bucket would move 2x).
-
-When: between `start(micro_batches)` and `finish` (only with several buckets), the model's seam
-calls `landed` as each group's gradient lands in the buffer (capstone.model.seam), marking its
-parameters final for that micro-batch; a bucket is ready when all its parameters are final on the
-LAST micro-batch (earlier ones are partial sums). Ready buckets start strictly highest first, so
-every rank issues the same collectives in the same order. Each call also Tests the oldest request:
-Open MPI's libnbc advances only inside MPI calls, so the backward loop drives them. `finish` starts
-bucket 0 (flat index 0: the embeddings, whose gradients come last; the --inject-nan fault writes
-grads[0] before it) and any bucket the backward did not reach (an unused parameter), then waits
-for every bucket with the deadline. With one bucket (--no-overlap, or a small model) nothing starts
-during the backward pass. ZeRO stage 0 (capstone.parallel.zero0) allreduces the same buckets.
-
-Why the result is bit-identical to one reduce-scatter, and the bit-reversed rank order of a
-power-of-2 world: docs/design.md ("The bucketed reduce-scatter").
+How it works: docs/design.md, "Inside the step", parallel/buckets.py.
 """
 
 from __future__ import annotations

@@ -103,6 +103,7 @@ class Pipeline:
         """Collective over the pipeline group. Every micro-batch's loss (0 except on the last stage)."""
         m, t0 = len(batches), time.perf_counter()
         self.reducer.start(m)
+        self.model.begin(step)
         self.model.seam.step(True)
         if self.tie is not None:
             self.tie.refresh()

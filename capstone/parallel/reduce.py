@@ -1,20 +1,6 @@
 """The gradient reduction: one interface, the modes' implementations.
 
-A `GradReducer` sums the step's gradients over the data-parallel group into this rank's shard
-(`grad_shard`, what the ZeRO optimizer updates with; at stage 0 the whole gradient) and makes the
-step's global numbers in one small allreduce over the world: the gradient norm, the loss and the
-flags the ranks agree on. The step calls it around the backward passes (as Megatron's gradient
-buffer's start_grad_sync / finish_grad_sync, apart from its distributed optimizer):
-
-    reducer.start(micro_batches)          before the first forward
-    reducer.landed(group, grad)           as each group's gradient lands (the model's seam)
-    reducer.after_backward(j)             after micro-batch j's backward
-    stats = reducer.finish(losses, flags) after the last one: GradStats (the same on every rank)
-
-Implementations: buckets.BucketReducer (reduce-scatters: one after the backward pass, or buckets
-during it), zero0's (stage 0: allreduces), zero2's, deterministic's (fixed-order sums). The norm
-counts each parameter once (`norm_weight`: one tp rank counts the replicated ones) and the loss
-once (`loss_weight`: 1 on the ranks whose loss is the replica's).
+How it works: docs/design.md, "Inside the step", parallel/reduce.py.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ class Sequential:
     def forward_backward(self, batches: list, step: int) -> list[float]:
         """Collective: call on all ranks. Every micro-batch's (scaled, summed) loss, in order."""
         self.reducer.start(len(batches))
+        self.model.begin(step)
         self.model.seam.step(True)
         losses = []
         for j, (x, y) in enumerate(batches):

@@ -1,5 +1,5 @@
 """A tied head (--tie-embeddings) under a pipeline (--pp K, imported only then): wte on the first
-and last stages (capstone.model.tied).
+and last stages (capstone.model.tied), the model's tie source on those stages.
 
 The first stage holds wte as a parameter (its layout's "embed" group: the checkpoints stay the
 1-rank model's, one wte, so a tied pipeline resumes on any grid and any grid on it); the last stage
@@ -25,29 +25,26 @@ WTE_TAG, SHARE_TAG = 30001, 30002   # wte to the last stage; the head's share of
 
 
 class Link:
-    """The run's seam on a pipeline's first or last stage (everything else is the seam's), with the
-    exchange of wte and its gradient between the two."""
+    """The model's tie source on a pipeline stage (capstone.model.tied.Tied's role), with the exchange of
+    wte and its gradient between the first and last stages; `seam` is the stage's (it holds wte on the first)."""
 
-    def __init__(self, inner, pp, shape: tuple):
-        self.inner, self.pp, self.shape = inner, pp, shape
+    def __init__(self, seam, pp, shape: tuple):
+        self.seam, self.pp, self.shape = seam, pp, shape
         self.first, self.last = pp.rank == 0, pp.rank == pp.size - 1
         self.mirror = np.empty(shape, dtype=DTYPE) if self.last else None
         self.sends = []
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def tie(self, shape: tuple) -> Tie:
-        return StageTie(shape, self)
+    def for_pass(self) -> Tie:
+        return StageTie(self.shape, self)
 
     def refresh(self) -> None:
         """Collective over the first and last stages: the last stage's copy of wte set to the first's."""
         n = self.shape[0] * self.shape[1]
         if self.first:
-            wte = self.inner.weights("embed", True)[:n]
+            wte = self.seam.weights("embed", True)[:n]
             self.pp.wait(self.pp.Isend(wte, self.pp.size - 1, WTE_TAG), "send of wte to the last pipeline stage",
                          "tied_send", "p2p", wte.nbytes)
-            self.inner.release("embed")
+            self.seam.release("embed")
         elif self.last:
             self.pp.wait(self.pp.Irecv(self.mirror, 0, WTE_TAG), "receive of wte from the first pipeline stage",
                          "tied_recv", "p2p", self.mirror.nbytes)
@@ -83,10 +80,11 @@ class StageTie(Tie):
     def wte(self, seam) -> np.ndarray:
         return self.link.mirror if self.link.last else super().wte(seam)
 
-    def made(self) -> None:
+    def made(self, grad: np.ndarray) -> None:
         if self.link.last:
-            self.link.send_share(self.grad)
-            self.grad = None
+            self.link.send_share(grad)
+        else:
+            self.grad = grad
 
     def share(self) -> np.ndarray | None:
         return self.link.receive_share() if self.link.first else super().share()

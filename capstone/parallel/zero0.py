@@ -61,10 +61,9 @@ class Allgathered:
     the shards into its flat buffer, which is then the whole reduced gradient (`grad_shard`)."""
 
     def __init__(self, inner):
-        self.inner, self.grad_shard = inner, inner.grads
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
+        self.inner, self.grad_shard, self.grads, self.accumulates = inner, inner.grads, inner.grads, inner.accumulates
+        self.start, self.before_backward, self.after_backward = inner.start, inner.before_backward, inner.after_backward
+        self.landed, self.nbytes, self.bound = inner.landed, inner.nbytes, inner.bound
 
     def finish(self, losses: list[float], flags: Flags) -> GradStats:
         stats = self.inner.finish(losses, flags)

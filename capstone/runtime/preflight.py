@@ -30,10 +30,13 @@ def activation_bytes(mcfg, tcfg, recompute: bool = False, layers: int | None = N
     layer, 4 H T for attention, 4 V + 4 C for the head), within ~10% above the measurements.
     `recompute`: the forward keeps each block's input (C floats), the backward one block's activations.
     `layers`: the blocks of this rank's pipeline stage (None: all). `keys`: the keys per query row
-    attention holds at once (None: T; --cp's ring: a tile's, capstone.model.ring)."""
+    attention holds at once (None: T; --cp's ring: a tile's, capstone.model.ring). --dropout adds each
+    block's masks: the two residual branches' (2 C) and the attention probabilities' (H T; the ring
+    draws each tile's again in its backward instead) (measured: tests/test_dropout.py)."""
     c, t, h, v = mcfg.d_model, mcfg.seq_len, mcfg.n_heads, mcfg.vocab_size
     n_layers = mcfg.n_layers if layers is None else layers
-    block = 26 * c + 4 * h * (t if keys is None else keys)
+    masks = (2 * c + (h * t if keys is None else 0)) if mcfg.dropout else 0
+    block = 26 * c + 4 * h * (t if keys is None else keys) + masks
     per_position = 4 * ((n_layers * c + block if recompute else n_layers * block) + 4 * v + 4 * c)
     return tcfg.batch_size * t * per_position
 
