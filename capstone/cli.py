@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from capstone import plan, usage
 from capstone.config import ConfigError, ModelConfig, TrainConfig, problems_error
 from capstone.options import RunOptions
-from capstone.presets import PRESETS, fit_warmup
+from capstone.presets import PRESETS, preset_values
 
 
 @dataclass(frozen=True)
@@ -40,42 +40,8 @@ class Settings:
         return dataclasses.replace(self, model=m, train=t)
 
 
-def check_preset(settings: Settings, model: dict, train: dict, source: str) -> None:
-    """ConfigError if an explicit --preset sets a value that `source`'s settings (a checkpoint's, on
-    --resume) contradict, unless a flag sets it too: the checkpoint's settings win, so the preset would
-    be ignored. The same command line again passes (a requeued job; another --steps too: the preset's
-    warmup is compared as fitted to the run's own steps)."""
-    if settings.preset is None:
-        return
-    saved, steps = {**model, **train}, {k: v for k, v in PRESETS[settings.preset].items() if k == "steps"}
-    preset = {**preset_values(settings.preset, {**settings.explicit, "steps": saved["steps"]})[0], **steps}
-    differ = [f"{key} {saved.get(key)!r} there, {value!r} in the preset" for key, value in sorted(preset.items())
-              if key not in settings.explicit and saved.get(key) != value]
-    if differ:
-        more = f"; and {len(differ) - 5} more" if len(differ) > 5 else ""
-        raise ConfigError(f"--preset {settings.preset} contradicts the settings of {source}: {'; '.join(differ[:5])}"
-                          f"{more}. On --resume the checkpoint's settings win; drop --preset, or give the settings "
-                          f"you want to change as flags (e.g. --lr 5e-4), which override the checkpoint's.")
-
-
 def _pick(cls, values: dict) -> dict:
     return {f.name: values[f.name] for f in dataclasses.fields(cls) if f.name in values}
-
-
-def _spike(text: str) -> tuple[int, float]:
-    step, _, mult = text.partition(":")
-    try:
-        return int(step), float(mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected STEP:MULT like 12:1000, got {text!r}") from None
-
-
-def _nan(text: str) -> tuple[int, int]:
-    step, _, count = text.partition(":")
-    try:
-        return int(step), int(count or 1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected STEP or STEP:COUNT like 7 or 7:3, got {text!r}") from None
 
 
 HELP = "Run `python -m capstone.train --help` for every flag and its meaning."
@@ -245,25 +211,17 @@ def _run_flags(p) -> None:
                    help="the pipeline's order of forwards and backwards: 1f1b (one forward one backward, at most "
                         "K micro-batches of activations per stage) or afab (all forwards, then all backwards: "
                         "GPipe) (default: 1f1b; on --resume: the checkpoint's)")
-    g.add_argument("--pp-layers", type=_counts, default=argparse.SUPPRESS, metavar="N,N,...",
+    g.add_argument("--pp-layers", type=usage.counts, default=argparse.SUPPRESS, metavar="N,N,...",
                    help="blocks per pipeline stage, e.g. 3,3,2 (default: balanced, the first stages taking one "
                         "more when K does not divide the blocks; fewer on the last stage eases a heavy LM head; "
                         "'balanced' to say so on --resume, which keeps the checkpoint's)")
     g = p.add_argument_group("test hooks (fault injection, not for training)")
     g.add_argument("--stop-after", type=int, default=0, help="checkpoint and stop after this step, as if preempted (0: off)")
     g.add_argument("--sleep-per-step", type=float, default=0.0, help="sleep this many seconds per step")
-    g.add_argument("--inject-lr-spike", type=_spike, default=None, metavar="STEP:MULT",
+    g.add_argument("--inject-lr-spike", type=usage.spike, default=None, metavar="STEP:MULT",
                    help="multiply the learning rate of step STEP by MULT")
-    g.add_argument("--inject-nan", type=_nan, default=None, metavar="STEP[:COUNT]",
+    g.add_argument("--inject-nan", type=usage.nan_at, default=None, metavar="STEP[:COUNT]",
                    help="make the gradient NaN at STEP (and the COUNT-1 steps after)")
-
-
-def _from_step(text: str) -> tuple[int, int]:
-    step, _, count = text.partition(":")
-    try:
-        return int(step), int(count or 0)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected STEP or STEP:COUNT like 5 or 5:3, got {text!r}") from None
 
 
 def _finetune_flags(p) -> None:
@@ -283,21 +241,11 @@ def _finetune_flags(p) -> None:
 def _fault_flags(p) -> None:
     """The test hooks of invariant (a) (capstone.faults), after the others."""
     g = p.add_argument_group("test hooks for invariant (a)")
-    g.add_argument("--inject-grad-sign", type=_from_step, default=None, metavar="STEP[:COUNT]",
+    g.add_argument("--inject-grad-sign", type=usage.from_step, default=None, metavar="STEP[:COUNT]",
                    help="negate the summed gradient from step STEP on (COUNT steps; default: to the end)")
-    g.add_argument("--inject-no-update", type=_from_step, default=None, metavar="STEP[:COUNT]",
+    g.add_argument("--inject-no-update", type=usage.from_step, default=None, metavar="STEP[:COUNT]",
                    help="zero the summed gradient before the optimizer from step STEP on (COUNT steps; default: "
                         "to the end): from step 1, no update is ever applied")
-
-
-def _counts(text: str) -> tuple[int, ...] | None:
-    if text == "balanced":
-        return None
-    try:
-        counts = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected block counts like 3,3,2, got {text!r}") from None
-    return counts
 
 
 def parse(argv=None) -> Settings:
@@ -325,14 +273,6 @@ def parse(argv=None) -> Settings:
     resuming = opts.get("resume") is not None
     return Settings(model, train, RunOptions(**opts), explicit if resuming else {**preset, **explicit}, name, deferred,
                     explicit, preset, (note,) if note and not resuming else (), layout)
-
-
-def preset_values(name: str | None, flags: dict) -> tuple[dict, str | None]:
-    """The values of --preset `name` (None: reference) for a run with these flags: its warmup shortened
-    to its share of a shorter --steps (capstone.presets.fit_warmup), and the note that says so."""
-    preset = PRESETS[name or "reference"]
-    values, note = fit_warmup({**preset, **flags}, flags, preset.get("steps"), f"--preset {name}")
-    return {k: values[k] for k in preset}, note
 
 
 def _configs(base: dict, resuming: bool) -> tuple[ModelConfig, TrainConfig, str | None]:

@@ -134,7 +134,7 @@ class TrainConfig:
                  f"corpus_tokens must be an integer >= 2, got {self.corpus_tokens!r}; the default is {1 << 18}.")
         for name in ("warmup_steps", "ckpt_every", "keep_last", "seed", "corpus_seed", "global_batch"):
             _require(isinstance(value := getattr(self, name), int) and value >= 0,
-                     f"{name} must be an integer >= 0, got {value!r} (0 disables it where that applies).")
+                     f"{name} must be an integer >= 0, got {value!r}{'' if 'seed' in name else ' (0: off)'}.")
         for f in dataclasses.fields(self):
             if isinstance(value := getattr(self, f.name), float):
                 _require(math.isfinite(value), f"{f.name} must be a finite number, got {value}.")

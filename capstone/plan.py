@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from capstone.config import ConfigError
+from capstone.config import ConfigError, problems_error
 
 # the layout flags, with their defaults (every one has no argparse default, so a resume tells given from not)
 DEFAULTS = {"tp": 1, "pp": 1, "cp": 1, "zero_stage": 1, "reshard": "micro-batch", "recompute": False, "overlap": True,
@@ -142,8 +142,9 @@ class Plan:
         layout does not fit the model or the world."""
         values, why = _layered(given, saved, world)
         values = {**DEFAULTS, **values}
-        _check_grid(world, values["tp"], values["pp"], values["cp"], model)
-        _check_modes(values, train.deterministic)
+        problems = list(_refusals(world, values, model, train.deterministic))
+        if problems:
+            raise problems_error(problems)
         stages = _stages(model.n_layers, values["pp"], values["pp_layers"])
         zero = Zero(values.pop("zero_stage"))
         return cls(world=world, zero=zero, deterministic=train.deterministic, stages=stages, **values), why
@@ -169,49 +170,55 @@ def _layered(given: dict, saved: dict | None, world: int) -> tuple[dict, dict]:
     return values, why
 
 
-def _check_grid(world: int, tp: int, pp: int, cp: int, model) -> None:
-    """ConfigError if a tp x pp x cp split of this model does not fit `world` ranks."""
-    for flag, k in (("--tp", tp), ("--pp", pp), ("--cp", cp)):
-        if not isinstance(k, int) or k < 1:
-            raise ConfigError(f"{flag} must be a positive integer, got {k!r}; 1 turns that axis off.")
+def _refusals(world: int, v: dict, model, deterministic: bool):
+    """Each reason the layout `v` does not fit the model or the world, or is not run (one sentence each)."""
+    tp, pp, cp, stage, reshard = v["tp"], v["pp"], v["cp"], v["zero_stage"], v["reshard"]
+    bad = [(flag, k) for flag, k in (("--tp", tp), ("--pp", pp), ("--cp", cp)) if not isinstance(k, int) or k < 1]
+    yield from (f"{flag} must be a positive integer, got {k!r}; 1 turns that axis off." for flag, k in bad)
+    if bad:
+        return
     if world % (tp * pp):
-        raise ConfigError(f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the {world} ranks: the grid is "
-                          f"(ranks / (tp x pp)) data-parallel replicas of tp x pp ranks. Launch a multiple of "
-                          f"{tp * pp} ranks, or choose --tp and --pp whose product divides {world}.")
+        yield (f"--tp {tp} x --pp {pp} = {tp * pp} does not divide the {world} ranks: the grid is (ranks / (tp x "
+               f"pp)) data-parallel replicas of tp x pp ranks. Launch a multiple of {tp * pp} ranks, or choose --tp "
+               f"and --pp whose product divides {world}.")
+    elif cp > 1 and world // (tp * pp) % cp:
+        yield (f"--cp {cp} does not divide the {world // (tp * pp)} ranks per tensor- and pipeline-parallel "
+               f"position (the world / (tp x pp)): each data-parallel replica splits its sequences over cp ranks. "
+               f"Choose a --cp that divides {world // (tp * pp)}, or launch a multiple of {cp} x tp x pp ranks.")
     if model.n_heads % tp:
-        raise ConfigError(f"--tp {tp} does not divide n_heads {model.n_heads}: attention is split by whole heads. "
-                          f"Use a --tp that divides {model.n_heads}.")
+        yield (f"--tp {tp} does not divide n_heads {model.n_heads}: attention is split by whole heads. Use a --tp "
+               f"that divides {model.n_heads}.")
     if pp > model.n_layers:
-        raise ConfigError(f"--pp {pp} is more pipeline stages than the model's {model.n_layers} blocks: every "
-                          f"stage holds at least one block. Use --pp <= {model.n_layers} (or, for a model built here, "
-                          f"not --init-from, more --n-layers).")
-    ranks = world // (tp * pp)
-    if cp > 1 and ranks % cp:
-        raise ConfigError(f"--cp {cp} does not divide the {ranks} ranks per tensor- and pipeline-parallel position "
-                          f"(the world / (tp x pp)): each data-parallel replica splits its sequences over cp ranks. "
-                          f"Choose a --cp that divides {ranks}, or launch a multiple of {cp} x tp x pp ranks.")
+        yield (f"--pp {pp} is more pipeline stages than the model's {model.n_layers} blocks: every stage holds at "
+               f"least one block. Use --pp <= {model.n_layers} (or, for a model built here, not --init-from, more "
+               f"--n-layers).")
+    elif pp > 1 and v["pp_layers"] is not None and stage_problem(model.n_layers, pp, v["pp_layers"]):
+        yield stage_problem(model.n_layers, pp, v["pp_layers"])
     if cp > 1 and model.seq_len % (2 * cp):
-        raise ConfigError(f"--cp {cp}: --seq-len {model.seq_len} is not a multiple of 2 x cp = {2 * cp}: the "
-                          f"balanced split cuts each sequence into 2 x cp equal chunks, cp rank i taking chunks i and "
-                          f"2cp-1-i, so that every rank does the same causal attention work. Use a --seq-len "
-                          f"divisible by {2 * cp}.")
-
-
-def _check_modes(values: dict, deterministic: bool) -> None:
-    """ConfigError for a mode flag that does not apply to the layout, or a combination not run."""
-    stage, reshard = values["zero_stage"], values["reshard"]
-    if values["pp"] == 1 and (values["pp_layers"] is not None or values["pp_schedule"] is not None):
-        raise ConfigError(f"{'--pp-layers' if values['pp_layers'] is not None else '--pp-schedule'} is about "
-                          f"pipeline stages: it needs --pp K > 1 (docs/pipeline.md).")
+        yield (f"--cp {cp}: --seq-len {model.seq_len} is not a multiple of 2 x cp = {2 * cp}: the balanced split "
+               f"cuts each sequence into 2 x cp equal chunks, cp rank i taking chunks i and 2cp-1-i, so that every "
+               f"rank does the same causal attention work. Use a --seq-len divisible by {2 * cp}.")
+    if pp == 1 and (v["pp_layers"] is not None or v["pp_schedule"] is not None):
+        yield (f"{'--pp-layers' if v['pp_layers'] is not None else '--pp-schedule'} is about pipeline stages: it "
+               f"needs --pp K > 1 (docs/pipeline.md).")
     if reshard != "micro-batch" and stage < 2:
-        raise ConfigError(f"--reshard {reshard} is about ZeRO-2/3's sharded gradient and parameters: at "
-                          f"--zero-stage {stage} the whole gradient is kept through the step anyway. Drop "
-                          f"--reshard, or pass --zero-stage 2 or 3 (docs/composition.md).")
-    if not values["overlap"] and stage > 1 and reshard == "micro-batch" and not deterministic:
-        raise ConfigError(f"--no-overlap is not supported with --zero-stage {stage}: stage {stage} reduces each "
-                          f"bucket of the gradient as the backward pass makes it, and keeps no whole gradient to "
-                          f"reduce after it. Drop --no-overlap, or keep the whole gradient through the step with "
-                          f"--reshard step, or use --zero-stage 1 (docs/composition.md).")
+        yield (f"--reshard {reshard} is about ZeRO-2/3's sharded gradient and parameters: at --zero-stage {stage} "
+               f"the whole gradient is kept through the step anyway. Drop --reshard, or pass --zero-stage 2 or 3 "
+               f"(docs/composition.md).")
+    if not v["overlap"] and stage > 1 and reshard == "micro-batch" and not deterministic:
+        yield (f"--no-overlap is not supported with --zero-stage {stage}: stage {stage} reduces each bucket of the "
+               f"gradient as the backward pass makes it, and keeps no whole gradient to reduce after it. Drop "
+               f"--no-overlap, or keep the whole gradient through the step with --reshard step, or use "
+               f"--zero-stage 1 (docs/composition.md).")
+
+
+def stage_problem(n_layers: int, pp: int, counts: tuple[int, ...]) -> str | None:
+    """Why `counts` blocks per stage do not fit the model's n_layers over pp stages (None: they do)."""
+    if len(counts) == pp and sum(counts) == n_layers and min(counts) >= 1:
+        return None
+    balanced = ",".join(str(n_layers // pp + (p < n_layers % pp)) for p in range(pp))
+    return (f"--pp-layers {','.join(map(str, counts))} must give {pp} positive block counts (one per stage) that "
+            f"add up to the model's {n_layers} blocks, e.g. {balanced}.")
 
 
 def stage_layers(n_layers: int, pp: int, counts: tuple[int, ...] | None = None) -> list[range]:
@@ -219,9 +226,8 @@ def stage_layers(n_layers: int, pp: int, counts: tuple[int, ...] | None = None) 
     stages (the last stage, which also holds the final LayerNorm and the LM head, has the fewer)."""
     balanced = tuple(n_layers // pp + (p < n_layers % pp) for p in range(pp))
     counts = balanced if counts is None else counts
-    if len(counts) != pp or sum(counts) != n_layers or min(counts) < 1:
-        raise ConfigError(f"--pp-layers {','.join(map(str, counts))} must give {pp} positive block counts (one per "
-                          f"stage) that add up to the model's {n_layers} blocks, e.g. {','.join(map(str, balanced))}.")
+    if stage_problem(n_layers, pp, counts):
+        raise ConfigError(stage_problem(n_layers, pp, counts))
     starts = [sum(counts[:p]) for p in range(pp + 1)]
     return [range(starts[p], starts[p + 1]) for p in range(pp)]
 

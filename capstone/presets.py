@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 
+from capstone.config import ConfigError
+
 PRESETS: dict[str, dict] = {
     "reference": {},
     "shakespeare-char": {
@@ -64,3 +66,29 @@ def fit_warmup(values: dict, flags: dict, nominal_steps: int | None, origin: str
     return {**values, "warmup_steps": fitted}, (
         f"note: the warmup of {origin} ({warmup} of its {nominal_steps} steps) is shortened to {fitted} for "
         f"--steps {steps}, the same share of the run; pass --warmup-steps to choose another.")
+
+
+def preset_values(name: str | None, flags: dict) -> tuple[dict, str | None]:
+    """The values of --preset `name` (None: reference) for a run with these flags: its warmup shortened
+    to its share of a shorter --steps (capstone.presets.fit_warmup), and the note that says so."""
+    preset = PRESETS[name or "reference"]
+    values, note = fit_warmup({**preset, **flags}, flags, preset.get("steps"), f"--preset {name}")
+    return {k: values[k] for k in preset}, note
+
+
+def check_preset(name: str | None, explicit: dict, model: dict, train: dict, source: str) -> None:
+    """ConfigError if an explicit --preset sets a value that `source`'s settings (a checkpoint's, on
+    --resume) contradict, unless a flag sets it too: the checkpoint's settings win, so the preset would
+    be ignored. The same command line again passes (a requeued job; another --steps too: the preset's
+    warmup is compared as fitted to the run's own steps)."""
+    if name is None:
+        return
+    saved, steps = {**model, **train}, {k: v for k, v in PRESETS[name].items() if k == "steps"}
+    preset = {**preset_values(name, {**explicit, "steps": saved["steps"]})[0], **steps}
+    differ = [f"{key} {saved.get(key)!r} there, {value!r} in the preset" for key, value in sorted(preset.items())
+              if key not in explicit and saved.get(key) != value]
+    if differ:
+        more = f"; and {len(differ) - 5} more" if len(differ) > 5 else ""
+        raise ConfigError(f"--preset {name} contradicts the settings of {source}: {'; '.join(differ[:5])}"
+                          f"{more}. On --resume the checkpoint's settings win; drop --preset, or give the settings "
+                          f"you want to change as flags (e.g. --lr 5e-4), which override the checkpoint's.")

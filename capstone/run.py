@@ -21,7 +21,8 @@ from capstone import checkpoint, modes
 from capstone.checkpoint import background, files, judge, kept, resume, rundir
 from capstone.checkpoint.cadence import Cadence
 from capstone.checkpoint.saver import Checkpointer, RunIdentity
-from capstone.cli import Settings, check_preset
+from capstone.cli import Settings
+from capstone.presets import check_preset
 from capstone.collective.agree import agreed
 from capstone.config import ConfigError
 from capstone.options import RunOptions
@@ -36,7 +37,7 @@ from capstone.parallel.grid import Grid
 from capstone.plan import Plan
 from capstone.state import ROWS
 from capstone.roles import Run
-from capstone.runtime import lock, preflight
+from capstone.runtime import ending, lock, preflight
 from capstone.state import RunState
 
 TIMEOUT_RECORD = "collective-timeout.json"   # in the run directory, written by a rank whose collective timed out
@@ -65,11 +66,13 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
         check_writer(world)
     padded = Layout.for_model(settings.model, world.size).padded
     claim = preflight.claim(world, out, ckpt_dir, files.estimated_size(padded * len(ROWS) * 4, world.size))
+    if world.rank == 0 and (said := ending.previous(out)):   # the last launch here left no record: now it has one
+        report.say(said)
     try:  # a failed start leaves nothing behind that it created
         path = resume.resolve(world, opts.resume, ckpt_dir)
         if path is not None:
             saved = _agreed(world, lambda: checkpoint.read_meta_file(path))
-            check_preset(settings, saved["model_config"], saved["train_config"], path)
+            check_preset(settings.preset, settings.explicit, saved["model_config"], saved["train_config"], path)
             _check_same_data(world, settings, saved, path)
             if opts.init_from:
                 report.say(f"note: resuming from {path}; --init-from starts a run only, it is not used now", world.rank)

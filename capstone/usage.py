@@ -8,6 +8,7 @@ options that no config dataclass validates; `as_flag` names a config field's pro
 
 from __future__ import annotations
 
+import argparse
 import difflib
 
 # Other trainers' flag names (dashes for underscores) -> what capstone.train takes instead.
@@ -89,3 +90,39 @@ def option_problems(values: dict) -> list[str]:
                         "each launch starts in a new directory, which holds no checkpoint): pass --out RUN_DIR, or "
                         "--resume a run directory or ckpt-*.h5 path.")
     return problems
+
+
+# ---- the argument types of the test hooks and --pp-layers ----
+
+def spike(text: str) -> tuple[int, float]:
+    step, _, mult = text.partition(":")
+    try:
+        return int(step), float(mult)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected STEP:MULT like 12:1000, got {text!r}") from None
+
+
+def nan_at(text: str) -> tuple[int, int]:
+    step, _, count = text.partition(":")
+    try:
+        return int(step), int(count or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected STEP or STEP:COUNT like 7 or 7:3, got {text!r}") from None
+
+
+def from_step(text: str) -> tuple[int, int]:
+    step, _, count = text.partition(":")
+    try:
+        return int(step), int(count or 0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected STEP or STEP:COUNT like 5 or 5:3, got {text!r}") from None
+
+
+def counts(text: str) -> tuple[int, ...] | None:
+    if text == "balanced":
+        return None
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected block counts like 3,3,2, got {text!r}") from None
+    return counts

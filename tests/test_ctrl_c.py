@@ -230,6 +230,26 @@ def test_scripts_launch_turns_ctrl_c_into_sigusr1(slow_steps):
         files.final_name(s["final_step"])), stdout
 
 
+def test_scripts_launch_started_with_ctrl_c_ignored_still_stops_on_it(tmp_path):
+    """Issue 53, item 6: a `&` job of a non-interactive shell starts with SIGINT ignored, which bash cannot
+    trap; the job around the step (capstone.runtime.job, Python) catches it all the same: Ctrl-C to the
+    process group saves and stops (it used to do nothing: the run trained to its end)."""
+    out = tmp_path / "bg"
+    proc = subprocess.Popen([os.path.join(ROOT, "scripts", "launch"), str(out), "mpirun", "-n", "2", "python", "-m",
+                             "capstone.train", "--steps", "60", "--sleep-per-step", "0.5", "--ckpt-every", "0",
+                             "--out", str(out)], env={**plain_env(), "CAPSTONE_PYTHON": sys.executable},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    deadline = time.time() + 90
+    while time.time() < deadline and proc.poll() is None and len([r for r in launched_rows(out) if "step" in r]) < 2:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "Ctrl-C: asking the job to checkpoint and stop" in stdout, stdout
+    s = summary(out)
+    assert s["status"] == "preempted" and s["final_step"] < 60, stdout
+
+
 def test_a_ctrl_c_as_scripts_launch_starts_is_kept_until_the_ranks_can_act_on_it(tmp_path):
     """Ctrl-C as scripts/launch starts mpirun (a requeued Slurm job warned of its time limit as it starts is
     the same case): the request is held until the step is CAPSTONE_SIGNAL_SETTLE old, then forwarded. It

@@ -101,13 +101,11 @@ def test_resume_auto_on_a_finished_run_is_done(tmp_path):
     assert res.returncode == 0 and res.stdout.count("the run is finished, nothing to do") == 1, res.stdout + res.stderr
     assert {name: digest(out / name) for name in kept} == kept
     clean_error(mpirun(2, "--out", out, "--steps", 4, "--resume", "latest"), "nothing left to do", "--steps larger")
-    late = tmp_path / "python"   # reads summary.json after the step, once SIGUSR1 has hit the batch shell
-    late.write_text(f'#!/bin/sh\nkill -USR1 "$BATCH_SHELL" && sleep 0.2\nexec {sys.executable} "$@"\n')
-    late.chmod(0o755)
-    script = ('export BATCH_SHELL=$$; source scripts/slurm/step.sh && run_step "$0" "$1" mpirun -n 2 --oversubscribe '
-              '"$2" -m capstone.train --out "$0" --resume auto --steps 4')
-    step = subprocess.run(["bash", "-c", script, str(out), str(late), sys.executable], capture_output=True,
-                          text=True, env=mpi_env(), cwd=ROOT, timeout=120)
+    # the job around the step (capstone.runtime.job) gets a real SIGUSR1 once the step has ended
+    script = ('source scripts/slurm/step.sh && run_step "$0" "$1" mpirun -n 2 --oversubscribe '
+              '"$1" -m capstone.train --out "$0" --resume auto --steps 4')
+    step = subprocess.run(["bash", "-c", script, str(out), sys.executable], capture_output=True, text=True,
+                          env={**mpi_env(), "CAPSTONE_JOB_FAULT": "usr1-after-step"}, cwd=ROOT, timeout=120)
     assert step.returncode == 0 and "summary status: completed" in step.stdout, step.stdout + step.stderr
     assert "SIGUSR1 after the job step ended" in step.stdout, step.stdout
     assert {name: digest(out / name) for name in kept} == kept

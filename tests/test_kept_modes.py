@@ -140,3 +140,32 @@ def test_mode_flags_are_judged_over_the_checkpoints_modes(tmp_path):
     res = mpirun(2, "--out", pp1, "--resume", "latest", "--pp-layers", "2,2")
     assert res.returncode == 2 and res.stderr.count("error:") == 1, res.stdout + res.stderr
     assert "--pp-layers is about pipeline stages: it needs --pp K > 1" in res.stderr, res.stderr
+
+
+PLAN_BEFORE = "139b8fc"   # main before the plan (issue 48): its checkpoints' modes came from cli.KEPT
+
+
+@pytest.fixture(scope="module")
+def plan_before_code(tmp_path_factory):
+    return code_at(tmp_path_factory, PLAN_BEFORE)
+
+
+def test_a_checkpoint_of_the_code_before_the_plan_resumes_on_its_grid_and_on_another(plan_before_code, tmp_path):
+    """Issue 48: the modes a checkpoint stored before the layout became one Plan (tp 2, ZeRO-2, --reshard step)
+    are read by Plan.make: the same grid keeps them all; 2 ranks keep them too (tp 2 fits) with half the global
+    batch; the run resumes with its logical digests verified and completes."""
+    out = tmp_path / "run"
+    old = subprocess.run(["mpirun", "-n", "4", "--oversubscribe", "python", "-m", "capstone.train", "--out", str(out),
+                          *map(str, SMALL), "--tp", "2", "--zero-stage", "2", "--reshard", "step", "--grad-accum", "2",
+                          "--stop-after", "2"], capture_output=True, text=True, timeout=180,
+                         env={**mpi_env(), "PYTHONPATH": str(plan_before_code)}, cwd=str(plan_before_code))
+    assert old.returncode == 0, old.stdout + old.stderr
+    modes = started(out)[-1]["modes"]
+    assert (modes["tp"], modes["zero_stage"], modes["reshard"]) == (2, 2, "step")
+    other = tmp_path / "other"
+    shutil.copytree(out, other)
+    for ranks, where in ((4, out), (2, other)):
+        res = mpirun(ranks, "--out", where, "--resume", "latest")
+        assert res.returncode == 0 and "logical digests verified" in res.stdout, res.stdout + res.stderr
+        assert started(where)[-1]["modes"] == modes and summary(where)["status"] == "completed"
+        assert stage_and_grid(where) == ({2}, 2, 1)

@@ -204,8 +204,35 @@ def test_killed_host_ends_job_then_resume_on_survivor(fresh, one_host, tmp_path)
     assert "h2" in mpi_messages(text), "the message should name the lost host"
     left = fresh.wait_no_processes(["h1", "h2"], timeout=10)
     assert not left, f"processes left behind: {left}"
+    assert not (out / "summary.json").exists()   # plain mpirun: nobody outlived the ranks; the next start says so
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    p = resume_on_survivor(fresh, out, one_host)
+    said = [ln for ln in p.stdout.splitlines() if "the launch ended without the ranks' record" in ln]
+    assert len(said) == 1 and "the next start wrote summary.json" in said[0] and said[0].endswith(latest), p.stdout
 
-    resume_on_survivor(fresh, out, one_host)
+
+def test_killed_host_under_scripts_launch_leaves_the_record_of_its_ending(fresh, tmp_path):
+    """Issue 53, item 1: a host of a 2-host run killed (`scripts/hosts kill h2`) under scripts/launch: the
+    ranks cannot write summary.json, so the job around the step does, as soon as the step has ended: how
+    it ended and the newest valid checkpoint (there was none before)."""
+    out, log = tmp_path / "killed-launch", tmp_path / "killed-launch.log"
+    step = fresh.mpirun_command("h1:2,h2:2", train(out, "--sleep-per-step", 0.5), [])
+    with open(log, "w") as f:
+        job = subprocess.Popen(["bash", "scripts/launch", str(out), *step], stdout=f, stderr=subprocess.STDOUT,
+                               cwd=H.ROOT, start_new_session=True,
+                               env={k: v for k, v in H.env().items() if not k.startswith("SLURM_")})
+    fresh.jobs.append(job)
+    wait_for(out / "checkpoints" / "latest", job, log)
+    fresh.kill("h2")
+    try:
+        rc = job.wait(timeout=KILL_BOUND_S + 10)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"scripts/launch did not end within {KILL_BOUND_S + 10} s of h2 dying:\n{log.read_text()[-4000:]}")
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    s = summary(out)
+    assert rc != 0 and s["status"] == "ended without a record" and s["exit_status"] == rc, s
+    assert s["newest_checkpoint"].endswith(latest) and s["recorded_by"] == "the job step", s
+    assert "summary status: ended without a record" in log.read_text()
 
 
 # ---- (3) a host's link is cut --------------------------------------------------------------------
@@ -375,3 +402,4 @@ def resume_on_survivor(hosts, out: Path, one_host: dict):
     meta = inspect(out / "checkpoints" / CKPTS[-1])
     assert meta["world_size"] == 2
     assert meta["logical_sha256"] == one_host[CKPTS[-1]]["logical"]
+    return p

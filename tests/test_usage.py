@@ -163,3 +163,16 @@ def test_the_readme_names_export_and_bpe():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     assert "python -m capstone.export" in readme and "--format hf" in readme and "--tokenizer bpe" in readme
+
+
+def test_a_negative_seed_is_not_told_that_0_disables_it():
+    """Issue 53, item 7: `--seed -1` said "(0 disables it where that applies)", a template shared with
+    --ckpt-every and --keep-last, false for a seed; those still say what 0 means."""
+    from capstone import cli
+    from capstone.config import ConfigError
+    with pytest.raises(ConfigError) as seed:
+        cli.parse(["--seed", "-1"])
+    assert "--seed must be an integer >= 0, got -1." in str(seed.value) and "0" not in str(seed.value).split("-1")[1]
+    with pytest.raises(ConfigError) as every:
+        cli.parse(["--ckpt-every", "-1"])
+    assert "--ckpt-every must be an integer >= 0, got -1 (0: off)." in str(every.value)

@@ -62,18 +62,24 @@ def measured(run) -> ModelStates:
                        opt.state.nbytes, opt.before_nbytes(), run.ckpt.buffer.nbytes if run.ckpt.buffer else 0)
 
 
+def states(plan, padded: int, reduce, gathered: int, snapshot_shard: int) -> ModelStates:
+    """The formula of the plan's ZeRO stage (see the module) for a rank holding `padded` elements of the
+    model: the stage's row (capstone.observe.accounting), the guard's copy, the checkpoint's snapshot
+    (`snapshot_shard`: its shard's elements); `reduce(grads)` and `gathered` are the transient terms of
+    the reducer and seam (the run's objects, or the preflight's estimate before they exist)."""
+    row = zero_row(plan.zero.stage, padded, plan.zero_group)
+    grads = zero_row(1, padded, plan.zero_group).grads_bytes if plan.whole_grad else row.grads_bytes
+    return ModelStates(row.params_bytes, gathered, grads, reduce(grads), row.optimizer_bytes,
+                       row.optimizer_bytes if plan.guard_undo else 0,
+                       4 * len(ROWS) * snapshot_shard if plan.ckpt_async else 0)
+
+
 def formula(run) -> ModelStates:
-    """What the stage's formula says this rank holds (see the module): the model-state row of the
-    stage (capstone.observe.accounting), the gathered and reduction terms of the seam and reducer
-    the modes chose."""
-    layout, accum = run.model.layout, run.tcfg.grad_accum
-    row = zero_row(run.plan.zero.stage, layout.padded, run.plan.zero_group)
-    whole = run.plan.whole_grad   # the gradient accumulates whole
-    grads = zero_row(1, layout.padded, run.plan.zero_group).grads_bytes if whole else row.grads_bytes
-    reduce = run.reducer.bound(accum) - (0 if run.model.grads is not None else grads)
-    return ModelStates(row.params_bytes, run.model.seam.gathered_bound(), grads, reduce,
-                       row.optimizer_bytes, row.optimizer_bytes if run.plan.guard_undo else 0,
-                       4 * len(ROWS) * run.ckpt.layout.shard if run.ckpt.writer else 0)
+    """What the stage's formula says this rank holds: `states` with the gathered and reduction terms
+    of the seam and reducer the modes chose."""
+    def reduce(grads: int) -> int:
+        return run.reducer.bound(run.tcfg.grad_accum) - (0 if run.model.grads is not None else grads)
+    return states(run.plan, run.model.layout.padded, reduce, run.model.seam.gathered_bound(), run.ckpt.layout.shard)
 
 
 def row(run) -> dict:

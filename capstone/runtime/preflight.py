@@ -41,24 +41,21 @@ def activation_bytes(mcfg, tcfg, recompute: bool = False, layers: int | None = N
     return tcfg.batch_size * t * per_position
 
 
-def model_state_bytes(mcfg, dp: int, tp: int, stage: int, groups: tuple | None = None, step: bool = False,
-                      undo: bool = True, snapshot: bool = False) -> int:
-    """Bytes of the model's state on one rank at ZeRO `stage` (capstone.observe.memory's formula,
-    with two of the largest parameter groups for what is in flight); `groups`: a pipeline stage's;
-    `step` (--reshard step at stages 2-3): the whole gradient kept, stage 3's groups all gathered;
-    `undo`: the guard's copy of the optimizer state (--no-guard-undo: none); `snapshot`: the asynchronous
-    checkpoint's copy of the stored rows (--ckpt-async: 12 bytes per value of the shard)."""
+def model_state_bytes(mcfg, plan, groups: tuple | None = None) -> int:
+    """Bytes of the model's state on one rank of `plan`: the run's formula (capstone.observe.memory.states),
+    its transient terms estimated before the reducer and seam exist (two of the largest parameter groups
+    in flight; --reshard step at stages 2-3: the whole gradient, stage 3's groups all gathered);
+    `groups`: a pipeline stage's; the snapshot about the canonical vectors' shard over the world."""
     from capstone.model.params import Layout
-    from capstone.observe.accounting import zero_row
-    layout = Layout.for_model(mcfg, dp, tp, groups)
-    group = 4 * max(b - a for a, b in layout.group_ranges().values())
-    whole = step and stage > 1
-    row = zero_row(stage, layout.padded, dp)
-    grads = 4 * layout.padded if whole else row.grads_bytes
-    reduce = 4 * layout.shard + 4 * layout.padded if stage == 1 or whole else 0 if stage == 0 else 2 * group
+    from capstone.observe.memory import states
+    layout = Layout.for_model(mcfg, plan.zero_group, plan.tp, groups)
+    group, stage = 4 * max(b - a for a, b in layout.group_ranges().values()), plan.zero.stage
+    whole = plan.reshard == "step" and stage > 1
+
+    def reduce(grads: int) -> int:
+        return 4 * layout.shard + 4 * layout.padded if stage == 1 or whole else 0 if stage == 0 else 2 * group
     gathered = (4 * layout.padded if whole else 2 * group) if stage == 3 else 0
-    copy = 12 * layout.shard if snapshot else 0   # about the canonical vectors' shard over the world's ranks
-    return row.params_bytes + grads + (1 + undo) * row.optimizer_bytes + reduce + gathered + copy
+    return states(plan, layout.padded, reduce, gathered, layout.shard).total
 
 
 def available_bytes() -> tuple[int | None, str]:
@@ -127,19 +124,16 @@ def estimate(mcfg, tcfg, plan) -> tuple[int, int]:
     conversion (`checkpoint_bytes`); with --pp, the largest stage holding the micro-batches its schedule
     keeps in flight (1f1b: up to K of them; afab: all), and a tied head's wte on the last stage (its copy,
     and the share of its gradient of each micro-batch in flight: capstone.parallel.tiedstages)."""
-    whole, step = mcfg, plan.reshard == "step"
+    whole = mcfg
     ckpt, keys = checkpoint_bytes(mcfg, plan), None
     if plan.cp > 1:   # a rank's part of each sequence: T / cp rows; the ring holds one tile's scores at a time
         from capstone.model.ring import TILE
         mcfg, keys = replace(mcfg, seq_len=mcfg.seq_len // plan.cp), TILE
-    stage, dp = plan.zero.stage, plan.zero_group
     if plan.pp == 1:
-        return max(ckpt, activation_bytes(mcfg, tcfg, plan.recompute, keys=keys)), model_state_bytes(
-            whole, dp, plan.tp, stage, step=step, undo=plan.guard_undo, snapshot=plan.ckpt_async)
+        return max(ckpt, activation_bytes(mcfg, tcfg, plan.recompute, keys=keys)), model_state_bytes(whole, plan)
     in_flight = tcfg.grad_accum if plan.schedule == "afab" else min(plan.pp, tcfg.grad_accum)
     layers = max(sum(g not in ("embed", "head") for g in groups) for groups in plan.stages)
-    states = [model_state_bytes(whole, dp, plan.tp, stage, groups, step, plan.guard_undo, plan.ckpt_async)
-              for groups in plan.stages]
+    states = [model_state_bytes(whole, plan, groups) for groups in plan.stages]
     states[-1] += 4 * whole.vocab_size * whole.d_model * (1 + in_flight) * whole.tie_embeddings
     return max(ckpt, in_flight * activation_bytes(mcfg, tcfg, plan.recompute, layers, keys)), max(states)
 
