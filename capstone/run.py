@@ -61,6 +61,9 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
     ckpt_dir = os.path.join(out, "checkpoints")
     check_parallel_io(world)
     settings = _checked(world, settings)             # a bad layout: ConfigError, nothing written
+    if opts.resume is None and not opts.init_from:   # a fresh model's memory is known: said before the disk's space
+        _check_memory(world, settings, Plan.make(model=settings.model, train=settings.train, world=world.size,
+                                                 given=settings.layout)[0])
     if opts.tensorboard:
         from capstone.observe.tensorboard import check_writer
         check_writer(world)
@@ -86,9 +89,7 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
             settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, vocab_size=vocab))
         plan, why = Plan.make(model=settings.model, train=settings.train, world=world.size, given=settings.layout,
                               saved=saved.get("modes") if path is not None else None)   # the checkpoint's modes
-        tcfg = settings.train
-        preflight.check_memory(world, settings.model, dataclasses.replace(tcfg, batch_size=tcfg.batch_for(plan.replicas)),
-                               plan)
+        _check_memory(world, settings, plan)
         run = build(world, settings, out, hooks, plan)
         if path is None and opts.init_from:
             run.init_from = source.describe()
@@ -107,6 +108,13 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
             return None
         raise
     return run
+
+
+def _check_memory(world: Comm, settings: Settings, plan: Plan) -> None:
+    """Collective: ConfigError on every rank if a step of `plan` does not fit some node's memory."""
+    tcfg = settings.train
+    preflight.check_memory(world, settings.model, dataclasses.replace(tcfg, batch_size=tcfg.batch_for(plan.replicas)),
+                           plan)
 
 
 def _checked(world: Comm, settings: Settings) -> Settings:

@@ -132,3 +132,15 @@ def test_corpus_too_short_to_exist_is_a_config_error(tmp_path):
     res = mpirun(3, "--out", tmp_path / "run", "--corpus-tokens", 1, timeout=60)
     assert res.returncode == 2 and res.stderr.count("--corpus-tokens must be an integer >= 2") == 1
     assert "Traceback" not in res.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_model_that_fits_no_memory_is_refused_for_memory_before_disk_space(tmp_path):
+    """Issue 53, item 7: `--d-model 100000 --n-layers 100` was refused for the disk space of its
+    checkpoint, the smaller problem; a fresh start's memory is now judged first (the model is the
+    flags'), with the fewest ranks that would fit or why none does; nothing is created."""
+    out = tmp_path / "big"
+    res = mpirun(2, "--d-model", 100000, "--n-layers", 100, "--out", out)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert res.stderr.count("error: ") == 1 and "MiB per rank" in res.stderr and "is available" in res.stderr
+    assert "free but one checkpoint needs" not in res.stderr and "its model states alone take" in res.stderr
+    assert not out.exists()

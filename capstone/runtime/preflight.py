@@ -11,6 +11,7 @@ directories and the lock file it created, so it leaves nothing behind.
 
 from __future__ import annotations
 
+import bisect
 import os
 import socket
 import sys
@@ -146,17 +147,25 @@ def ranks_needed(mcfg, tcfg, plan, cap: int) -> str:
 
     def sharded(dp: int):
         return plan.on(dp * parts, zero=Zero(3), recompute=True, reshard="micro-batch")
-    for dp in (d for d in range(1, 4097) if tcfg.global_batch % (d * tcfg.grad_accum) == 0 or not tcfg.global_batch):
-        acts, states = estimate(mcfg, tcfg, sharded(dp))
-        if acts + states <= cap:
-            return (f"at {cap / MIB:.0f} MiB per rank it needs {dp * parts} ranks (--zero-stage 3 --recompute, data "
-                    f"parallel {dp} x pp {plan.pp} x tp {plan.tp}: {(acts + states) / MIB:.0f} MiB each)")
-    acts, ckpt = estimate(mcfg, tcfg, sharded(4096))[0], checkpoint_bytes(mcfg, sharded(4096))
-    if ckpt >= acts:
+    sizes = [d for d in range(1, 4097) if tcfg.global_batch % (d * tcfg.grad_accum) == 0 or not tcfg.global_batch]
+    fits = [None] * len(sizes)   # a rank's bytes shrink as the replicas grow: the first that fits, by bisection
+
+    def need(i: int) -> int:
+        fits[i] = fits[i] if fits[i] is not None else sum(estimate(mcfg, tcfg, sharded(sizes[i])))
+        return fits[i]
+    i = bisect.bisect_left(range(len(sizes)), True, key=lambda i: need(i) <= cap)
+    if i < len(sizes):
+        return (f"at {cap / MIB:.0f} MiB per rank it needs {sizes[i] * parts} ranks (--zero-stage 3 --recompute, data "
+                f"parallel {sizes[i]} x pp {plan.pp} x tp {plan.tp}: {need(i) / MIB:.0f} MiB each)")
+    (acts, states), ckpt = estimate(mcfg, tcfg, sharded(4096)), checkpoint_bytes(mcfg, sharded(4096))
+    if ckpt >= acts and ckpt > cap:
         return (f"at {cap / MIB:.0f} MiB per rank no number of ranks fits it: a checkpoint's conversion to the 1-rank "
                 f"layout alone takes {ckpt / MIB:.0f} MiB (every model-parallel rank assembles the whole model)")
-    return (f"at {cap / MIB:.0f} MiB per rank no number of ranks fits it: one micro-batch's activations alone take "
-            f"{acts / MIB:.0f} MiB (lower --batch-size or --seq-len, or add --pp stages)")
+    if acts > cap:
+        return (f"at {cap / MIB:.0f} MiB per rank no number of ranks fits it: one micro-batch's activations alone "
+                f"take {acts / MIB:.0f} MiB (lower --batch-size or --seq-len, or add --pp stages)")
+    return (f"at {cap / MIB:.0f} MiB per rank no number of ranks up to {4096 * parts} fits it: its model states "
+            f"alone take {states / MIB:.0f} MiB per rank even then (a smaller model: --d-model, --n-layers)")
 
 
 def check_memory(comm, mcfg, tcfg, plan) -> None:

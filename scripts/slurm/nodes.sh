@@ -84,8 +84,8 @@ stop_cluster() {  # the daemons, every process left on a host (a failed test's j
 do_stop() {
   stop_cluster
   if [[ -f "$DIR/run/munged.started-by-local-slurm" ]]; then
-    # (the single-node cluster may be using munged too)
-    if [[ -z "$(live_pid /tmp/capstone-slurm/run/slurmctld.pid slurmctld)" ]]; then
+    # (another cluster on this machine, whatever its state dir, may be using munged too)
+    if ! slurm_daemon_running; then
       stop_daemon munged /run/munge/munged.pid
     fi
     rm -f "$DIR/run/munged.started-by-local-slurm"
