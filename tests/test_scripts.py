@@ -82,3 +82,23 @@ def test_readme_figures_compare(tmp_path, old, new, drift):
     assert res.returncode == (1 if drift else 0), res.stdout + res.stderr
     if drift:
         assert "figure:" in res.stdout and "drift" in res.stdout
+
+
+def test_readme_figures_tell_another_machines_bits_from_a_stale_figure(tmp_path):
+    """Issue 53, item 5: a figure records the machine it was made on; --compare against one made on another
+    machine (another CPU or BLAS build: other fingerprints, digests and last digits, by design) passes and says
+    so; a number that moved beyond 1e-3 there is still drift; on the same machine any bit is drift."""
+    def made_on(machine: str, text: str) -> str:
+        return text.replace("<!-- figure:run -->", f"<!-- machine:run {machine} -->\n<!-- figure:run -->")
+    cases = [("other CPU", ("e13e6d44a80090f0", "e13e6d44a80090f1"), 0),       # a fingerprint: another kernel's
+             ("other CPU", ("4.05105", "4.05106"), 0),                          # the last digit of a loss
+             ("other CPU", ("4.05105", "4.15105"), 1),                          # a loss 2.5% off: a real change
+             ("this CPU", ("e13e6d44a80090f0", "e13e6d44a80090f1"), 1)]         # the same machine: exact
+    for machine, (old, new), status in cases:
+        a, b = tmp_path / "a.md", tmp_path / "b.md"
+        a.write_text(made_on("this CPU", FIGURES))
+        b.write_text(made_on(machine, FIGURES).replace(old, new, 1))
+        res = subprocess.run(["bash", os.path.join(ROOT, "scripts", "readme-figures"), "--compare", a, b],
+                             capture_output=True, text=True, env=mpi_env(), timeout=60)
+        assert res.returncode == status, (machine, old, new, res.stdout + res.stderr)
+        assert ("made on another machine" in res.stdout) == (machine != "this CPU" and old != new)
