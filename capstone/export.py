@@ -23,8 +23,8 @@ import sys
 
 import numpy as np
 
+from capstone import paths
 from capstone.checkpoint import CheckpointError, serial
-from capstone.checkpoint.files import HF_FILES
 from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout, param_shapes
 from capstone.pipe import run_tool
@@ -33,6 +33,8 @@ from capstone.vocab import SampleError
 SAFETENSORS_PIN = "safetensors==0.8.0"
 FORMAT = "capstone-gpt2"
 DIGEST_KEY = "tensor_sha256"     # metadata: sha256 of the tensors (`tensor_digest`), verified by --init-from
+HF_FILES = paths.HF_FILES
+MODEL_DIRECTORIES = (paths.Kind.HF_MODEL, paths.Kind.HF_HALF, paths.Kind.HF_PICKLE)   # --format hf --force replaces
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")   # torch.save's and pickle's names
 LAYER_NORM_EPS = 1e-5            # capstone.model.kernels._ln_fwd
 BLOCK = {"ln_1.w": "ln_1.weight", "ln_1.b": "ln_1.bias", "attn.c_attn.w": "attn.c_attn.weight",
@@ -144,18 +146,13 @@ def check_out(out: str, fmt: str, force: bool) -> None:
     folder = os.path.dirname(os.path.abspath(out))
     if fmt == "safetensors" and not os.path.isdir(folder):   # --format hf makes its directory, parents too
         raise SampleError(2, f"--out {out}: the directory {folder} does not exist; create it first.")
-    if fmt == "safetensors" and os.path.isdir(out):
-        raise SampleError(2, f"--out {out} is a directory; pass a file name such as {out.rstrip('/')}/model.safetensors"
-                             f", or --format hf to write a Hugging Face model directory.")
-    if fmt == "hf" and os.path.exists(out) and not os.path.isdir(out):
-        raise SampleError(2, f"--out {out} is a file, but --format hf writes a directory (config.json, "
-                             f"model.safetensors); pass a directory name.")
-    if fmt == "hf" and suffix == ".safetensors" and not os.path.isdir(out):
+    flag = "export --out" + (" --format hf" if fmt == "hf" else "")
+    found = paths.refuse(flag, out, lambda said: SampleError(2, said))   # a directory for a file, or the reverse
+    if fmt == "hf" and suffix == ".safetensors" and found is paths.Kind.MISSING:
         raise SampleError(2, f"--out {out} names a file, but --format hf writes a directory (config.json, "
                              f"model.safetensors); pass a directory name such as {out[:-len(suffix)]}, or drop "
                              f"--format hf to write the one file.")
-    taken = os.path.isfile(out) if fmt == "safetensors" else any(
-        os.path.exists(os.path.join(out, n)) for n in HF_FILES)
+    taken = found is not paths.Kind.MISSING if fmt == "safetensors" else found in MODEL_DIRECTORIES
     if taken and not force:
         raise SampleError(2, f"--out {out} already exists{' and holds a model' if fmt == 'hf' else ''}; it is not "
                              f"replaced without --force. Pass another --out, or --force to replace it.")
@@ -211,9 +208,29 @@ def write_hf(views: dict[str, np.ndarray], cfg: ModelConfig, md: dict, out: str,
     return tensors
 
 
+def write_tokenizer(tokenizer: str | None, cfg: ModelConfig, out: str) -> list[str]:
+    """The run's tokenizer as GPT-2's files in the hf directory `out` (vocab.json, merges.txt and, with
+    the special token in its vocabulary, tokenizer_config.json and special_tokens_map.json), so that
+    transformers' AutoTokenizer loads it: a byte-level BPE is GPT-2's kind. A character vocabulary has no
+    GPT-2 form: none is written (it stays in model.safetensors' metadata). Returns the names written."""
+    desc = json.loads(tokenizer) if tokenizer else {}
+    if desc.get("kind") != "bpe":
+        return []
+    from capstone.data.tokenizer import GPT2_SPECIAL, from_description, library
+    tok = library().Tokenizer.from_str(from_description(desc).json)
+    names = tok.model.save(out)          # vocab.json, merges.txt
+    special = {"bos_token": GPT2_SPECIAL, "eos_token": GPT2_SPECIAL, "unk_token": GPT2_SPECIAL} \
+        if GPT2_SPECIAL in tok.get_vocab() else {}
+    for name, spec in (("tokenizer_config.json", {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False,
+                                                  "model_max_length": cfg.seq_len, **special}),
+                       ("special_tokens_map.json", special)):
+        write_bytes((json.dumps(spec, indent=2, sort_keys=True) + "\n").encode(), os.path.join(out, name))
+    return sorted(os.path.basename(n) for n in names) + ["special_tokens_map.json", "tokenizer_config.json"]
+
+
 def _load(target: str):
     try:
-        path = serial.find(target)
+        path = serial.find(target, "export")
         meta, cfg, params = serial.load_weights(path)
     except (ConfigError, CheckpointError) as exc:   # 2: no checkpoint there; 1: an invalid one
         raise SampleError(2 if isinstance(exc, ConfigError) else 1, str(exc)) from None
@@ -227,8 +244,10 @@ def export(target: str, out: str, fmt: str = "safetensors", force: bool = False)
     st = _safetensors()
     path, meta, cfg, views = _load(target)
     if fmt == "hf":
-        tensors = write_hf(views, cfg, metadata(meta, cfg, path, head_bias=False), out, st.save)
-        size = sum(os.path.getsize(os.path.join(out, n)) for n in HF_FILES)
+        md = metadata(meta, cfg, path, head_bias=False)
+        tensors = write_hf(views, cfg, dict(md), out, st.save)
+        tokenizer = write_tokenizer(md.get("tokenizer"), cfg, out)
+        size = sum(os.path.getsize(os.path.join(out, n)) for n in HF_FILES + tuple(tokenizer))
     else:
         tensors = named_tensors(views)
         md = {**metadata(meta, cfg, path, "lm_head.b" in views), DIGEST_KEY: tensor_digest(tensors)}
@@ -236,7 +255,8 @@ def export(target: str, out: str, fmt: str = "safetensors", force: bool = False)
         size = os.path.getsize(out)
     return {"checkpoint": path, "step": meta["step"], "tensors": len(tensors),
             "parameters": int(sum(a.size for a in tensors.values())), "bytes": size,
-            "judged": meta.get("judged", True) is not False}
+            "judged": meta.get("judged", True) is not False, "format": fmt,
+            "tokenizer": tokenizer if fmt == "hf" else None}
 
 
 def main(argv=None) -> int:
@@ -258,6 +278,11 @@ def main(argv=None) -> int:
         return exc.code
     print(f"wrote {args.out}: {s['tensors']} tensors, {s['parameters']} parameters, {s['bytes']} bytes, from "
           f"{s['checkpoint']} (step {s['step']})")
+    if s["tokenizer"]:
+        print(f"tokenizer: {', '.join(s['tokenizer'])} (GPT-2's byte-level BPE files: AutoTokenizer loads them)")
+    elif s["format"] == "hf":
+        print("note: no tokenizer files: the run's vocabulary is characters (or the synthetic corpus's ids), which "
+              "have no GPT-2 tokenizer form; `python -m capstone.sample` decodes with it (docs/export.md)")
     if not s["judged"]:
         print(f"note: {s['checkpoint']} was saved by a stop before the divergence guard judged it; the export says so, "
               f"and --init-from refuses it (resume that run once to judge the state, then export a later checkpoint)")

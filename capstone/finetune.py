@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from capstone import paths
 from capstone.checkpoint import CheckpointError, CorruptCheckpoint, serial
 from capstone.collective.agree import agreed
 from capstone.config import ConfigError, ModelConfig, TrainConfig
@@ -64,8 +65,7 @@ class Source:
                 "model_config": dataclasses.asdict(self.model), "data_digest": self.data.get("digest")}
 
 
-ACCEPTS = ("--init-from takes a run directory (its checkpoints/latest), a ckpt-*.h5 file, a .safetensors file "
-           "`python -m capstone.export` wrote, or a Hugging Face GPT-2 directory (config.json + model.safetensors).")
+ACCEPTS = f"--init-from takes {paths.ACCEPTS['--init-from'].long}."   # what its refusals end with
 CORRUPT = ("Do not fine-tune from it: pass another checkpoint of that run (python -m capstone.checkpoint verify "
            "RUN_DIR/checkpoints/ckpt-*.h5 says which verify), or restore a good copy.")
 
@@ -80,19 +80,16 @@ def read(target: str, seq_len: int | None = None) -> Source:
 
 
 def _read(target: str, seq_len: int | None) -> Source:
-    if not os.path.exists(target):
-        raise ConfigError(f"--init-from {target}: no such file or directory. {ACCEPTS}")
-    if target.endswith(".safetensors"):
+    found = paths.refuse("--init-from", target)   # ConfigError for a path that holds no weights
+    if found is paths.Kind.EXPORT:
         return _read_export(target)
-    if os.path.isdir(target):
-        refuse_other_directory(target)
-    if all(os.path.isfile(os.path.join(target, n)) for n in ("config.json", "model.safetensors")):
+    if found is paths.Kind.HF_MODEL:
         from capstone import hf
         cfg, params, data = hf.read(target, seq_len)
         refuse_unjudged(target, hf.exported_meta(target))
         return Source(target, "export", 0, cfg, data, params)
     try:
-        path = serial.find(target)
+        path = serial.find(target, "--init-from")
         meta, cfg, params = serial.load_weights(path)
     except ConfigError as exc:
         raise ConfigError(f"--init-from {target}: {exc}") from None
@@ -104,26 +101,6 @@ def _read(target: str, seq_len: int | None) -> Source:
     refuse_unjudged(target, meta, path)
     return Source(path, "checkpoint", int(meta["step"]), cfg, meta.get("data") or {}, params[:cfg_params(cfg)],
                   meta.get("train_config") or {})
-
-
-def refuse_other_directory(target: str) -> None:
-    """ConfigError for a directory that is not a run's, a checkpoints directory or a whole HF model directory."""
-    config, weights = (os.path.isfile(os.path.join(target, n)) for n in ("config.json", "model.safetensors"))
-    if config != weights:
-        found, lacks = ("config.json", "model.safetensors") if config else ("model.safetensors", "config.json")
-        if os.path.isfile(os.path.join(target, "pytorch_model.bin")) and config:   # an older hub model's pickle
-            raise ConfigError(f"--init-from {target}: its weights are pytorch_model.bin, a pickle, which capstone does "
-                              f"not read; write model.safetensors beside it in a Python with transformers: "
-                              f"GPT2LMHeadModel.from_pretrained('{target}').save_pretrained('{target}'). {ACCEPTS}")
-        raise ConfigError(f"--init-from {target}: {found} found but {lacks} missing: a Hugging Face model directory "
-                          f"needs both (as save_pretrained writes them; a sharded model is not read). Export it "
-                          f"again (python -m capstone.export RUN_DIR --out {target} --format hf --force) or copy "
-                          f"the missing file. {ACCEPTS}")
-    if not config and not os.path.isdir(os.path.join(target, "checkpoints")) \
-            and not os.path.exists(os.path.join(target, "latest")):
-        raise ConfigError(f"--init-from {target}: not a run directory, checkpoint, .safetensors export or Hugging "
-                          f"Face model directory (it has no checkpoints/, config.json or model.safetensors). "
-                          f"{ACCEPTS}")
 
 
 def refuse_non_finite(target: str, source: Source) -> None:
@@ -165,9 +142,6 @@ def _read_export(path: str) -> Source:
     except SampleError as exc:
         raise ConfigError(f"--init-from {path}: {exc}") from None
     from safetensors import safe_open
-    if not os.path.isfile(path):
-        raise ConfigError(f"--init-from {path}: no such file; pass a .safetensors file `python -m capstone.export` "
-                          f"wrote, a ckpt-*.h5 file or a run directory.")
     try:
         with safe_open(path, framework="numpy") as f:
             meta = f.metadata() or {}
@@ -266,9 +240,10 @@ def check_vocabulary(source: Source, data: dict, data_dir: str) -> None:
     mine, theirs = source.data.get("tokenizer"), data.get("tokenizer")
     fix = ("Prepare the new text with the source's vocabulary: python -m capstone.prepare TEXT --out DIR "
            "--vocab-from <the source run's dataset directory>.")
-    from capstone import hf   # a Hugging Face GPT-2 directory that capstone's export did not write: its
-    gpt2 = os.path.isdir(source.path) and not hf.exported(source.path)   # tokenizer is vocab.json + merges.txt
-    if gpt2 and mine is not None:                                      # its vocab.json + merges.txt
+    from capstone import hf
+    # a Hugging Face GPT-2 directory that capstone's export did not write: its tokenizer is vocab.json + merges.txt
+    gpt2 = paths.kind(source.path) is paths.Kind.HF_MODEL and not hf.exported(source.path)
+    if gpt2 and mine is not None:
         fix = ("Prepare the new text with its GPT-2 tokenizer: python -m capstone.prepare TEXT --out DIR "
                f"--tokenizer-from {source.path}.")
     if mine is None and theirs is None:

@@ -19,21 +19,16 @@ import os
 
 import numpy as np
 
+from capstone import paths
 from capstone.checkpoint import CheckpointError
-from capstone.checkpoint.files import HF_FILES
 from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout
 
-FILES = HF_FILES
+FILES = paths.HF_FILES
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")      # capstone's GELU is the tanh approximation
 LAYER_NORM_EPS = 1e-5                              # capstone.model.kernels' LayerNorm
 BUFFERS = (".attn.bias", ".attn.masked_bias")      # older files' causal-mask buffers: not parameters
-
-
-def is_hf_dir(path: str) -> bool:
-    """Whether `path` is a directory holding a Hugging Face model (config.json + model.safetensors)."""
-    return os.path.isdir(path) and all(os.path.isfile(os.path.join(path, n)) for n in FILES)
 
 
 def model_config(hf: dict, seq_len: int | None, path: str) -> ModelConfig:
@@ -176,13 +171,12 @@ def exported(path: str) -> bool:
         return False
 
 
-def gpt2_tokenizer(path: str):
-    """The GPT-2 byte-level BPE of DIR/vocab.json + DIR/merges.txt (capstone.data.tokenizer.from_gpt2_files)."""
+def gpt2_tokenizer(path: str, special: bool = True):
+    """The GPT-2 byte-level BPE of DIR/vocab.json + DIR/merges.txt (capstone.data.tokenizer.from_gpt2_files;
+    `special`: its special tokens matched as one id each)."""
     from capstone.data.tokenizer import TokenizerError, from_gpt2_files
+    paths.refuse("--tokenizer-from", path, TokenizerError)   # a directory that may hold them
     files = [os.path.join(path, n) for n in TOKENIZER_FILES]
-    if not os.path.isdir(path):
-        raise TokenizerError(f"--tokenizer-from {path}: {'not a' if os.path.exists(path) else 'no such'} directory; "
-                             f"pass the model directory that holds the GPT-2 tokenizer's vocab.json and merges.txt.")
     if not any(os.path.isfile(f) for f in files) and exported(path):
         raise TokenizerError(f"--tokenizer-from {path}: capstone's export keeps its run's tokenizer in "
                              f"model.safetensors' metadata, not in vocab.json + merges.txt: prepare the text with "
@@ -191,4 +185,4 @@ def gpt2_tokenizer(path: str):
         raise TokenizerError(f"--tokenizer-from {path}: it needs the GPT-2 tokenizer's vocab.json and merges.txt "
                              f"(as GPT2Tokenizer.save_pretrained writes them); missing: "
                              f"{', '.join(n for n, f in zip(TOKENIZER_FILES, files) if not os.path.isfile(f))}.")
-    return from_gpt2_files(*files)
+    return from_gpt2_files(*files, special=special)

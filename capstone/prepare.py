@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from capstone import paths
 from capstone.config import ConfigError
-from capstone.data.dataset import (DATASET_FILES, DTYPE_NAME, FORMAT, META_FILE, TOKENIZER_FILE, VERSION, DatasetError,
+from capstone.data.dataset import (DTYPE_NAME, FORMAT, META_FILE, TOKENIZER_FILE, VERSION, DatasetError,
                                    identity, load_meta)
 from capstone.data.sources import RECIPES, PrepareError, Text, read_inputs
 from capstone.data.tokenizer import MAX_VOCAB, BPETokenizer, CharTokenizer, check_bpe_options, train_bpe
@@ -154,11 +155,6 @@ def write_dataset(out: str, files: dict[str, bytes]) -> None:
         os.close(fd)
 
 
-def _ours(name: str) -> bool:
-    """A dataset file, or the temp file of one (an interrupted prepare leaves those)."""
-    return name in DATASET_FILES or (name.endswith(".tmp") and any(name.startswith(f".{f}.") for f in DATASET_FILES))
-
-
 def _describe(ident: dict, sources) -> str:
     kind = ident["tokenizer"]["kind"]
     first = sources[0].name if sources else "?"
@@ -188,13 +184,14 @@ def _holds_exactly(out: str, files: dict[str, bytes]) -> bool:
 def target(out: str, data: Dataset, files: dict[str, bytes], force: bool) -> str:
     """What --out holds: "new" (nothing, or an interrupted prepare's files), "same" (this dataset),
     "unchanged" (byte for byte), "replace" (something else, with --force). PrepareError without --force."""
-    if not os.path.isdir(out):
+    found = paths.kind(out)
+    if found in (paths.Kind.MISSING, paths.Kind.EMPTY):
         return "new"
     names = os.listdir(out)
-    foreign = sorted(n for n in names if not _ours(n))
+    foreign = sorted(n for n in names if not paths.dataset_file(n))
     if foreign and not force:
         raise PrepareError(f"--out {out} is not empty and is not a dataset: it holds {foreign[:3]}"
-                           f"{' and more' if len(foreign) > 3 else ''} (a run directory?). Pass a new or empty "
+                           f"{' and more' if len(foreign) > 3 else ''} ({found.value}). Pass a new or empty "
                            f"directory as --out, or add --force to write the dataset files next to them.")
     if META_FILE not in names:
         return "new"
@@ -227,11 +224,11 @@ def load_written(data: Dataset, files: dict[str, bytes]):
 
 def prepare(inputs: list[str], out: str, members: str | None = None, tokenizer: str = "char",
             vocab_size: int | None = None, force: bool = False, vocab_from: str | None = None,
-            tokenizer_from: str | None = None) -> dict:
+            tokenizer_from: str | None = None, special: bool = True) -> dict:
     """Check everything, then write DIR; returns a summary. Raises PrepareError (nothing written).
-    `tokenizer_from`: a GPT-2 directory whose vocab.json + merges.txt tokenize the text (capstone.hf)."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise PrepareError(f"--out {out} is a file, not a directory; pass a new or existing directory.")
+    `tokenizer_from`: a GPT-2 directory whose vocab.json + merges.txt tokenize the text (capstone.hf),
+    its special tokens (<|endoftext|>) matched as one id each unless `special` is False."""
+    paths.refuse("prepare --out", out, PrepareError)
     if tokenizer == "char" and vocab_size is not None:
         raise PrepareError(f"--vocab-size {vocab_size} applies to --tokenizer bpe only: a char dataset's vocabulary "
                            f"is the text's distinct characters. Drop --vocab-size, or add --tokenizer bpe.")
@@ -242,7 +239,7 @@ def prepare(inputs: list[str], out: str, members: str | None = None, tokenizer: 
     given = None
     if tokenizer_from is not None:
         from capstone.hf import gpt2_tokenizer
-        given, tokenizer = gpt2_tokenizer(tokenizer_from), "bpe"
+        given, tokenizer = gpt2_tokenizer(tokenizer_from, special), "bpe"
     texts = read_inputs(inputs, members)
     data = build(texts, tokenizer, vocab_size, vocab_from, given)
     files = data.files()
@@ -251,8 +248,10 @@ def prepare(inputs: list[str], out: str, members: str | None = None, tokenizer: 
         try:
             write_dataset(out, files)
         except OSError as exc:
-            raise PrepareError(f"cannot write {out} ({exc}); it holds no valid dataset now. Check the path, its "
-                               f"permissions and free space, then run again.") from None
+            now = "no dataset was written (nothing was there before)" if state == "new" else \
+                "it holds no valid dataset now"
+            raise PrepareError(f"cannot write {out} ({exc}); {now}. Check the path, its permissions and free "
+                               f"space, then run again.") from None
     return {"state": state, "chars": data.train_chars + data.val_chars, "files": len(texts), "kind": tokenizer,
             "vocab_size": data.tokenizer.vocab_size, "train": len(data.train), "val": len(data.val),
             "val_chars": data.val_chars, "digest": identity(load_written(data, files))["digest"]}
@@ -280,6 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-from", default=None, metavar="DIR",
                    help="encode with the GPT-2 byte-level BPE of DIR/vocab.json + DIR/merges.txt (a Hugging Face "
                         "GPT-2 directory), for a model started with train --init-from DIR (docs/gpt2.md)")
+    p.add_argument("--no-special-tokens", dest="special", action="store_false",
+                   help="--tokenizer-from: read <|endoftext|> (and the directory's other special tokens) as ordinary "
+                        "text, not as their one id each (docs/gpt2.md)")
     p.add_argument("--force", action="store_true",
                    help="replace another dataset in DIR, or write into a non-empty DIR that is not a dataset")
     return p
@@ -297,7 +299,7 @@ def main(argv=None) -> int:
             raise PrepareError("--tokenizer-from takes the GPT-2 tokenizer of its directory as it is: drop "
                                "--vocab-from, --tokenizer and --vocab-size.")
         s = prepare(args.inputs, args.out, args.members, args.tokenizer, args.vocab_size, args.force, args.vocab_from,
-                    args.tokenizer_from)
+                    args.tokenizer_from, args.special)
         load_meta(args.out)                 # what we wrote must read back
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -23,12 +23,14 @@ from capstone.generate import KVCache, generate, pick  # noqa: F401  (capstone.s
 from capstone.pipe import run_tool
 from capstone.vocab import SampleError, Vocab, load_vocab
 
+
 def resolve(target: str) -> str:
-    """The checkpoint file: `target` itself, or the one RUN_DIR/checkpoints/latest names."""
+    """The checkpoint file: `target` itself, or the one RUN_DIR/checkpoints/latest names (exit 2 for a path
+    that names none, 1 for a `latest` that names no checkpoint file)."""
     try:
-        return serial.find(target)
-    except ConfigError as exc:
-        raise SampleError(2, str(exc)) from None
+        return serial.find(target, "sample")
+    except (ConfigError, CheckpointError) as exc:
+        raise SampleError(2 if isinstance(exc, ConfigError) else 1, str(exc)) from None
 
 
 def load_checkpoint(path: str) -> tuple[dict, ModelConfig, np.ndarray]:

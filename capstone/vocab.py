@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from capstone import paths
 from capstone.config import ConfigError, ModelConfig
 from capstone.data.dataset import META_FILE, identity, load_meta
 from capstone.data.tokenizer import BPETokenizer, CharTokenizer, difference, from_description
@@ -93,7 +94,7 @@ def _from_dataset(meta: dict, cfg: ModelConfig, data: str, ckpt: str, recorded: 
 
 def _find_data(meta: dict, ckpt: str) -> str:
     trained = (meta.get("train_config") or {}).get("data") or ""
-    found = [d for d in data_candidates(trained, ckpt) if os.path.isfile(os.path.join(d, META_FILE))]
+    found = [d for d in data_candidates(trained, ckpt) if paths.kind(d) is paths.Kind.DATASET]
     if not found:
         raise SampleError(2, f"{ckpt} was trained on the prepared data {trained!r} (relative to the training run's "
                              f"working directory) before checkpoints carried their vocabulary, and no {META_FILE} is "

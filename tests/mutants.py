@@ -559,9 +559,9 @@ MUTANTS = [
            "only save_pretrained's `transformer.`-prefixed names are read, not the hub files' unprefixed ones"),
     Mutant("hf/bpe-with-a-prefix-space", "capstone/data/tokenizer.py",
            "    tok.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)\n"
-           "    tok.decoder = lib.decoders.ByteLevel()\n    return BPETokenizer(tok.to_str())\n\n\ndef from_description",
+           "    tok.decoder = lib.decoders.ByteLevel()\n    if special:",
            "    tok.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=True)\n"
-           "    tok.decoder = lib.decoders.ByteLevel()\n    return BPETokenizer(tok.to_str())\n\n\ndef from_description",
+           "    tok.decoder = lib.decoders.ByteLevel()\n    if special:",
            ("tests/test_gpt2_hf.py::test_gpt2_round_trip_through_transformers",),
            "GPT-2's BPE with a space added before the text: other ids than transformers' GPT2Tokenizer"),
     # ---- issue 37: context parallelism (ring attention) ------------------------------------------

@@ -279,6 +279,7 @@ def test_format_hf_of_a_model_trained_without_a_head_bias(tmp_path, model):
     res = mpirun(2, "--out", tmp_path / "run", "--steps", 3, "--ckpt-every", 3, *model, "--quiet")
     assert res.returncode == 0, res.stdout + res.stderr
     assert export.main([str(tmp_path / "run"), "--out", str(tmp_path / "hf" / "mine"), "--format", "hf"]) == 0   # parent made
+    assert not (tmp_path / "hf" / "mine" / "vocab.json").exists()     # the synthetic corpus: no tokenizer files
     meta, cfg, params = load_checkpoint(os.path.join(tmp_path, "run", "checkpoints", "ckpt-00000003.h5"))
     layout = Layout.for_model(cfg, 1)
     assert "lm_head.b" not in layout.views(params) and ("h0.ln_1.b" in layout.views(params)) == cfg.bias

@@ -47,6 +47,41 @@ def write_dir(path, cfg: ModelConfig, params, prefixed: bool = True, **config) -
         json.dump({**export.hf_config(cfg), **config}, f)
 
 
+def write_gpt2_vocab(directory, vocab_size: int) -> None:
+    """vocab.json + merges.txt of a BPE trained on TEXT, with GPT-2's <|endoftext|> as its last entry."""
+    from capstone.data.tokenizer import _library
+    spec = json.loads(train_bpe(TEXT, vocab_size - 1).json)
+    spec["model"]["vocab"]["<|endoftext|>"] = len(spec["model"]["vocab"])
+    _library().Tokenizer.from_str(json.dumps(spec)).model.save(str(directory))
+
+
+def test_gpt2s_special_token_is_one_id_unless_turned_off(tmp_path):
+    """Issue 53, item 3: `<|endoftext|>` in a text became 11 byte-level tokens; GPT2Tokenizer gives its one
+    id (50256 in GPT-2), and so does capstone now (also a special token a directory's
+    special_tokens_map.json names, if its vocabulary holds it); `special=False` keeps the bytes."""
+    from capstone.data.tokenizer import from_gpt2_files
+    write_gpt2_vocab(tmp_path, 300)
+    vocab = json.load(open(tmp_path / "vocab.json"))
+    word = max((t for t in vocab if t.isascii() and t.isalpha()), key=len)     # an entry of the vocabulary
+    with open(tmp_path / "special_tokens_map.json", "w") as f:
+        json.dump({"pad_token": {"content": word, "special": True}, "eos_token": "<|endoftext|>",
+                   "unk_token": "<not in the vocabulary>"}, f)
+    files = (str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    tok, plain = from_gpt2_files(*files), from_gpt2_files(*files, special=False)
+    text = f"a {word}<|endoftext|>The"
+    ids = tok.encode(text).tolist()
+    assert vocab["<|endoftext|>"] == 299 and 299 in ids and vocab[word] in ids and tok.vocab_size == 300
+    assert 299 not in plain.encode(text).tolist() and len(plain.encode("<|endoftext|>")) > 1
+    assert tok.decode(ids) == text
+    from capstone import prepare
+    corpus = tmp_path / "docs.txt"
+    corpus.write_text(("<|endoftext|>".join([TEXT[:300]] * 8) + "\n") * 4)
+    for flag, holds in (([], True), (["--no-special-tokens"], False)):
+        out = tmp_path / f"data{len(flag)}"
+        assert prepare.main([str(corpus), "--out", str(out), "--tokenizer-from", str(tmp_path), *flag]) == 0
+        assert (299 in np.fromfile(out / "train.bin", dtype="<u2")) == holds, flag
+
+
 @pytest.mark.parametrize("prefixed", [True, False])
 def test_both_key_sets_are_read_and_the_positions_cropped(tmp_path, prefixed):
     cfg = ModelConfig(vocab_size=20, seq_len=12, d_model=16, n_heads=2, n_layers=2, head_bias=False,
@@ -91,15 +126,16 @@ def test_gpt2_round_trip_through_transformers(tmp_path):
     python = torch_python()
     model = str(tmp_path / "gpt2")
     os.makedirs(model)
-    from capstone.data.tokenizer import _library
-    _library().Tokenizer.from_str(train_bpe(TEXT, GPT2["vocab_size"]).json).model.save(model)   # vocab.json, merges.txt
-    made = subprocess.run([python, os.path.join(ROOT, "tests", "gpt2_make.py"), model, json.dumps(GPT2), TEXT[:200]],
+    write_gpt2_vocab(model, GPT2["vocab_size"])    # vocab.json, merges.txt; <|endoftext|> the last id, as GPT-2's
+    joined = TEXT[:100] + "<|endoftext|>" + TEXT[100:200]     # documents joined by GPT-2's special token
+    made = subprocess.run([python, os.path.join(ROOT, "tests", "gpt2_make.py"), model, json.dumps(GPT2), joined],
                           capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr
     made = json.loads(made.stdout)
     assert made["tied"] and "model.safetensors" in made["files"]
     assert "lm_head.weight" not in load_file(os.path.join(model, "model.safetensors"))   # tied: wte only
-    assert hf.gpt2_tokenizer(model).encode(TEXT[:200]).tolist() == made["ids"]            # transformers' ids
+    assert hf.gpt2_tokenizer(model).encode(joined).tolist() == made["ids"]                # transformers' ids
+    assert GPT2["vocab_size"] - 1 in made["ids"]     # issue 53, item 3: the special token is one id, as there
 
     cfg, params, data = hf.read(model)                  # before training: the original's logits
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (3, cfg.seq_len)).astype(np.int32)
@@ -118,6 +154,12 @@ def test_gpt2_round_trip_through_transformers(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     out = str(tmp_path / "hf")
     assert export.main([str(tmp_path / "run"), "--out", out, "--format", "hf"]) == 0
+    loaded = subprocess.run([python, "-c", "import json, os, sys; os.environ['HF_HUB_OFFLINE'] = '1'; "
+                             "from transformers import AutoTokenizer; "
+                             "print(json.dumps(AutoTokenizer.from_pretrained(sys.argv[1])(sys.argv[2])['input_ids']))",
+                             out, joined], capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr          # issue 53, item 4: the export's own tokenizer files
+    assert json.loads(loaded.stdout) == hf.gpt2_tokenizer(model).encode(joined).tolist()
     _, trained_cfg, trained = load_checkpoint(os.path.join(tmp_path, "run", "checkpoints", "ckpt-00000004.h5"))
     assert trained_cfg.seq_len == 16 and trained_cfg.tie_embeddings
     wte = cfg.vocab_size * cfg.d_model

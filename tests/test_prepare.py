@@ -284,3 +284,14 @@ def test_vocab_from_errors_name_vocab_from(tmp_path, capsys):
         assert code == 2 and f"--vocab-from {source}" in err and "--data" not in err, err
         assert err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "ds").exists()
+
+
+def test_a_dataset_that_cannot_be_written_where_nothing_was_says_so(tmp_path):
+    """Issue 53, item 7: `--out` on a filesystem that refuses it (sysfs: EPERM even for root) said "it holds
+    no valid dataset now", as if a dataset had been lost; nothing was there before, and it says that."""
+    text = tmp_path / "t.txt"
+    text.write_text("to be or not to be, that is the question\n" * 20)
+    res = subprocess.run([sys.executable, "-m", "capstone.prepare", str(text), "--out", "/sys/capstone-no-dataset"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert res.returncode == 2 and res.stderr.count("error: ") == 1, res.stderr
+    assert "nothing was there before" in res.stderr and "holds no valid dataset" not in res.stderr

@@ -11,18 +11,18 @@ inspect prints the manifest and only the failed checks, verify prints every chec
 seal writes the digest file of a checkpoint that has none (written before digest files existed)
 after `verify --unsealed` passed in a child process.
 Exit codes: 0 verified (sealed); 1 a check failed or the file is not a valid checkpoint; 2 a usage
-mistake (a TARGET that does not exist or holds no checkpoint, a bad option).
+mistake (a TARGET that does not exist, holds no checkpoint, or is a model's weights or a dataset: what
+TARGET is, capstone.paths decides; a bad option).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 
-
+from capstone import paths
 from capstone.checkpoint import integrity, kept
 from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError, CheckpointUsageError
 from capstone.checkpoint.serial import checks, load_all
@@ -119,8 +119,10 @@ def main(argv=None) -> int:
                    help="check a file that has no digest file (HDF5 then parses unverified bytes: a damaged "
                         "file can crash this process; seal runs it in a child process)")
     args = p.parse_args(argv)
-    if not os.path.exists(args.target):       # a mistyped path: a usage mistake (exit 2), as sample and export
-        return failed(args, integrity.message(args.target, "missing", "it does not exist"), 2)
+    try:   # a mistyped path, a model's weights, a dataset: a usage mistake (exit 2), as for sample and export
+        paths.refuse("checkpoint", args.target, CheckpointUsageError)
+    except CheckpointUsageError as exc:
+        return failed(args, str(exc), 2)
     return seal(args.target) if args.command == "seal" else inspect_or_verify(args)
 
 

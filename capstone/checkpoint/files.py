@@ -15,20 +15,18 @@ Before writing, rank 0 compares the free space (statvfs) with the size the file 
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import shutil
 
+from capstone import paths
 from capstone.config import ConfigError
 
 MIB = 1 << 20
-POINTER = "latest"
+POINTER = paths.POINTER
 PROBE = ".stop-probe"     # a run's measurement of its disk's speed (capstone.runtime.margin), removed after it
-NAME_RE = re.compile(r"^ckpt-(\d{8})\.h5$")
-DIGEST_SUFFIX = ".sha256"
+NAME_RE = paths.CHECKPOINT_NAME
+DIGEST_SUFFIX = paths.DIGEST_SUFFIX
 
-
-HF_FILES = ("config.json", "model.safetensors")   # a Hugging Face model directory (save_pretrained, export --format hf)
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or loaded; the message names the file and what to do."""

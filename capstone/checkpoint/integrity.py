@@ -21,11 +21,12 @@ import os
 import re
 import time
 
+from capstone import paths
 from capstone.checkpoint import files
 from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError, CheckpointUsageError, CorruptCheckpoint
 
 READ_CHUNK = 8 << 20
-HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"   # at byte 0 of every file h5py writes (no user block)
+HDF5_SIGNATURE = paths.HDF5_SIGNATURE   # at byte 0 of every file h5py writes (no user block)
 DIGEST_RE = re.compile(r"# capstone checkpoint digest v1: (\d+) bytes\n([0-9a-f]{64})  (\S+)\n")
 NEXT = {
     "missing": "Check the path: pass a ckpt-*.h5 file, a run directory (--out) or its checkpoints/latest.",
@@ -145,19 +146,18 @@ def check_file(path: str) -> str:
 def resolve(target: str) -> str:
     """The checkpoint file `target` names: a file as is; a `latest` pointer file: the checkpoint it
     names; a run directory (--out) or its checkpoints directory: the checkpoint its `latest`
-    names, or the newest complete one if there is no pointer."""
-    if os.path.isdir(target):
-        sub = os.path.join(target, "checkpoints")
-        directory = sub if os.path.isdir(sub) else target
-        path = _pointed(directory) or next(reversed([p for _, p in files.complete_checkpoints(directory)]), None)
-        if path is None:
-            raise CheckpointUsageError(f"{target} is a directory without checkpoints (no {files.POINTER} pointer, no "
-                                  f"ckpt-*.h5 in {directory}); pass a ckpt-*.h5 file, a run directory (--out) "
-                                  f"or its checkpoints/{files.POINTER}.")
-        return path
-    if os.path.basename(target) == files.POINTER and os.path.isfile(target):
-        return _pointed(os.path.dirname(target) or ".")
-    return target
+    names, or the newest complete one if there is no pointer. What `target` is: capstone.paths."""
+    if not os.path.isdir(target):
+        return _pointed(os.path.dirname(target) or ".") if paths.kind(target) is paths.Kind.POINTER else target
+    sub = os.path.join(target, "checkpoints")
+    directory = sub if os.path.isdir(sub) else target
+    path = _pointed(directory) or next(reversed([p for _, p in files.complete_checkpoints(directory)]), None)
+    if path is None:
+        raise CheckpointUsageError(f"{target} is a directory without checkpoints (no {files.POINTER} pointer, no "
+                                   f"ckpt-*.h5 in {directory}): the run wrote no checkpoint yet, or it is not a "
+                                   f"run's. Pass a ckpt-*.h5 file, a run directory (--out) or its "
+                                   f"checkpoints/{files.POINTER}, or train with --ckpt-every K first.")
+    return path
 
 
 def _pointed(directory: str) -> str | None:

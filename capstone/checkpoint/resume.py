@@ -26,10 +26,10 @@ from __future__ import annotations
 import os
 import sys
 
-from capstone.checkpoint import CheckpointError, CorruptCheckpoint, files, integrity, verify_contents
+from capstone import paths
+from capstone.checkpoint import CheckpointError, CorruptCheckpoint, files, integrity, rundir, verify_contents
 from capstone.collective.agree import agreed
 from capstone.config import ConfigError
-from capstone.checkpoint import rundir
 
 
 def _plan(want: str | None, ckpt_dir: str) -> dict:
@@ -117,13 +117,14 @@ def _fall_back(ckpt_dir: str, path: str, bad: list) -> dict:
 
 
 def _explicit(want: str, ckpt_dir: str, pointed: str | None, complete: list) -> dict:
+    paths.refuse("--resume", want)   # ConfigError for a path that is no run directory or checkpoint
     try:
         path = integrity.resolve(want)
     except CheckpointError as exc:
         return {"error": f"--resume {want}: {exc}"}
-    if not os.path.exists(path):
-        return {"error": f"--resume {want}: no such file or directory. Check the path: pass a ckpt-*.h5 file, a run "
-                         f"directory (--out) or its checkpoints/latest."}
+    if not os.path.exists(path):   # a `latest` that names a file no longer there
+        return {"error": f"--resume {want}: {path}, which its {files.POINTER} names, does not exist. Pass one of "
+                         f"the ckpt-*.h5 files beside it, or --resume auto to take the newest one that verifies."}
     step = _step_of(path)
     acknowledged = _step_of(pointed) if pointed else -1
     newer = [os.path.basename(p) for s, p in complete if step < s <= acknowledged]

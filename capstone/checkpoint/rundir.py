@@ -19,6 +19,7 @@ import uuid
 
 import h5py
 
+from capstone import paths
 from capstone.checkpoint import CheckpointError, files
 from capstone.checkpoint.reader import read_meta
 
@@ -31,10 +32,11 @@ def new_id() -> str:
 
 def run_dir_of(target: str | None) -> str | None:
     """The run directory `--resume target` belongs to (None: 'latest', 'auto', or not inside one)."""
-    if not target or target in ("latest", "auto") or not os.path.exists(target):
+    what = paths.kind(target) if target and target not in ("latest", "auto") else paths.Kind.MISSING
+    if what is paths.Kind.MISSING:
         return None
     path = os.path.abspath(target)
-    if os.path.isdir(os.path.join(path, "checkpoints")):
+    if what is paths.Kind.RUN:
         found = path
     else:
         up = path if os.path.isdir(path) else os.path.dirname(path)

@@ -1,5 +1,5 @@
 """One process reads a whole checkpoint with serial h5py, no MPI (`python -m capstone.checkpoint`,
-`capstone.sample`, `capstone.export`, `--init-from`): `find` the file a run directory names,
+`capstone.sample`, `capstone.export`, `--init-from`): `find` the file a path names,
 `load_all` its datasets (each checked against its digest), `checks` (verify's list), and
 `load_weights`: the model config and the float32 parameters of a checkpoint that passes every check.
 Errors: ConfigError for a path that names no checkpoint, CheckpointError for an invalid one.
@@ -8,40 +8,25 @@ Errors: ConfigError for a path that names no checkpoint, CheckpointError for an 
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 
-from capstone.checkpoint import files
+from capstone import paths
+from capstone.checkpoint import integrity
 from capstone.checkpoint.digest import logical_root
-from capstone.checkpoint.files import DIGEST_SUFFIX, HF_FILES, CheckpointError, CorruptCheckpoint
+from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError, CorruptCheckpoint
 from capstone.checkpoint.reader import open_verified, parse_error, read_dataset
 from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout
 from capstone.state import ROWS
 
 
-def find(target: str) -> str:
-    """The checkpoint file: `target` itself, or the one RUN_DIR/checkpoints/latest names."""
-    if os.path.isfile(target) and not target.endswith(".safetensors"):
-        return target
-    if not os.path.exists(target):
-        raise ConfigError(f"{target}: no such file or directory; pass a run directory (--out of the "
-                             f"training run) or a ckpt-*.h5 file.")
-    for directory in (os.path.join(target, "checkpoints"), target):
-        try:
-            path = os.path.isdir(target) and files.read_pointer(directory)
-        except (ValueError, OSError) as exc:
-            raise ConfigError(f"{exc}") from None
-        if path:
-            return path
-    if os.path.isfile(target) or any(os.path.isfile(os.path.join(target, n)) for n in HF_FILES):
-        raise ConfigError(f"{target} is a model's weights (an export or a Hugging Face GPT-2 directory), not a "
-                          f"checkpoint: this reads a training run's. Fine-tune it into a run (python -m "
-                          f"capstone.train --init-from {target} ... --out RUN_DIR) and pass RUN_DIR, or load it "
-                          f"with transformers (GPT2LMHeadModel.from_pretrained; docs/export.md).")
-    raise ConfigError(f"{target} has no checkpoints/latest: the run wrote no checkpoint yet. Pass a "
-                         f"ckpt-*.h5 file, or train with --ckpt-every K first.")
+def find(target: str, flag: str = "sample") -> str:
+    """The checkpoint file `target` names (`integrity.resolve`: itself, or the one a run directory's
+    `latest` names), once `flag` takes what it is (capstone.paths): ConfigError for a path that names no
+    checkpoint, CheckpointError for a `latest` that names no checkpoint file."""
+    paths.refuse(flag, target)
+    return integrity.resolve(target)
 
 
 def load_all(path: str, require_digest: bool = True):

@@ -14,14 +14,15 @@ import os
 import re
 from dataclasses import dataclass
 
+from capstone import paths
 from capstone.config import ConfigError
 from capstone.data.tokenizer import BPETokenizer, CharTokenizer, MAX_VOCAB, bpe_vocab_size, sha256_text
 
 FORMAT, VERSION = "capstone-tokens", 2
 FORMAT_V1, VERSION_V1 = "capstone-char-tokens", 1
 TOKEN_FORMATS = {"char": "capstone-char-tokens", "bpe": "capstone-bpe-tokens"}   # identity()["format"]
-META_FILE, TOKENIZER_FILE = "meta.json", "tokenizer.json"
-DATASET_FILES = (META_FILE, "train.bin", "val.bin", TOKENIZER_FILE)
+META_FILE, TOKENIZER_FILE = paths.META_FILE, "tokenizer.json"
+DATASET_FILES = paths.DATASET_FILES
 SPLITS = ("train", "val")
 DTYPE_NAME = "uint16-le"
 _KEYS = {1: {"format", "version", "dtype", "vocab_size", "chars", "splits", "sources"},
@@ -169,56 +170,13 @@ def _tokenizer(directory: str, path: str, meta: dict):
     return _chars(path, entry["chars"], size)
 
 
-RUN_FILES = ("checkpoints", "metrics.jsonl", "summary.json")   # what a training run's --out holds
-
-
-def _no_meta(directory: str, path: str, flag: str) -> DatasetError:
-    """A directory without meta.json: re-creating it is advice only for the leftovers of a prepare; a run
-    directory or any other folder must not get dataset files written into it."""
-    others = sorted(set(os.listdir(directory)) - set(DATASET_FILES))
-    if any(name in others for name in RUN_FILES):
-        return DatasetError(f"{flag} {directory} is a training run's directory (--out), not a prepared dataset. "
-                            f"Pass {flag} the directory `python -m capstone.prepare ... --out DIR` wrote"
-                            f"{_run_data(directory)}.")
-    if others:
-        return DatasetError(f"{flag} {directory} holds no {META_FILE} and is not a prepared dataset (it holds "
-                            f"{', '.join(others[:5])}{', ...' if len(others) > 5 else ''}). Pass {flag} the directory "
-                            f"`python -m capstone.prepare TEXT_FILE... --out DIR` wrote, or prepare one into a new "
-                            f"directory.")
-    return invalid(path, "missing (an interrupted prepare leaves no meta.json)")
-
-
-def _not_a_directory(directory: str, flag: str) -> DatasetError:
-    """FLAG names a path that does not exist, or a file (most likely the text itself, not yet prepared)."""
-    if not os.path.exists(directory):
-        return DatasetError(f"not a valid dataset: {flag} {directory}: no such directory. Check the path: {flag} "
-                            f"takes the directory `python -m capstone.prepare TEXT_FILE... --out DIR` wrote; to "
-                            f"make one there, run `python -m capstone.prepare TEXT_FILE... --out {directory}`.")
-    root, _ = os.path.splitext(directory)
-    out = (root[:-4] if root.endswith(".tar") else root) + "-data"
-    return DatasetError(f"not a valid dataset: {flag} {directory} is a file, not a prepared dataset (a directory). "
-                        f"If it is text, prepare a dataset from it first: `python -m capstone.prepare "
-                        f"{directory} --out {out}`, then pass {flag} {out}.")
-
-
-def _run_data(directory: str) -> str:
-    """ " (that run's: --data X)" from the run's summary.json, when it says."""
-    try:
-        with open(os.path.join(directory, "summary.json")) as f:
-            data = json.load(f)["train_config"]["data"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
-    return f" (that run trained on --data {data})" if data else " (that run trained on the synthetic corpus)"
-
-
 def _read(directory: str, path: str, flag: str) -> dict:
-    if not os.path.isdir(directory):
-        raise _not_a_directory(directory, flag)
+    paths.refuse(flag, directory, DatasetError)   # a dataset, or one a prepare is (or was) writing
     try:
         with open(path, "rb") as f:
             meta = strict_json(f.read().decode("utf-8"))
-    except FileNotFoundError:
-        raise _no_meta(directory, path, flag) from None
+    except FileNotFoundError:   # an interrupted prepare: re-creating it there is right
+        raise invalid(path, "missing (an interrupted prepare leaves no meta.json)") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise invalid(path, f"unreadable or not strict JSON ({exc})") from None
     _check(isinstance(meta, dict), path, "the top level must be a JSON object")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -20,6 +21,7 @@ from capstone.config import ConfigError
 
 TOKENIZERS_PIN = "tokenizers==0.23.3"
 BYTE_ALPHABET = 256              # a byte-level BPE starts from every byte: any text encodes
+GPT2_SPECIAL = "<|endoftext|>"   # GPT2Tokenizer's bos, eos and unk token by default: one id, 50256 in GPT-2
 MAX_VOCAB = 65535                # uint16 ids 0..65534 (the size itself fits uint16 too)
 
 
@@ -31,13 +33,17 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _library():
+def library():
+    """The Hugging Face `tokenizers` module (TokenizerError, saying how to install it, without it)."""
     try:
         import tokenizers
     except ImportError:
         raise TokenizerError(f"the BPE tokenizer needs the Hugging Face `tokenizers` library: pip install "
                              f"{TOKENIZERS_PIN} (scripts/setup installs it), or use --tokenizer char.") from None
     return tokenizers
+
+
+_library = library
 
 
 @dataclass(frozen=True)
@@ -114,14 +120,18 @@ def _checked_ids(ids, vocab_size: int) -> np.ndarray:
 
 
 def bpe_vocab_size(text: str) -> int:
-    """Entries of a tokenizer JSON's model vocabulary, read without the library (ValueError if not BPE)."""
+    """Entries of a tokenizer JSON's model vocabulary, read without the library (ValueError if not BPE, or
+    if an added token is not an entry of it: GPT-2's special tokens are, with their own ids)."""
     try:
         spec = json.loads(text)
         vocab = spec["model"]["vocab"]
-        if spec["model"].get("type") != "BPE" or not isinstance(vocab, dict) or spec.get("added_tokens"):
+        added = spec.get("added_tokens") or []
+        if spec["model"].get("type") != "BPE" or not isinstance(vocab, dict) or \
+                any(vocab.get(t["content"]) != t["id"] for t in added):
             raise ValueError
     except (ValueError, KeyError, TypeError, AttributeError):
-        raise ValueError("not the JSON of a byte-level BPE tokenizer without added tokens") from None
+        raise ValueError("not the JSON of a byte-level BPE tokenizer whose added tokens are in its vocabulary") \
+            from None
     return len(vocab)
 
 
@@ -146,9 +156,10 @@ def train_bpe(text: str, vocab_size: int) -> BPETokenizer:
     return BPETokenizer(tok.to_str())
 
 
-def from_gpt2_files(vocab: str, merges: str) -> BPETokenizer:
+def from_gpt2_files(vocab: str, merges: str, special: bool = True) -> BPETokenizer:
     """GPT-2's byte-level BPE from its vocab.json and merges.txt (capstone.hf): the same ids as
-    transformers' GPT2Tokenizer; no special tokens added (<|endoftext|> is an ordinary entry)."""
+    transformers' GPT2Tokenizer, its special tokens matched in the text as one id each (`special_tokens`;
+    False: every text is ordinary bytes, <|endoftext|> 11 tokens of it)."""
     lib = _library()
     try:
         tok = lib.Tokenizer(lib.models.BPE.from_file(vocab, merges))
@@ -156,7 +167,30 @@ def from_gpt2_files(vocab: str, merges: str) -> BPETokenizer:
         raise TokenizerError(f"{vocab} and {merges} are not a GPT-2 BPE vocabulary ({exc}).") from None
     tok.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = lib.decoders.ByteLevel()
+    if special:
+        tok.add_special_tokens([lib.AddedToken(t, special=True) for t in special_tokens(os.path.dirname(vocab),
+                                                                                          tok.get_vocab())])
     return BPETokenizer(tok.to_str())
+
+
+def special_tokens(directory: str, vocab: dict) -> list[str]:
+    """The special tokens GPT2Tokenizer matches in a text of `directory`'s model: GPT-2's <|endoftext|>
+    and those its special_tokens_map.json and tokenizer_config.json name, each one its vocabulary holds
+    (one that it does not would be a new id, beyond the model's embedding: left out)."""
+    names = [GPT2_SPECIAL]
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        try:
+            with open(os.path.join(directory, name)) as f:
+                spec = json.load(f)
+        except (OSError, ValueError):
+            continue
+        values = list(spec.values()) if isinstance(spec, dict) else []
+        values += list((spec.get("added_tokens_decoder") or {}).values()) if isinstance(spec, dict) else []
+        for value in values:
+            content = value.get("content") if isinstance(value, dict) else value
+            if isinstance(content, str) and content in vocab and content not in names:
+                names.append(content)
+    return [t for t in names if t in vocab]
 
 
 def from_description(desc) -> CharTokenizer | BPETokenizer:
@@ -172,6 +206,13 @@ def from_description(desc) -> CharTokenizer | BPETokenizer:
     raise ValueError("not a tokenizer description ({'kind': 'char', 'chars': ...} or {'kind': 'bpe', ...})")
 
 
+def _ids_of(text: str) -> str:
+    """A BPE JSON without its added tokens: what its ids mean."""
+    spec = json.loads(text)
+    spec.pop("added_tokens", None)
+    return json.dumps(spec, sort_keys=True)
+
+
 def _quote(chars) -> str:
     text = "".join(sorted(chars))
     return repr(text if len(text) <= 24 else text[:24]) + ("" if len(text) <= 24 else f" and {len(text) - 24} more")
@@ -183,6 +224,8 @@ def difference(mine, theirs, names=("the checkpoint's", "the dataset's")) -> str
         return f"{names[0]} tokenizer is {mine.kind}, {names[1]} is {theirs.kind}"
     if mine.sha256 == theirs.sha256:
         return ""
+    if mine.kind == "bpe" and _ids_of(mine.json) == _ids_of(theirs.json):
+        return ""    # the same ids, one of them matching special tokens in a text (prepare --no-special-tokens)
     if mine.kind == "bpe":
         return (f"{names[0]} BPE ({mine.vocab_size} tokens, sha256 {mine.sha256[:16]}...) is not {names[1]} "
                 f"({theirs.vocab_size} tokens, sha256 {theirs.sha256[:16]}...)")
