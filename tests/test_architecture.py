@@ -674,3 +674,11 @@ def test_the_memory_formula_is_derived_once():
              and not f.endswith(os.path.join("observe", "accounting.py"))]
     assert users == ["capstone/observe/memory.py"], users
     assert "states(" in open(os.path.join(PACKAGE, "runtime", "preflight.py")).read()
+
+
+def test_refusals_fold_into_their_few_places():
+    """Issue 48: `ConfigError(` sites in capstone/ (62 before the plan and the path classifier) at most 45:
+    a layout refusal is the plan's, a path refusal the classifier's (capstone.paths)."""
+    sites = sum(open(f).read().count("ConfigError(") - open(f).read().count("class ConfigError(")
+                for f in package_files())
+    assert sites <= 45, sites
