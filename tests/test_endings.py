@@ -6,11 +6,14 @@ silently (--preset, the global batch, a warmup longer than --steps, --resume aut
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
+from capstone.checkpoint import files
 from conftest import ROOT, mpi_env, mpirun, step_rows, summary
 from test_deadlines import stalled_run
 from test_observe import printed_steps
@@ -213,3 +216,59 @@ def test_a_time_limit_warning_as_a_run_completes_leaves_it_completed(tmp_path):
     res = late_signal(tmp_path, "SIGUSR1", "--steps", 2)
     assert res.returncode == 0, res.stdout + res.stderr
     assert summary(tmp_path / "run")["status"] == "completed"
+
+
+def test_a_sigterm_at_any_instant_leaves_a_record_that_names_the_newest_checkpoint(tmp_path):
+    """Issue 53, item 1: `timeout 60 mpirun ... python -m capstone.train` (SIGTERM to mpirun, Open MPI's default
+    kill sequence: SIGKILL 2 s later) once left its stop's checkpoint and no summary.json: the ranks were
+    killed during their end-of-run checks. A stop's record is now written as soon as its checkpoint is
+    published. 20 SIGTERMs spread over start-up, the steps, the saves and the end of a run: afterwards, every
+    run that began training has a summary.json whose newest checkpoint is the one `latest` names."""
+    from test_ctrl_c import plain_env
+    flags = ["--steps", "30", "--sleep-per-step", "0.03", "--ckpt-every", "5"]
+
+    def launch(out):
+        return subprocess.Popen(["mpirun", "-n", "2", "python", "-m", "capstone.train", *flags, "--out", str(out)],
+                                env=plain_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    t0 = time.monotonic()
+    assert launch(tmp_path / "timed").wait(timeout=120) == 0
+    whole = time.monotonic() - t0
+    started = 0
+    for i in range(20):
+        out = tmp_path / f"run{i}"
+        proc = launch(out)
+        time.sleep(i * whole / 19)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        if not (out / "metrics.jsonl").exists():
+            continue    # stopped before it began training: nothing to account for
+        started += 1
+        s = summary(out)
+        latest = files.read_pointer(str(out / "checkpoints"))
+        named = s.get("newest_checkpoint") or (s["checkpoints"][-1]["path"] if s.get("checkpoints") else None)
+        assert s["status"] in ("preempted", "completed"), (i, s)
+        assert (named and latest and os.path.samefile(named, latest)) or (named is None and latest is None), (i, s)
+    assert started >= 15, started
+
+
+def test_a_kill_sequence_during_the_end_of_run_checks_keeps_the_stops_record(tmp_path):
+    """The case the issue saw under load, made certain: a stop (--stop-after 4) saves its checkpoint, then the
+    end-of-run checks are slow (rank 0 stalls in invariant (d)'s reload: CAPSTONE_FAULT=stall:0:4:load) and a
+    SIGTERM to mpirun brings Open MPI's kill sequence (SIGKILL 2 s later) before the run's summary: the stop's
+    own record is there, naming its checkpoint. The code before left no summary.json at all."""
+    from test_ctrl_c import plain_env
+    out = tmp_path / "run"
+    proc = subprocess.Popen(["mpirun", "-n", "2", "python", "-m", "capstone.train", "--steps", "10", "--stop-after",
+                             "4", "--ckpt-every", "2", "--out", str(out)], env={**plain_env(),
+                            "CAPSTONE_FAULT": "stall:0:4:load"}, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (out / "checkpoints" / "ckpt-00000004.h5").exists():
+        time.sleep(0.1)
+    time.sleep(1.5)                     # the stop's record, then the stalled reload
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "stalling this rank" in stdout, stdout
+    s = summary(out)
+    assert s["status"] == "preempted" and s["final_step"] == 4, s
+    assert os.path.samefile(s["newest_checkpoint"], out / "checkpoints" / "ckpt-00000004.h5")

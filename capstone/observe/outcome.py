@@ -77,3 +77,16 @@ def last_row(out: str) -> dict | None:
     except OSError:
         return None
     return rows[-1] if rows else None
+
+
+def stopped(run, step: int, why: str | None) -> None:
+    """Rank 0, once a stop's checkpoint is published: summary.json says so at once (preempted at `step`, the
+    newest checkpoint), in case mpirun's kill sequence ends the ranks before their checks and full summary
+    (which replaces this one) are done."""
+    try:
+        newest = files.read_pointer(run.ckpt.directory)
+    except ValueError:
+        newest = None
+    write_json(os.path.join(run.out, "summary.json"),
+               {"status": "preempted", "final_step": step, "reason": why, "newest_checkpoint": newest,
+                "provisional": "the run's own summary replaces this once its checks have run", "time": time.time()})

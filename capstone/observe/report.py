@@ -328,6 +328,8 @@ def stopped(run, step: int, why: str | None) -> None:
     """Collective. The line of a run stopped on request: what asked, what was saved (once it is written: a stop
     waits for the background write), how to go on."""
     run.ckpt.drain()
+    if run.grid.world.rank == 0:   # on record now, before the checks that end a run (capstone.runtime.ending)
+        outcome.stopped(run, step, why)
     if run.opts.quiet:   # the final line says how to go on
         return
     man = run.ckpt.manifests[-1] if run.ckpt.manifests else {"path": run.resumed_from}
