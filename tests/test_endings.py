@@ -272,3 +272,29 @@ def test_a_kill_sequence_during_the_end_of_run_checks_keeps_the_stops_record(tmp
     s = summary(out)
     assert s["status"] == "preempted" and s["final_step"] == 4, s
     assert os.path.samefile(s["newest_checkpoint"], out / "checkpoints" / "ckpt-00000004.h5")
+
+
+def test_a_ctrl_c_during_the_first_save_is_on_record_at_the_next_start(tmp_path):
+    """Issue 53: a Ctrl-C (SIGINT to mpirun's process group, Open MPI's default kill sequence) while the first
+    checkpoint is being written (rank 0 stalled in it: CAPSTONE_FAULT=stall:0:2:save.after_data) kills the ranks
+    before any record: nobody outlives them under plain mpirun, so the next start in the directory writes it
+    first (its newest checkpoint: none, the partial file set aside) and says so, then trains."""
+    from test_ctrl_c import plain_env
+    out = tmp_path / "run"
+    cmd = ["mpirun", "-n", "2", "python", "-m", "capstone.train", "--steps", "4", "--ckpt-every", "2", "--out", str(out)]
+    proc = subprocess.Popen(cmd, env={**plain_env(), "CAPSTONE_FAULT": "stall:0:2:save.after_data"}, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not any(".partial" in p.name for p in (out / "checkpoints").glob("*")):
+        time.sleep(0.05)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "stalling this rank" in stdout, stdout
+    assert not (out / "summary.json").exists() and files.read_pointer(str(out / "checkpoints")) is None
+    again = subprocess.run([*cmd, "--resume", "auto"], env=plain_env(), cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    said = [ln for ln in again.stdout.splitlines() if "the launch ended without the ranks' record" in ln]
+    assert len(said) == 1 and said[0].endswith("its newest checkpoint is none"), again.stdout
+    assert summary(out)["status"] == "completed"

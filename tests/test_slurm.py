@@ -469,3 +469,23 @@ def test_a_run_dir_that_cannot_be_made_is_a_clear_error(tmp_path):
     assert p.returncode == 2, p.stdout + p.stderr
     assert p.stdout.count("error: cannot create the run directory notes (") == 1, p.stdout + p.stderr
     assert "set CAPSTONE_RUN_DIR to a directory" in p.stdout and (tmp_path / "notes").read_text() == "kept"
+
+
+def test_stopping_another_cluster_leaves_munged_to_the_one_running(slurm_conf, tmp_path):
+    """Issue 53, item 7: `local-slurm --stop` of one cluster stopped the munged that it had started when only
+    the other default cluster's pid file said otherwise, so a cluster with its own CAPSTONE_SLURM_DIR (or the
+    single-node one, seen from --nodes) lost its munge authentication mid-job. Now any Slurm daemon still
+    running on the machine keeps munged: a cluster with another state dir, stopped while this one runs, leaves
+    munge working and this cluster taking jobs."""
+    other = tmp_path / "other-cluster"
+    (other / "run").mkdir(parents=True)
+    (other / "run" / "munged.started-by-local-slurm").write_text("")   # as if it had started munged
+    res = subprocess.run(["bash", str(LOCAL_SLURM), "--stop"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "CAPSTONE_SLURM_DIR": str(other)})
+    assert res.returncode == 0, res.stdout + res.stderr
+    munge = subprocess.run("munge -n -S /run/munge/munge.socket.2 | unmunge -S /run/munge/munge.socket.2",
+                           shell=True, capture_output=True, text=True, timeout=30)
+    assert munge.returncode == 0, munge.stdout + munge.stderr
+    ping = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "SLURM_CONF": slurm_conf})
+    assert ping.returncode == 0 and ping.stdout.strip(), ping.stdout + ping.stderr
