@@ -94,28 +94,20 @@ def option_problems(values: dict) -> list[str]:
 
 # ---- the argument types of the test hooks and --pp-layers ----
 
-def spike(text: str) -> tuple[int, float]:
-    step, _, mult = text.partition(":")
-    try:
-        return int(step), float(mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected STEP:MULT like 12:1000, got {text!r}") from None
+def step_pair(kind, default: str, example: str):
+    """The argument type STEP[:X] -> (int STEP, kind(X or default)), refusing with `example`."""
+    def parse(text: str):
+        step, _, rest = text.partition(":")
+        try:
+            return int(step), kind(rest or default)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {example}, got {text!r}") from None
+    return parse
 
 
-def nan_at(text: str) -> tuple[int, int]:
-    step, _, count = text.partition(":")
-    try:
-        return int(step), int(count or 1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected STEP or STEP:COUNT like 7 or 7:3, got {text!r}") from None
-
-
-def from_step(text: str) -> tuple[int, int]:
-    step, _, count = text.partition(":")
-    try:
-        return int(step), int(count or 0)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected STEP or STEP:COUNT like 5 or 5:3, got {text!r}") from None
+spike = step_pair(float, "", "STEP:MULT like 12:1000")                  # --inject-lr-spike
+nan_at = step_pair(int, "1", "STEP or STEP:COUNT like 7 or 7:3")        # --inject-nan
+from_step = step_pair(int, "0", "STEP or STEP:COUNT like 5 or 5:3")     # --inject-grad-sign, --inject-no-update
 
 
 def counts(text: str) -> tuple[int, ...] | None:
