@@ -16,6 +16,8 @@ from capstone.guard import DivergenceError
 from capstone.observe.jsonout import write_json
 from capstone.observe.runlog import parse_lines, step_rows
 
+STOPPING = "stopping"   # a stop's checkpoint is saved, its end-of-run checks not yet run (`stopped`)
+
 
 def held_out(run) -> dict:
     """The held-out losses: at the start, the final one (the current accepted state's, with the step
@@ -80,13 +82,14 @@ def last_row(out: str) -> dict | None:
 
 
 def stopped(run, step: int, why: str | None) -> None:
-    """Rank 0, once a stop's checkpoint is published: summary.json says so at once (preempted at `step`, the
-    newest checkpoint), in case mpirun's kill sequence ends the ranks before their checks and full summary
-    (which replaces this one) are done."""
+    """Rank 0, once a stop's checkpoint is published: summary.json says so at once (status STOPPING at `step`,
+    the newest checkpoint), in case mpirun's kill sequence ends the ranks before their checks and full summary
+    ("preempted", which replaces this one) are done: a reader that finds STOPPING after the run has ended
+    knows the checkpoint was saved and the checks never ran."""
     try:
         newest = files.read_pointer(run.ckpt.directory)
     except ValueError:
         newest = None
     write_json(os.path.join(run.out, "summary.json"),
-               {"status": "preempted", "final_step": step, "reason": why, "newest_checkpoint": newest,
+               {"status": STOPPING, "final_step": step, "reason": why, "newest_checkpoint": newest,
                 "provisional": "the run's own summary replaces this once its checks have run", "time": time.time()})
