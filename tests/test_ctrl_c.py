@@ -230,16 +230,20 @@ def test_scripts_launch_turns_ctrl_c_into_sigusr1(slow_steps):
         files.final_name(s["final_step"])), stdout
 
 
+def launch_slow(out, steps: int, **popen) -> subprocess.Popen:
+    """scripts/launch RUN_DIR mpirun -n 2 ... of 0.5 s steps and no checkpoint cadence, in a session of its own."""
+    return subprocess.Popen([os.path.join(ROOT, "scripts", "launch"), str(out), "mpirun", "-n", "2", "python", "-m",
+                             "capstone.train", "--steps", str(steps), "--sleep-per-step", "0.5", "--ckpt-every", "0",
+                             "--out", str(out)], env={**plain_env(), "CAPSTONE_PYTHON": sys.executable},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **popen)
+
+
 def test_scripts_launch_started_with_ctrl_c_ignored_still_stops_on_it(tmp_path):
     """Issue 53, item 6: a `&` job of a non-interactive shell starts with SIGINT ignored, which bash cannot
     trap; the job around the step (capstone.runtime.job, Python) catches it all the same: Ctrl-C to the
     process group saves and stops (it used to do nothing: the run trained to its end)."""
     out = tmp_path / "bg"
-    proc = subprocess.Popen([os.path.join(ROOT, "scripts", "launch"), str(out), "mpirun", "-n", "2", "python", "-m",
-                             "capstone.train", "--steps", "60", "--sleep-per-step", "0.5", "--ckpt-every", "0",
-                             "--out", str(out)], env={**plain_env(), "CAPSTONE_PYTHON": sys.executable},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc = launch_slow(out, 60, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     deadline = time.time() + 90
     while time.time() < deadline and proc.poll() is None and len([r for r in launched_rows(out) if "step" in r]) < 2:
         time.sleep(0.05)
@@ -256,11 +260,8 @@ def test_a_ctrl_c_as_scripts_launch_starts_is_kept_until_the_ranks_can_act_on_it
     used to be lost (mpirun's first moments drop a SIGUSR1) and the run trained to its end, or to kill
     setsid before it became mpirun (exit 138); now the run stops at a step boundary, saved, exit 0."""
     out = tmp_path / "early"
-    proc = subprocess.Popen([os.path.join(ROOT, "scripts", "launch"), str(out), "mpirun", "-n", "2", "python", "-m",
-                             "capstone.train", "--steps", "40", "--sleep-per-step", "0.5", "--ckpt-every", "0",
-                             "--out", str(out)], env={**plain_env(), "CAPSTONE_PYTHON": sys.executable},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    def launched():   # mpirun is a child of the script (setsid execs it): the script's traps are set by then
+    proc = launch_slow(out, 40)
+    def launched():   # mpirun is a child of the job (capstone.runtime.job, which the script execs)
         children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
         return any(open(f"/proc/{c}/comm").read().strip() in ("setsid", "mpirun") for c in children
                    if os.path.exists(f"/proc/{c}/comm"))
