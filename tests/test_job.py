@@ -47,6 +47,12 @@ def test_the_steps_status_is_the_jobs_and_a_signal_is_said_as_a_shell_says_it(tm
     assert killed.returncode == 143 and "job step exited with status 143" in killed.stdout
 
 
+def test_a_launcher_that_is_not_there_is_said_once_with_a_shells_status(tmp_path):
+    res = job(tmp_path, "no-such-launcher-x", "-n", 2)
+    assert res.returncode == 127 and "Traceback" not in res.stderr, res.stdout + res.stderr
+    assert res.stdout.count("error: ") == 1 and "no-such-launcher-x" in res.stdout
+
+
 def test_a_first_start_refuses_a_default_run_directory_that_holds_a_run(tmp_path):
     held = tmp_path / "slurm-7"
     held.mkdir()

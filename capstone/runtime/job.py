@@ -232,7 +232,11 @@ def run(run_dir: str, command: list[str], env, early: list) -> int:
     catch = (signal.SIGUSR1, signal.SIGINT) if switches.plain else (signal.SIGUSR1,)
     for sig in catch:   # kept while the step starts, acted on once it has
         signal.signal(sig, lambda sig, _: early.append(sig))
-    step = Step(command, switches)
+    try:
+        step = Step(command, switches)
+    except OSError as exc:   # no such launcher (srun, mpirun) on this node's PATH: as a shell says it
+        log(f"error: cannot start the job step {command[0]}: {exc.strerror}")
+        return 127 if isinstance(exc, FileNotFoundError) else 126
     act = {signal.SIGUSR1: step.stop_requested, signal.SIGINT: step.interrupted}
     for sig in catch:
         signal.signal(sig, lambda sig, _: act[sig]())
