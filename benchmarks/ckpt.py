@@ -139,8 +139,8 @@ def write_ranks(args) -> None:
     from capstone.collective import launch
     from capstone.config import ModelConfig
     from capstone.model.params import Layout
-    from capstone.presets import PRESETS
-    from capstone.state import ROWS, ShardState
+    from capstone.flags.presets import PRESETS
+    from capstone.step.state import ROWS, ShardState
     world = launch.world()
     fields = ModelConfig.__dataclass_fields__
     layout = Layout.for_model(ModelConfig(**{k: v for k, v in PRESETS[args.preset].items() if k in fields}), world.size)

@@ -30,7 +30,7 @@ from capstone.parallel.buckets import BucketReducer
 from capstone.parallel.deterministic import DeterministicReducer
 from capstone.parallel.grid import Grid
 from capstone.parallel.reduce import Flags
-from capstone.presets import PRESETS
+from capstone.flags.presets import PRESETS
 from capstone.run import open_run
 from capstone.runtime import heap
 

@@ -28,7 +28,7 @@ from capstone.export import export
 from capstone.model.gpt import logits
 from capstone.model.params import Layout
 from capstone.sample import load_checkpoint, resolve
-from capstone.vocab import SampleError
+from capstone.gpt2.vocab import SampleError
 
 TOLERANCE = 1e-5
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -47,7 +47,7 @@ class Stepper:
     def __init__(self, size: str, seed: int = 0):
         from capstone.config import ModelConfig
         from capstone.data.synthetic import DataStream, make_corpus
-        from capstone.hooks import NONE
+        from capstone.step.hooks import NONE
         from capstone.model.gpt import Model
         from capstone.model.params import Layout, init_params
         from capstone.collective import launch
@@ -254,7 +254,7 @@ def checks(repeats: int) -> None:
     (the `medium` preset's sequences, forward only) on evaluation steps."""
     from capstone.data.heldout import HeldOut
     from capstone.model.fingerprint import fingerprint, sum_squares, word_sum
-    from capstone.presets import PRESETS
+    from capstone.flags.presets import PRESETS
     st = Stepper("medium")
     pre = PRESETS["medium"]
     heldout = HeldOut(st.stream, pre["eval_batches"], pre["eval_batch_size"], st.cfg.seq_len, st.grid.world, 0, 1,

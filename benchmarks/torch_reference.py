@@ -20,7 +20,7 @@ from capstone import cli
 from capstone.config import ConfigError
 from capstone.data import open_data
 from capstone.data.heldout import HeldOut
-from capstone.lr import learning_rate
+from capstone.config import learning_rate
 from capstone.model.params import Layout, init_params
 
 

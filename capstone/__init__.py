@@ -1,5 +1,11 @@
-"""capstone: MiniGPT training on MPI (data, tensor and pipeline parallelism, ZeRO stages 1-3) with sharded
-parallel-HDF5 checkpoints.
+"""capstone: end-to-end training of a GPT on MPI. Data, tensor, pipeline and context parallelism share one
+grid, ZeRO stages 0-3 run under each, and a checkpoint is one parallel-HDF5 file with a sha256 per rank.
+
+The top level reads as the path from the flags to the step: `cli` (the flags) -> `plan` (the layout and
+every layout refusal) -> `run` (the run's objects, built once) -> `modes` (the plan's transformations of the
+one model) -> `train` (the loop), with `config` and `roles` (the parts' Protocols); beside them the commands a user runs without mpirun
+(`prepare`, `export`, `sample`, `plot`). The parts live in subpackages: model, parallel, collective,
+checkpoint, data, observe, runtime, step, flags, gpt2.
 
 Run as `python -m capstone.<command>` from a Python without capstone's libraries (a shell where the venv is
 not active), it says so in one line and how to set up, instead of a ModuleNotFoundError traceback."""

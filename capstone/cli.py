@@ -12,10 +12,12 @@ import os
 import sys
 from dataclasses import dataclass
 
-from capstone import plan, usage
+from capstone import plan
+
+from capstone.flags import usage
 from capstone.config import ConfigError, ModelConfig, TrainConfig, problems_error
-from capstone.options import RunOptions
-from capstone.presets import PRESETS, preset_values
+from capstone.flags.options import RunOptions
+from capstone.flags.presets import PRESETS, preset_values
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                 description="Train the MiniGPT on MPI (data, tensor and pipeline parallelism; ZeRO stages 0-3) with "
                             "sharded HDF5 checkpoints; run under mpirun/srun (any number of ranks). Checks the four invariants and exits non-zero if one fails.")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="named settings (capstone/presets.py); explicit flags override them; on --resume the "
+                   help="named settings (capstone/flags/presets.py); explicit flags override them; on --resume the "
                         "checkpoint's settings win and a preset that contradicts them is refused "
                         "(default: 'reference')")
     g = p.add_argument_group("model")
@@ -239,7 +241,7 @@ def _finetune_flags(p) -> None:
 
 
 def _fault_flags(p) -> None:
-    """The test hooks of invariant (a) (capstone.faults), after the others."""
+    """The test hooks of invariant (a) (capstone.runtime.faults), after the others."""
     g = p.add_argument_group("test hooks for invariant (a)")
     g.add_argument("--inject-grad-sign", type=usage.from_step, default=None, metavar="STEP[:COUNT]",
                    help="negate the summed gradient from step STEP on (COUNT steps; default: to the end)")

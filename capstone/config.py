@@ -124,6 +124,10 @@ class TrainConfig:
                  f"{self.grad_accum}; choose a world size or --grad-accum that divides it, or --global-batch 0.")
         return per
 
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (1-based) under this run's schedule."""
+        return learning_rate(step, self.lr, self.steps, self.lr_schedule, self.warmup_steps, self.min_lr)
+
     def __post_init__(self):
         _require = _Checks()
         for name in ("steps", "batch_size", "grad_accum", "max_rollbacks", "eval_every", "eval_batches",
@@ -158,3 +162,17 @@ class TrainConfig:
                      f"{self.steps} or fewer (a tenth of the run is common: --warmup-steps "
                      f"{max(1, self.steps // 10)}), or more --steps.")
         _require.done()
+
+
+def learning_rate(step: int, lr: float, steps: int, kind: str = "constant", warmup: int = 0, min_lr: float = 0.0) -> float:
+    """Linear warmup, then constant or cosine decay towards min_lr. The cosine reaches min_lr one step
+    after the last, so the last step still updates (with min_lr 0, a schedule that hit it on the last
+    step would make that step a no-op)."""
+    if warmup > 0 and step <= warmup:
+        return lr * step / warmup
+    if kind == "constant":
+        return lr
+    if kind == "cosine":
+        progress = min(1.0, (step - warmup - 1) / max(1, steps - warmup))
+        return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown schedule {kind!r}: use 'constant' or 'cosine'")

@@ -15,124 +15,23 @@ umask's mode. Exit codes: 0 ok; 1 not a valid checkpoint; 2 bad arguments.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import hashlib
 import json
 import os
 import sys
 
 import numpy as np
 
-from capstone import paths
+from capstone.flags import paths
 from capstone.checkpoint import CheckpointError, serial
 from capstone.config import ConfigError, ModelConfig
-from capstone.model.params import Layout, param_shapes
-from capstone.pipe import run_tool
-from capstone.vocab import SampleError
+from capstone.model.params import Layout
+from capstone.flags.pipe import run_tool
+from capstone.gpt2 import tensors
+from capstone.gpt2.vocab import SampleError
 
-SAFETENSORS_PIN = "safetensors==0.8.0"
-FORMAT = "capstone-gpt2"
-DIGEST_KEY = "tensor_sha256"     # metadata: sha256 of the tensors (`tensor_digest`), verified by --init-from
 HF_FILES = paths.HF_FILES
 MODEL_DIRECTORIES = (paths.Kind.HF_MODEL, paths.Kind.HF_HALF, paths.Kind.HF_PICKLE)   # --format hf --force replaces
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")   # torch.save's and pickle's names
-LAYER_NORM_EPS = 1e-5            # capstone.model.kernels._ln_fwd
-BLOCK = {"ln_1.w": "ln_1.weight", "ln_1.b": "ln_1.bias", "attn.c_attn.w": "attn.c_attn.weight",
-         "attn.c_attn.b": "attn.c_attn.bias", "attn.c_proj.w": "attn.c_proj.weight", "attn.c_proj.b": "attn.c_proj.bias",
-         "ln_2.w": "ln_2.weight", "ln_2.b": "ln_2.bias", "mlp.c_fc.w": "mlp.c_fc.weight", "mlp.c_fc.b": "mlp.c_fc.bias",
-         "mlp.c_proj.w": "mlp.c_proj.weight", "mlp.c_proj.b": "mlp.c_proj.bias"}
-TOP = {"wte": "transformer.wte.weight", "wpe": "transformer.wpe.weight", "ln_f.w": "transformer.ln_f.weight",
-       "ln_f.b": "transformer.ln_f.bias", "lm_head.b": "lm_head.bias"}
-
-
-def gpt2_name(name: str) -> str:
-    """The GPT-2 name of a capstone parameter (`h3.attn.c_attn.w` -> `transformer.h.3.attn.c_attn.weight`)."""
-    if name in TOP:
-        return TOP[name]
-    if name == "lm_head.w":
-        return "lm_head.weight"
-    layer, _, rest = name.partition(".")
-    return f"transformer.h.{int(layer[1:])}.{BLOCK[rest]}"
-
-
-def named_tensors(views: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """GPT-2 name -> contiguous float32 array, for the layout's entries (`Layout.views`); lm_head.weight
-    transposed to (vocab, d_model)."""
-    return {gpt2_name(n): np.ascontiguousarray(a.T if n == "lm_head.w" else a, dtype=np.float32)
-            for n, a in views.items()}
-
-
-def digest_update(h, name: str, a: np.ndarray) -> None:
-    """Feed one tensor to the sha256 `h`: its name, dtype and shape (a text line), then its little-endian
-    bytes in C order."""
-    a = np.ascontiguousarray(a, dtype=np.dtype(a.dtype).newbyteorder("<"))
-    h.update(f"{name} {a.dtype.str} {list(a.shape)}\n".encode())
-    h.update(a.tobytes())
-
-
-def tensor_digest(tensors: dict[str, np.ndarray]) -> str:
-    """sha256 hex of the tensors in name order (`digest_update`): what an export records under DIGEST_KEY."""
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        digest_update(h, name, tensors[name])
-    return h.hexdigest()
-
-
-def check_digest(target: str, want: str | None, got: str) -> None:
-    """CheckpointError (exit 1) if an export's recorded digest `want` (None: none recorded) is not `got`."""
-    if want is not None and want != got:
-        raise CheckpointError(f"--init-from {target}: its tensor data does not match the sha256 its export recorded "
-                              f"({DIGEST_KEY} {want[:12]}..., the data's {got[:12]}...): the file was damaged or "
-                              f"altered after it was written. Export the checkpoint again (python -m capstone.export "
-                              f"RUN_DIR --out ...) and pass the new export.")
-
-
-def absent_biases(cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Zeros for the biases a --no-bias model does not have (GPT-2 has them; zero is the same function)."""
-    whole = dict(param_shapes(dataclasses.replace(cfg, bias=True)))
-    return {name: np.zeros(whole[name], np.float32) for name, shape in param_shapes(cfg, absent=True) if shape is None}
-
-
-def gpt2_tensors(params: np.ndarray, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """The tensors of a 1-rank parameter vector of model `cfg` (`named_tensors` of its layout)."""
-    return named_tensors(Layout.for_model(cfg, 1).views(params))
-
-
-def gpt2_config(cfg: ModelConfig, head_bias: bool = True) -> dict:
-    """The Hugging Face GPT2Config fields this model has, plus what GPT-2 lacks (an untied head, its bias if any)."""
-    return {"model_type": "gpt2", "vocab_size": cfg.vocab_size, "n_positions": cfg.seq_len, "n_ctx": cfg.seq_len,
-            "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": 4 * cfg.d_model,
-            "layer_norm_epsilon": LAYER_NORM_EPS, "activation_function": "gelu_new",
-            "tie_word_embeddings": cfg.tie_embeddings,
-            "lm_head_bias": head_bias, "scale_attn_weights": True}
-
-
-def metadata(meta: dict, cfg: ModelConfig, path: str, head_bias: bool = True) -> dict[str, str]:
-    """safetensors metadata (strings only): format, configs, provenance and the tokenizer, as JSON text."""
-    tokenizer = (meta.get("data") or {}).get("tokenizer")
-    out = {"format": FORMAT, "format_version": "1",
-           "gpt2_config": json.dumps(gpt2_config(cfg, head_bias), sort_keys=True),
-           "capstone_model_config": json.dumps(dataclasses.asdict(cfg), sort_keys=True), "step": str(meta["step"]),
-           "checkpoint": os.path.basename(path), "weights": "Conv1D (in, out); lm_head.weight (out, in)"}
-    if tokenizer is not None:
-        out["tokenizer"] = json.dumps(tokenizer, sort_keys=True)
-    if meta.get("judged", True) is False:   # a stop's checkpoint the guard never judged: --init-from refuses it
-        out["judged"] = "false"
-    return out
-
-
-def _safetensors():
-    try:
-        from safetensors import numpy as st
-    except ImportError:
-        raise SampleError(2, f"export needs the `safetensors` library: pip install {SAFETENSORS_PIN} "
-                             f"(scripts/setup installs it).") from None
-    return st
-
-
-def _save_file():
-    """safetensors.numpy.save_file, or SampleError(2) with the install command (capstone.finetune)."""
-    return _safetensors().save_file
 
 
 def check_out(out: str, fmt: str, force: bool) -> None:
@@ -181,7 +80,7 @@ def hf_config(cfg: ModelConfig) -> dict:
     which lie outside this vocabulary)."""
     return {"activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.0,
             "bos_token_id": None, "dtype": "float32", "embd_pdrop": 0.0, "eos_token_id": None,
-            "initializer_range": 0.02, "layer_norm_epsilon": LAYER_NORM_EPS, "model_type": "gpt2",
+            "initializer_range": 0.02, "layer_norm_epsilon": tensors.LAYER_NORM_EPS, "model_type": "gpt2",
             "n_ctx": cfg.seq_len, "n_embd": cfg.d_model, "n_head": cfg.n_heads, "n_inner": 4 * cfg.d_model,
             "n_layer": cfg.n_layers, "n_positions": cfg.seq_len, "reorder_and_upcast_attn": False,
             "resid_pdrop": 0.0, "scale_attn_by_inverse_layer_idx": False, "scale_attn_weights": True,
@@ -197,15 +96,15 @@ def write_hf(views: dict[str, np.ndarray], cfg: ModelConfig, md: dict, out: str,
                              "GPT2LMHeadModel.from_pretrained would drop it and its logits would differ by it. Export "
                              "a model trained with --no-head-bias, or drop --format hf: the default safetensors file "
                              "keeps the bias (docs/export.md shows a PyTorch module that loads it).")
-    tensors = named_tensors({**views, **absent_biases(cfg)})
-    md = {"capstone_format": md.pop("format"), **md, DIGEST_KEY: tensor_digest(tensors), "format": "pt"}
+    named = tensors.named_tensors({**views, **tensors.absent_biases(cfg)})
+    md = {"capstone_format": md.pop("format"), **md, tensors.DIGEST_KEY: tensors.tensor_digest(named), "format": "pt"}
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as exc:
         raise SampleError(2, f"cannot create {out} ({exc}); check the path and its permissions.") from None
-    write_bytes(save(tensors, metadata=md), os.path.join(out, HF_FILES[1]))
+    write_bytes(save(named, metadata=md), os.path.join(out, HF_FILES[1]))
     write_bytes((json.dumps(hf_config(cfg), indent=2, sort_keys=True) + "\n").encode(), os.path.join(out, HF_FILES[0]))
-    return tensors
+    return named
 
 
 def write_tokenizer(tokenizer: str | None, cfg: ModelConfig, out: str) -> list[str]:
@@ -241,20 +140,20 @@ def export(target: str, out: str, fmt: str = "safetensors", force: bool = False)
     """Write the checkpoint `target` (a run directory or ckpt file) to `out` (a file, or for fmt "hf" a
     directory); returns a summary."""
     check_out(out, fmt, force)
-    st = _safetensors()
+    st = tensors.library()
     path, meta, cfg, views = _load(target)
     if fmt == "hf":
-        md = metadata(meta, cfg, path, head_bias=False)
-        tensors = write_hf(views, cfg, dict(md), out, st.save)
+        md = tensors.metadata(meta, cfg, path, head_bias=False)
+        named = write_hf(views, cfg, dict(md), out, st.save)
         tokenizer = write_tokenizer(md.get("tokenizer"), cfg, out)
         size = sum(os.path.getsize(os.path.join(out, n)) for n in HF_FILES + tuple(tokenizer))
     else:
-        tensors = named_tensors(views)
-        md = {**metadata(meta, cfg, path, "lm_head.b" in views), DIGEST_KEY: tensor_digest(tensors)}
-        write_bytes(st.save(tensors, metadata=md), out)
+        named = tensors.named_tensors(views)
+        md = {**tensors.metadata(meta, cfg, path, "lm_head.b" in views), tensors.DIGEST_KEY: tensors.tensor_digest(named)}
+        write_bytes(st.save(named, metadata=md), out)
         size = os.path.getsize(out)
-    return {"checkpoint": path, "step": meta["step"], "tensors": len(tensors),
-            "parameters": int(sum(a.size for a in tensors.values())), "bytes": size,
+    return {"checkpoint": path, "step": meta["step"], "tensors": len(named),
+            "parameters": int(sum(a.size for a in named.values())), "bytes": size,
             "judged": meta.get("judged", True) is not False, "format": fmt,
             "tokenizer": tokenizer if fmt == "hf" else None}
 

@@ -14,7 +14,7 @@ import sys
 
 from capstone.observe.runlog import (Run, clip_level, event_steps, memory_rows, number, phase_order, read_run, resume_steps,
                      run_labels, series, timing_parts, x_of_step)
-from capstone.pipe import run_tool
+from capstone.flags.pipe import run_tool
 
 INSTALL = "pip install matplotlib   (or: pip install -e '.[plot]')"
 MIB, KIB = 1024 * 1024, 1024
@@ -211,7 +211,7 @@ def main(argv=None) -> int:
         skipped = f", {run.skipped_lines} unparsable line(s) skipped" if run.skipped_lines else ""
         lines.append(f"{run.path}: {len(run.rows)} steps, {state}{skipped}")
     lines += [f"wrote {path}" for path in paths]
-    print("\n".join(lines))          # a reader gone early (`plot RUN | head -1`): capstone.pipe
+    print("\n".join(lines))          # a reader gone early (`plot RUN | head -1`): capstone.flags.pipe
     return 0
 
 

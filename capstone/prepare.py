@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from capstone import paths
+from capstone.flags import paths
 from capstone.config import ConfigError
 from capstone.data.dataset import (DTYPE_NAME, FORMAT, META_FILE, TOKENIZER_FILE, VERSION, DatasetError,
                                    identity, load_meta)
 from capstone.data.sources import RECIPES, PrepareError, Text, read_inputs
 from capstone.data.tokenizer import MAX_VOCAB, BPETokenizer, CharTokenizer, check_bpe_options, train_bpe
-from capstone.pipe import run_tool
+from capstone.flags.pipe import run_tool
 
 VAL_FRACTION = 10               # the last 1/10 of the characters is the validation split
 MIN_VAL_TOKENS = 2              # one input and one target
@@ -226,7 +226,7 @@ def prepare(inputs: list[str], out: str, members: str | None = None, tokenizer: 
             vocab_size: int | None = None, force: bool = False, vocab_from: str | None = None,
             tokenizer_from: str | None = None, special: bool = True) -> dict:
     """Check everything, then write DIR; returns a summary. Raises PrepareError (nothing written).
-    `tokenizer_from`: a GPT-2 directory whose vocab.json + merges.txt tokenize the text (capstone.hf),
+    `tokenizer_from`: a GPT-2 directory whose vocab.json + merges.txt tokenize the text (capstone.gpt2.hf),
     its special tokens (<|endoftext|>) matched as one id each unless `special` is False."""
     paths.refuse("prepare --out", out, PrepareError)
     if tokenizer == "char" and vocab_size is not None:
@@ -238,7 +238,7 @@ def prepare(inputs: list[str], out: str, members: str | None = None, tokenizer: 
         tokenizer = load_meta(vocab_from, "--vocab-from").tokenizer.kind   # a bad directory: its DatasetError, before reading
     given = None
     if tokenizer_from is not None:
-        from capstone.hf import gpt2_tokenizer
+        from capstone.gpt2.hf import gpt2_tokenizer
         given, tokenizer = gpt2_tokenizer(tokenizer_from, special), "bpe"
     texts = read_inputs(inputs, members)
     data = build(texts, tokenizer, vocab_size, vocab_from, given)

@@ -17,17 +17,17 @@ import numpy as np
 
 from capstone.model.fingerprint import fingerprint
 from capstone.model.params import Layout
-from capstone.state import RunState, ShardState
+from capstone.step.state import RunState, ShardState
 
 if TYPE_CHECKING:   # the parts' classes, named for the reader (no import at run time)
     from capstone.checkpoint.cadence import Cadence
     from capstone.checkpoint.saver import Checkpointer
     from capstone.config import ModelConfig, TrainConfig
     from capstone.data.heldout import HeldOut
-    from capstone.guard import Guard
-    from capstone.hooks import Hooks
+    from capstone.step.guard import Guard
+    from capstone.step.hooks import Hooks
     from capstone.observe.report import MetricsLog
-    from capstone.options import RunOptions
+    from capstone.flags.options import RunOptions
     from capstone.parallel.grid import Grid
     from capstone.parallel.reduce import GradReducer
     from capstone.parallel.zero import ZeroAdam
@@ -109,7 +109,7 @@ class Run:
     metrics: MetricsLog | None = None
     segment_start: tuple = (None, None)    # (held-out loss, best held-out loss) where this segment began
     resumed_from: str | None = None
-    init_from: dict | None = None          # --init-from: the weights this run started from (capstone.finetune)
+    init_from: dict | None = None          # --init-from: the weights this run started from (capstone.gpt2.finetune)
 
     def final_fingerprint(self) -> tuple[float, str]:
         """Collective: the fingerprint of the whole model's parameters."""

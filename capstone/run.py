@@ -22,23 +22,23 @@ from capstone.checkpoint import background, files, judge, kept, resume, rundir
 from capstone.checkpoint.cadence import Cadence
 from capstone.checkpoint.saver import Checkpointer, RunIdentity
 from capstone.cli import Settings
-from capstone.presets import check_preset
+from capstone.flags.presets import check_preset
 from capstone.collective.agree import agreed
 from capstone.config import ConfigError
-from capstone.options import RunOptions
+from capstone.flags.options import RunOptions
 from capstone.data import open_data
 from capstone.data.tokens import identity, load_meta
-from capstone.guard import Guard
-from capstone.hooks import Hooks
+from capstone.step.guard import Guard
+from capstone.step.hooks import Hooks
 from capstone.model.params import Layout
 from capstone.observe import provenance, report
 from capstone.collective.comm import Comm
 from capstone.parallel.grid import Grid
 from capstone.plan import Plan
-from capstone.state import ROWS
+from capstone.step.state import ROWS
 from capstone.roles import Run
 from capstone.runtime import ending, lock, preflight
-from capstone.state import RunState
+from capstone.step.state import RunState
 
 TIMEOUT_RECORD = "collective-timeout.json"   # in the run directory, written by a rank whose collective timed out
 
@@ -82,7 +82,7 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
             settings = settings.on_top_of(saved["model_config"], saved["train_config"])
         elif settings.deferred:   # --resume auto starting fresh: the flags alone must make a valid run
             raise ConfigError(settings.deferred)
-        elif opts.init_from:      # fine-tuning: the source's model and weights (capstone.finetune)
+        elif opts.init_from:      # fine-tuning: the source's model and weights (capstone.gpt2.finetune)
             source, settings = _init_from(world, settings)
         elif settings.train.data and "vocab_size" not in settings.explicit:
             vocab = _agreed(world, lambda: load_meta(settings.train.data).vocab_size)
@@ -163,7 +163,7 @@ def _check_same_data(world: Comm, settings: Settings, saved: dict, path: str) ->
 def _init_from(world: Comm, settings: Settings):
     """--init-from on a fresh start: (the Source, the settings with its model), the new data's
     vocabulary checked against the source's (ConfigError/CheckpointError on every rank)."""
-    from capstone import finetune
+    from capstone.gpt2 import finetune
     source = finetune.fetch(world, settings.opts.init_from, settings.explicit.get("seq_len"))
     data = settings.train.data
     finetune.check_vocabulary(source, _agreed(world, lambda: identity(load_meta(data))) if data else {}, data)
@@ -196,11 +196,11 @@ def build(world: Comm, settings: Settings, out: str, hooks: Hooks | None = None,
 
 
 def _hooks(world: Comm, opts: RunOptions) -> Hooks:
-    """The test seam: fault injection when a test asks for it (capstone.faults), else nothing."""
+    """The test seam: fault injection when a test asks for it (capstone.runtime.faults), else nothing."""
     hooks = Hooks()
     if os.environ.get("CAPSTONE_FAULT") or os.environ.get("CAPSTONE_FAULT_PIDS") or opts.inject_lr_spike \
             or opts.inject_nan or opts.sleep_per_step or opts.inject_grad_sign or opts.inject_no_update:
-        from capstone.faults import Faults
+        from capstone.runtime.faults import Faults
         hooks = Faults(world.rank, opts.inject_lr_spike, opts.inject_nan, opts.sleep_per_step, opts.inject_grad_sign,
                        opts.inject_no_update)
     world.hooks = hooks   # every collective is a hook point (capstone.collective.comm)

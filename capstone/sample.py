@@ -2,9 +2,9 @@
 
 Reads a sharded checkpoint of any world size with serial h5py, refuses it exactly when
 `python -m capstone.checkpoint verify` does, reassembles the master parameters and samples
-(capstone.generate: temperature, top-k, top-p, seeded, KV cache). A checkpoint records its dataset's
+(capstone.gpt2.generate: temperature, top-k, top-p, seeded, KV cache). A checkpoint records its dataset's
 tokenizer, so it decodes on its own; older ones (and --data) use a prepared dataset, which must be the
-one the run was trained on (capstone.vocab). Every flag is checked first. Exit codes: 0 ok; 1 not a
+one the run was trained on (capstone.gpt2.vocab). Every flag is checked first. Exit codes: 0 ok; 1 not a
 valid checkpoint; 2 bad arguments, missing data or a different dataset.
 """
 
@@ -19,9 +19,9 @@ import numpy as np
 
 from capstone.checkpoint import CheckpointError, serial
 from capstone.config import ConfigError, ModelConfig
-from capstone.generate import KVCache, generate, pick  # noqa: F401  (capstone.sample.KVCache etc., as before)
-from capstone.pipe import run_tool
-from capstone.vocab import SampleError, Vocab, load_vocab
+from capstone.gpt2.generate import KVCache, generate, pick  # noqa: F401  (capstone.sample.KVCache etc., as before)
+from capstone.flags.pipe import run_tool
+from capstone.gpt2.vocab import SampleError, Vocab, load_vocab
 
 
 def resolve(target: str) -> str:

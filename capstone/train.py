@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from capstone import checkpoint, cli, invariants, lr
+from capstone import checkpoint, cli
+
+from capstone.observe import invariants
 from capstone.checkpoint import best, judge
 from capstone.checkpoint.cadence import Due
 from capstone.config import ConfigError
-from capstone.guard import DivergenceError
+from capstone.step.guard import DivergenceError
 from capstone.observe import memory, outcome, report, verdict
 from capstone.observe.timer import PhaseTimer
 from capstone.collective import launch
@@ -69,7 +71,7 @@ def train_step(run: Run, s: int, writing: bool = False) -> StepResult:
     with timer("reduce"):
         stats = run.reducer.finish(losses, Flags(stop.requested(), run.cadence.clock_due(), writing))
         run.hooks.reduced(s, run.reducer.grad_shard)
-    r = StepResult(s, stats.loss, stats.norm, run.hooks.learning_rate(s, lr.at_step(s, tcfg)),
+    r = StepResult(s, stats.loss, stats.norm, run.hooks.learning_rate(s, tcfg.lr_at(s)),
                    (state.cursor, state.cursor + run.global_batch), run.cadence.due(s, stats.flags))
     if r.due.abandon:   # a signal: this step stops here, its update never applied (`save_on_stop`)
         return r

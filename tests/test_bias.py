@@ -11,10 +11,10 @@ import pytest
 from conftest import mpirun, step_rows
 
 from capstone.config import ModelConfig
-from capstone.generate import KVCache
+from capstone.gpt2.generate import KVCache
 from capstone.model.gpt import logits, loss_and_grad
 from capstone.model.params import Layout, init_params
-from capstone.presets import PRESETS
+from capstone.flags.presets import PRESETS
 
 CFG = ModelConfig(vocab_size=13, seq_len=6, d_model=8, n_heads=2, n_layers=2, bias=False)
 

@@ -19,6 +19,7 @@ from safetensors.numpy import load_file
 from conftest import ROOT, flip_shard_byte, mpi_env, mpirun
 
 from capstone import export
+from capstone.gpt2 import tensors as gpt2_tensors
 from capstone.data.tokenizer import TOKENIZERS_PIN
 from capstone.model.gpt import logits
 from capstone.model.params import Layout
@@ -67,7 +68,7 @@ def test_gpt2_names_shapes_and_values(exported):
     assert np.array_equal(tensors["lm_head.weight"], p["lm_head.w"].T)
     assert np.array_equal(tensors["transformer.h.2.attn.c_attn.weight"], p["h2.attn.c_attn.w"])
     for name, array in p.items():
-        got = tensors[export.gpt2_name(name)]
+        got = tensors[gpt2_tensors.gpt2_name(name)]
         assert np.array_equal(got.T if name == "lm_head.w" else got, array), name
     assert sum(t.size for t in tensors.values()) == Layout.for_model(cfg, 1).n_params
 
@@ -259,7 +260,7 @@ def test_format_hf_loads_in_transformers_with_capstones_logits(run, tmp_path):
     want = logits(layout.groups(params), ids, cfg).reshape(4, cfg.seq_len, -1)
     no_bias = {name: a for name, a in views.items() if name != "lm_head.b"}
     out = str(tmp_path / "hf")
-    export.write_hf(no_bias, cfg, export.metadata(meta, cfg, path, head_bias=False), out, export._safetensors().save)
+    export.write_hf(no_bias, cfg, gpt2_tensors.metadata(meta, cfg, path, head_bias=False), out, gpt2_tensors.library().save)
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     r = hf_logits(python, out, ids, want, tmp_path)
     assert r["missing"] == [] and r["unexpected"] == [] and r["mismatched"] == [], r
@@ -292,7 +293,7 @@ def test_format_hf_of_a_model_trained_without_a_head_bias(tmp_path, model):
 def test_pins_agree_everywhere():
     """tokenizers and safetensors: one version in the code, scripts/setup, environment.yml, pyproject.toml and the
     bare-Debian check."""
-    pins = {TOKENIZERS_PIN, export.SAFETENSORS_PIN}
+    pins = {TOKENIZERS_PIN, gpt2_tensors.SAFETENSORS_PIN}
     read = {name: open(os.path.join(ROOT, *name.split("/"))).read()
             for name in ("scripts/setup", "environment.yml", "pyproject.toml", "scripts/check-bare-debian")}
     for pin in pins:

@@ -202,7 +202,9 @@ def test_an_export_takes_the_training_settings_of_the_preset_given():
     which an export without a --preset gets; a flag still wins; the note names the preset."""
     import numpy as np
 
-    from capstone import cli, finetune
+    from capstone import cli
+
+    from capstone.gpt2 import finetune
     for argv, want in [(["--preset", "gpt2"], {"lr": 3e-5, "lr_schedule": "constant", "weight_decay": 0.0}),
                        (["--preset", "gpt2", "--lr", "1e-5"], {"lr": 1e-5, "lr_schedule": "constant"}),
                        ([], {"lr": 3e-4, "lr_schedule": "cosine", "weight_decay": 0.1})]:

@@ -1,4 +1,4 @@
-"""A Hugging Face GPT-2 directory in and out (capstone.hf, docs/gpt2.md): `--init-from DIR` reads
+"""A Hugging Face GPT-2 directory in and out (capstone.gpt2.hf, docs/gpt2.md): `--init-from DIR` reads
 config.json + model.safetensors (both key sets) without torch, refuses what capstone cannot
 compute, crops the positions to --seq-len; `prepare --tokenizer-from DIR` tokenizes with its
 vocab.json + merges.txt. The round trip runs transformers in the torch venv (TORCH_PYTHON): a tiny
@@ -16,7 +16,10 @@ from safetensors.numpy import load_file, save_file
 from conftest import ROOT, mpirun
 from test_export import hf_logits, torch_python
 
-from capstone import export, hf
+from capstone import export
+from capstone.gpt2 import tensors as gpt2_tensors
+
+from capstone.gpt2 import hf
 from capstone.config import ConfigError, ModelConfig
 from capstone.data.tokenizer import train_bpe
 from capstone.model.gpt import logits
@@ -39,7 +42,7 @@ def capstone_logits(cfg: ModelConfig, params: np.ndarray, ids: np.ndarray) -> np
 def write_dir(path, cfg: ModelConfig, params, prefixed: bool = True, **config) -> None:
     """A GPT-2 directory of capstone weights, as save_pretrained (`transformer.` names) or the hub (none)."""
     os.makedirs(path, exist_ok=True)
-    tensors = export.named_tensors(Layout.for_model(cfg, 1).views(params))
+    tensors = gpt2_tensors.named_tensors(Layout.for_model(cfg, 1).views(params))
     if not prefixed:
         tensors = {k.removeprefix("transformer."): v for k, v in tensors.items()}
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
@@ -209,7 +212,7 @@ def test_a_gpt2_directory_s_vocabulary_refusals_name_its_tokenizer(tmp_path):
     """A Hugging Face directory's advice is `prepare --tokenizer-from DIR` (it has no dataset for --vocab-from);
     one without a tokenizer says so, and one with half of it names the missing file (was: "trained on the
     synthetic corpus" and --vocab-from <the source run's dataset directory>)."""
-    from capstone import finetune
+    from capstone.gpt2 import finetune
     from capstone.data.tokenizer import _library
     cfg = ModelConfig(vocab_size=300, seq_len=8, d_model=16, n_heads=2, n_layers=1, head_bias=False)
     model = str(tmp_path / "m")

@@ -11,8 +11,8 @@ from mpi4py import MPI
 
 from capstone.cli import RunOptions, Settings
 from capstone.config import ModelConfig, TrainConfig
-from capstone.guard import Guard
-from capstone.lr import learning_rate
+from capstone.step.guard import Guard
+from capstone.config import learning_rate
 from capstone.collective.comm import Comm
 from capstone.run import build
 
@@ -253,7 +253,7 @@ def test_a_violated_invariant_fails_the_run(tmp_path):
 def test_state_finiteness_sees_one_bad_value_anywhere(bad):
     """ShardState.finite (the update's verdict) checks rows of 1024 values with one BLAS pass and
     the tail apart: one bad value in any array, in a full row or in the tail, is seen."""
-    from capstone.state import ShardState
+    from capstone.step.state import ShardState
     n = 3 * 1024 + 5
     for row in range(3):
         for i in (0, 1023, 2048 + 17, n - 1):

@@ -17,7 +17,10 @@ from conftest import mpirun
 from test_finetune import run_module
 from test_gpt2_hf import write_dir
 
-from capstone import export, finetune, hf
+from capstone import export
+from capstone.gpt2 import tensors as gpt2_tensors
+
+from capstone.gpt2 import finetune, hf
 from capstone.checkpoint import CheckpointError
 from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout, init_params
@@ -74,7 +77,7 @@ def test_both_exports_record_a_tensor_digest_that_init_from_checks(run, tmp_path
     for source in (run / "x.safetensors", run / "hf" / "model.safetensors"):
         with safe_open(str(source), framework="numpy") as f:
             meta = f.metadata()
-        assert meta[export.DIGEST_KEY] == export.tensor_digest(load_file(str(source)))
+        assert meta[gpt2_tensors.DIGEST_KEY] == gpt2_tensors.tensor_digest(load_file(str(source)))
         assert all(isinstance(v, str) for v in meta.values())
     shutil.copy(run / "x.safetensors", tmp_path / "x.safetensors")
     shutil.copytree(run / "hf", tmp_path / "hf")
@@ -96,7 +99,7 @@ def test_non_finite_weights_are_refused_from_any_source(run, tmp_path):
         meta = f.metadata()
     tensors["transformer.h.0.mlp.c_fc.bias"][0] = np.inf
     save_file(tensors, str(tmp_path / "inf.safetensors"),
-              metadata={**meta, export.DIGEST_KEY: export.tensor_digest(tensors)})
+              metadata={**meta, gpt2_tensors.DIGEST_KEY: gpt2_tensors.tensor_digest(tensors)})
     for source, tensor in ((tmp_path / "foreign", "wte"), (tmp_path / "inf.safetensors", "h0.mlp.c_fc.b")):
         with pytest.raises(CheckpointError, match="1 of its weights are NaN or infinite") as exc:
             finetune.read(str(source))

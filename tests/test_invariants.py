@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from capstone import invariants
+from capstone.observe import invariants
 from capstone.observe import verdict
 from capstone.model.fingerprint import fingerprint, word_sum
 

@@ -1,6 +1,6 @@
 """Invariant (a) separates runs that learn from runs that do not: a table of real runs (2 ranks, a few
 seconds each), healthy ones exit 0 (overfitting and noise reported plainly), broken ones fail (a) on
-the check that names their fault; and the statistics of capstone.invariants.learns in unit form.
+the check that names their fault; and the statistics of capstone.observe.invariants.learns in unit form.
 
 `pytest -s tests/test_learning.py` prints each case's magnitudes."""
 
@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from capstone import invariants
+from capstone.observe import invariants
 from capstone.config import TrainConfig
 from capstone.observe import verdict
-from capstone.state import RunState
+from capstone.step.state import RunState
 
 from conftest import ROOT, mpi_env, mpirun, step_rows, summary
 

@@ -1,4 +1,4 @@
-"""The one path classifier (capstone.paths, issue 48 item 4): each kind from a real layout on disk, the
+"""The one path classifier (capstone.flags.paths, issue 48 item 4): each kind from a real layout on disk, the
 partial cases, which kinds each command takes (a spec written out here: a command that takes a kind it
 should refuse fails), and the refusal's words: what the path is and what the flag takes."""
 
@@ -12,9 +12,9 @@ import pytest
 
 from conftest import ROOT
 
-from capstone import paths
+from capstone.flags import paths
 from capstone.config import ConfigError
-from capstone.paths import Kind
+from capstone.flags.paths import Kind
 
 K = Kind
 
@@ -121,7 +121,8 @@ def test_no_command_takes_a_kind_it_should_refuse(layout):
 
 def said_by(flag: str, path: str, tmp_path) -> str:
     """What the command that takes `flag` says of `path`, called as it is run (its error's text; "" if none)."""
-    from capstone import export, finetune, hf, prepare, sample
+    from capstone import export, prepare, sample
+    from capstone.gpt2 import finetune, hf
     from capstone.checkpoint import __main__ as tool, resume
     from capstone.data.dataset import load_meta
     calls = {"--init-from": lambda: finetune.read(path), "--resume": lambda: resume._plan(path, str(tmp_path / "c")),
@@ -141,7 +142,7 @@ def said_by(flag: str, path: str, tmp_path) -> str:
 
 
 def test_every_command_refuses_through_the_table(layout, tmp_path):
-    """Each command asks capstone.paths before it reads anything: a kind it does not take is refused with the
+    """Each command asks capstone.flags.paths before it reads anything: a kind it does not take is refused with the
     table's message, whatever the command (a command that took one it should refuse would say something else)."""
     for flag, kinds in SPEC.items():
         for found in set(Kind) - kinds:
@@ -165,8 +166,9 @@ def test_the_refusals_keep_their_advice(layout):
 
 def test_the_classifier_is_cheap_to_import():
     """Standard library and capstone.config only: any command may classify before it imports numpy."""
-    res = subprocess.run([sys.executable, "-c", "import sys, capstone.paths; print(sorted(m for m in sys.modules "
+    res = subprocess.run([sys.executable, "-c", "import sys, capstone.flags.paths; print(sorted(m for m in sys.modules "
                           "if m.split('.')[0] in ('capstone', 'numpy', 'h5py', 'safetensors')))"],
                          capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert res.returncode == 0 and res.stdout.split() == ["['capstone',", "'capstone.config',", "'capstone.paths']"], \
+    assert res.returncode == 0 and res.stdout.split() == ["['capstone',", "'capstone.config',", "'capstone.flags',",
+                                                 "'capstone.flags.paths']"], \
         res.stdout + res.stderr

@@ -1,5 +1,5 @@
 """Every serial tool piped into a reader that leaves early (`tool ... | head -0`): no BrokenPipeError
-traceback, exit 141 (128 + SIGPIPE, as a shell reports for `yes | head`), the work done (capstone.pipe)."""
+traceback, exit 141 (128 + SIGPIPE, as a shell reports for `yes | head`), the work done (capstone.flags.pipe)."""
 
 import os
 import subprocess

@@ -161,7 +161,7 @@ def test_a_reader_that_leaves_early_is_no_error(tmp_path, syn):
                              stdout=write, stderr=subprocess.PIPE, text=True, env=mpi_env(), cwd=ROOT, timeout=120)
     finally:
         os.close(write)
-    assert res.returncode == 141 and res.stderr == "", res.stderr      # 128 + SIGPIPE, as every tool (capstone.pipe)
+    assert res.returncode == 141 and res.stderr == "", res.stderr      # 128 + SIGPIPE, as every tool (capstone.flags.pipe)
     assert "loss_step.png" in os.listdir(tmp_path / "png")
     shell = subprocess.run(f"{sys.executable} -m capstone.plot {syn} --out {tmp_path / 'png2'} | head -1", shell=True,
                            capture_output=True, text=True, env=mpi_env(), cwd=ROOT, timeout=120)

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from capstone.cli import parse
-from capstone.presets import PRESETS
+from capstone.flags.presets import PRESETS
 
 from conftest import ROOT, by_step, mpi_env, mpirun, step_rows, summary
 

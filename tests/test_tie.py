@@ -10,7 +10,7 @@ import pytest
 from conftest import mpirun, step_rows
 
 from capstone.config import ModelConfig
-from capstone.generate import KVCache
+from capstone.gpt2.generate import KVCache
 from capstone.model.gpt import logits, loss_and_grad
 from capstone.model.params import Layout, init_params
 

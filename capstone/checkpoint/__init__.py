@@ -43,8 +43,8 @@ from capstone.checkpoint.reader import (
 )
 from capstone.collective.agree import agreed
 from capstone.config import ModelConfig
-from capstone.hooks import NONE
-from capstone.state import ROWS, ShardState
+from capstone.step.hooks import NONE
+from capstone.step.state import ROWS, ShardState
 
 __all__ = ["CheckpointError", "CorruptCheckpoint", "FORMAT", "HEADER", "VERSION", "agree", "check_file",
            "dataset_name", "load", "mpi_io_available", "open_verified", "read_dataset", "read_meta", "read_meta_file",

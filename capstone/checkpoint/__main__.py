@@ -12,7 +12,7 @@ seal writes the digest file of a checkpoint that has none (written before digest
 after `verify --unsealed` passed in a child process.
 Exit codes: 0 verified (sealed); 1 a check failed or the file is not a valid checkpoint; 2 a usage
 mistake (a TARGET that does not exist, holds no checkpoint, or is a model's weights or a dataset: what
-TARGET is, capstone.paths decides; a bad option).
+TARGET is, capstone.flags.paths decides; a bad option).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import json
 import subprocess
 import sys
 
-from capstone import paths
+from capstone.flags import paths
 from capstone.checkpoint import integrity, kept
 from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError, CheckpointUsageError
 from capstone.checkpoint.serial import checks, load_all
-from capstone.pipe import run_tool
-from capstone.state import ROWS
+from capstone.flags.pipe import run_tool
+from capstone.step.state import ROWS
 
 
 def manifest(path: str, meta: dict) -> None:

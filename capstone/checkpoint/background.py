@@ -30,8 +30,8 @@ import traceback
 import numpy as np
 
 from capstone.checkpoint.files import CheckpointError
-from capstone.hooks import Hooks
-from capstone.state import ROWS
+from capstone.step.hooks import Hooks
+from capstone.step.state import ROWS
 
 
 class Snapshot:

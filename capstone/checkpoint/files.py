@@ -18,7 +18,7 @@ import os
 import secrets
 import shutil
 
-from capstone import paths
+from capstone.flags import paths
 from capstone.config import ConfigError
 
 MIB = 1 << 20

@@ -21,7 +21,7 @@ import os
 import re
 import time
 
-from capstone import paths
+from capstone.flags import paths
 from capstone.checkpoint import files
 from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError, CheckpointUsageError, CorruptCheckpoint
 
@@ -146,7 +146,7 @@ def check_file(path: str) -> str:
 def resolve(target: str) -> str:
     """The checkpoint file `target` names: a file as is; a `latest` pointer file: the checkpoint it
     names; a run directory (--out) or its checkpoints directory: the checkpoint its `latest`
-    names, or the newest complete one if there is no pointer. What `target` is: capstone.paths."""
+    names, or the newest complete one if there is no pointer. What `target` is: capstone.flags.paths."""
     if not os.path.isdir(target):
         return _pointed(os.path.dirname(target) or ".") if paths.kind(target) is paths.Kind.POINTER else target
     sub = os.path.join(target, "checkpoints")

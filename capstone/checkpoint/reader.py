@@ -18,7 +18,7 @@ import numpy as np
 from capstone.checkpoint import integrity
 from capstone.checkpoint.digest import sha256_hex
 from capstone.checkpoint.files import CheckpointError, CorruptCheckpoint
-from capstone.state import ROWS
+from capstone.step.state import ROWS
 
 FORMAT = "capstone-checkpoint"
 VERSION = 2

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import sys
 
-from capstone import paths
+from capstone.flags import paths
 from capstone.checkpoint import CheckpointError, CorruptCheckpoint, files, integrity, rundir, verify_contents
 from capstone.collective.agree import agreed
 from capstone.config import ConfigError

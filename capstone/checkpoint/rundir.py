@@ -19,7 +19,7 @@ import uuid
 
 import h5py
 
-from capstone import paths
+from capstone.flags import paths
 from capstone.checkpoint import CheckpointError, files
 from capstone.checkpoint.reader import read_meta
 

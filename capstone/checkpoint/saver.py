@@ -19,9 +19,9 @@ import numpy as np
 from capstone import checkpoint
 from capstone.checkpoint import background, files
 from capstone.config import ModelConfig, TrainConfig
-from capstone.hooks import NONE
-from capstone.state import ShardState
-from capstone.state import RunState
+from capstone.step.hooks import NONE
+from capstone.step.state import ShardState
+from capstone.step.state import RunState
 
 
 @dataclass(frozen=True)

@@ -11,19 +11,19 @@ import json
 
 import numpy as np
 
-from capstone import paths
+from capstone.flags import paths
 from capstone.checkpoint import integrity
 from capstone.checkpoint.digest import logical_root
 from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError, CorruptCheckpoint
 from capstone.checkpoint.reader import open_verified, parse_error, read_dataset
 from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout
-from capstone.state import ROWS
+from capstone.step.state import ROWS
 
 
 def find(target: str, flag: str = "sample") -> str:
     """The checkpoint file `target` names (`integrity.resolve`: itself, or the one a run directory's
-    `latest` names), once `flag` takes what it is (capstone.paths): ConfigError for a path that names no
+    `latest` names), once `flag` takes what it is (capstone.flags.paths): ConfigError for a path that names no
     checkpoint, CheckpointError for a `latest` that names no checkpoint file."""
     paths.refuse(flag, target)
     return integrity.resolve(target)

@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from capstone.collective.deadline import Deadline, guard
-from capstone.hooks import NONE
+from capstone.step.hooks import NONE
 
 
 @dataclass
@@ -45,7 +45,7 @@ class Comm:
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.deadline = deadline if deadline is not None else Deadline(mpi_comm)
         self.traffic = {} if traffic is None else traffic   # kind -> Traffic, shared by a grid's comms
-        self.hooks = hooks                   # each kind of collective is a hook point (capstone.hooks)
+        self.hooks = hooks                   # each kind of collective is a hook point (capstone.step.hooks)
 
     def derived(self, mpi_comm) -> "Comm":
         """Another group of this run's ranks: the same deadline, traffic count and hooks."""

@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from capstone import paths
+from capstone.flags import paths
 from capstone.config import ConfigError
 from capstone.data.tokenizer import BPETokenizer, CharTokenizer, MAX_VOCAB, bpe_vocab_size, sha256_text
 

@@ -157,7 +157,7 @@ def train_bpe(text: str, vocab_size: int) -> BPETokenizer:
 
 
 def from_gpt2_files(vocab: str, merges: str, special: bool = True) -> BPETokenizer:
-    """GPT-2's byte-level BPE from its vocab.json and merges.txt (capstone.hf): the same ids as
+    """GPT-2's byte-level BPE from its vocab.json and merges.txt (capstone.gpt2.hf): the same ids as
     transformers' GPT2Tokenizer, its special tokens matched in the text as one id each (`special_tokens`;
     False: every text is ordinary bytes, <|endoftext|> 11 tokens of it)."""
     lib = _library()

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 
 from capstone.observe.runlog import read_run
-from capstone.pipe import run_tool
+from capstone.flags.pipe import run_tool
 
 # nccl-tests doc/PERFORMANCE.md, "Summary": busbw = algbw * factor(n), independent of the algorithm
 # as long as it is built from point-to-point transfers.

@@ -27,7 +27,7 @@ import resource
 from dataclasses import asdict, dataclass
 
 from capstone.observe.accounting import zero_row
-from capstone.state import ROWS
+from capstone.step.state import ROWS
 
 FIELDS = ("params", "gathered", "grads", "reduce", "optimizer", "guard", "snapshot")
 

@@ -12,7 +12,7 @@ import time
 
 from capstone.checkpoint import best, files
 from capstone.checkpoint.files import CheckpointError
-from capstone.guard import DivergenceError
+from capstone.step.guard import DivergenceError
 from capstone.observe.jsonout import write_json
 from capstone.observe.runlog import parse_lines, step_rows
 

@@ -9,7 +9,6 @@ import os
 import sys
 import time
 
-from capstone.lr import at_step as lr_at_step
 from capstone.observe import accounting, outcome
 from capstone.observe.jsonout import jsonable, write_json  # noqa: F401  (report.jsonable, report.write_json)
 from capstone.observe.runlog import number, parse_lines, step_rows
@@ -74,7 +73,7 @@ class StepLog:
     def step(self, r) -> dict:
         """Log step result `r`; returns its metrics row."""
         run = self.run
-        scheduled = lr_at_step(r.step, run.tcfg)
+        scheduled = run.tcfg.lr_at(r.step)
         if r.updated and r.lr != scheduled:   # --inject-lr-spike
             r.events.insert(0, {"event": "lr_spike_injected", "mult": r.lr / scheduled})
         row = metrics_row(r, run.global_batch * run.mcfg.seq_len, run.state.cursor * run.mcfg.seq_len,

@@ -1,4 +1,4 @@
-"""The four invariants' results (capstone.invariants) in words: the report's line for each, and for
+"""The four invariants' results (capstone.observe.invariants) in words: the report's line for each, and for
 a violated one the line that says which, by how much and what to do."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import numpy as np
 
 from capstone.model.params import DTYPE, Layout
 from capstone.parallel import tensor
-from capstone.state import ShardState
+from capstone.step.state import ShardState
 
 
 class Canonical:

@@ -1,6 +1,6 @@
 """ZeRO-1: AdamW whose fp32 master copy and moments are sharded over the data-parallel group.
 
-`ZeroAdam` owns this rank's shard of the optimizer state (capstone.state.ShardState: master, m, v, t) and
+`ZeroAdam` owns this rank's shard of the optimizer state (capstone.step.state.ShardState: master, m, v, t) and
 nothing else: the reduced gradient shard comes from the gradient reducer
 (capstone.parallel.reduce), Adam updates the shard, and the updated shard is allgathered into the
 flat parameter buffer in place. `revert` undoes the last update bit for bit (the divergence
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from capstone.model.params import DTYPE, Layout, no_decay_runs
-from capstone.state import ROWS, ShardState
+from capstone.step.state import ROWS, ShardState
 
 ADAM_CHUNK = 1 << 16         # elements per pass of the update: the arrays of one pass stay in L2 (256 KiB each)
 

@@ -22,7 +22,7 @@ from capstone.model.params import Layout
 from capstone.parallel.buckets import BucketReducer
 from capstone.parallel.reduce import Flags, GradStats
 from capstone.parallel.zero import ZeroAdam
-from capstone.state import ShardState
+from capstone.step.state import ShardState
 
 
 class AllreduceReducer(BucketReducer):

@@ -22,7 +22,7 @@ import os
 import time
 
 from capstone.checkpoint import files
-from capstone.state import ROWS
+from capstone.step.state import ROWS
 
 MEASURE = 4              # the step of a launch after which its step time is known
 SPARE = 0.75             # a stop must fit in this share of the kill sequence

@@ -14,7 +14,7 @@ from capstone.checkpoint.digest import logical_root
 from capstone.config import ModelConfig
 from capstone.model.params import Layout
 from capstone.collective.comm import Comm
-from capstone.state import ROWS, ShardState
+from capstone.step.state import ROWS, ShardState
 
 CFG = ModelConfig(vocab_size=29, seq_len=4, d_model=8, n_heads=2, n_layers=1)
 EXPECT = {"model_config": {"cfg": 1}}

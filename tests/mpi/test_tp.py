@@ -16,8 +16,8 @@ from capstone.parallel.canonical import Canonical
 from capstone.collective.comm import Comm
 from capstone.parallel.grid import Grid
 from capstone.plan import Plan
-from capstone.state import ShardState
-from capstone.state import RunState
+from capstone.step.state import ShardState
+from capstone.step.state import RunState
 
 CFG = ModelConfig()   # reference: 4 heads, d_model 32
 WORLD = MPI.COMM_WORLD.Get_size()

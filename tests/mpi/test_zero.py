@@ -9,7 +9,7 @@ from capstone.model.params import Layout, init_params
 from capstone.parallel.buckets import BucketReducer
 from capstone.parallel.reduce import Flags
 from capstone.parallel.zero import ZeroAdam
-from capstone.state import ShardState
+from capstone.step.state import ShardState
 
 CFG = ModelConfig(vocab_size=13, seq_len=4, d_model=8, n_heads=2, n_layers=1)
 

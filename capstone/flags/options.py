@@ -24,4 +24,4 @@ class RunOptions:
     collective_timeout: float = 0.0   # seconds; 0: automatic (capstone.collective.deadline)
     inject_grad_sign: tuple[int, int] | None = None   # test hook: negate the gradient from STEP for COUNT steps
     inject_no_update: tuple[int, int] | None = None   # test hook: zero the gradient from STEP for COUNT steps
-    init_from: str | None = None      # start a new run from these weights (capstone.finetune)
+    init_from: str | None = None      # start a new run from these weights (capstone.gpt2.finetune)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from capstone import paths
+from capstone.flags import paths
 from capstone.config import ConfigError, ModelConfig
 from capstone.data.dataset import META_FILE, identity, load_meta
 from capstone.data.tokenizer import BPETokenizer, CharTokenizer, difference, from_description

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from capstone.guard import GuardState
+from capstone.step.guard import GuardState
 from capstone.model.params import DTYPE
 
 ROWS = ("master", "m", "v")  # the arrays of a shard's optimizer state, in checkpoint row order

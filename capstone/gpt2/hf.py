@@ -19,7 +19,7 @@ import os
 
 import numpy as np
 
-from capstone import paths
+from capstone.flags import paths
 from capstone.checkpoint import CheckpointError
 from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout
@@ -67,7 +67,7 @@ def model_config(hf: dict, seq_len: int | None, path: str) -> ModelConfig:
 
 def capstone_name(name: str) -> str:
     """capstone's parameter name of a GPT-2 tensor name (either key set), or "" for one it has no use for."""
-    from capstone.export import BLOCK
+    from capstone.gpt2.tensors import BLOCK
     name = name.removeprefix("transformer.")
     if name.endswith(BUFFERS):
         return ""
@@ -88,7 +88,7 @@ def read_weights(path: str, cfg: ModelConfig, digest: str | None = None) -> np.n
     CheckpointError if the tensors' sha256 is not `digest` (capstone's export records it; None: unchecked)."""
     from safetensors import safe_open
 
-    from capstone.export import check_digest, digest_update
+    from capstone.gpt2.tensors import check_digest, digest_update
     layout = Layout.for_model(cfg, 1)
     flat = layout.zeros()
     views, seen, h = layout.views(flat), set(), hashlib.sha256()
@@ -128,7 +128,7 @@ def read(path: str, seq_len: int | None = None):
     """(ModelConfig, flat parameters, data identity: the tokenizer of vocab.json + merges.txt if they are
     there, else the one capstone's export kept in the weights' metadata). CheckpointError for a
     model.safetensors safetensors cannot read or whose recorded digest does not match."""
-    from capstone.export import DIGEST_KEY
+    from capstone.gpt2.tensors import DIGEST_KEY
     with open(os.path.join(path, FILES[0])) as f:
         try:
             hf = json.load(f)

@@ -12,7 +12,7 @@ The training settings (`settings_for`): those of INHERITED come from SRC's run (
 its TrainConfig), or, for an export, which holds none, from the --preset given (`--preset gpt2` for
 GPT-2's weights), else FINETUNE_DEFAULTS (documented in docs/finetune.md); flags override all of
 them, and a checkpoint's override a --preset's. A warmup so taken keeps its
-share of a shorter run, as a preset's does (capstone.presets.fit_warmup). The start prints the
+share of a shorter run, as a preset's does (capstone.flags.presets.fit_warmup). The start prints the
 settings in effect that differ from the preset's.
 """
 
@@ -25,14 +25,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from capstone import paths
+from capstone.flags import paths
 from capstone.checkpoint import CheckpointError, CorruptCheckpoint, serial
 from capstone.collective.agree import agreed
 from capstone.config import ConfigError, ModelConfig, TrainConfig
 from capstone.data.tokenizer import difference, from_description
 from capstone.model.params import Layout
-from capstone.presets import fit_warmup
-from capstone.state import ShardState
+from capstone.flags.presets import fit_warmup
+from capstone.step.state import ShardState
 
 MODEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 # what a fine-tuning run takes from its source run: the optimizer, the schedule, the cadence, the evaluation
@@ -71,7 +71,7 @@ CORRUPT = ("Do not fine-tune from it: pass another checkpoint of that run (pytho
 
 
 def read(target: str, seq_len: int | None = None) -> Source:
-    """One process: the weights of a checkpoint, an export or a Hugging Face GPT-2 directory (capstone.hf:
+    """One process: the weights of a checkpoint, an export or a Hugging Face GPT-2 directory (capstone.gpt2.hf:
     `seq_len` crops its positions). CheckpointError for an invalid file or weights that are not all finite,
     ConfigError for a path that is none."""
     source = _read(target, seq_len)
@@ -84,7 +84,7 @@ def _read(target: str, seq_len: int | None) -> Source:
     if found is paths.Kind.EXPORT:
         return _read_export(target)
     if found is paths.Kind.HF_MODEL:
-        from capstone import hf
+        from capstone.gpt2 import hf
         cfg, params, data = hf.read(target, seq_len)
         refuse_unjudged(target, hf.exported_meta(target))
         return Source(target, "export", 0, cfg, data, params)
@@ -135,10 +135,10 @@ def cfg_params(cfg: ModelConfig) -> int:
 
 def _read_export(path: str) -> Source:
     """An export's tensors back into the flat layout (lm_head.weight transposed back to (in, out))."""
-    from capstone.export import DIGEST_KEY, FORMAT, _save_file, check_digest, gpt2_name, tensor_digest
-    from capstone.vocab import SampleError
+    from capstone.gpt2.tensors import DIGEST_KEY, FORMAT, check_digest, gpt2_name, save_file, tensor_digest
+    from capstone.gpt2.vocab import SampleError
     try:
-        _save_file()   # the library, or the install command
+        save_file()   # the library, or the install command
     except SampleError as exc:
         raise ConfigError(f"--init-from {path}: {exc}") from None
     from safetensors import safe_open
@@ -240,7 +240,7 @@ def check_vocabulary(source: Source, data: dict, data_dir: str) -> None:
     mine, theirs = source.data.get("tokenizer"), data.get("tokenizer")
     fix = ("Prepare the new text with the source's vocabulary: python -m capstone.prepare TEXT --out DIR "
            "--vocab-from <the source run's dataset directory>.")
-    from capstone import hf
+    from capstone.gpt2 import hf
     # a Hugging Face GPT-2 directory that capstone's export did not write: its tokenizer is vocab.json + merges.txt
     gpt2 = paths.kind(source.path) is paths.Kind.HF_MODEL and not hf.exported(source.path)
     if gpt2 and mine is not None:

@@ -70,7 +70,7 @@ def fit_warmup(values: dict, flags: dict, nominal_steps: int | None, origin: str
 
 def preset_values(name: str | None, flags: dict) -> tuple[dict, str | None]:
     """The values of --preset `name` (None: reference) for a run with these flags: its warmup shortened
-    to its share of a shorter --steps (capstone.presets.fit_warmup), and the note that says so."""
+    to its share of a shorter --steps (capstone.flags.presets.fit_warmup), and the note that says so."""
     preset = PRESETS[name or "reference"]
     values, note = fit_warmup({**preset, **flags}, flags, preset.get("steps"), f"--preset {name}")
     return {k: values[k] for k in preset}, note

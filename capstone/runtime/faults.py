@@ -1,4 +1,4 @@
-"""Fault injection for tests: `Faults` implements the run's hooks (capstone.hooks).
+"""Fault injection for tests: `Faults` implements the run's hooks (capstone.step.hooks).
 
 From the environment, CAPSTONE_FAULT=<action>:<rank>[:<step>[:<point>]] acts on one rank:
 
@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from capstone.hooks import Hooks
+from capstone.step.hooks import Hooks
 
 SAVE_POINTS = ("before_data", "after_data", "before_rename", "between_renames", "before_pointer")
 ACTIONS = SAVE_POINTS + ("raise_in_step", "write_error", "flip_param_bit", "stall", "stop", "usr1")

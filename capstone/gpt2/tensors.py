@@ -1,0 +1,115 @@
+"""GPT-2's tensors as capstone writes and reads them: the Hugging Face names of the layout's
+entries, the tensors' sha256 digest, the safetensors metadata and GPT-2's config fields.
+
+capstone.export writes them; capstone.gpt2.finetune and capstone.gpt2.hf read them back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+
+import numpy as np
+
+from capstone.checkpoint import CheckpointError
+from capstone.config import ModelConfig
+from capstone.gpt2.vocab import SampleError
+from capstone.model.params import param_shapes
+
+SAFETENSORS_PIN = "safetensors==0.8.0"
+FORMAT = "capstone-gpt2"
+DIGEST_KEY = "tensor_sha256"     # metadata: sha256 of the tensors (`tensor_digest`), verified by --init-from
+LAYER_NORM_EPS = 1e-5            # capstone.model.kernels._ln_fwd
+BLOCK = {"ln_1.w": "ln_1.weight", "ln_1.b": "ln_1.bias", "attn.c_attn.w": "attn.c_attn.weight",
+         "attn.c_attn.b": "attn.c_attn.bias", "attn.c_proj.w": "attn.c_proj.weight", "attn.c_proj.b": "attn.c_proj.bias",
+         "ln_2.w": "ln_2.weight", "ln_2.b": "ln_2.bias", "mlp.c_fc.w": "mlp.c_fc.weight", "mlp.c_fc.b": "mlp.c_fc.bias",
+         "mlp.c_proj.w": "mlp.c_proj.weight", "mlp.c_proj.b": "mlp.c_proj.bias"}
+TOP = {"wte": "transformer.wte.weight", "wpe": "transformer.wpe.weight", "ln_f.w": "transformer.ln_f.weight",
+       "ln_f.b": "transformer.ln_f.bias", "lm_head.b": "lm_head.bias"}
+
+
+def gpt2_name(name: str) -> str:
+    """The GPT-2 name of a capstone parameter (`h3.attn.c_attn.w` -> `transformer.h.3.attn.c_attn.weight`)."""
+    if name in TOP:
+        return TOP[name]
+    if name == "lm_head.w":
+        return "lm_head.weight"
+    layer, _, rest = name.partition(".")
+    return f"transformer.h.{int(layer[1:])}.{BLOCK[rest]}"
+
+
+def named_tensors(views: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """GPT-2 name -> contiguous float32 array, for the layout's entries (`Layout.views`); lm_head.weight
+    transposed to (vocab, d_model)."""
+    return {gpt2_name(n): np.ascontiguousarray(a.T if n == "lm_head.w" else a, dtype=np.float32)
+            for n, a in views.items()}
+
+
+def digest_update(h, name: str, a: np.ndarray) -> None:
+    """Feed one tensor to the sha256 `h`: its name, dtype and shape (a text line), then its little-endian
+    bytes in C order."""
+    a = np.ascontiguousarray(a, dtype=np.dtype(a.dtype).newbyteorder("<"))
+    h.update(f"{name} {a.dtype.str} {list(a.shape)}\n".encode())
+    h.update(a.tobytes())
+
+
+def tensor_digest(tensors: dict[str, np.ndarray]) -> str:
+    """sha256 hex of the tensors in name order (`digest_update`): what an export records under DIGEST_KEY."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        digest_update(h, name, tensors[name])
+    return h.hexdigest()
+
+
+def check_digest(target: str, want: str | None, got: str) -> None:
+    """CheckpointError (exit 1) if an export's recorded digest `want` (None: none recorded) is not `got`."""
+    if want is not None and want != got:
+        raise CheckpointError(f"--init-from {target}: its tensor data does not match the sha256 its export recorded "
+                              f"({DIGEST_KEY} {want[:12]}..., the data's {got[:12]}...): the file was damaged or "
+                              f"altered after it was written. Export the checkpoint again (python -m capstone.export "
+                              f"RUN_DIR --out ...) and pass the new export.")
+
+
+def absent_biases(cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Zeros for the biases a --no-bias model does not have (GPT-2 has them; zero is the same function)."""
+    whole = dict(param_shapes(dataclasses.replace(cfg, bias=True)))
+    return {name: np.zeros(whole[name], np.float32) for name, shape in param_shapes(cfg, absent=True) if shape is None}
+
+
+def gpt2_config(cfg: ModelConfig, head_bias: bool = True) -> dict:
+    """The Hugging Face GPT2Config fields this model has, plus what GPT-2 lacks (an untied head, its bias if any)."""
+    return {"model_type": "gpt2", "vocab_size": cfg.vocab_size, "n_positions": cfg.seq_len, "n_ctx": cfg.seq_len,
+            "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": 4 * cfg.d_model,
+            "layer_norm_epsilon": LAYER_NORM_EPS, "activation_function": "gelu_new",
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "lm_head_bias": head_bias, "scale_attn_weights": True}
+
+
+def metadata(meta: dict, cfg: ModelConfig, path: str, head_bias: bool = True) -> dict[str, str]:
+    """safetensors metadata (strings only): format, configs, provenance and the tokenizer, as JSON text."""
+    tokenizer = (meta.get("data") or {}).get("tokenizer")
+    out = {"format": FORMAT, "format_version": "1",
+           "gpt2_config": json.dumps(gpt2_config(cfg, head_bias), sort_keys=True),
+           "capstone_model_config": json.dumps(dataclasses.asdict(cfg), sort_keys=True), "step": str(meta["step"]),
+           "checkpoint": os.path.basename(path), "weights": "Conv1D (in, out); lm_head.weight (out, in)"}
+    if tokenizer is not None:
+        out["tokenizer"] = json.dumps(tokenizer, sort_keys=True)
+    if meta.get("judged", True) is False:   # a stop's checkpoint the guard never judged: --init-from refuses it
+        out["judged"] = "false"
+    return out
+
+
+def library():
+    try:
+        from safetensors import numpy as st
+    except ImportError:
+        raise SampleError(2, f"export needs the `safetensors` library: pip install {SAFETENSORS_PIN} "
+                             f"(scripts/setup installs it).") from None
+    return st
+
+
+def save_file():
+    """safetensors.numpy.save_file, or SampleError(2) with the install command (capstone.gpt2.finetune)."""
+    return library().save_file
