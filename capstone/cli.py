@@ -144,6 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the undo copy (to resume a --no-guard-undo run with it)")
     _finetune_flags(p)
     _run_flags(p)
+    _layout_flags(p)
+    _fault_hooks(p)
     _fault_flags(p)
     return p
 
@@ -161,25 +163,30 @@ def _run_flags(p) -> None:
                    help="console: 1 prints the full per-step table; K > 1 prints a short line (smoothed loss, "
                         "tokens/s, elapsed, ETA) every K steps, every step with an event and every evaluation "
                         "(0: 1 when --steps <= 100, else about steps/50)")
-    g.add_argument("--tp", type=int, default=argparse.SUPPRESS, metavar="K",
-                   help="tensor parallelism: K consecutive ranks split each block (Megatron-style) and the "
-                        "ranks / K replicas run data parallelism at the --zero-stage (docs/tensor-parallel.md; "
-                        "default: 1; on --resume: the checkpoint's, if the ranks hold it)")
     g.add_argument("--tensorboard", default=None, metavar="DIR",
                    help="also write the step rows as TensorBoard scalars to DIR (needs: pip install tensorboardX)")
     g.add_argument("--collective-timeout", type=float, default=0.0, metavar="SECONDS",
                    help="abort the job with a clear message when a collective (gradient reduce, allgather, "
                         "agreement, checkpoint barrier) has waited this long: a peer is dead or unreachable "
                         "(0: automatic, max(300 s, 20 x the longest step so far); docs/multinode.md)")
-    g.add_argument("--no-overlap", dest="overlap", action="store_false", default=argparse.SUPPRESS,
-                   help="reduce the gradient in one collective after the backward pass (a reduce-scatter; at "
-                        "--zero-stage 0 an allreduce), instead of in buckets started during it (at --zero-stage 2/3: "
-                        "with --reshard step only)")
     g.add_argument("--ckpt-async", action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                    help="write checkpoints behind training: the step copies its optimizer shard and the run state "
                         "into a snapshot buffer (12 bytes per parameter / ranks) and goes on while a thread writes, "
                         "publishes and rotates the file exactly as a synchronous save; --no-ckpt-async writes "
                         "them in the step (docs/checkpoints.md; default: on)")
+
+
+def _layout_flags(p) -> None:
+    """How the run is laid out on its ranks: the flags that make its plan (capstone.plan)."""
+    g = p.add_argument_group("layout (one plan: capstone/plan.py)")
+    g.add_argument("--tp", type=int, default=argparse.SUPPRESS, metavar="K",
+                   help="tensor parallelism: K consecutive ranks split each block (Megatron-style) and the "
+                        "ranks / K replicas run data parallelism at the --zero-stage (docs/tensor-parallel.md; "
+                        "default: 1; on --resume: the checkpoint's, if the ranks hold it)")
+    g.add_argument("--no-overlap", dest="overlap", action="store_false", default=argparse.SUPPRESS,
+                   help="reduce the gradient in one collective after the backward pass (a reduce-scatter; at "
+                        "--zero-stage 0 an allreduce), instead of in buckets started during it (at --zero-stage 2/3: "
+                        "with --reshard step only)")
     g.add_argument("--bucket-mb", type=float, default=argparse.SUPPRESS, metavar="MB",
                    help="bucket size of the overlapped gradient reduce-scatter (default: 1.0)")
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=argparse.SUPPRESS,
@@ -217,6 +224,9 @@ def _run_flags(p) -> None:
                    help="blocks per pipeline stage, e.g. 3,3,2 (default: balanced, the first stages taking one "
                         "more when K does not divide the blocks; fewer on the last stage eases a heavy LM head; "
                         "'balanced' to say so on --resume, which keeps the checkpoint's)")
+
+
+def _fault_hooks(p) -> None:
     g = p.add_argument_group("test hooks (fault injection, not for training)")
     g.add_argument("--stop-after", type=int, default=0, help="checkpoint and stop after this step, as if preempted (0: off)")
     g.add_argument("--sleep-per-step", type=float, default=0.0, help="sleep this many seconds per step")

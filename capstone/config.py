@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 
 class ConfigError(ValueError):
-    """A configuration value is invalid; the message says what to change. `problems`: each mistake's own
-    sentence, when several were found at once (the message lists them all)."""
+    """A configuration value is invalid; the message says what to change (`problems`: each mistake's own sentence)."""
 
     def __init__(self, message: str, problems: list[str] | None = None):
         super().__init__(message)
@@ -22,11 +21,6 @@ def problems_error(problems: list[str]) -> ConfigError:
         return ConfigError(problems[0])
     return ConfigError(f"{len(problems)} problems: " + " ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)),
                        problems)
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 class _Checks:
@@ -68,16 +62,14 @@ class ModelConfig:
         _require(type(self.dropout) in (int, float) and 0 <= self.dropout < 1, f"dropout must be in [0, 1), got "
                  f"{self.dropout!r}; GPT-2 trained with --dropout 0.1.")
         if not _require.failed:   # the checks between fields, once each field is valid
+            hint = max(h for h in range(1, self.n_heads + 1) if self.d_model % h == 0)
             _require(self.d_model % self.n_heads == 0,
                      f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}): each head gets "
                      f"d_model/n_heads channels. Choose e.g. --d-model "
-                     f"{self.n_heads * max(1, self.d_model // self.n_heads)} or --n-heads {self._divisor_hint()}.")
+                     f"{self.n_heads * max(1, self.d_model // self.n_heads)} or --n-heads {hint}.")
             _require(self.vocab_size >= 2, f"vocab_size must be at least 2, got {self.vocab_size}.")
             _require(self.vocab_size <= 2**31 - 1, f"vocab_size {self.vocab_size} does not fit int32 token ids.")
         _require.done()
-
-    def _divisor_hint(self) -> int:
-        return max(h for h in range(1, self.n_heads + 1) if self.d_model % h == 0)
 
 
 @dataclass(frozen=True)
@@ -119,9 +111,10 @@ class TrainConfig:
         if not self.global_batch:
             return self.batch_size
         per = self.global_batch // (world * self.grad_accum)
-        _require(per * world * self.grad_accum == self.global_batch,
-                 f"global_batch {self.global_batch} is not divisible by {world} ranks x grad_accum "
-                 f"{self.grad_accum}; choose a world size or --grad-accum that divides it, or --global-batch 0.")
+        if per * world * self.grad_accum != self.global_batch:
+            raise ConfigError(f"global_batch {self.global_batch} is not divisible by {world} ranks x grad_accum "
+                              f"{self.grad_accum}; choose a world size or --grad-accum that divides it, or "
+                              f"--global-batch 0.")
         return per
 
     def lr_at(self, step: int) -> float:
@@ -165,9 +158,8 @@ class TrainConfig:
 
 
 def learning_rate(step: int, lr: float, steps: int, kind: str = "constant", warmup: int = 0, min_lr: float = 0.0) -> float:
-    """Linear warmup, then constant or cosine decay towards min_lr. The cosine reaches min_lr one step
-    after the last, so the last step still updates (with min_lr 0, a schedule that hit it on the last
-    step would make that step a no-op)."""
+    """Linear warmup, then constant or cosine decay towards min_lr, reached one step after the last: with
+    min_lr 0 a schedule that hit it on the last step would make that step a no-op."""
     if warmup > 0 and step <= warmup:
         return lr * step / warmup
     if kind == "constant":

@@ -1,11 +1,6 @@
-"""What one training run holds (`Run`, built by capstone.run from its plan), and the roles of its
-parts as Protocols: what the run and its training loop ask of each part, whichever mode made it
-(capstone.modes; the gradient reducer's role is the class capstone.parallel.reduce.GradReducer).
-
-Each piece of state has one owner: the model's seam the parameter and gradient buffers
-(capstone.model.seam), the reducer the reduced gradient shard, `ZeroAdam` the optimizer shard and
-the state before its last update (the guard's undo), `Checkpointer` what was saved, `RunState`
-the progress a checkpoint restores, the replica check invariant (b)'s record.
+"""What one training run holds (`Run`, built by capstone.run from its plan; who owns what: docs/design.md,
+"Inside the step", roles.py), and the roles of its parts as Protocols: what the run and its loop ask of each
+part, whichever mode made it (capstone.modes; the reducer's role is the class capstone.parallel.reduce.GradReducer).
 """
 
 from __future__ import annotations
@@ -35,8 +30,7 @@ if TYPE_CHECKING:   # the parts' classes, named for the reader (no import at run
 
 
 class TrainedModel(Protocol):
-    """This rank's part of the model: the one model class (capstone.model.gpt.Model) over the whole
-    model's groups or a pipeline stage's, a tensor-parallel slice, with the seam the modes chose."""
+    """This rank's part of the one model (capstone.model.gpt.Model: whole, a stage, a tp slice) over its seam."""
 
     layout: Layout
     params: np.ndarray   # this rank's flat parameter buffer (ZeRO-3: its shard)
@@ -47,23 +41,20 @@ class TrainedModel(Protocol):
 
 
 class Schedule(Protocol):
-    """How a step's micro-batches go through forward and backward, and a batch through the forward
-    alone (parallel.schedules.Sequential, parallel.pipeline.Pipeline)."""
+    """Micro-batches through forward and backward, a batch forward only (schedules.Sequential, pipeline.Pipeline)."""
 
     def forward_backward(self, batches: list, step: int) -> list[float]: ...
     def loss(self, x: np.ndarray, y: np.ndarray, scale: float) -> float: ...
 
 
 class Batches(Protocol):
-    """The training data: micro-batch `micro` of the step at `cursor`, this data-parallel rank's
-    rows (capstone.data.synthetic.DataStream, the token datasets)."""
+    """This dp rank's rows of micro-batch `micro` of the step at `cursor` (synthetic.DataStream, token datasets)."""
 
     def micro_batch(self, cursor: int, micro: int, rank: int, world: int) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 class StateView(Protocol):
-    """The checkpoints' view of this rank's optimizer shard: stored in the 1-rank layout of the whole
-    model, whatever the grid (capstone.checkpoint.saver.AsIs, parallel.canonical.Canonical)."""
+    """The optimizer shard as checkpoints store it: the 1-rank layout, any grid (saver.AsIs, canonical.Canonical)."""
 
     def to_stored(self, shard: ShardState) -> ShardState: ...
     def from_stored(self, shard: ShardState) -> ShardState: ...
@@ -72,8 +63,7 @@ class StateView(Protocol):
 
 
 class Replicas(Protocol):
-    """Invariant (b): the replicas of each parameter hold the same values at every step
-    (parallel.replicas.ReplicaCheck, zero3.ShardedReplicaCheck)."""
+    """Invariant (b): each parameter's replicas agree at every step (replicas.ReplicaCheck, zero3's)."""
 
     checked: int
     mismatches: list
@@ -83,7 +73,7 @@ class Replicas(Protocol):
 
 @dataclass(kw_only=True)
 class Run:
-    """Everything one run holds (see the module for who owns what)."""
+    """Everything one run holds (who owns what: see the module)."""
 
     grid: Grid
     plan: Plan                             # how the run is laid out (capstone.plan)

@@ -55,38 +55,9 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
     world.deadline.set_timeout(opts.collective_timeout)
     hooks = _hooks(world, opts)
     hooks.at("start", 0)
-    out, note = world.bcast_json(_out_dir(opts) if world.rank == 0 else None)
-    if note:
-        report.say(note, world.rank)
-    ckpt_dir = os.path.join(out, "checkpoints")
-    check_parallel_io(world)
-    settings = _checked(world, settings)             # a bad layout: ConfigError, nothing written
-    if opts.resume is None and not opts.init_from:   # a fresh model's memory is known: said before the disk's space
-        _check_memory(world, settings, Plan.make(model=settings.model, train=settings.train, world=world.size,
-                                                 given=settings.layout)[0])
-    if opts.tensorboard:
-        from capstone.observe.tensorboard import check_writer
-        check_writer(world)
-    padded = Layout.for_model(settings.model, world.size).padded
-    claim = preflight.claim(world, out, ckpt_dir, files.estimated_size(padded * len(ROWS) * 4, world.size))
-    if world.rank == 0 and (said := ending.previous(out)):   # the last launch here left no record: now it has one
-        report.say(said)
+    out, settings, claim = _claimed(world, settings)
     try:  # a failed start leaves nothing behind that it created
-        path = resume.resolve(world, opts.resume, ckpt_dir)
-        if path is not None:
-            saved = _agreed(world, lambda: checkpoint.read_meta_file(path))
-            check_preset(settings.preset, settings.explicit, saved["model_config"], saved["train_config"], path)
-            _check_same_data(world, settings, saved, path)
-            if opts.init_from:
-                report.say(f"note: resuming from {path}; --init-from starts a run only, it is not used now", world.rank)
-            settings = settings.on_top_of(saved["model_config"], saved["train_config"])
-        elif settings.deferred:   # --resume auto starting fresh: the flags alone must make a valid run
-            raise ConfigError(settings.deferred)
-        elif opts.init_from:      # fine-tuning: the source's model and weights (capstone.gpt2.finetune)
-            source, settings = _init_from(world, settings)
-        elif settings.train.data and "vocab_size" not in settings.explicit:
-            vocab = _agreed(world, lambda: load_meta(settings.train.data).vocab_size)
-            settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, vocab_size=vocab))
+        path, saved, settings, source = _starting_point(world, settings, os.path.join(out, "checkpoints"))
         plan, why = Plan.make(model=settings.model, train=settings.train, world=world.size, given=settings.layout,
                               saved=saved.get("modes") if path is not None else None)   # the checkpoint's modes
         _check_memory(world, settings, plan)
@@ -108,6 +79,52 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
             return None
         raise
     return run
+
+
+def _claimed(world: Comm, settings: Settings):
+    """Collective. The run directory, the settings checked against the layout, and this run's claim on
+    the directory (its lock and the disk's space), after the checks that need no checkpoint."""
+    opts = settings.opts
+    out, note = world.bcast_json(_out_dir(opts) if world.rank == 0 else None)
+    if note:
+        report.say(note, world.rank)
+    check_parallel_io(world)
+    settings = _checked(world, settings)             # a bad layout: ConfigError, nothing written
+    if opts.resume is None and not opts.init_from:   # a fresh model's memory is known: said before the disk's space
+        _check_memory(world, settings, Plan.make(model=settings.model, train=settings.train, world=world.size,
+                                                 given=settings.layout)[0])
+    if opts.tensorboard:
+        from capstone.observe.tensorboard import check_writer
+        check_writer(world)
+    padded = Layout.for_model(settings.model, world.size).padded
+    claim = preflight.claim(world, out, os.path.join(out, "checkpoints"),
+                            files.estimated_size(padded * len(ROWS) * 4, world.size))
+    if world.rank == 0 and (said := ending.previous(out)):   # the last launch here left no record: now it has one
+        report.say(said)
+    return out, settings, claim
+
+
+def _starting_point(world: Comm, settings: Settings, ckpt_dir: str):
+    """Collective. (checkpoint path or None, its metadata, the settings over it, the --init-from source):
+    a resume takes the checkpoint's settings under the explicit flags, a fine-tuning run its source's
+    model, a fresh run on prepared data the data's vocabulary."""
+    opts, saved, source = settings.opts, {}, None
+    path = resume.resolve(world, opts.resume, ckpt_dir)
+    if path is not None:
+        saved = _agreed(world, lambda: checkpoint.read_meta_file(path))
+        check_preset(settings.preset, settings.explicit, saved["model_config"], saved["train_config"], path)
+        _check_same_data(world, settings, saved, path)
+        if opts.init_from:
+            report.say(f"note: resuming from {path}; --init-from starts a run only, it is not used now", world.rank)
+        settings = settings.on_top_of(saved["model_config"], saved["train_config"])
+    elif settings.deferred:   # --resume auto starting fresh: the flags alone must make a valid run
+        raise ConfigError(settings.deferred)
+    elif opts.init_from:      # fine-tuning: the source's model and weights (capstone.gpt2.finetune)
+        source, settings = _init_from(world, settings)
+    elif settings.train.data and "vocab_size" not in settings.explicit:
+        vocab = _agreed(world, lambda: load_meta(settings.train.data).vocab_size)
+        settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, vocab_size=vocab))
+    return path, saved, settings, source
 
 
 def _check_memory(world: Comm, settings: Settings, plan: Plan) -> None:

@@ -1,11 +1,8 @@
 """`python -m capstone.train`: the training loop, top to bottom.
 
-`train_step` is one optimizer step in the order of the product: the micro-batches' forward and
-backward (the schedule), the gradient reduction with the flags the ranks agree on, the guard's
-verdict on the batch, the ZeRO update and its verdict (the held-out loss on evaluation steps), the
-replica check. `train` adds the checkpoints and the log; `finish` checks the four invariants. The
-loop calls narrow interfaces only (`Run`'s objects); it never touches MPI or HDF5, and it is the
-same for every grid, reducer and mode: those are chosen once, when the run is built (capstone.run).
+`train_step` is one optimizer step in the product's order (docs/design.md, "The picture"); `train` adds the
+checkpoints and the log, `finish` the four invariants. The loop calls `Run`'s narrow interfaces only, never MPI
+or HDF5, the same for every grid, reducer and mode: those are chosen once, when the run is built (capstone.run).
 """
 
 from __future__ import annotations
@@ -18,23 +15,37 @@ if __name__ == "__main__":   # before NumPy and MPI load (seconds under mpirun):
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from capstone import checkpoint, cli
-
-from capstone.observe import invariants
 from capstone.checkpoint import best, judge
 from capstone.checkpoint.cadence import Due
 from capstone.config import ConfigError
 from capstone.step.guard import DivergenceError
-from capstone.observe import memory, outcome, report, verdict
-from capstone.observe.timer import PhaseTimer
+from capstone.observe import invariants, memory, outcome, report, verdict
 from capstone.collective import launch
 from capstone.parallel.reduce import Flags
 from capstone.run import Run, open_run
 from capstone.runtime import heap, margin, stop
+
+
+class PhaseTimer:
+    """Milliseconds per phase of a step (`with timer("fwd_bwd"): ...`), timed outside its logic as in torchtitan."""
+
+    def __init__(self):
+        self.t0, self.ms = time.perf_counter(), {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t = time.perf_counter()
+        yield
+        self.ms[phase] = self.ms.get(phase, 0.0) + 1e3 * (time.perf_counter() - t)
+
+    def total_ms(self) -> float:
+        return 1e3 * (time.perf_counter() - self.t0)
 
 
 @dataclass
@@ -54,7 +65,7 @@ class StepResult:
     param_norm: float = 0.0
     fingerprint: str = ""
     events: list = field(default_factory=list)
-    ms: dict = field(default_factory=dict)    # phase -> milliseconds (capstone.observe.timer)
+    ms: dict = field(default_factory=dict)    # phase -> milliseconds (PhaseTimer)
     traffic: dict = field(default_factory=dict)   # collective kind -> Traffic (capstone.collective.comm)
 
 
@@ -111,8 +122,7 @@ def roll_back(run: Run, r: StepResult) -> None:
 
 def train(run: Run) -> int:
     """Collective: call on all ranks. Train to the last step or a stop request; returns the exit code."""
-    t_start, status, rows = time.perf_counter(), "completed", []
-    start_step = run.state.step
+    t_start, status, rows, start_step = time.perf_counter(), "completed", [], run.state.step
     log, fit = report.StepLog(run, start_step), margin.StopMargin(run, start_step)   # does a stop fit mpirun's kill?
     with outcome.recorded(run, start_step, t_start, log):   # summary.json also on a guard's abort or a timeout
         while run.state.step < run.tcfg.steps:

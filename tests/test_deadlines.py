@@ -268,7 +268,7 @@ def test_overlap_and_no_overlap_train_alike(tmp_path, run_train):
     assert sorted(a) == sorted(b) == list(range(1, 11))
     from capstone.config import ModelConfig
     from capstone.model.params import Layout
-    from capstone.parallel.bucket_plan import plan
+    from capstone.parallel.buckets import plan
     buckets = len(plan(Layout.for_model(ModelConfig(), 4), int(0.01 * 2**20) // 4))
     calls = {name: {r["comm"]["reduce_scatter"]["calls"] for r in step_rows(tmp_path / name)} for name in runs}
     assert buckets == 7 and calls == {"overlap": {buckets}, "no-overlap": {1}}, calls   # the flags are honoured

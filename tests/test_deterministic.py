@@ -64,7 +64,7 @@ def test_layouts_are_bit_identical_with_several_buckets(tmp_path, flags):
     1x4, 2x2 and 4x1 agree bit for bit, with the default overlap and without it."""
     from capstone.config import ModelConfig
     from capstone.model.params import Layout
-    from capstone.parallel.bucket_plan import plan
+    from capstone.parallel.buckets import plan
     assert len(plan(Layout.for_model(ModelConfig(), 4), int(0.01 * 2**20) // 4)) >= 3
     runs = [run(tmp_path, f"{r}x{a}", r, a, "--global-batch", "16", "--steps", "12", *flags)
             for r, a in ((1, 4), (2, 2), (4, 1))]

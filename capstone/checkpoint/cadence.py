@@ -1,10 +1,6 @@
 """When a step must save a checkpoint and evaluate, decided once per step from the agreed flags.
 
-Saves every `ckpt_every` steps, when `ckpt_every_minutes` of wall clock have passed since the last
-save (rank 0's clock: its `clock_due` is the flag the ranks agree on), on a stop request (a signal,
---stop-after) and at the last step; evaluates every `eval_every` steps and at every save (a signal:
-`abandon`, capstone.checkpoint.judge).
-"""
+How it works: docs/design.md, "Inside the step", checkpoint/cadence.py."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """`Comm`: a group of ranks through which every collective of a run goes.
 
-Each collective is issued non-blocking and waited on with the run's `Deadline` (a dead or stopped peer ends the job
-with one line naming the collective, not a hang); what MPI or HDF5 offers only blocking (`Split`, a parallel-HDF5
-open/write/close) runs under the deadline's watchdog (`blocking`). Buffers only, never pickle: mpi4py's uppercase
-methods, `Allreduce`, `Allgather`, ..., the optional modes' exchanges, and small values as JSON in uint8 buffers. Each
-wait is counted in `traffic` by kind (bytes as nccl-tests count them, seconds waiting, calls). A group of one rank
-(`MPI.COMM_SELF`) skips its reductions: one code path. No other module holds an MPI communicator (test_architecture).
-"""
+How it works: docs/design.md, "Inside the step", collective/comm.py."""
 
 from __future__ import annotations
 
@@ -26,8 +20,7 @@ from capstone.step.hooks import NONE
 
 @dataclass
 class Traffic:
-    """One kind of collective within a step: nccl-tests' op name, the group's size, S bytes summed
-    over the calls, the seconds spent waiting for them, the calls."""
+    """One kind of collective in a step: nccl-tests' op name, group size, S bytes summed, seconds waited, calls."""
 
     op: str
     ranks: int
@@ -61,8 +54,7 @@ class Comm:
         return {kind: dataclasses.replace(t) for kind, t in self.traffic.items()}
 
     def wait(self, requests, what: str, kind: str | None = None, op: str = "", nbytes: int = 0) -> None:
-        """Wait for `requests` under the deadline; count them (calls) and the wait under `kind` (None:
-        not counted)."""
+        """Wait for `requests` under the deadline; count them and the wait under `kind` (None: not counted)."""
         requests = requests if isinstance(requests, list) else [requests]
         t0 = time.perf_counter()
         self.deadline.wait(requests, what)
@@ -70,7 +62,6 @@ class Comm:
             self.count(kind, op or kind, nbytes, time.perf_counter() - t0, len(requests))
 
     def count(self, kind: str, op: str, nbytes: int, seconds: float, calls: int = 1, hidden: float = 0.0) -> None:
-        """Add collectives of `kind` to this step's traffic."""
         t = self.traffic.setdefault(kind, Traffic(op, self.size))
         t.bytes, t.seconds, t.calls, t.hidden = t.bytes + nbytes, t.seconds + seconds, t.calls + calls, t.hidden + hidden
 
@@ -95,8 +86,7 @@ class Comm:
             self.wait(self.mpi.Ibcast(buf, root=root), what, kind, "broadcast", buf.nbytes)
 
     def Ireduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int]):
-        """Start summing `send` over the group, rank r receiving its counts[r] values into `recv`;
-        `wait` for the request (or `Test` it to drive progress)."""
+        """Start summing `send` over the group into rank r's counts[r] values of `recv`; `wait` (or `Test`) it."""
         self.hooks.at("reduce_scatter")
         return self.mpi.Ireduce_scatter(send, recv, counts, op=MPI.SUM)
 
@@ -105,7 +95,6 @@ class Comm:
         self.hooks.at("allreduce")
         return self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
-    # ---- small values ---------------------------------------------------------------------------
     def sum(self, values, what: str = "allreduce (sums)", kind: str | None = None) -> list[float]:
         """Element-wise sums (float64) of a few numbers over the group."""
         v = np.array(values, dtype=np.float64)
@@ -149,24 +138,23 @@ class Comm:
     # ---- small values as JSON (never pickle) ----------------------------------------------------
     def allgather_json(self, value) -> list:
         """Every rank's JSON-able value, in rank order, on every rank."""
-        data = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
-        sizes = self._sizes(len(data))
+        data, sizes = self._encoded(value)
         buf = np.empty(sum(sizes), dtype=np.uint8)
         self.Allgatherv(data, buf, sizes, "allgather (JSON)")
         return _split_json(buf, sizes)
 
     def gather_json(self, value, root: int = 0) -> list | None:
         """Every rank's JSON-able value on `root`, None elsewhere."""
-        data = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
-        sizes = self._sizes(len(data))
+        data, sizes = self._encoded(value)
         buf = np.empty(sum(sizes), dtype=np.uint8) if self.rank == root else None
         self.wait(self.mpi.Igatherv(data, [buf, sizes] if self.rank == root else None, root=root), "gather (JSON)")
         return _split_json(buf, sizes) if self.rank == root else None
 
-    def _sizes(self, n: int) -> list[int]:
-        out, mine = np.empty(self.size, dtype=np.int64), np.array([n], dtype=np.int64)
+    def _encoded(self, value) -> tuple[np.ndarray, list[int]]:
+        data = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
+        out, mine = np.empty(self.size, dtype=np.int64), np.array([len(data)], dtype=np.int64)
         self.wait(self.mpi.Iallgather(mine, out), "allgather (JSON sizes)")
-        return [int(x) for x in out]
+        return data, [int(x) for x in out]
 
     def bcast_json(self, value, root: int = 0):
         """Root's JSON-able value on every rank."""

@@ -1,8 +1,6 @@
-"""No collective waits forever: non-blocking requests waited on with a deadline, and a watchdog
-for the calls MPI and HDF5 offer only blocking.
+"""No collective waits forever: a deadline on non-blocking requests, a watchdog on blocking calls.
 
-How it works: docs/design.md, "Inside the step", collective/deadline.py.
-"""
+How it works: docs/design.md, "Inside the step", collective/deadline.py."""
 
 from __future__ import annotations
 
@@ -58,7 +56,6 @@ class Deadline:
         return max(floor_s(), STEP_MULT * self.longest_step)
 
     def describe(self) -> str:
-        """How the current timeout was set, for the message."""
         if self.explicit > 0 and self.step is not None:
             return f"--collective-timeout {self.explicit:g}"
         if self.explicit > 0:
@@ -74,33 +71,26 @@ class Deadline:
 
     def wait(self, requests: list, what: str) -> None:
         """Wait until every request is complete, or end the job at the deadline."""
-        if MPI.Request.Testall(requests):
-            return
-        t0 = time.monotonic()
-        limit = self.seconds
-        spin_until, sleep = t0 + self.spin_s, 2e-5
-        while True:
+        t0, limit, sleep = time.monotonic(), self.seconds, 2e-5
+        while not MPI.Request.Testall(requests):
             now = time.monotonic()
-            if now < spin_until:
+            if now < t0 + self.spin_s:
                 os.sched_yield()   # a pure spin on a dedicated core; lets a peer run on a shared one
             else:
                 if now - t0 >= limit:
                     expire(self, what, now - t0)
                 time.sleep(sleep)
                 sleep = min(2 * sleep, MAX_SLEEP_S)
-            if MPI.Request.Testall(requests):
-                return
 
 
 def message(deadline, what: str, waited: float | None = None) -> tuple[str, dict]:
     """The one line of a timeout of `what`, and its record."""
     at = f"step {deadline.step}" if deadline.step is not None else "start-up/shutdown (no step running)"
-    how = deadline.describe()
     waited = deadline.seconds if waited is None else waited
     line = (f"[rank {deadline.rank}/{deadline.world}] capstone: collective timeout: {what} at {at} did not "
-            f"complete after {waited:.1f} s ({how}); a peer rank is probably dead or unreachable: check its host "
-            f"and the network, then rerun with --resume auto (the last complete checkpoint is intact). "
-            f"Aborting the job.")
+            f"complete after {waited:.1f} s ({deadline.describe()}); a peer rank is probably dead or "
+            f"unreachable: check its host and the network, then rerun with --resume auto (the last complete "
+            f"checkpoint is intact). Aborting the job.")
     record = {"rank": deadline.rank, "world": deadline.world, "host": socket.gethostname(), "pid": os.getpid(),
               "collective": what, "at": at, "waited_s": round(waited, 1), "time": time.time()}
     return line, record
@@ -111,13 +101,14 @@ def expire(deadline, what: str, waited: float) -> None:
     line, record = message(deadline, what, waited)
     print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
-    if deadline.record is not None:
-        write_record(deadline.record, record)
+    if deadline.record is not None:   # best effort (the run directory may be unwritable or gone)
+        with contextlib.suppress(OSError):
+            with open(tmp := f"{deadline.record}.tmp-{os.getpid()}", "w") as f:
+                json.dump(record, f)
+            os.replace(tmp, deadline.record)
     if getattr(deadline, "on_expire", None) is not None:   # summary.json (capstone.observe.outcome.recorded)
-        try:
+        with contextlib.suppress(Exception):   # best effort: the abort must happen anyway
             deadline.on_expire(record)
-        except Exception:   # noqa: BLE001 - best effort: the abort must happen anyway
-            pass
     MPI.COMM_WORLD.Abort(1)
 
 
@@ -133,14 +124,3 @@ def guard(deadline, what: str):
         yield
     finally:
         deadline.watchdog.disarm()
-
-
-def write_record(path: str, record: dict) -> None:
-    """Best effort (the run directory may be unwritable or gone): the abort must happen anyway."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, path)
-    except OSError:
-        pass

@@ -1,8 +1,6 @@
-"""The held-out evaluation: a fixed set of M batches of S sequences never trained on, split across
-the data-parallel ranks by rows; forward only, through `loss` (the schedule's: a pipeline's
-passes the activations between its stages). `weight` is 1 on the ranks whose loss counts for
-their replica (tensor-parallel rank 0), 0 on the others, so the world sum of the shares is the
-mean loss per token. `after_update` is the update's verdict data in one small allreduce."""
+"""The held-out evaluation: M fixed batches of S sequences never trained on, split across the data-parallel
+ranks by rows, forward only through the schedule's `loss`. `weight` is 1 on the ranks whose loss counts for
+their replica (tensor-parallel rank 0), 0 elsewhere: the world sum of the shares is the mean loss per token."""
 
 from __future__ import annotations
 
@@ -21,8 +19,7 @@ class HeldOut:
         return sum(self.loss(x, y, self.scale) for x, y in self.batches if len(x)) * self.weight
 
     def after_update(self, finite: bool, evaluate: bool) -> tuple[float | None, bool]:
-        """Collective over the world: (the held-out loss if `evaluate` else None, whether every
-        rank's optimizer state is finite)."""
+        """Collective over the world: (the held-out loss if `evaluate` else None, every rank's state finite)."""
         share = self.loss_share() if evaluate else 0.0
         held, nonfinite = self.world.sum([share, float(not finite)], "allreduce of the held-out loss", "allreduce_eval")
         return (held if evaluate else None), nonfinite == 0

@@ -1,7 +1,6 @@
 """Synthetic corpus and the distributed data stream.
 
-How it works: docs/design.md, "Inside the step", data/synthetic.py.
-"""
+How it works: docs/design.md, "Inside the step", data/synthetic.py."""
 
 from __future__ import annotations
 

@@ -102,11 +102,7 @@ head_loss = K.define("head_loss", _head_fwd, _head_bwd)
 
 
 def differentiate(fun, start):
-    """(fun(start), backward): `backward(g)` runs the pass's VJPs once, in reverse, landing every
-    layer's gradient through the seam, and returns d(g . fun)/d start (a pipeline stage sends it
-    back; a whole model's start is a scalar anchor). g None: the gradient of a scalar fun itself."""
+    """(fun(start), backward): `backward(g)` runs the pass's VJPs once, in reverse, landing every layer's gradient
+    through the seam; returns d(g . fun)/d start (g None: a scalar fun's own; start: a stage's input or an anchor)."""
     vjp, out = make_vjp(fun)(start)
-
-    def backward(g=None):
-        return vjp(vspace(out).ones() if g is None else g)
-    return out, backward
+    return out, lambda g=None: vjp(vspace(out).ones() if g is None else g)

@@ -14,9 +14,8 @@ from capstone.model import kernels as K
 
 
 class Alone:
-    """A block not split: the tensor-parallel group of one rank (its sums are the identity), and the
-    sequence whole on this rank (its positions 0..T-1, the causal kernel; with dropout's `drop`, the
-    probabilities masked: capstone.model.dropout)."""
+    """A block not split: the tensor-parallel group of one rank (its sums are the identity), and the sequence
+    whole on this rank (positions 0..T-1, the causal kernel; dropout's `drop` masks it: capstone.model.dropout)."""
 
     size, k = 1, 1   # the ranks splitting the block, and the sequence
     positions = staticmethod(lambda T: None)
@@ -75,8 +74,6 @@ def _ln_back(g, saved, w, gw, gb):
     return d[0]
 
 
-# ---- token + position embedding ---------------------------------------------------------------
-
 def embedding_forward(w, idx, shapes, cp=WHOLE):
     """w = [wte (V, C), wpe (>=T, C)], idx (B, T) at cp's positions -> (B*T, C), nothing saved."""
     return K._embed_fwd(*unpack(w, shapes), idx, cp.positions(idx.shape[1]))
@@ -88,13 +85,9 @@ def embedding_backward(g, w, idx, shapes, gw, cp=WHOLE) -> None:
     np.concatenate([d[0].reshape(-1), d[1].reshape(-1)], out=gw)
 
 
-# ---- one transformer block ----------------------------------------------------------------------
-
 def block_forward(x, w, T, H, shapes, tp, cp=WHOLE, masks=None, layer: int = 0):
-    """x + attn(ln_1(x)) = x1; x1 + mlp(ln_2(x1)): (B*T, C) -> (B*T, C), H heads on this rank. w holds,
-    in order, ln_1.w/b, attn.c_attn.w/b, attn.c_proj.w/b, ln_2.w/b, mlp.c_fc.w/b, mlp.c_proj.w/b.
-    `masks` (capstone.model.dropout.Masks; None: no dropout): GPT-2's dropout of block `layer` at the
-    attention probabilities and both residual branches."""
+    """x + attn(ln_1(x)) = x1; x1 + mlp(ln_2(x1)): (B*T, C) -> (B*T, C), H heads on this rank. `masks` (dropout's
+    Masks; None: no dropout): GPT-2's dropout of block `layer` at the attention probabilities and both residuals."""
     ln1w, ln1b, aw, ab, pw, pb, ln2w, ln2b, fw, fb, mw, mb = unpack(w, shapes)
     drop = m1 = m2 = None
     if masks is not None:
@@ -150,12 +143,9 @@ def block_backward(g, saved, x, w, T, H, shapes, tp, gw, free: bool, cp=WHOLE):
     return gx1 + _ln_back(ga, s_ln1, ln1w, d_ln1w, d_ln1b)
 
 
-# ---- final LayerNorm, LM head, cross-entropy ---------------------------------------------------
-
 def head_logits(x, w, shapes, wte=None):
-    """Logits (B*T, V) of the final hidden states x (B*T, C): w = [ln_f.w, ln_f.b, lm_head.w(, lm_head.b)];
-    with a tied head (--tie-embeddings, capstone.model.tied) w = [ln_f.w, ln_f.b(, lm_head.b)] and the
-    head is wte.T, wte (V, C) the embedding's."""
+    """Logits (B*T, V) of the final hidden states x (B*T, C): w = [ln_f.w, ln_f.b, lm_head.w(, lm_head.b)]; tied
+    (--tie-embeddings, capstone.model.tied): w = [ln_f.w, ln_f.b(, lm_head.b)], the head wte.T, wte (V, C)."""
     if wte is None:
         lnw, lnb, hw, *hb = unpack(w, shapes)                                  # hb: [] with --no-head-bias
     else:
@@ -175,8 +165,7 @@ def head_loss_forward(x, w, targets, shapes, wte=None):
 
 
 def head_loss_backward(g, saved, w, targets, shapes, gw, free: bool, wte=None, gwte=None):
-    """The head's gradient written into gw; returns the hidden states' (freeing `saved` if `free`).
-    A tied head: its share of wte's gradient written into gwte (V, C)."""
+    """The head's gradient into gw (a tied head's share of wte's into gwte); returns the hidden states' (`free`)."""
     z_in, s_ln, probs = saved
     if free:
         saved.clear()

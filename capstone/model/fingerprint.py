@@ -1,9 +1,5 @@
-"""Numbers that summarise a flat float32 buffer: its sum of squares (norms), and a fingerprint
-(norm and digest) that replicas compare every step (invariant (b), docs/invariants.md).
-
-Sums of squares run in float64 over chunks of NORM_CHUNK values; the digest is the sha256 prefix on
-evaluation steps, else the word sum: one pass, about 30x cheaper, and any one-bit difference
-changes it.
+"""Numbers that summarise a flat float32 buffer: its sum of squares (norms, in float64 over chunks), and a
+fingerprint (norm and digest) that replicas compare every step (invariant (b), docs/invariants.md).
 """
 
 from __future__ import annotations
@@ -35,9 +31,8 @@ def word_sum(flat: np.ndarray) -> int:
 
 
 def fingerprint(flat: np.ndarray, strong: bool = True) -> tuple[float, str]:
-    """(L2 norm in float64, 16 hex digits) of a contiguous buffer, compared across ranks: the sha256
-    prefix (strong), else the word sum, one pass and about 30x cheaper, which any one-bit
-    difference still changes (docs/invariants.md)."""
+    """(L2 norm in float64, 16 hex digits) of a contiguous buffer, compared across ranks: the sha256 prefix
+    (strong: evaluation steps), else the word sum: one pass, about 30x cheaper, and any one-bit flip changes it."""
     norm = math.sqrt(sum_squares(flat))
     if not strong:
         return norm, f"{word_sum(flat):016x}"

@@ -1,11 +1,9 @@
 """MiniGPT in NumPy + autograd, float32 end to end (pre-LN GPT-2 blocks, GPT-2's dropout and tied head).
 
-Activations are 2-D (B*T, C): every linear layer is one matmul. The embedding, L blocks and the
-head with the loss (capstone.model.blocks) are autograd nodes over flat parameter groups, run by
-the one driver (capstone.model.backward). `Model` is this rank's part, whatever the modes: its
-groups (all, or a pipeline stage's), its tensor-parallel group (`blocks.ALONE`: none), its seam
-(capstone.model.seam: where a group's weights come from and its gradient goes) and its options'
-sources (capstone.model.seam.MaskSource, TieSource): the dropout masks of each micro-batch and a tied head's wte.
+Activations are 2-D (B*T, C). The embedding, L blocks and the head with the loss (capstone.model.blocks) are
+autograd nodes over flat parameter groups, run by the one driver (capstone.model.backward). `Model` is this rank's
+part, whatever the modes: its groups (all, or a pipeline stage's), tensor-parallel group (`blocks.ALONE`: none),
+seam (capstone.model.seam: where weights come from and gradients go) and option sources (MaskSource, TieSource).
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ def hidden(ps: Pass, cfg: ModelConfig, names, start, idx):
 
 
 def run_layers(ps: Pass, cfg: ModelConfig, names, start, idx, targets, scale):
-    """The part of the model of group `names`: scale * (summed cross-entropy against targets), or
-    (without the head) the hidden states it hands the next pipeline stage."""
+    """Groups `names` of the model: scale * (summed cross-entropy against targets), or (no head) its hidden states."""
     h, shapes = hidden(ps, cfg, names, start, idx), group_shapes(cfg, ps.tp.size)
     return h if "head" not in names else head_loss(h, ps, targets.reshape(-1), shapes["head"]) * scale
 
@@ -91,9 +88,6 @@ class Model:
         """The flat gradient buffer (None: ZeRO-2/3 hand each group's gradient on)."""
         return self.seam.grads
 
-    def _run(self, ps: Pass, start, x, y, scale):
-        return run_layers(ps, self.cfg, self.names, start, x, y, scale)
-
     def begin(self, step: int) -> None:
         """The step's micro-batches begin (their dropout masks are the step's)."""
         if self.masks is not None:
@@ -105,15 +99,13 @@ class Model:
         return Pass(self.seam, self.tp, fresh, self.recompute, train, self.cp, masks, tie)
 
     def forward(self, x, y, scale: float, start=0.0, fresh: bool = False):
-        """(output, backward): this part's scaled summed loss (or, without the head, its hidden
-        states), and the function that runs its backward pass (`differentiate`). `start`: the
-        previous pipeline stage's activations, if this part has no embedding."""
+        """(output, backward): this part's scaled summed loss (without the head: its hidden states) and the function
+        that runs its backward pass (`differentiate`). `start`: the previous stage's activations (no embedding)."""
         ps = self._pass(True, fresh, x.shape[0])
-        return differentiate(lambda s: self._run(ps, s, x, y, scale), start)
+        return differentiate(lambda s: run_layers(ps, self.cfg, self.names, s, x, y, scale), start)
 
     def micro_batch(self, x, y, scale: float, fresh: bool) -> float:
-        """The gradient of scale * (summed loss of one micro-batch) through the seam (`fresh`: it
-        overwrites the gradient buffer); returns that loss."""
+        """Gradient of scale * (summed loss of one micro-batch) through the seam (`fresh`: overwriting); its loss."""
         loss, backward = self.forward(x, y, scale, fresh=fresh)
         backward()
         return float(loss)
@@ -124,7 +116,7 @@ class Model:
 
     def evaluate(self, x, y, scale: float, start=0.0):
         """Forward only, nothing kept: the scaled summed loss (without the head: the hidden states)."""
-        return self._run(self._pass(False), start, x, y, scale)
+        return run_layers(self._pass(False), self.cfg, self.names, start, x, y, scale)
 
     def loss(self, x, y, scale: float) -> float:
         """scale * summed loss of one batch, forward only (the whole model)."""

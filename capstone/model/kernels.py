@@ -13,19 +13,20 @@ from autograd.extend import defvjp_argnums, primitive
 
 GELU_K = math.sqrt(2.0 / math.pi)
 GELU_A = 0.044715
+ROW_BLOCK = 1 << 16  # elements per row block of the GELU's and LayerNorm's passes: 256 KiB per array, in L2
+ATTN_BLOCK = 64      # query rows per block of the causal attention: a block sees only the keys up to its end
 
 _add, _max = np.add.reduce, np.maximum.reduce  # ndarray.sum / .max without their Python wrapper
+_mm = np.matmul  # every matmul of the kernels (and capstone.model.blocks) goes through this name (benchmarks time it)
 
 
 def define(name, forward, backward):
-    """Primitive `name` from forward(*args, **kw) -> (out, saved) and
-    backward(g, saved, argnums, *args, **kw) -> {argnum: gradient} for (at least) the argnums asked."""
+    """Primitive `name` of forward(*a, **kw) -> (out, saved) and backward(g, saved, argnums, *a, **kw) -> {i: grad}."""
     stash = [None]   # (output, saved) of this primitive's most recent forward
 
     def raw(*args, **kwargs):
-        out, saved = forward(*args, **kwargs)
-        stash[0] = (out, saved)
-        return out
+        stash[0] = forward(*args, **kwargs)
+        return stash[0][0]
 
     raw.__name__ = raw.__qualname__ = name
     raw.__doc__ = forward.__doc__
@@ -44,9 +45,6 @@ def define(name, forward, backward):
     return op
 
 
-_mm = np.matmul  # every matmul of the kernels (and capstone.model.blocks) goes through this name (benchmarks time it)
-
-
 def causal_mask(T: int) -> np.ndarray:
     """(T, T) additive mask: 0 on and below the diagonal, -inf above."""
     return np.triu(np.full((T, T), -np.inf, dtype=np.float32), k=1)
@@ -60,10 +58,8 @@ def _cached_mask(T: int) -> np.ndarray:
     return mask
 
 
-# ---- embedding ---------------------------------------------------------------------------------
-
 def _embed_fwd(wte, wpe, idx, pos=None):
-    """Token + position embedding: wte (V, C), wpe (>=T, C), idx (B, T) at positions `pos` (None: 0..T-1) -> (B*T, C)."""
+    """Token + position embedding: wte (V, C), wpe (>=T, C), idx (B, T) at `pos` (None: 0..T-1) -> (B*T, C)."""
     B, T = idx.shape
     return (wte[idx] + wpe[slice(T) if pos is None else pos]).reshape(B * T, wte.shape[1]), None
 
@@ -84,21 +80,13 @@ def _embed_bwd(g, _, argnums, wte, wpe, idx, pos=None):
     return out
 
 
-# ---- row blocks: the elementwise passes of LayerNorm and GELU, a cache-sized block at a time ------
-
-ROW_BLOCK = 1 << 16  # elements per row block of the GELU's and LayerNorm's passes: 256 KiB per array, in L2
-
-
 def _row_blocks(u):
-    """Slices of u's first axis of about ROW_BLOCK elements each (one slice for 0-d and 1-d u), so
-    that the several passes of the GELU's (or LayerNorm's) arithmetic over a block run from L2."""
+    """Slices of u's first axis of about ROW_BLOCK elements (0-d, 1-d u: one), so a block's several passes run in L2."""
     if u.ndim < 2:
         return [Ellipsis]
     rows = max(1, ROW_BLOCK // max(1, u[0].size))
     return [slice(s, s + rows) for s in range(0, len(u), rows)]
 
-
-# ---- LayerNorm ---------------------------------------------------------------------------------
 
 def _rowdot(a, b):
     """Sum over the last axis of a * b, without a temporary of a's size: (..., C) -> (..., 1)."""
@@ -106,18 +94,15 @@ def _rowdot(a, b):
 
 
 def _ln_fwd(x, w, b, eps=1e-5):
-    """LayerNorm over the last axis: x (..., C), w/b (C,) (b None: no bias). Saves xhat (..., C) and 1/std (..., 1).
-    Row blocks (`_row_blocks`): each row's passes run from cache."""
+    """LayerNorm over the last axis, in row blocks: x (..., C), w/b (C,) (b None: no bias); saves xhat and 1/std."""
     inv_c = 1.0 / x.shape[-1]
     xhat, y = np.empty_like(x), np.empty_like(x, dtype=np.result_type(x, w, *(() if b is None else (b,))))
     rstd = np.empty(x.shape[:-1] + (1,), dtype=x.dtype)
     for r in _row_blocks(x):
-        xh, xr = xhat[r], x[r]
+        xh, xr, rs, yr = xhat[r], x[r], rstd[r], y[r]
         np.subtract(xr, _add(xr, axis=-1, keepdims=True) * inv_c, out=xh)
-        rs = rstd[r]
         np.divide(1.0, np.sqrt(_rowdot(xh, xh) * inv_c + eps), out=rs)
         xh *= rs
-        yr = y[r]
         np.multiply(xh, w, out=yr)
         if b is not None:
             yr += b
@@ -146,8 +131,6 @@ def _ln_bwd(g, saved, argnums, x, w, b, eps=1e-5):
     return out
 
 
-# ---- linear, GELU, linear + GELU ---------------------------------------------------------------
-
 def _linear_fwd(x, w, b):
     """y = x @ w + b: x (N, Cin), w (Cin, Cout), b (Cout,) or None -> (N, Cout)."""
     y = _mm(x, w)
@@ -157,9 +140,8 @@ def _linear_fwd(x, w, b):
 
 
 def _gelu_fwd(u):
-    """GELU, tanh approximation (GPT-2), any shape: 0.5 u (1 + t), t = tanh(K (u + A u^3)).
-    Saves 1 + t for the backward. In-place arithmetic over row blocks: fresh layer-sized temporaries,
-    and passes over arrays larger than the cache, cost more than the math."""
+    """GELU, tanh approximation (GPT-2), any shape: 0.5 u (1 + t), t = tanh(K (u + A u^3)); saves 1 + t. In place
+    over row blocks: fresh layer-sized temporaries, and passes over arrays beyond the cache, cost more than the math."""
     t, y = np.empty_like(u), np.empty_like(u)
     for r in _row_blocks(u):
         ur, tr, yr = u[r], t[r], y[r]
@@ -184,8 +166,7 @@ def _gelu_grad(g, u, tp, out=None):
         d *= 1.5 * GELU_A * GELU_K
         d += 0.5 * GELU_K
         d *= u[r]                                       # 0.5 u dz/du
-        w = 2.0 - tp[r]                                 # 1 - t
-        d *= w
+        d *= 2.0 - tp[r]                                # 1 - t
         d += 0.5
         d *= tp[r]
         np.multiply(d, g[r], out=out[r])
@@ -199,22 +180,16 @@ def _linear_gelu_fwd(x, w, b):
     return y, (u, t)
 
 
-# ---- causal multi-head attention on the fused qkv buffer ---------------------------------------
-#
-# Causal blocks: the queries are cut into blocks of ATTN_BLOCK rows (when T >= 2 ATTN_BLOCK) and
-# block (s, e) is computed against keys [0, e) only, skipping most of the masked upper triangle
-# (at T = 256: 5/8 of the (T, T) work; one Python iteration per block, never per head). Per block
-# the forward keeps the unnormalised E = exp(S - max) and 1/sum: y = (E v) / sum scales the
-# (T, D) output rather than the (T, T) matrix. The backward needs no reduction over (T, T): for
-# P = softmax, sum_j P_ij dP_ij = gy_i . y_i (output gradient dotted with the output, as in
-# FlashAttention). (T, T) passes: forward matmul, mask (diagonal block only), max, subtract, exp,
-# sum; backward matmul, subtract, multiply; the rest is BLAS on (B, H, T, D) operands.
+# ---- causal multi-head attention on the fused qkv buffer, in causal blocks ----------------------
+# Query blocks of ATTN_BLOCK rows (when T >= 2 ATTN_BLOCK): block (s, e) sees keys [0, e) only, skipping most of
+# the masked upper triangle (one Python iteration per block, never per head). Per block the forward keeps
+# E = exp(S - max) and 1/sum: y = (E v) / sum scales the (T, D) output, not the (T, T) matrix. The backward needs
+# no (T, T) reduction: for P = softmax, sum_j P_ij dP_ij = gy_i . y_i (as in FlashAttention). (T, T) passes:
+# matmul, mask (diagonal block), max, subtract, exp, sum; backward matmul, subtract, multiply; the rest is BLAS.
 
 def _split_heads(qkv, T, H):
     """qkv (B*T, 3C) -> q, k, v views of shape (B, H, T, D)."""
-    N, C3 = qkv.shape
-    qkv5 = qkv.reshape(N // T, T, 3, H, C3 // (3 * H)).transpose(2, 0, 3, 1, 4)  # (3, B, H, T, D)
-    return qkv5[0], qkv5[1], qkv5[2]
+    return tuple(qkv.reshape(len(qkv) // T, T, 3, H, -1).transpose(2, 0, 3, 1, 4))  # from (3, B, H, T, D)
 
 
 def _heads(a, B, T, H):
@@ -222,19 +197,14 @@ def _heads(a, B, T, H):
     return a.reshape(B, T, H, -1).transpose(0, 2, 1, 3)
 
 
-ATTN_BLOCK = 64  # query rows per block of the causal attention: a block sees only the keys up to its end
-
-
 def _query_blocks(T):
-    """[(start, end)] of the query blocks; block (s, e) uses keys [0, e), so with T = n * ATTN_BLOCK
-    the (T, T) work shrinks to (n + 1) / 2n of it (3/4 at n = 2, 5/8 at n = 4)."""
+    """[(start, end)] of the query blocks: at T = n * ATTN_BLOCK, (n + 1) / 2n of the (T, T) work (5/8 at n = 4)."""
     step = ATTN_BLOCK if T >= 2 * ATTN_BLOCK else T
     return [(s, min(T, s + step)) for s in range(0, T, step)]
 
 
 def _attention_fwd(qkv, T, H):
-    """softmax(q k^T / sqrt(D) + causal) v per head: qkv (B*T, 3C) -> (B*T, C). Per query block
-    (s, e): E = exp(S - max) (B, H, e - s, e) and 1/sum (B, H, e - s, 1) are saved, and the output."""
+    """softmax(q k^T / sqrt(D) + causal) v per head: qkv (B*T, 3C) -> (B*T, C); saves each block's E, 1/sum and y."""
     q, k, v = _split_heads(qkv, T, H)
     B, _, _, D = q.shape
     qs = q * (1.0 / math.sqrt(D))                                # (B, H, T, D), contiguous
@@ -246,10 +216,8 @@ def _attention_fwd(qkv, T, H):
         e[..., s:] += _cached_mask(e_ - s)
         e -= _max(e, axis=-1, keepdims=True)                       # shift-invariant: exact
         np.exp(e, out=e)
-        r = _add(e, axis=-1, keepdims=True)
-        np.reciprocal(r, out=r)
-        out = yh[:, :, s:e_]
-        _mm(e, v[:, :, :e_], out=out)
+        r = np.reciprocal(_add(e, axis=-1, keepdims=True))
+        out = _mm(e, v[:, :, :e_], out=yh[:, :, s:e_])
         out *= r
         saved.append((s, e_, e, r))
     y = y.reshape(B * T, H * D)
@@ -280,15 +248,12 @@ def _attention_bwd(g, saved, argnums, qkv, T, H):
     return {0: gqkv.reshape(qkv.shape)}
 
 
-# ---- softmax cross-entropy ---------------------------------------------------------------------
-
 def _xent_fwd(z, targets):
     """Sum over rows of -log softmax(z)[target]: z (N, V), targets (N,) ints -> scalar; saves softmax."""
-    rows = np.arange(z.shape[0])
     zs = z - _max(z, axis=1, keepdims=True)
     e = np.exp(zs)
     s = _add(e, axis=1, keepdims=True)                           # (N, 1)
-    loss = (np.log(s[:, 0]) - zs[rows, targets]).sum()
+    loss = (np.log(s[:, 0]) - zs[np.arange(z.shape[0]), targets]).sum()
     e /= s
     return loss, e
 

@@ -20,12 +20,11 @@ from capstone.config import ModelConfig
 DTYPE = np.float32
 
 
-# The tensor-parallel plan (Megatron's split; picotron's `apply_tensor_parallel` table): how each
-# parameter of a block is split over the tp ranks. "heads": column-parallel by whole heads (the q,
-# k and v columns of H/tp heads), "columns": column-parallel, "rows": row-parallel. Anything not
-# listed (embeddings, LayerNorms, the head, the row-parallel layers' biases) is whole on every tp
-# rank. Read by the shapes here, the slicing and checkpoint conversion (capstone.parallel.tensor)
-# and the norm's ownership weights; the block computes with it (capstone.model.blocks).
+# The tensor-parallel plan (Megatron's split; picotron's `apply_tensor_parallel` table): how each block
+# parameter is split over the tp ranks. "heads": column-parallel by whole heads (the q, k and v columns of
+# H/tp heads), "columns": column-parallel, "rows": row-parallel; the rest (embeddings, LayerNorms, the head,
+# row-parallel biases) is whole on every tp rank. Read by the shapes here, capstone.parallel.tensor (slicing,
+# checkpoint conversion) and the norm's ownership weights; capstone.model.blocks computes with it.
 TP_PLAN = MappingProxyType({"attn.c_attn.w": "heads", "attn.c_attn.b": "heads", "attn.c_proj.w": "rows",
                             "mlp.c_fc.w": "columns", "mlp.c_fc.b": "columns", "mlp.c_proj.w": "rows"})
 
@@ -97,10 +96,9 @@ class Layout:
             raise ValueError(f"world size must be >= 1, got {world}")
         entries, offset = [], 0
         for name, shape in param_shapes(cfg, tp):
-            if groups is not None and group_of(name) not in groups:
-                continue
-            entries.append((name, tuple(shape), offset))
-            offset += math.prod(shape)
+            if groups is None or group_of(name) in groups:
+                entries.append((name, tuple(shape), offset))
+                offset += math.prod(shape)
         return cls(tuple(entries), offset, world)
 
     @property
@@ -165,20 +163,14 @@ def init_params(layout: Layout, cfg: ModelConfig, seed: int, part=None) -> np.nd
 
 
 def no_decay_runs(layout: Layout, lo: int, hi: int, chunk: int) -> list[list[slice]]:
-    """For the shard [lo, hi) of the buffer, per pass of `chunk` elements, the slices of the pass
-    that take no weight decay: biases, LayerNorm and padding; matrices and embeddings decay. A few
-    slices per layer (capstone.parallel.zero), where a mask would cost a byte per element and a pass."""
+    """Per pass of `chunk` elements of the shard [lo, hi), its slices without weight decay (biases, LayerNorms,
+    padding): a few per layer (capstone.parallel.zero), where a mask would cost a byte per element and a pass."""
     decays = np.zeros(hi - lo + 2, dtype=np.int8)   # 1 where decay applies, 0-padded ends
     for _, shape, off in layout.entries:
         a, b = max(off, lo), min(off + math.prod(shape), hi)
         if len(shape) >= 2 and a < b:
             decays[1 + a - lo:1 + b - lo] = 1
-    edges = np.flatnonzero(np.diff(decays)).reshape(-1, 2)    # [start, end) of each decaying run
-    starts = np.concatenate(([0], edges[:, 1]))
-    ends = np.concatenate((edges[:, 0], [hi - lo]))
-    runs = []
-    for c in range(0, hi - lo, chunk):
-        d = min(c + chunk, hi - lo)
-        runs.append([slice(max(a, c) - c, min(b, d) - c) for a, b in zip(starts.tolist(), ends.tolist())
-                     if max(a, c) < min(b, d)])
-    return runs
+    edges = np.flatnonzero(np.diff(decays))                   # starts and ends of the decaying runs, in turn
+    runs = np.concatenate(([0], edges, [hi - lo])).reshape(-1, 2).tolist()   # [start, end) of those between
+    return [[slice(max(a, c) - c, min(b, d) - c) for a, b in runs if max(a, c) < min(b, d)]
+            for c in range(0, hi - lo, chunk) for d in (min(c + chunk, hi - lo),)]

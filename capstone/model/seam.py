@@ -1,5 +1,4 @@
-"""The seam between the model and the modes: where a parameter group's weights come from, and
-where its gradient goes.
+"""The seam between the model and the modes: where a parameter group's weights come from and its gradient goes.
 
 How it works: docs/design.md, "Inside the step", model/seam.py.
 """
@@ -73,8 +72,7 @@ class Sinks:
 
 
 class Resident:
-    """Weights held whole on this rank: `groups` (name -> flat array); gradients land in `sinks`
-    (name -> flat array, None: none kept) and are then handed to `on_landed`."""
+    """Weights held whole on this rank: `groups` (name -> flat array); gradients land as `Sinks(sinks, on_landed)`."""
 
     def __init__(self, groups: dict, sinks: dict | None = None, on_landed: Callable = ignore):
         self.groups, self.out = groups, Sinks(sinks, on_landed)
@@ -107,8 +105,7 @@ class Resident:
         return self.params
 
     def gathered_peak(self) -> int:
-        """Bytes of gathered weights held at once: none, they are resident."""
+        """Bytes of gathered weights held at once (and its bound): none, they are resident."""
         return 0
 
-    def gathered_bound(self) -> int:
-        return 0
+    gathered_bound = gathered_peak

@@ -1,7 +1,6 @@
-"""The gradient reduce-scatter in buckets, overlapped with the backward pass (like PyTorch DDP).
+"""The gradient reduce-scatter in buckets, overlapped with the backward pass (like PyTorch DDP), and its plan.
 
-How it works: docs/design.md, "Inside the step", parallel/buckets.py.
-"""
+How it works: docs/design.md, "Inside the step", parallel/buckets.py."""
 
 from __future__ import annotations
 
@@ -11,13 +10,52 @@ import collections
 import numpy as np
 
 from capstone.model.params import Layout
-from capstone.parallel.bucket_plan import plan, tree_order
 from capstone.parallel.reduce import Flags, GradReducer, GradStats
 
 
+def tree_order(world: int) -> list[int]:
+    """order[j] = the rank at position j of the reduce-scatter's communicator: bit-reversed for a
+    power-of-2 world (an involution), else the identity (why: docs/design.md, "The bucketed reduce-scatter")."""
+    bits = world.bit_length() - 1
+    if world < 4 or world != 1 << bits:
+        return list(range(world))
+    return [int(format(j, f"0{bits}b")[::-1], 2) for j in range(world)]
+
+
+class Bucket:
+    """A range [a, b) of the flat buffer, its counts in the reduce-scatter's rank order, this rank's piece's place."""
+
+    def __init__(self, a: int, b: int, params: list[int], layout: Layout, rank: int, order: list[int]):
+        self.a, self.b, self.params = a, b, params
+        pieces = [(max(a, lo), min(b, hi)) for lo, hi in map(layout.shard_range, range(layout.world))]
+        self.counts = [max(0, pieces[o][1] - pieces[o][0]) for o in order]   # by position in the tree order
+        lo, n = layout.shard_range(rank)[0], max(0, pieces[rank][1] - pieces[rank][0])
+        self.recv = slice(max(a, lo) - lo, max(a, lo) - lo + n)               # within g_shard
+        # with a non-identity order the pieces are staged in that order: (staging slice, grads slice)
+        self.copies, pos = [], a
+        for o, n_o in zip(order, self.counts):
+            if n_o:
+                self.copies.append((slice(pos, pos + n_o), slice(pieces[o][0], pieces[o][0] + n_o)))
+                pos += n_o
+
+
+def plan(layout: Layout, bucket_floats: int, rank: int = 0, order: list[int] | None = None) -> list[Bucket]:
+    """Buckets in flat order (bucket 0 starts at 0), filled from the end: whole parameters, each at least
+    `bucket_floats` long except bucket 0 (the remainder). The padding goes with the last parameter."""
+    order = order or list(range(layout.world))
+    entries = sorted(layout.entries, key=lambda e: e[2])
+    bounds, end, params = [], layout.padded, []
+    for i in range(len(entries) - 1, -1, -1):
+        params.append(i)
+        start = entries[i][2]
+        if end - start >= bucket_floats or i == 0:
+            bounds.append((0 if i == 0 else start, end, sorted(params)))
+            end, params = start, []
+    return [Bucket(a, b, p, layout, rank, order) for a, b, p in reversed(bounds)]
+
+
 class BucketReducer(GradReducer):
-    """Sum `grads` over the data-parallel group into `grad_shard`, bucket by bucket (see the
-    module). `bucket_floats` >= the buffer: one bucket, started after the backward pass."""
+    """Sum `grads` over dp into `grad_shard`, bucket by bucket (`bucket_floats` >= the buffer: one, after backward)."""
 
     tree, op = True, "reduce_scatter"     # sums in recursive-halving order (a power-of-2 world); the collective
 
@@ -25,22 +63,15 @@ class BucketReducer(GradReducer):
         super().__init__(grid, layout, grads, loss_weight)
         dp, rank = grid.dp, grid.dp.rank
         self.order = tree_order(dp.size) if self.tree else list(range(dp.size))
-        if self.order == sorted(self.order):
-            self.comm, self.staging = dp, None
-        else:
-            self.comm, self.staging = dp.split(0, self.order[rank], "reduce-scatter in tree order"), \
-                np.empty_like(grads)
+        identity = self.order == sorted(self.order)
+        self.comm = dp if identity else dp.split(0, self.order[rank], "reduce-scatter in tree order")
+        self.staging = None if identity else np.empty_like(grads)
         self.buckets = plan(layout, max(1, int(bucket_floats)), rank, self.order)
-        entries = sorted(layout.entries, key=lambda e: e[2])
         self.base, self.itemsize = grads.__array_interface__["data"][0], grads.itemsize
-        self.offsets = [off for _, _, off in entries]   # a sink covers whole params
-        self.bucket_of = [0] * len(entries)
-        for k, bucket in enumerate(self.buckets):
-            for i in bucket.params:
-                self.bucket_of[i] = k
-        self.micro_batches, self.watching = 1, False
+        self.offsets = sorted(off for _, _, off in layout.entries)   # a sink covers whole params
+        self.bucket_of = [k for k, bucket in enumerate(self.buckets) for _ in bucket.params]   # params run in order
+        self.micro_batches, self.watching, self.overlapped = 1, False, 0   # overlapped: started in the last backward
         self._reset()
-        self.overlapped = 0   # buckets started from inside the backward pass, last step
 
     def _reset(self) -> None:
         self.seen = [0] * len(self.bucket_of)
@@ -50,15 +81,13 @@ class BucketReducer(GradReducer):
         self.requests: list = []
 
     def start(self, micro_batches: int) -> None:
-        """Before a step's forward+backward of `micro_batches` micro-batches: start buckets from the
-        backward pass as they become ready (when there is more than one)."""
+        """Before a step's micro-batches: start buckets from the backward pass as they become ready (if several)."""
         self._reset()
         self.micro_batches, self.overlapped = int(micro_batches), 0
         self.watching = len(self.buckets) > 1
 
     def landed(self, name: str, sink: np.ndarray) -> None:
-        """The gradients of the parameters in `sink` (group `name`'s slice of the buffer) are final
-        for this micro-batch."""
+        """The gradients in `sink` (group `name`'s slice of the buffer) are final for this micro-batch."""
         if not self.watching:
             return
         start = (sink.__array_interface__["data"][0] - self.base) // self.itemsize
@@ -86,13 +115,13 @@ class BucketReducer(GradReducer):
         self.next = k - 1
 
     def finish(self, losses: list[float], flags: Flags) -> GradStats:
-        """Start what is left (bucket 0, and any bucket the backward pass did not complete), wait
-        for every bucket with the deadline, then the step's small allreduce."""
+        """Start what is left (bucket 0, any the backward did not complete), wait for all, then the small allreduce."""
         self.watching = False
         while self.next >= 0:
             self._start(self.next)
-        what = f"{self.op.replace('_', '-')} of the gradient" + (f" ({len(self.buckets)} buckets, {self.overlapped} started "
-                                                   f"during backward)" if len(self.buckets) > 1 else "")
+        n = len(self.buckets)
+        what = f"{self.op.replace('_', '-')} of the gradient" + (
+            f" ({n} buckets, {self.overlapped} started during backward)" if n > 1 else "")
         self.comm.wait(self.requests, what, self.op, self.op, self.grads.nbytes)
         self._reset()
         return self.stats(sum(losses), flags)

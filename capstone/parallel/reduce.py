@@ -1,7 +1,6 @@
 """The gradient reduction: one interface, the modes' implementations.
 
-How it works: docs/design.md, "Inside the step", parallel/reduce.py.
-"""
+How it works: docs/design.md, "Inside the step", parallel/reduce.py."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ class Flags:
     writing: bool = False
 
     def counts(self) -> tuple[float, ...]:
-        """Each flag as 0 or 1, to be summed over the ranks."""
-        return tuple(map(float, astuple(self)))
+        return tuple(map(float, astuple(self)))   # each flag as 0 or 1, to be summed over the ranks
 
     @classmethod
     def any_rank(cls, sums) -> Flags:
@@ -56,11 +54,10 @@ class GradReducer:
         self.world, self.dp, self.layout, self.grads = grid.world, grid.dp, layout, grads
         lo, hi = layout.shard_range(grid.dp.rank)
         self.grad_shard = np.zeros(hi - lo, dtype=DTYPE)
-        self.norm_weight = None          # None: every element counts in the norm; tensor parallelism: ones and zeros
-        if grid.tp.size > 1:
+        self.norm_weight, self.loss_weight = None, loss_weight   # None: every element counts in the norm
+        if grid.tp.size > 1:                                      # tensor parallelism: ones and zeros
             from capstone.parallel import tensor
             self.norm_weight = tensor.norm_weight(layout, grid.tp.rank, lo, hi)
-        self.loss_weight = loss_weight
 
     def start(self, micro_batches: int) -> None:
         """Before the step's first forward pass."""
@@ -69,8 +66,7 @@ class GradReducer:
         """Before micro-batch `micro`'s backward pass (a pipeline runs them out of order)."""
 
     def landed(self, group: str, grad: np.ndarray) -> None:
-        """During a backward pass: parameter group `group`'s gradient has landed (the model's seam,
-        capstone.model.seam, calls it; `grad` is its slice of `grads`, or the gradient itself)."""
+        """Group `group`'s gradient has landed (the model's seam calls it; `grad`: its slice of `grads` or itself)."""
 
     def after_backward(self, micro: int) -> None:
         """After micro-batch `micro`'s backward pass (its gradient is in `grads`)."""

@@ -1,12 +1,6 @@
 """Invariant (b) at every step: the replicas of each part of the model hold the same parameters.
 
-Every rank fingerprints its flat parameter buffer (`capstone.model.fingerprint.fingerprint`: sha256 on
-evaluation steps, the cheap word sum otherwise; under --deterministic the unpadded parameters with
-a layout-independent norm). One allgather over the world gives every rank every fingerprint, so
-every rank records the same verdict: the ranks of a data-parallel group (the same tensor-parallel
-slice and pipeline stage) must agree. The step's `param_norm` is the whole model's: the sum of
-squares of a replica's parts, each parameter counted once.
-"""
+How it works: docs/design.md, "Inside the step", parallel/replicas.py."""
 
 from __future__ import annotations
 

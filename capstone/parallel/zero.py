@@ -1,15 +1,8 @@
 """ZeRO-1: AdamW whose fp32 master copy and moments are sharded over the data-parallel group.
 
-`ZeroAdam` owns this rank's shard of the optimizer state (capstone.step.state.ShardState: master, m, v, t) and
-nothing else: the reduced gradient shard comes from the gradient reducer
-(capstone.parallel.reduce), Adam updates the shard, and the updated shard is allgathered into the
-flat parameter buffer in place. `revert` undoes the last update bit for bit (the divergence
-guard). Per-rank optimizer memory is 12 * padded / dp bytes, twice that with `before` (none if not
-`undo`: the update runs in place). `replicate` (ZeRO stage 0): the shard is the whole buffer.
-"""
+How it works: docs/design.md, "Inside the step", parallel/zero.py."""
 
 from __future__ import annotations
-
 
 import numpy as np
 
@@ -20,8 +13,7 @@ ADAM_CHUNK = 1 << 16         # elements per pass of the update: the arrays of on
 
 
 class ZeroAdam:
-    """Adam(W) with ZeRO-1 sharding over the data-parallel group `dp` (a Comm); `params` is the
-    flat parameter buffer of `layout`, whose shard [lo, hi) this rank updates."""
+    """Adam(W) with ZeRO-1 sharding over `dp` (a Comm): this rank updates shard [lo, hi) of the flat `params`."""
 
     def __init__(self, dp, layout: Layout, params: np.ndarray, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
                  clip: float = 0.0, undo: bool = True, replicate: bool = False):
@@ -30,8 +22,8 @@ class ZeroAdam:
             raise ValueError(f"layout is padded for {layout.world} ranks but the data-parallel group has {dp.size}")
         self.dp, self.layout, self.params = dp, layout, params
         self.lo, self.hi = (0, layout.padded) if replicate else layout.shard_range(dp.rank)
-        self.beta1, self.beta2, self.eps, self.weight_decay = float(betas[0]), float(betas[1]), float(eps), float(weight_decay)
-        self.clip = float(clip)   # the global gradient norm is clipped to this (0: off)
+        self.beta1, self.beta2, self.eps = float(betas[0]), float(betas[1]), float(eps)
+        self.weight_decay, self.clip = float(weight_decay), float(clip)   # clip: of the global gradient norm (0: off)
         master = self._adopt(params)
         self.state = ShardState(master, np.zeros_like(master), np.zeros_like(master))
         self.before = ShardState(*(np.zeros_like(master) for _ in ROWS)) if undo else None  # before the last apply
@@ -51,11 +43,9 @@ class ZeroAdam:
         return 0 if self.before is None else self.before.nbytes
 
     def apply(self, grad_shard: np.ndarray, lr: float, norm: float) -> float:
-        """Collective: call on all ranks. Adam on the local shard with the reduced gradient shard,
-        scaled in place by clip / norm when `norm` (the whole gradient's) exceeds `clip`, then
-        allgather the shard into `params`; returns the norm after clipping. The update reads
-        `state` and writes the spare arrays, which then become `state`: the state before it stays
-        intact in `before` for `revert`, without a copy (no `before`: in place, the same bits)."""
+        """Collective: call on all ranks. Adam on the local shard with the reduced gradient shard (scaled by
+        clip / norm when the whole gradient's `norm` exceeds `clip`), then allgather the shard into `params`;
+        returns the norm after clipping."""
         clip = self.clip if 0 < self.clip < norm else 0.0
         grad_scale = clip / norm if clip else 1.0
         old, new = self.state, self.before or self.state     # no `before`: in place
@@ -71,16 +61,14 @@ class ZeroAdam:
         return clip or norm
 
     def revert(self) -> None:
-        """Collective: call on all ranks. Undo the last `apply` bit for bit: its `before` state
-        becomes the state again and is republished. Once only: a second call keeps that state."""
+        """Collective: call on all ranks. Undo the last `apply` bit for bit (once: a second call keeps that state)."""
         if self.revertible:
             self.state, self.before, self.revertible = self.before, self.state, False
         self._publish()
 
     def _adam_chunk(self, grad_shard, c: slice, old: ShardState, new: ShardState,
                     scale, b1, one_b1, b2, one_b2, bias2, eps, decay, step) -> None:
-        """AdamW on elements c of the shard from `old` into `new`, through cache-sized scratch
-        buffers. The operations per element are those of the whole-array expressions (the same bits)."""
+        """AdamW on elements c from `old` into `new` via cache-sized scratch (the whole-array expressions' bits)."""
         g, m, v, master = grad_shard[c], new.m[c], new.v[c], new.master[c]
         t1, t2 = self._scratch[0][:g.size], self._scratch[1][:g.size]
         if scale != 1.0:
@@ -107,8 +95,7 @@ class ZeroAdam:
         np.subtract(src, t2, out=master)
 
     def finite(self) -> bool:
-        """No NaN or infinity in this rank's master, m or v."""
-        return self.state.finite()
+        return self.state.finite()   # no NaN or infinity in this rank's master, m or v
 
     def _publish(self) -> None:
         """Collective: call on all ranks. Copy the master shard into params and allgather it."""

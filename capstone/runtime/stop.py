@@ -1,6 +1,5 @@
-"""The stop flag: set by a signal (capstone.runtime.signals), read by the training loop at every
-step, which agrees on it across ranks (any rank's request stops every rank at the same step).
-"""
+"""The stop flag: set by a signal (capstone.runtime.signals), read at every step and agreed across ranks
+(any rank's request stops every rank at the same step)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Divergence guard: decide, from globally agreed numbers, whether a step is kept.
 
-How it works: docs/design.md, "Inside the step", guard.py.
-"""
+How it works: docs/design.md, "Inside the step", guard.py."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ class Guard:
         return None
 
     def update_verdict(self, eval_loss: float | None, state_finite: bool) -> str | None:
-        """None if the update just applied may be kept, else why it must be undone (`eval_loss`
-        None: not an evaluation step, only finiteness is judged)."""
+        """None if the update just applied may be kept, else why to undo it (`eval_loss` None: finiteness only)."""
         if not state_finite or eval_loss is not None and not math.isfinite(eval_loss):
             return "update_nonfinite"
         last = self.state.last_eval
@@ -76,10 +74,8 @@ class Guard:
             raise DivergenceError(f"step {step}: the update made the optimizer state or the held-out loss non-finite, "
                                   f"and --no-guard-undo keeps no copy to undo it; stopping before it is saved. Resume "
                                   f"from the last checkpoint (--resume latest) with a lower --lr or --clip.")
-        self.state.consecutive += 1
-        self.state.pending = False
+        self.state.consecutive, self.state.pending = self.state.consecutive + 1, False
         if self.state.consecutive > self.max_consecutive:
-            raise DivergenceError(
-                f"divergence guard fired {self.state.consecutive} times without progress (last at step {step}: "
-                f"{reason}); stopping instead of looping. Lower --lr, set --clip, or resume from an "
-                f"earlier checkpoint.")
+            raise DivergenceError(f"divergence guard fired {self.state.consecutive} times without progress (last "
+                                  f"at step {step}: {reason}); stopping instead of looping. Lower --lr, set --clip, "
+                                  f"or resume from an earlier checkpoint.")

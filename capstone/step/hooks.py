@@ -1,7 +1,6 @@
 """The one test seam: named points of a run where a test may act on it.
 
-How it works: docs/design.md, "Inside the step", hooks.py.
-"""
+How it works: docs/design.md, "Inside the step", hooks.py."""
 
 from __future__ import annotations
 

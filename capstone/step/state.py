@@ -1,9 +1,5 @@
 """What a run's checkpoint restores, as typed objects: this rank's shard of the optimizer state
 (`ShardState`, owned by the optimizer, capstone.parallel.zero) and the run's progress (`RunState`).
-
-`RunState` is where the run is (step, data cursor) and what it has judged so far (the guard's
-state, the start and best held-out loss that invariant (a) measures against, the rollbacks); the
-per-step history lives in metrics.jsonl, not in every checkpoint.
 """
 
 from __future__ import annotations
@@ -59,7 +55,7 @@ class ShardState:
 
 @dataclass
 class RunState:
-    """Progress of one run; mutated by the training loop, saved in every checkpoint."""
+    """Where the run is, what it has judged; in every checkpoint (not the per-step history: metrics.jsonl)."""
 
     step: int = 0                       # optimizer steps done
     cursor: int = 0                     # first global sample of the next step

@@ -21,7 +21,7 @@ from capstone.config import ModelConfig
 from capstone.model.gpt import Model
 from capstone.model.params import Layout, init_params
 from capstone.model.seam import Resident
-from capstone.parallel.bucket_plan import plan, tree_order
+from capstone.parallel.buckets import plan, tree_order
 from capstone.parallel.buckets import BucketReducer
 from capstone.collective.comm import Comm
 from capstone.parallel.grid import Grid
