@@ -4,8 +4,6 @@ Settings are layered: the dataclass defaults, then `--preset`, then (on resume) 
 own settings, then the flags given explicitly, which always win.
 """
 
-from __future__ import annotations
-
 import argparse
 import dataclasses
 import os

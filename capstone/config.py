@@ -1,7 +1,5 @@
 """Configuration: frozen, validated dataclasses for the model and the training run."""
 
-from __future__ import annotations
-
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -164,7 +162,5 @@ def learning_rate(step: int, lr: float, steps: int, kind: str = "constant", warm
         return lr * step / warmup
     if kind == "constant":
         return lr
-    if kind == "cosine":
-        progress = min(1.0, (step - warmup - 1) / max(1, steps - warmup))
-        return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"unknown schedule {kind!r}: use 'constant' or 'cosine'")
+    progress = min(1.0, (step - warmup - 1) / max(1, steps - warmup))   # cosine (TrainConfig checks the kind)
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))

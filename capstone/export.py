@@ -12,8 +12,6 @@ without the other biases (--no-bias) gets zeros for them. An existing --out is r
 umask's mode. Exit codes: 0 ok; 1 not a valid checkpoint; 2 bad arguments.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import os

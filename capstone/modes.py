@@ -6,8 +6,6 @@ ZeRO-2/3), the optimizer, invariant (b)'s check, the held-out evaluator and the 
 step's micro-batches. The optional layers are imported only for the modes that use them.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 from capstone.plan import Plan

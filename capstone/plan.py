@@ -23,8 +23,6 @@ of a pipeline, the reshard policy of ZeRO-2/3) goes back to its default where th
 applies; `make` says why, for the changed-settings line.
 """
 
-from __future__ import annotations
-
 import dataclasses
 from dataclasses import dataclass
 

@@ -5,8 +5,6 @@ imported only here, when figures are made, so training never needs it. Works on 
 (partial last line, no summary.json) and resumed runs (a repeated step: the latest row wins).
 """
 
-from __future__ import annotations
-
 import argparse
 import itertools
 import os

@@ -10,8 +10,6 @@ files, is refused without --force; the same inputs again leave it as it is. Erro
 paragraph and write nothing.
 """
 
-from __future__ import annotations
-
 import argparse
 import hashlib
 import json

@@ -11,8 +11,6 @@ run is refused at start, with the reason (exit 2).
 What a run holds, and who owns each piece, is `capstone.roles.Run`.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import os
 import time
@@ -37,7 +35,7 @@ from capstone.parallel.grid import Grid
 from capstone.plan import Plan
 from capstone.step.state import ROWS
 from capstone.roles import Run
-from capstone.runtime import ending, lock, preflight
+from capstone.runtime import ending, preflight
 from capstone.step.state import RunState
 
 TIMEOUT_RECORD = "collective-timeout.json"   # in the run directory, written by a rank whose collective timed out
@@ -69,8 +67,8 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
             report.say(line, world.rank)
         run.state.run_id = _agreed(world, lambda: (rundir.occupant(out) or {}).get("run_id") or rundir.new_id())
         start(run, path, saved["train_config"] if path is not None else None, why if path is not None else None)
-        if world.rank == 0:
-            lock.label(claim.lock_fd, run_id=run.state.run_id)
+        if world.rank == 0 and claim.lock is not None:
+            claim.lock.label(run_id=run.state.run_id)
     except (ConfigError, checkpoint.CheckpointError) as exc:
         if world.rank == 0:
             claim.undo()

@@ -8,8 +8,6 @@ one the run was trained on (capstone.gpt2.vocab). Every flag is checked first. E
 valid checkpoint; 2 bad arguments, missing data or a different dataset.
 """
 
-from __future__ import annotations
-
 import argparse
 import math
 import sys

@@ -5,8 +5,6 @@ checkpoints and the log, `finish` the four invariants. The loop calls `Run`'s na
 or HDF5, the same for every grid, reducer and mode: those are chosen once, when the run is built (capstone.run).
 """
 
-from __future__ import annotations
-
 from capstone.runtime import signals
 
 if __name__ == "__main__":   # before NumPy and MPI load (seconds under mpirun): a stop asked for meanwhile

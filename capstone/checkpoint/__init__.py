@@ -17,8 +17,6 @@ attributes); each rank writes only its own shard's data. Loading verifies the wh
 ranks and raised on all of them. Serial readers call `open_verified(path)` first.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import secrets

@@ -15,8 +15,6 @@ mistake (a TARGET that does not exist, holds no checkpoint, or is a model's weig
 TARGET is, capstone.flags.paths decides; a bad option).
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import subprocess

@@ -21,8 +21,6 @@ place in the next step while the thread hashes and writes the copy. Without MPI_
 (`Comm.for_thread` returns None) the run saves synchronously and says so once.
 """
 
-from __future__ import annotations
-
 import sys
 import threading
 import traceback

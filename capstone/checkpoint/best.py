@@ -9,8 +9,6 @@ OUT/checkpoints/best` read it. A best state is always an accepted one (the guard
 first), and it is measured on evaluation steps only.
 """
 
-from __future__ import annotations
-
 import os
 
 DIRECTORY = "best"

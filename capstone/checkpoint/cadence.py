@@ -2,8 +2,6 @@
 
 How it works: docs/design.md, "Inside the step", checkpoint/cadence.py."""
 
-from __future__ import annotations
-
 import time
 from dataclasses import dataclass
 

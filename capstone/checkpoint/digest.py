@@ -7,8 +7,6 @@
   proves, by recomputing it, that the restored state is exactly the saved one.
 """
 
-from __future__ import annotations
-
 import hashlib
 
 import numpy as np

@@ -12,8 +12,6 @@ Before writing, rank 0 compares the free space (statvfs) with the size the file 
 (`estimated_size`); CAPSTONE_CHECK_SPACE=0 skips that for a filesystem whose statvfs is wrong.
 """
 
-from __future__ import annotations
-
 import os
 import secrets
 import shutil

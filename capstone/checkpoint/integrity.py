@@ -14,8 +14,7 @@ parsing it could raise arbitrary errors or crash the process. A checkpoint witho
 from it; `python -m capstone.checkpoint seal FILE` adds one after checking every internal digest.
 """
 
-from __future__ import annotations
-
+import functools
 import hashlib
 import os
 import re
@@ -36,23 +35,27 @@ NEXT = {
     "corrupt": "Do not use it: resume from another checkpoint (--resume auto falls back to the newest one "
                "that verifies and moves this one aside), or restore a good copy.",
 }
-_hashed: dict = {}  # (path, stat identity) -> sha256 hex, so one process hashes an unchanged file once
-
-
 def file_sha256(path: str) -> str:
     """sha256 of the file's bytes, read in chunks. Cached in this process per unchanged file (same
     inode, size, mtime and ctime), but only for a file last changed over 2 s before it was read,
     since a change within the clock's granularity would leave its times the same."""
-    st, started = os.stat(path), time.time()
-    key = (os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    if key in _hashed:
-        return _hashed[key]
+    st = os.stat(path)
+    if time.time() - max(st.st_mtime, st.st_ctime) > 2:
+        return _settled_sha256(os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return _sha256(path)
+
+
+@functools.lru_cache(maxsize=256)
+def _settled_sha256(path: str, *identity) -> str:
+    """`_sha256` of a settled file, once per identity (a rewritten file has another)."""
+    return _sha256(path)
+
+
+def _sha256(path: str) -> str:
     h, block = hashlib.sha256(), memoryview(bytearray(READ_CHUNK))
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(block):
             h.update(block[:n])
-    if started - max(st.st_mtime, st.st_ctime) > 2:
-        _hashed[key] = h.hexdigest()
     return h.hexdigest()
 
 

@@ -10,8 +10,6 @@ and `latest` names the newest older checkpoint, which the run falls back to (jud
 needs to be); with none, the resume stops (exit 1) and says how to start over.
 """
 
-from __future__ import annotations
-
 import os
 
 from capstone.checkpoint import files

@@ -10,8 +10,6 @@ of these. A checkpoint written before the modes were recorded has none: the flag
 defaults, as before. Here: how the modes are shown, and what changed on a resume.
 """
 
-from __future__ import annotations
-
 from capstone.plan import KEPT
 
 _LABELS = {"pp_layers": "balanced", "pp_schedule": "none"}   # how a mode's None is shown

@@ -7,8 +7,6 @@ both. Inside the file, /meta_json is authoritative (its sha256 is the root attri
 a digest: the root attributes, and each shard dataset's rank, offset, length and sha256.
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 

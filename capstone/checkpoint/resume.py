@@ -21,8 +21,6 @@ is made (one note says so). A checkpoint a stop saved before the guard judged it
 it is loaded (capstone.checkpoint.judge).
 """
 
-from __future__ import annotations
-
 import os
 import sys
 

@@ -11,8 +11,6 @@ written before run ids were recorded count as OUT's own only when they lie insid
 directory, its checkpoints directory or `latest`, a checkpoint in it or in its `best` directory.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import uuid

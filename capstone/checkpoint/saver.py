@@ -7,8 +7,6 @@ capstone.parallel.canonical.Canonical with model parallelism). The first save of
 invariant (d) can check it reloads byte-equal. File format and I/O are `capstone.checkpoint`'s.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import os

@@ -5,8 +5,6 @@
 Errors: ConfigError for a path that names no checkpoint, CheckpointError for an invalid one.
 """
 
-from __future__ import annotations
-
 import json
 
 import numpy as np

@@ -7,8 +7,6 @@ so that no rank goes on into a collective that the others have left. `agreed` is
 that carries the value or the error across (as JSON, never pickle).
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable, Sequence
 
 Failures = list[tuple[int, str]]   # (rank, error text) of each rank whose action failed

@@ -2,8 +2,6 @@
 
 How it works: docs/design.md, "Inside the step", collective/comm.py."""
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import sys

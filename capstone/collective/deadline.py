@@ -2,8 +2,6 @@
 
 How it works: docs/design.md, "Inside the step", collective/deadline.py."""
 
-from __future__ import annotations
-
 import contextlib
 import json
 import os

@@ -2,8 +2,6 @@
 sets how long a wait spins), a serial one for a single process, and fail-fast error handling.
 """
 
-from __future__ import annotations
-
 import os
 import sys
 import traceback

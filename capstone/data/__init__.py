@@ -4,8 +4,6 @@
 the global sample (capstone.data.synthetic).
 """
 
-from __future__ import annotations
-
 from capstone.config import ConfigError
 from capstone.data.synthetic import DataStream, make_corpus
 

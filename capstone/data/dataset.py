@@ -6,8 +6,6 @@ and refuses anything else with a DatasetError that says how to re-create it. `id
 what a run records in each checkpoint: the digests, the vocabulary and the tokenizer itself.
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 import os

@@ -2,8 +2,6 @@
 ranks by rows, forward only through the schedule's `loss`. `weight` is 1 on the ranks whose loss counts for
 their replica (tensor-parallel rank 0), 0 elsewhere: the world sum of the shares is the mean loss per token."""
 
-from __future__ import annotations
-
 
 class HeldOut:
     """This rank's rows of the held-out batches of `data` (`val_batch(k, S, rank, dp)`)."""

@@ -6,8 +6,6 @@ archive: only regular files matching the member glob, in sorted order, nothing e
 Every problem is a PrepareError whose message says what to do.
 """
 
-from __future__ import annotations
-
 import hashlib
 import os
 import subprocess

@@ -2,8 +2,6 @@
 
 How it works: docs/design.md, "Inside the step", data/synthetic.py."""
 
-from __future__ import annotations
-
 import numpy as np
 
 from capstone.config import ConfigError

@@ -6,8 +6,6 @@ text, never pickle; the library is imported only when a BPE is trained, encodes 
 `describe()` themselves as JSON-able data that a checkpoint can carry and `from_description` rebuilds.
 """
 
-from __future__ import annotations
-
 import functools
 import hashlib
 import json

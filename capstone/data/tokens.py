@@ -8,8 +8,6 @@ are a pure function of (data, seed, global sample index). Validation batches com
 permutation of val.bin's windows that does not depend on the seed.
 """
 
-from __future__ import annotations
-
 import hashlib
 import os
 

@@ -2,8 +2,6 @@
 or starts from, and the test hooks. The model is capstone.config's, how the run is laid out on its
 ranks is its plan's (capstone.plan)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 

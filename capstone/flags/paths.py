@@ -11,8 +11,6 @@ path (a checkpoint's digests, a dataset's meta.json, a model's tensors) is its r
 Standard library only, so any module may ask.
 """
 
-from __future__ import annotations
-
 import codecs
 import enum
 import json

@@ -10,8 +10,6 @@ reports for `yes | head -1` or `cat FILE | head -1`: a script with `set -o pipef
 which Python's docs advise against (it would kill the process mid-write, with no cleanup).
 """
 
-from __future__ import annotations
-
 import os
 import signal
 import sys

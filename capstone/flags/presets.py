@@ -12,8 +12,6 @@ when the run is shorter than the one it was set for (`fit_warmup`): `--preset me
 warms up for 1 step, not 40; an explicit `--warmup-steps` is taken as given.
 """
 
-from __future__ import annotations
-
 import math
 
 from capstone.config import ConfigError

@@ -6,8 +6,6 @@ dashes for underscores, nanoGPT's (and Hugging Face Trainer's) names for capston
 options that no config dataclass validates; `as_flag` names a config field's problem by its flag.
 """
 
-from __future__ import annotations
-
 import argparse
 import difflib
 

@@ -16,8 +16,6 @@ share of a shorter run, as a preset's does (capstone.flags.presets.fit_warmup). 
 settings in effect that differ from the preset's.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import os

@@ -7,8 +7,6 @@ drawn; temperature 0 is greedy; then top-k, then top-p (nucleus), then one unifo
 float32 CDF, as nanoGPT. `generate` crops the context to the last seq_len tokens, as nanoGPT does.
 """
 
-from __future__ import annotations
-
 import math
 
 import numpy as np

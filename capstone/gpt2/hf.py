@@ -11,8 +11,6 @@ shorter than n_positions keeps the first rows of the position table, as nanoGPT'
 Imported only when such a directory is used.
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 import os

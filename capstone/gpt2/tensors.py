@@ -4,8 +4,6 @@ entries, the tensors' sha256 digest, the safetensors metadata and GPT-2's config
 capstone.export writes them; capstone.gpt2.finetune and capstone.gpt2.hf read them back.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import hashlib
 import json

@@ -7,8 +7,6 @@ must match them. A dataset passed with --data must match whatever the checkpoint
 names each difference (tokenizer kind, which characters, the text of each split).
 """
 
-from __future__ import annotations
-
 import os
 from dataclasses import dataclass
 

@@ -3,8 +3,6 @@
 How it works: docs/design.md, "Inside the step", model/backward.py.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import numpy as np

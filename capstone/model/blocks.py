@@ -3,8 +3,6 @@
 How it works: docs/design.md, "Inside the step", model/blocks.py.
 """
 
-from __future__ import annotations
-
 import functools
 import math
 

@@ -19,8 +19,6 @@ The masks are inputs of the one model's layers (capstone.model.backward's `Pass`
 micro-batch's, counting a step's micro-batches as their forwards begin.
 """
 
-from __future__ import annotations
-
 import functools
 import math
 
@@ -110,7 +108,7 @@ def attention_forward(qkv, T, H, keep):
     """Causal attention with the probabilities dropped by `keep` (B, H, T, T): (B*T, 3C) -> (B*T, C)."""
     q, k, v = K._split_heads(qkv, T, H)
     B, _, _, D = q.shape
-    s = K._mm(q, k.swapaxes(-1, -2)) * np.float32(1.0 / math.sqrt(D)) + K._cached_mask(T)
+    s = K._mm(q, k.swapaxes(-1, -2)) * np.float32(1.0 / math.sqrt(D)) + K.causal_mask(T)
     s -= s.max(axis=-1, keepdims=True)
     p = np.exp(s)
     p /= p.sum(axis=-1, keepdims=True)

@@ -2,8 +2,6 @@
 fingerprint (norm and digest) that replicas compare every step (invariant (b), docs/invariants.md).
 """
 
-from __future__ import annotations
-
 import hashlib
 import math
 

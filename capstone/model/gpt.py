@@ -6,8 +6,6 @@ part, whatever the modes: its groups (all, or a pipeline stage's), tensor-parall
 seam (capstone.model.seam: where weights come from and gradients go) and option sources (MaskSource, TieSource).
 """
 
-from __future__ import annotations
-
 import numpy as np
 
 from capstone.config import ModelConfig

@@ -3,8 +3,6 @@
 How it works: docs/design.md, "Inside the step", model/kernels.py.
 """
 
-from __future__ import annotations
-
 import functools
 import math
 
@@ -45,15 +43,10 @@ def define(name, forward, backward):
     return op
 
 
-def causal_mask(T: int) -> np.ndarray:
-    """(T, T) additive mask: 0 on and below the diagonal, -inf above."""
-    return np.triu(np.full((T, T), -np.inf, dtype=np.float32), k=1)
-
-
 @functools.lru_cache(maxsize=8)
-def _cached_mask(T: int) -> np.ndarray:
-    """causal_mask(T), built once per T and read-only (shared by every attention call)."""
-    mask = causal_mask(T)
+def causal_mask(T: int) -> np.ndarray:
+    """(T, T) additive mask, 0 on and below the diagonal, -inf above: built once per T, read-only."""
+    mask = np.triu(np.full((T, T), -np.inf, dtype=np.float32), k=1)
     mask.flags.writeable = False
     return mask
 
@@ -213,7 +206,7 @@ def _attention_fwd(qkv, T, H):
     saved = []
     for s, e_ in _query_blocks(T):
         e = _mm(qs[:, :, s:e_], k[:, :, :e_].swapaxes(-1, -2))   # S: (B, H, e - s, e)
-        e[..., s:] += _cached_mask(e_ - s)
+        e[..., s:] += causal_mask(e_ - s)
         e -= _max(e, axis=-1, keepdims=True)                       # shift-invariant: exact
         np.exp(e, out=e)
         r = np.reciprocal(_add(e, axis=-1, keepdims=True))

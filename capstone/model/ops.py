@@ -5,8 +5,6 @@ backward functions; these single-layer primitives are what the sampler's KV-cach
 tests (each hand-written VJP against finite differences) compose.
 """
 
-from __future__ import annotations
-
 from capstone.model.kernels import (
     _add,
     _attention_bwd,

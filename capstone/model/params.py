@@ -5,8 +5,6 @@ each an offset, and pads the total to a multiple of the world size so ZeRO-1 can
 equal shards on any number of ranks. Gradients use a second buffer with the same layout.
 """
 
-from __future__ import annotations
-
 import functools
 import json
 import math

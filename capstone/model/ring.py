@@ -27,8 +27,6 @@ rank's keys): forward 2 S (K - 1) (keys and values, K - 1 hops), backward 2 S (K
 keys and values again, their gradients K hops).
 """
 
-from __future__ import annotations
-
 import math
 
 import numpy as np
@@ -98,7 +96,7 @@ class Ring:
                     e = min(n, r + TILE)
                     rows = slice(i * n + r, i * n + e)
                     if a == b:
-                        yield rows, slice(j * n, j * n + e), K._cached_mask(n)[r:e, :e]
+                        yield rows, slice(j * n, j * n + e), K.causal_mask(n)[r:e, :e]
                     else:
                         yield rows, slice(j * n, (j + 1) * n), None
 

@@ -3,8 +3,6 @@
 How it works: docs/design.md, "Inside the step", model/seam.py.
 """
 
-from __future__ import annotations
-
 from typing import Callable, Protocol
 
 import numpy as np

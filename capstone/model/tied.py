@@ -13,8 +13,6 @@ and last stages: the model's tie source is then capstone.parallel.tiedstages's `
 read the last stage's copy of wte and hand the head's share to the first stage.
 """
 
-from __future__ import annotations
-
 import numpy as np
 
 

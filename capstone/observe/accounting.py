@@ -5,8 +5,6 @@ the ZeRO what-if: bytes per rank of parameters, gradients and optimizer state at
 `python -m capstone.observe.accounting` prints the what-if table and, with --run, a run's bandwidths.
 """
 
-from __future__ import annotations
-
 import argparse
 import statistics
 import sys

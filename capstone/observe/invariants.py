@@ -16,8 +16,6 @@
 (d) the first checkpoint of the run reloads byte-equal to the in-memory snapshot taken when saving.
 """
 
-from __future__ import annotations
-
 import math
 import statistics
 

@@ -1,7 +1,5 @@
 """JSON as a run writes it: non-finite floats as strings, files replaced atomically."""
 
-from __future__ import annotations
-
 import json
 import math
 import os

@@ -21,8 +21,6 @@ write: 12 bytes for each value of the checkpoint's shard (the canonical vectors 
 ranks: 12P/N without tensor or pipeline parallelism), allocated once (capstone.checkpoint.background).
 """
 
-from __future__ import annotations
-
 import resource
 from dataclasses import asdict, dataclass
 

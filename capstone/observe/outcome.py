@@ -3,8 +3,6 @@ summary of a run that ended before its invariants could be checked (the divergen
 a collective timeout), so that summary.json always says how a run ended.
 """
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import os

@@ -6,8 +6,6 @@ which all ranks hash, is the same everywhere). It goes into the start row of met
 summary.json and every checkpoint's metadata. Anything that cannot be found is null.
 """
 
-from __future__ import annotations
-
 import os
 import platform
 import socket

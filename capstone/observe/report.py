@@ -1,7 +1,5 @@
 """What a run shows and leaves behind: the console lines and tables, metrics.jsonl and summary.json."""
 
-from __future__ import annotations
-
 import dataclasses
 import json
 import math

@@ -4,8 +4,6 @@ Plain Python, no matplotlib, no MPI. Tolerates a running run (a partial last lin
 yet) and a resumed one (a step written again: the latest row wins); optional fields may be missing.
 """
 
-from __future__ import annotations
-
 import json
 import math
 import os

@@ -5,8 +5,6 @@ torch.utils.tensorboard; with neither, the run stops before its first step with 
 the install command, before anything is written. metrics.jsonl stays the record; this is a view of the same numbers.
 """
 
-from __future__ import annotations
-
 from capstone.collective.agree import agreed
 from capstone.config import ConfigError
 from capstone.observe.runlog import number, timing_parts

@@ -1,8 +1,6 @@
 """The four invariants' results (capstone.observe.invariants) in words: the report's line for each, and for
 a violated one the line that says which, by how much and what to do."""
 
-from __future__ import annotations
-
 
 def failures(results: dict) -> list[str]:
     """One line per violated invariant, saying which and by how much."""

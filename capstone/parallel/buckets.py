@@ -2,8 +2,6 @@
 
 How it works: docs/design.md, "Inside the step", parallel/buckets.py."""
 
-from __future__ import annotations
-
 import bisect
 import collections
 

@@ -8,8 +8,6 @@ data-parallel run), so they restore on any grid: `Canonical` converts this rank'
 to and from that on save and load, and assembles the whole model for fingerprints.
 """
 
-from __future__ import annotations
-
 import numpy as np
 
 from capstone.model.params import DTYPE, Layout

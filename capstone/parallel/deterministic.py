@@ -29,8 +29,6 @@ and across a resume on another world size. docs/deterministic.md has the scheme 
 The cost: `mpirun -n 4 python -m benchmarks.determinism [--repeats 3] [--reduction-only]`.
 """
 
-from __future__ import annotations
-
 import hashlib
 import math
 

@@ -15,8 +15,6 @@ coordinate), which together hold one whole model. An axis of size 1 is
 builds no communicator at all. The `Grid` is built once and passed in; nothing is global.
 """
 
-from __future__ import annotations
-
 import socket
 from dataclasses import dataclass
 

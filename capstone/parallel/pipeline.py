@@ -20,8 +20,6 @@ communicator, each wait under the run's deadline. Each rank records when it comp
 (`events`, for the timeline picture and the bubble fraction, whose theory is (K-1)/(m+K-1)).
 """
 
-from __future__ import annotations
-
 import time
 
 import numpy as np

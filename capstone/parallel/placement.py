@@ -10,8 +10,6 @@ writes the logs) and hide a launcher setting that also slows every other job of 
 Hosts are told apart by host name (one per node on a cluster, and on scripts/hosts' hosts).
 """
 
-from __future__ import annotations
-
 def position(rank: int, pp: int, tp: int) -> tuple[int, int, int]:
     """(dp_rank, pp_rank, tp_rank) of a world rank: rank = (dp_rank * pp + pp_rank) * tp + tp_rank."""
     d, rest = divmod(rank, pp * tp)

@@ -9,8 +9,6 @@ deadline (`wait`), and learns how much of the collective it had to wait for (exp
 much ran behind its compute (hidden).
 """
 
-from __future__ import annotations
-
 import threading
 import time
 

@@ -2,8 +2,6 @@
 
 How it works: docs/design.md, "Inside the step", parallel/reduce.py."""
 
-from __future__ import annotations
-
 import math
 from dataclasses import astuple, dataclass
 
@@ -26,7 +24,7 @@ class Flags:
         return tuple(map(float, astuple(self)))   # each flag as 0 or 1, to be summed over the ranks
 
     @classmethod
-    def any_rank(cls, sums) -> Flags:
+    def any_rank(cls, sums) -> "Flags":
         """The flags set on any rank, from `counts()` summed over the ranks."""
         return cls(*(bool(n > 0) for n in sums))
 

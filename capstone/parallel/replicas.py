@@ -2,8 +2,6 @@
 
 How it works: docs/design.md, "Inside the step", parallel/replicas.py."""
 
-from __future__ import annotations
-
 import math
 
 import numpy as np

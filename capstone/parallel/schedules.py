@@ -3,8 +3,6 @@ the gradients accumulating in the flat buffer (or overwriting it, for a reducer 
 alone); with pipeline parallelism the stages take turns instead (capstone.parallel.pipeline: afab, 1f1b).
 """
 
-from __future__ import annotations
-
 
 class Sequential:
     """The micro-batches of a step one after another (`scale`: 1 / tokens of the global batch)."""

@@ -12,8 +12,6 @@ index in the 1-rank buffer; a model-parallel run starts from exactly the 1-rank 
 capstone.parallel.canonical.
 """
 
-from __future__ import annotations
-
 import math
 
 import numpy as np

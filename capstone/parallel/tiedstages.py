@@ -14,8 +14,6 @@ n-th share sent is the n-th received). So the first stage's reducer, ZeRO stage 
 see one gradient of wte, as for any parameter, and at ZeRO-3 its shards are the one wte's.
 """
 
-from __future__ import annotations
-
 import numpy as np
 
 from capstone.model.params import DTYPE

@@ -2,8 +2,6 @@
 
 How it works: docs/design.md, "Inside the step", parallel/zero.py."""
 
-from __future__ import annotations
-
 import numpy as np
 
 from capstone.model.params import DTYPE, Layout, no_decay_runs

@@ -14,8 +14,6 @@ data-parallel shard of the replicated state (the file is stage 1's, so it resume
 world size) and rebuilds the whole state from the shards on load.
 """
 
-from __future__ import annotations
-
 import numpy as np
 
 from capstone.model.params import Layout

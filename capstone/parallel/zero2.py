@@ -14,8 +14,6 @@ temporaries added to it (so each element is the sum over micro-batches of the su
 the same numbers as ZeRO-1 summing micro-batches first, to float32 rounding).
 """
 
-from __future__ import annotations
-
 import collections
 
 import numpy as np

@@ -11,8 +11,6 @@ invariant (b), where no two ranks hold the same shard, compares what they do sha
 they assembled (capstone.parallel.replicas).
 """
 
-from __future__ import annotations
-
 import hashlib
 from typing import Callable
 

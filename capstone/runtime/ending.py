@@ -10,8 +10,6 @@ directory's summary.json said before, if any. A refused start (exit 2) writes no
 nothing behind.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import time

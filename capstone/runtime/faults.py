@@ -21,8 +21,6 @@ STEP:MULT, --inject-nan STEP[:COUNT] and --sleep-per-step exercise the divergenc
 the optimizer) exercise invariant (a).
 """
 
-from __future__ import annotations
-
 import os
 import signal
 import sys

@@ -6,8 +6,6 @@ page-faults the same activations back in (at the `large` preset a 256 MiB trim t
 faults and 13% of a step). A training step reaches the same peak every time, so never trim.
 """
 
-from __future__ import annotations
-
 
 def keep_freed_memory() -> None:
     """Never trim the heap, and keep blocks up to 256 MiB in it (no-op where glibc is not the libc)."""

@@ -17,8 +17,6 @@ never) or says how to resume, and writes the ending's record when the ranks coul
 say how to use it.
 """
 
-from __future__ import annotations
-
 import signal
 import sys
 

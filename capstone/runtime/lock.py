@@ -14,8 +14,6 @@ lock is per node, without either flock fails with ENOSYS and the run goes on unl
 warning. Check what your site's scratch filesystem does before running two jobs on one --out.
 """
 
-from __future__ import annotations
-
 import errno
 import fcntl
 import json
@@ -25,7 +23,6 @@ import sys
 import time
 
 NAME = ".lock"
-_held: list[int] = []   # descriptors of the locks this process holds (closing one releases it)
 _UNSUPPORTED = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 
 
@@ -44,8 +41,8 @@ def describe(owner: dict) -> str:
             f"{job}), running since {owner.get('started')}: {owner.get('command')}")
 
 
-def acquire(out: str) -> tuple[int | None, str | None]:
-    """Rank 0. Lock OUT/.lock for this process: (fd, None) when locked, (None, warning) when the
+def acquire(out: str) -> tuple["Held | None", str | None]:
+    """Rank 0. Lock OUT/.lock for this process: (Held, None) when locked, (None, warning) when the
     filesystem has no locks; raises BlockingIOError with the owner's description when held."""
     path = os.path.join(out, NAME)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -63,24 +60,27 @@ def acquire(out: str) -> tuple[int | None, str | None]:
     data = json.dumps(owner_record(), sort_keys=True).encode() + b"\n"
     os.ftruncate(fd, 0)
     os.pwrite(fd, data, 0)
-    _held.append(fd)
-    return fd, None
+    return Held(fd), None
 
 
-def label(fd: int | None, **fields) -> None:
-    """Add `fields` (the run's id, once it is known) to the owner record of the lock held on `fd`."""
-    if fd is None or fd not in _held:
-        return
-    data = json.dumps({**_read(fd), **fields}, sort_keys=True).encode() + b"\n"
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, data, 0)
+class Held:
+    """The lock on OUT/.lock that this process holds (closing its descriptor releases it)."""
 
+    def __init__(self, fd: int):
+        self.fd: int | None = fd
 
-def release(fd: int | None) -> None:
-    """Give the lock up early (a failed start); otherwise it goes with the process."""
-    if fd is not None and fd in _held:
-        _held.remove(fd)
-        os.close(fd)
+    def label(self, **fields) -> None:
+        """Add `fields` (the run's id, once it is known) to the owner record."""
+        if self.fd is not None:
+            data = json.dumps({**_read(self.fd), **fields}, sort_keys=True).encode() + b"\n"
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, data, 0)
+
+    def release(self) -> None:
+        """Give the lock up early (a failed start); otherwise it goes with the process."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def _read(fd: int) -> dict:

@@ -15,8 +15,6 @@ Not under mpirun (srun, one process), or under scripts/launch: nothing measured 
 follows). No checkpoint is written for the measurement: the run's saves are the Checkpointer's.
 """
 
-from __future__ import annotations
-
 import hashlib
 import os
 import time

@@ -9,8 +9,6 @@ raises the same ConfigError (exit 2) and rank 0 prints it once. A failed start r
 directories and the lock file it created, so it leaves nothing behind.
 """
 
-from __future__ import annotations
-
 import bisect
 import os
 import socket
@@ -195,11 +193,12 @@ class Claim:
     """What a start created in the file system (rank 0), so that a failed start can undo it."""
 
     created: list = field(default_factory=list)   # directories, outermost first
-    lock_fd: int | None = None
+    lock: "lock.Held | None" = None   # rank 0: the run directory's lock
     lock_path: str | None = None                  # the lock file, if this start created it
 
     def undo(self) -> None:
-        lock.release(self.lock_fd)
+        if self.lock is not None:
+            self.lock.release()
         if self.lock_path:
             _quietly(os.remove, self.lock_path)
         for d in reversed(self.created):
@@ -236,7 +235,7 @@ def _claim(done: Claim, out: str, ckpt_dir: str, ckpt_bytes: int) -> None:
     lock_path = os.path.join(out, lock.NAME)
     existed = os.path.exists(lock_path)
     try:
-        done.lock_fd, warning = lock.acquire(out)
+        done.lock, warning = lock.acquire(out)
     except BlockingIOError as exc:
         raise ConfigError(f"another run is using --out {out}: {exc}. Wait for it to end, stop it (kill -USR1 "
                           f"<its mpirun pid>, or scancel --signal=USR1 --batch <its job id>), or pass another "

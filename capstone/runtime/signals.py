@@ -20,8 +20,6 @@ step in progress, or of the next one if it came after that reduction. Bound: two
 save. For a slower run raise OMPI_MCA_odls_base_sigkill_timeout, or stop it with SIGUSR1.
 """
 
-from __future__ import annotations
-
 import atexit
 import os
 import signal

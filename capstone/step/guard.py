@@ -2,8 +2,6 @@
 
 How it works: docs/design.md, "Inside the step", guard.py."""
 
-from __future__ import annotations
-
 import math
 from dataclasses import asdict, dataclass
 

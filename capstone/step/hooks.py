@@ -2,8 +2,6 @@
 
 How it works: docs/design.md, "Inside the step", hooks.py."""
 
-from __future__ import annotations
-
 
 class Hooks:
     """No faults: every hook leaves the run alone."""
@@ -14,20 +12,12 @@ class Hooks:
         if point == "step":
             self.step = step
 
-    def gradients(self, step: int, micro: int, grads) -> None:
-        pass
-
-    def reduced(self, step: int, grad_shard) -> None:
-        pass
-
-    def learning_rate(self, step: int, lr: float) -> float:
-        return lr
-
-    def parameters(self, step: int, params) -> None:
-        pass
-
-    def step_done(self, step: int) -> None:
-        pass
+    # each a point where capstone.runtime.faults.Faults acts; here, nothing
+    def gradients(self, step: int, micro: int, grads) -> None: ...     # a micro-batch's, before the reducer's
+    def reduced(self, step: int, grad_shard) -> None: ...               # the step's reduced shard
+    def learning_rate(self, step: int, lr: float) -> float: return lr   # the step's
+    def parameters(self, step: int, params) -> None: ...                # after the update (or its undo)
+    def step_done(self, step: int) -> None: ...
 
 
 NONE = Hooks()

@@ -1,8 +1,4 @@
-"""What a run's checkpoint restores, as typed objects: this rank's shard of the optimizer state
-(`ShardState`, owned by the optimizer, capstone.parallel.zero) and the run's progress (`RunState`).
-"""
-
-from __future__ import annotations
+"""What a checkpoint restores: this rank's optimizer shard (`ShardState`, owned by ZeroAdam) and the run's progress."""
 
 from dataclasses import dataclass, field
 
