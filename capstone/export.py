@@ -23,6 +23,7 @@ from capstone.flags import paths
 from capstone.checkpoint import CheckpointError, serial
 from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout
+from capstone.prepare import write_atomic
 from capstone.flags.pipe import run_tool
 from capstone.gpt2 import tensors
 from capstone.gpt2.vocab import SampleError
@@ -58,19 +59,10 @@ def check_out(out: str, fmt: str, force: bool) -> None:
 def write_bytes(data: bytes, out: str) -> None:
     """`data` to `out` through a temp file renamed over it: a crash leaves the old file or the new one,
     never half of one; the mode is the umask's, as for any file the user makes."""
-    folder = os.path.dirname(os.path.abspath(out))
-    tmp = os.path.join(folder, f".{os.path.basename(out)}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
+        write_atomic(out, data)
     except OSError as exc:
         raise SampleError(2, f"cannot write {out} ({exc}); check the path, its permissions and free space.") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def hf_config(cfg: ModelConfig) -> dict:

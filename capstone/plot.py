@@ -51,12 +51,6 @@ def _finish(ax, xlabel: str, ylabel: str, title: str, legend: bool = True) -> No
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
-def _log_if_wide(ax, values: list[float], span: float) -> None:
-    """Log y scale when the positive values span more than `span` times (a spike), else linear."""
-    if values and min(values) > 0 and max(values) > span * min(values):
-        ax.set_yscale("log")
-
-
 def _marks(ax, run: Run, color: str, x: str = "step") -> None:
     """Vertical lines: dashed at each resume, dotted at each rollback (labelled once per run)."""
     for kind, steps, style in (("resume", resume_steps(run.starts), "--"), ("rollback", event_steps(run.rows, "rollback"), ":")):
@@ -78,36 +72,35 @@ def fig_loss(runs: list[Run], x: str = "step"):
     return fig
 
 
-def fig_grad_norm(runs: list[Run]):
-    """Global gradient norm before clipping and the clip level where clipping is on (log scale
-    when the norms span more than 10x)."""
-    fig, axes = _figure()
+def _per_step(runs: list[Run], key: str, span: float, ylabel: str, title: str, label: str = "", size=(9, 4.8),
+              **style):
+    """`key` of each step of each run, log scale when it spans more than `span` times; for grad_norm also
+    the clip level where clipping is on."""
+    fig, axes = _figure(size=size)
     ax, values = axes[0][0], []
     for c, run in zip(itertools.cycle(COLORS), runs):
-        xs, ys = series(run.rows, "grad_norm")
-        ax.plot(xs, ys, color=c, lw=1.5, label=f"{run.label} grad norm")
+        xs, ys = series(run.rows, key)
+        ax.plot(xs, ys, color=c, lw=1.5, label=run.label + label, **style)
         values += ys
-        clip = clip_level(run)
+        clip = clip_level(run) if key == "grad_norm" else None
         if clip is not None:
             ax.axhline(clip, color=c, ls="-.", lw=1, label=f"{run.label} clip {clip:g}")
         _marks(ax, run, c)
-    _log_if_wide(ax, values, 10)
-    _finish(ax, "step", "L2 norm", "global gradient norm before clipping")
+    if values and min(values) > 0 and max(values) > span * min(values):   # a spike: log y scale, else linear
+        ax.set_yscale("log")
+    _finish(ax, "step", ylabel, title)
     return fig
+
+
+def fig_grad_norm(runs: list[Run]):
+    """Global gradient norm before clipping and the clip level where clipping is on (log scale
+    when the norms span more than 10x)."""
+    return _per_step(runs, "grad_norm", 10, "L2 norm", "global gradient norm before clipping", " grad norm")
 
 
 def fig_lr(runs: list[Run]):
     """Learning rate of each step (log scale when it spans more than 50x, e.g. an injected spike)."""
-    fig, axes = _figure(size=(9, 3.6))
-    ax, values = axes[0][0], []
-    for c, run in zip(itertools.cycle(COLORS), runs):
-        xs, ys = series(run.rows, "lr")
-        ax.plot(xs, ys, color=c, lw=1.5, marker=".", label=run.label)
-        values += ys
-        _marks(ax, run, c)
-    _log_if_wide(ax, values, 50)
-    _finish(ax, "step", "learning rate", "learning rate")
-    return fig
+    return _per_step(runs, "lr", 50, "learning rate", "learning rate", size=(9, 3.6), marker=".")
 
 
 def fig_step_time(runs: list[Run]):
@@ -156,17 +149,15 @@ FIGURES = {"loss_step": lambda runs: fig_loss(runs, "step"), "loss_tokens": lamb
 
 def make_figures(runs: list[Run]) -> dict:
     """name -> matplotlib Figure (not yet saved); figures with nothing to show are left out."""
-    figs = {name: make(runs) for name, make in FIGURES.items()}
-    return {name: f for name, f in figs.items() if f is not None}
+    return {name: fig for name, make in FIGURES.items() if (fig := make(runs)) is not None}
 
 
 def save_figures(figs: dict, out: str) -> list[str]:
     """Write each figure as OUT/<name>.png; returns the paths."""
     os.makedirs(out, exist_ok=True)
-    paths = []
-    for name, fig in figs.items():
-        paths.append(os.path.join(out, f"{name}.png"))
-        fig.savefig(paths[-1])
+    paths = [os.path.join(out, f"{name}.png") for name in figs]
+    for path, fig in zip(paths, figs.values()):
+        fig.savefig(path)
     return paths
 
 
@@ -179,19 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _out_dir(args) -> str:
-    """The figures' directory; a clean error if it is an existing file (before anything is drawn)."""
-    out = args.out or os.path.join(args.runs[0], "plots")
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise FileNotFoundError(f"--out {out} exists and is not a directory; pass a directory for the PNGs "
-                                f"(it is created if missing), e.g. --out {out}-plots.")
-    return out
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        out = _out_dir(args)
+        out = args.out or os.path.join(args.runs[0], "plots")
+        if os.path.exists(out) and not os.path.isdir(out):   # a clean error before anything is drawn
+            raise FileNotFoundError(f"--out {out} exists and is not a directory; pass a directory for the PNGs "
+                                    f"(it is created if missing), e.g. --out {out}-plots.")
         runs = [read_run(p, label) for p, label in zip(args.runs, run_labels(args.runs))]
         if not any(run.rows for run in runs):
             raise FileNotFoundError(f"no step rows in {', '.join(args.runs)} yet: nothing to plot")

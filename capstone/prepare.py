@@ -47,13 +47,10 @@ class Dataset:
 
     def files(self) -> dict[str, bytes]:
         """name -> bytes of every file of DIR, meta.json last."""
-        bins = {"train.bin": self.train.astype(DTYPE).tobytes(), "val.bin": self.val.astype(DTYPE).tobytes()}
-        if self.tokenizer.kind == "bpe":
-            bins[TOKENIZER_FILE] = self.tokenizer.json.encode("utf-8")
-        return {**bins, META_FILE: self._meta_json(bins)}
-
-    def _meta_json(self, bins: dict[str, bytes]) -> bytes:
         tok = self.tokenizer
+        bins = {"train.bin": self.train.astype(DTYPE).tobytes(), "val.bin": self.val.astype(DTYPE).tobytes()}
+        if tok.kind == "bpe":
+            bins[TOKENIZER_FILE] = tok.json.encode("utf-8")
         entry = tok.describe() if tok.kind == "char" else {"kind": "bpe", "file": TOKENIZER_FILE, "sha256": tok.sha256}
         splits = {name: {"file": f"{name}.bin", "tokens": len(bins[f"{name}.bin"]) // DTYPE.itemsize, "chars": chars,
                          "sha256": hashlib.sha256(bins[f"{name}.bin"]).hexdigest()}
@@ -61,7 +58,7 @@ class Dataset:
         meta = {"format": FORMAT, "version": VERSION, "dtype": DTYPE_NAME, "vocab_size": tok.vocab_size,
                 "tokenizer": entry, "splits": splits,
                 "sources": [{"name": t.name, "chars": len(t.text), "sha256": t.sha256} for t in self.texts]}
-        return (json.dumps(meta, indent=1, ensure_ascii=True) + "\n").encode("ascii")
+        return {**bins, META_FILE: (json.dumps(meta, indent=1, ensure_ascii=True) + "\n").encode("ascii")}
 
 
 def char_tokenizer(text: str) -> tuple[CharTokenizer, np.ndarray]:
@@ -154,28 +151,22 @@ def write_dataset(out: str, files: dict[str, bytes]) -> None:
 
 
 def _describe(ident: dict, sources) -> str:
-    kind = ident["tokenizer"]["kind"]
     first = sources[0].name if sources else "?"
-    return (f"digest {ident['digest'][:12]}: {kind} tokens, vocab {ident['vocab_size']}, {len(sources)} source(s) "
-            f"from {first}")
+    return (f"digest {ident['digest'][:12]}: {ident['tokenizer']['kind']} tokens, vocab {ident['vocab_size']}, "
+            f"{len(sources)} source(s) from {first}")
 
 
 def _holds_exactly(out: str, files: dict[str, bytes]) -> bool:
     """DIR's dataset files are byte for byte `files` (and no stale tokenizer.json)."""
-    for name in set(files) | {TOKENIZER_FILE}:
-        path = os.path.join(out, name)
-        if name not in files:
-            if os.path.lexists(path):
-                return False
-            continue
-        try:
-            if os.path.getsize(path) != len(files[name]):
-                return False
-            with open(path, "rb") as f:
-                if f.read() != files[name]:
+    if TOKENIZER_FILE not in files and os.path.lexists(os.path.join(out, TOKENIZER_FILE)):
+        return False
+    try:
+        for name, data in files.items():
+            with open(os.path.join(out, name), "rb") as f:
+                if os.fstat(f.fileno()).st_size != len(data) or f.read() != data:
                     return False
-        except OSError:
-            return False
+    except OSError:
+        return False
     return True
 
 

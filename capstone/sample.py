@@ -86,19 +86,16 @@ def prompt_ids(args, vocab: Vocab | None, limit: int) -> list[int]:
 
 def check_args(args) -> None:
     """Every numeric flag in range, before anything is read (exit 2 with what to pass instead)."""
-    bad = []
-    if args.tokens < 1:
-        bad.append(f"--tokens {args.tokens}: generate at least 1 token")
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        bad.append(f"--temperature {args.temperature}: must be a finite number >= 0 (0: greedy; 0.8 is typical)")
-    if args.top_k is not None and args.top_k < 0:
-        bad.append(f"--top-k {args.top_k}: must be >= 0 (0: all tokens)")
-    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
-        bad.append(f"--top-p {args.top_p}: must be in (0, 1] (1: off; 0.9 is typical)")
-    if args.seed < 0:
-        bad.append(f"--seed {args.seed}: must be an integer >= 0")
-    if not 1 <= args.num_samples <= MAX_SAMPLES:
-        bad.append(f"--num-samples {args.num_samples}: must be in [1, {MAX_SAMPLES}]")
+    bad = [text for wrong, text in (
+        (args.tokens < 1, f"--tokens {args.tokens}: generate at least 1 token"),
+        (not (math.isfinite(args.temperature) and args.temperature >= 0),
+         f"--temperature {args.temperature}: must be a finite number >= 0 (0: greedy; 0.8 is typical)"),
+        (args.top_k is not None and args.top_k < 0, f"--top-k {args.top_k}: must be >= 0 (0: all tokens)"),
+        (not (math.isfinite(args.top_p) and 0 < args.top_p <= 1),
+         f"--top-p {args.top_p}: must be in (0, 1] (1: off; 0.9 is typical)"),
+        (args.seed < 0, f"--seed {args.seed}: must be an integer >= 0"),
+        (not 1 <= args.num_samples <= MAX_SAMPLES, f"--num-samples {args.num_samples}: must be in [1, {MAX_SAMPLES}]"),
+    ) if wrong]
     if bad:
         raise SampleError(2, "; ".join(bad) + ". See python -m capstone.sample --help.")
 
@@ -188,12 +185,9 @@ def main(argv=None) -> int:
     build_parser().parse_args(argv, namespace=args)
     try:
         return run(args)
-    except SampleError as exc:
+    except (SampleError, ConfigError) as exc:   # ConfigError: e.g. a BPE checkpoint without the tokenizers library
         print(f"error: {exc}", file=sys.stderr)
-        return exc.code
-    except ConfigError as exc:   # e.g. a BPE checkpoint without the tokenizers library
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return exc.code if isinstance(exc, SampleError) else 2
 
 
 if __name__ == "__main__":

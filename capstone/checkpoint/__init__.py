@@ -17,6 +17,7 @@ attributes); each rank writes only its own shard's data. Loading verifies the wh
 ranks and raised on all of them. Serial readers call `open_verified(path)` first.
 """
 
+import contextlib
 import json
 import os
 import secrets
@@ -121,11 +122,10 @@ def write(comm, directory: str, step: int, data: np.ndarray, adam_t: int, layout
         integrity.publish(tmp, final, between=lambda: hooks.at("publish.between_renames", step))
     comm.Barrier("checkpoint save: barrier after the publish")
     hooks.at("save.before_pointer", step)
-    removed = []
     if rank == 0:
         files.write_pointer(directory, os.path.basename(final))
-        removed = files.retain(directory, keep_last, protect)
-    removed, size = comm.bcast_json([removed, os.path.getsize(final)] if rank == 0 else None)
+    removed, size = comm.bcast_json([files.retain(directory, keep_last, protect), os.path.getsize(final)]
+                                    if rank == 0 else None)
     return {"path": final, "step": step, "world_size": world, "bytes": size,
             "meta_sha256": meta_sha, "datasets": meta["datasets"], "logical_sha256": roots, "removed": removed}
 
@@ -158,14 +158,11 @@ def _write_file(comm, tmp: str, meta: dict, meta_bytes: bytes, meta_sha: str, da
 
 def _create_datasets(f, meta: dict, meta_sha: str, meta_len: int, world: int):
     """Collective metadata: the root attributes, /meta_json and every rank's shard dataset."""
-    for key, value in root_attributes(meta).items():
-        f.attrs[key] = value
-    f.attrs["meta_sha256"] = meta_sha
+    f.attrs.update({**root_attributes(meta), "meta_sha256": meta_sha})
     meta_ds = f.create_dataset("meta_json", shape=(meta_len,), dtype="u1")
     shards = [f.create_dataset(dataset_name(r), shape=(len(ROWS), meta["shard"]), dtype="<f4") for r in range(world)]
     for r, ds in enumerate(shards):
-        for key, value in meta["datasets"][dataset_name(r)].items():
-            ds.attrs[key] = value
+        ds.attrs.update(meta["datasets"][dataset_name(r)])
     return meta_ds, shards
 
 
@@ -174,9 +171,7 @@ def _agreed(comm, step: int, tmp: str, action, collective: str = ""):
     it failed on any, raise one CheckpointError on every rank that names the ranks, the error and
     the free space."""
     def attempt():
-        if not collective:
-            return action()
-        with comm.blocking(collective):
+        with comm.blocking(collective) if collective else contextlib.nullcontext():
             return action()
 
     def explain(failed) -> CheckpointError:
@@ -202,11 +197,8 @@ def _discard(comm, f, tmp: str) -> None:
         os.truncate(tmp, 0)
     comm.Barrier("checkpoint save: barrier before discarding a failed file")
     if f is not None:
-        try:
-            with comm.blocking("parallel HDF5 close of a failed checkpoint"):
-                f.close()
-        except (OSError, RuntimeError):
-            pass
+        with contextlib.suppress(OSError, RuntimeError), comm.blocking("parallel HDF5 close of a failed checkpoint"):
+            f.close()
     comm.Barrier("checkpoint save: barrier after discarding a failed file")
     if comm.rank == 0 and os.path.exists(tmp):
         os.remove(tmp)

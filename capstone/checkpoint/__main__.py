@@ -50,12 +50,7 @@ def failed(args, error: str, code: int) -> int:
     return code
 
 
-def inspect_or_verify(args) -> int:
-    as_json = args.json
-    try:
-        path = integrity.resolve(args.target)
-    except CheckpointError as exc:   # a directory without checkpoints is a usage mistake (2); a bad `latest`, 1
-        return failed(args, str(exc), 2 if isinstance(exc, CheckpointUsageError) else 1)
+def inspect_or_verify(args, path: str) -> int:
     try:
         meta, results = load_all(path, require_digest=not args.unsealed)
     except CheckpointError as exc:
@@ -63,15 +58,15 @@ def inspect_or_verify(args) -> int:
     lines = checks(path, meta, results, sealed=not args.unsealed)
     ok = all(good for good, _ in lines)
     problems = [line for good, line in lines if not good]
-    if as_json and args.command == "verify":
+    if args.json and args.command == "verify":
         print(json.dumps({"file": path, "verified": ok, "step": meta.get("step"), "world_size": meta.get("world_size"),
                           "checks": [{"ok": good, "check": line} for good, line in lines], "problems": problems},
                          indent=2))
-    elif as_json:
+    elif args.json:
         print(json.dumps({**meta, "file": path, "verified": ok, "problems": problems}, indent=2, sort_keys=True))
     elif args.command == "inspect":
         manifest(path, meta)
-    out = sys.stderr if as_json else sys.stdout
+    out = sys.stderr if args.json else sys.stdout
     for good, line in lines:
         if args.command == "verify" or not good:
             print(line, file=out)
@@ -79,14 +74,9 @@ def inspect_or_verify(args) -> int:
     return 0 if ok else 1
 
 
-def seal(target: str) -> int:
+def seal(path: str) -> int:
     """Write the digest file of a checkpoint that has none, once `verify --unsealed` passed in a
     child process (parsing unverified bytes may crash it; this process stays clean)."""
-    try:
-        path = integrity.resolve(target)
-    except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, CheckpointUsageError) else 1
     found = integrity.problem(path)
     if found is None:
         print(f"{path}: already sealed: its digest file {path}{DIGEST_SUFFIX} matches")
@@ -119,9 +109,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:   # a mistyped path, a model's weights, a dataset: a usage mistake (exit 2), as for sample and export
         paths.refuse("checkpoint", args.target, CheckpointUsageError)
-    except CheckpointUsageError as exc:
-        return failed(args, str(exc), 2)
-    return seal(args.target) if args.command == "seal" else inspect_or_verify(args)
+        path = integrity.resolve(args.target)
+    except CheckpointError as exc:   # also a directory without checkpoints (2); a bad `latest` is 1
+        return failed(args, str(exc), 2 if isinstance(exc, CheckpointUsageError) else 1)
+    return seal(path) if args.command == "seal" else inspect_or_verify(args, path)
 
 
 if __name__ == "__main__":

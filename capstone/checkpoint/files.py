@@ -56,9 +56,7 @@ def partial_name(step: int, token: str) -> str:
 def estimated_size(data_bytes: int, world: int, meta_bytes: int | None = None) -> int:
     """An upper bound of a checkpoint file's size: the shard data, /meta_json and HDF5's own
     metadata (measured: 8 KiB plus ~350 bytes per rank; /meta_json ~2.5 KiB plus ~150 per rank)."""
-    if meta_bytes is None:
-        meta_bytes = 4096 + 512 * world
-    return data_bytes + meta_bytes + 16384 + 1024 * world
+    return data_bytes + (4096 + 512 * world if meta_bytes is None else meta_bytes) + 16384 + 1024 * world
 
 
 def free_bytes(directory: str) -> int | None:
@@ -82,11 +80,10 @@ def lacking_space(directory: str, need: int) -> int | None:
 def space_error(directory: str, step: int, need: int) -> str | None:
     """Rank 0, before a save: the refusal when checkpoint `step` (about `need` bytes) cannot fit."""
     free = lacking_space(directory, need)
-    if free is None:
-        return None
-    return (f"not enough space for checkpoint step {step} in {directory}: it needs about {need / MIB:.1f} MiB and "
-            f"{free / MIB:.1f} MiB is free. Nothing was written; the previous checkpoint and 'latest' are "
-            f"untouched. Free space there (delete checkpoints you do not need), then continue with --resume latest.")
+    return None if free is None else (
+        f"not enough space for checkpoint step {step} in {directory}: it needs about {need / MIB:.1f} MiB and "
+        f"{free / MIB:.1f} MiB is free. Nothing was written; the previous checkpoint and 'latest' are "
+        f"untouched. Free space there (delete checkpoints you do not need), then continue with --resume latest.")
 
 
 def fsync_path(path: str) -> None:
@@ -105,14 +102,18 @@ def publish(tmp_path: str, final_path: str) -> None:
     fsync_path(os.path.dirname(os.path.abspath(final_path)))
 
 
-def write_pointer(directory: str, name: str) -> None:
-    """Atomically point `latest` at checkpoint `name` (a file in `directory`)."""
-    tmp = os.path.join(directory, f".{POINTER}.tmp-{os.getpid()}")
+def write_text(path: str, text: str, tmp: str) -> None:
+    """Write `text` to `path` durably: into the temp file `tmp`, fsynced, then renamed over `path`."""
     with open(tmp, "w") as f:
-        f.write(name + "\n")
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    publish(tmp, os.path.join(directory, POINTER))
+    publish(tmp, path)
+
+
+def write_pointer(directory: str, name: str) -> None:
+    """Atomically point `latest` at checkpoint `name` (a file in `directory`)."""
+    write_text(os.path.join(directory, POINTER), name + "\n", os.path.join(directory, f".{POINTER}.tmp-{os.getpid()}"))
 
 
 def read_pointer(directory: str) -> str | None:
@@ -141,14 +142,19 @@ def set_aside_leftovers(directory: str) -> list[str]:
     without their checkpoint, and a killed start-up measurement's PROBE file. Returns their names."""
     if not os.path.isdir(directory):
         return []
-    found = [n for n in sorted(os.listdir(directory)) if ".h5.partial-" in n or _orphan_digest(directory, n)]
-    for name in found:
-        os.remove(os.path.join(directory, name))
     probe = os.path.join(directory, PROBE)
     if os.path.isdir(probe):   # a killed probe of the code before, a directory
         shutil.rmtree(probe, ignore_errors=True)
     elif os.path.exists(probe):
         os.remove(probe)
+    return _remove_leftovers(directory)
+
+
+def _remove_leftovers(directory: str) -> list[str]:
+    """Remove the partial files and the orphan digest files in `directory`; the names of the partial files."""
+    found = [n for n in sorted(os.listdir(directory)) if ".h5.partial-" in n or _orphan_digest(directory, n)]
+    for name in found:
+        os.remove(os.path.join(directory, name))
     return [n for n in found if not n.endswith(DIGEST_SUFFIX)]
 
 
@@ -165,12 +171,7 @@ def retain(directory: str, keep_last: int, protect=()) -> list[str]:
     files. Never deletes the file `latest` names, any path in `protect`, nor a quarantined file.
     Also removes leftover partial files and digest files whose checkpoint is gone. Returns the
     names of the checkpoints and partial files removed."""
-    removed = []
-    for name in sorted(os.listdir(directory)):
-        if ".h5.partial-" in name or _orphan_digest(directory, name):
-            os.remove(os.path.join(directory, name))
-            if not name.endswith(DIGEST_SUFFIX):
-                removed.append(name)
+    removed = _remove_leftovers(directory)
     if keep_last <= 0:
         return removed
     keep = {os.path.abspath(p) for p in protect}

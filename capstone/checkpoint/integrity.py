@@ -25,7 +25,6 @@ from capstone.checkpoint import files
 from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError, CheckpointUsageError, CorruptCheckpoint
 
 READ_CHUNK = 8 << 20
-HDF5_SIGNATURE = paths.HDF5_SIGNATURE   # at byte 0 of every file h5py writes (no user block)
 DIGEST_RE = re.compile(r"# capstone checkpoint digest v1: (\d+) bytes\n([0-9a-f]{64})  (\S+)\n")
 NEXT = {
     "missing": "Check the path: pass a ckpt-*.h5 file, a run directory (--out) or its checkpoints/latest.",
@@ -62,15 +61,9 @@ def _sha256(path: str) -> str:
 def write_digest(path: str, name: str | None = None) -> str:
     """Hash `path` and write its digest file `path.sha256` (naming `name`, default the file's own
     name) durably, by rename. Returns the sha256."""
-    digest = file_sha256(path)
-    size, name = os.path.getsize(path), name or os.path.basename(path)
-    text = f"# capstone checkpoint digest v1: {size} bytes\n{digest}  {name}\n"
-    tmp = f"{path}{DIGEST_SUFFIX}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    files.publish(tmp, path + DIGEST_SUFFIX)
+    digest, size, name = file_sha256(path), os.path.getsize(path), name or os.path.basename(path)
+    files.write_text(path + DIGEST_SUFFIX, f"# capstone checkpoint digest v1: {size} bytes\n{digest}  {name}\n",
+                     f"{path}{DIGEST_SUFFIX}.tmp-{os.getpid()}")
     return digest
 
 
@@ -127,8 +120,8 @@ def problem(path: str) -> tuple[str, str] | None:
 
 
 def _is_hdf5(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE
+    with open(path, "rb") as f:   # the signature is at byte 0 of every file h5py writes (no user block)
+        return f.read(len(paths.HDF5_SIGNATURE)) == paths.HDF5_SIGNATURE
 
 
 def message(path: str, kind: str, reason: str) -> str:

@@ -45,10 +45,8 @@ def _plan(want: str | None, ckpt_dir: str) -> dict:
         pointed = files.read_pointer(ckpt_dir)
     except ValueError as exc:
         return {"error": str(exc)}
-    if want == "auto":
-        return _auto(ckpt_dir, pointed, complete)
-    if want == "latest":
-        return _latest(ckpt_dir, pointed, complete)
+    if want in ("auto", "latest"):
+        return (_auto if want == "auto" else _latest)(ckpt_dir, pointed, complete)
     return _explicit(want, ckpt_dir, pointed, complete)
 
 
@@ -84,7 +82,7 @@ def _auto(ckpt_dir: str, pointed: str | None, complete: list) -> dict:
     newest = pointed or (complete[-1][1] if complete else None)
     if newest is None:
         return {"path": None}
-    candidates = [newest] + [p for s, p in reversed(complete) if s < _step_of(newest)]
+    candidates = [newest] + [p for s, p in reversed(complete) if s < files.step_of(newest)]
     bad = []
     for path in candidates:
         try:
@@ -123,8 +121,8 @@ def _explicit(want: str, ckpt_dir: str, pointed: str | None, complete: list) -> 
     if not os.path.exists(path):   # a `latest` that names a file no longer there
         return {"error": f"--resume {want}: {path}, which its {files.POINTER} names, does not exist. Pass one of "
                          f"the ckpt-*.h5 files beside it, or --resume auto to take the newest one that verifies."}
-    step = _step_of(path)
-    acknowledged = _step_of(pointed) if pointed else -1
+    step = files.step_of(path)
+    acknowledged = files.step_of(pointed) if pointed else -1
     newer = [os.path.basename(p) for s, p in complete if step < s <= acknowledged]
     if newer:
         return {"error": f"--resume {want} (step {step}) into --out {os.path.dirname(ckpt_dir)}, which holds newer "
@@ -145,9 +143,6 @@ def _decided(want: str | None, ckpt_dir: str) -> dict:
     if "error" in plan:
         raise (CheckpointError if plan.get("invalid") else ConfigError)(plan["error"])
     return plan
-
-
-_step_of = files.step_of
 
 
 def resolve(comm, want: str | None, ckpt_dir: str) -> str | None:

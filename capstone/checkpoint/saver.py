@@ -18,8 +18,7 @@ from capstone import checkpoint
 from capstone.checkpoint import background, files
 from capstone.config import ModelConfig, TrainConfig
 from capstone.step.hooks import NONE
-from capstone.step.state import ShardState
-from capstone.step.state import RunState
+from capstone.step.state import RunState, ShardState
 
 
 @dataclass(frozen=True)

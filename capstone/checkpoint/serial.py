@@ -58,10 +58,9 @@ def checks(path: str, meta: dict, results: dict, sealed: bool) -> list[tuple[boo
              (True, "ok  /meta_json: sha256 ok (step, config, layout, cursor, Adam step, digests); "
                     "every attribute agrees with it")]
     lines += [(good, f"{'ok ' if good else 'BAD'} /{name}: {message}") for name, (good, message, _) in results.items()]
-    for row, good in logical_check(meta, results).items():
-        lines.append((bool(good), f"{'ok ' if good else 'BAD'} logical {row}: "
-                                  f"{'matches' if good else 'not checked' if good is None else 'MISMATCH'}"))
-    return lines
+    return lines + [(bool(good), f"{'ok ' if good else 'BAD'} logical {row}: "
+                                 f"{'matches' if good else 'not checked' if good is None else 'MISMATCH'}")
+                    for row, good in logical_check(meta, results).items()]
 
 
 def load_weights(path: str) -> tuple[dict, ModelConfig, np.ndarray]:

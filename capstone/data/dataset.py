@@ -20,7 +20,6 @@ FORMAT, VERSION = "capstone-tokens", 2
 FORMAT_V1, VERSION_V1 = "capstone-char-tokens", 1
 TOKEN_FORMATS = {"char": "capstone-char-tokens", "bpe": "capstone-bpe-tokens"}   # identity()["format"]
 META_FILE, TOKENIZER_FILE = paths.META_FILE, "tokenizer.json"
-DATASET_FILES = paths.DATASET_FILES
 SPLITS = ("train", "val")
 DTYPE_NAME = "uint16-le"
 _KEYS = {1: {"format", "version", "dtype", "vocab_size", "chars", "splits", "sources"},
@@ -178,9 +177,8 @@ def _read(directory: str, path: str, flag: str) -> dict:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise invalid(path, f"unreadable or not strict JSON ({exc})") from None
     _check(isinstance(meta, dict), path, "the top level must be a JSON object")
-    known = {(FORMAT, VERSION), (FORMAT_V1, VERSION_V1)}
     _check(type(meta.get("version")) is int and isinstance(meta.get("format"), str)
-           and (meta["format"], meta["version"]) in known, path,
+           and (meta["format"], meta["version"]) in {(FORMAT, VERSION), (FORMAT_V1, VERSION_V1)}, path,
            f"format {meta.get('format')!r} version {meta.get('version')!r} is not one this code reads "
            f"({FORMAT!r} {VERSION} or {FORMAT_V1!r} {VERSION_V1})")
     keys = _KEYS[meta["version"]]

@@ -70,8 +70,7 @@ class CharTokenizer:
                              f"characters); use only characters of the prepared text") from None
 
     def decode(self, ids) -> str:
-        ids = _checked_ids(ids, self.vocab_size)
-        return "".join(self.chars[i] for i in ids.tolist())
+        return "".join(self.chars[i] for i in _checked_ids(ids, self.vocab_size).tolist())
 
     def describe(self) -> dict:
         return {"kind": self.kind, "chars": "".join(self.chars)}
@@ -182,9 +181,8 @@ def special_tokens(directory: str, vocab: dict) -> list[str]:
                 spec = json.load(f)
         except (OSError, ValueError):
             continue
-        values = list(spec.values()) if isinstance(spec, dict) else []
-        values += list((spec.get("added_tokens_decoder") or {}).values()) if isinstance(spec, dict) else []
-        for value in values:
+        spec = spec if isinstance(spec, dict) else {}
+        for value in [*spec.values(), *(spec.get("added_tokens_decoder") or {}).values()]:
             content = value.get("content") if isinstance(value, dict) else value
             if isinstance(content, str) and content in vocab and content not in names:
                 names.append(content)
@@ -222,15 +220,11 @@ def difference(mine, theirs, names=("the checkpoint's", "the dataset's")) -> str
         return f"{names[0]} tokenizer is {mine.kind}, {names[1]} is {theirs.kind}"
     if mine.sha256 == theirs.sha256:
         return ""
-    if mine.kind == "bpe" and _ids_of(mine.json) == _ids_of(theirs.json):
-        return ""    # the same ids, one of them matching special tokens in a text (prepare --no-special-tokens)
-    if mine.kind == "bpe":
-        return (f"{names[0]} BPE ({mine.vocab_size} tokens, sha256 {mine.sha256[:16]}...) is not {names[1]} "
-                f"({theirs.vocab_size} tokens, sha256 {theirs.sha256[:16]}...)")
+    if mine.kind == "bpe":   # "": the same ids, one matching special tokens in a text (prepare --no-special-tokens)
+        return "" if _ids_of(mine.json) == _ids_of(theirs.json) else (
+            f"{names[0]} BPE ({mine.vocab_size} tokens, sha256 {mine.sha256[:16]}...) is not {names[1]} "
+            f"({theirs.vocab_size} tokens, sha256 {theirs.sha256[:16]}...)")
     a, b = set(mine.chars), set(theirs.chars)
     parts = [f"{names[0]} vocabulary has {mine.vocab_size} characters, {names[1]} {theirs.vocab_size}"]
-    if a - b:
-        parts.append(f"only {names[0]} has {_quote(a - b)}")
-    if b - a:
-        parts.append(f"only {names[1]} has {_quote(b - a)}")
+    parts += [f"only {name} has {_quote(only)}" for name, only in ((names[0], a - b), (names[1], b - a)) if only]
     return ", ".join(parts)

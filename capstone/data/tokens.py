@@ -15,18 +15,13 @@ import numpy as np
 
 from capstone.config import ConfigError
 from capstone.data.dataset import (DTYPE_NAME, FORMAT, META_FILE, SPLITS, VERSION, DatasetError, Meta, Split,  # noqa: F401
-                                   identity, invalid, load_meta)
+                                   _check, identity, invalid, load_meta)
 from capstone.data.tokenizer import MAX_VOCAB  # noqa: F401  (re-exported)
 
 DTYPE = np.dtype("<u2")         # uint16, little-endian
 VAL_KEY = 0x5EA1                # key of the fixed validation permutation (not the training seed)
 EVAL_WINDOWS = 32               # eval_batch size, as DataStream's eval_sequences (capstone.data.synthetic)
 CHUNK = 1 << 20                 # bytes per read when hashing / range-checking a .bin
-
-
-def _check(ok: bool, path: str, reason: str) -> None:
-    if not ok:
-        raise invalid(path, reason)
 
 
 def _memmap(split: Split) -> np.memmap:
@@ -49,8 +44,7 @@ class TokenData:
         self.meta = load_meta(directory)
         self.T, self.B, self.seed = seq_len, batch_size, seed
         self.train, self.val = _memmap(self.meta.train), _memmap(self.meta.val)
-        self.n_windows = (self.meta.train.tokens - 1) // seq_len
-        self.n_val_windows = (self.meta.val.tokens - 1) // seq_len
+        self.n_windows, self.n_val_windows = ((s.tokens - 1) // seq_len for s in (self.meta.train, self.meta.val))
         short = min((self.meta.train, self.meta.val), key=lambda split: split.tokens)
         if short.tokens - 1 < seq_len:   # the dataset is fine: the window is too long for it
             raise ConfigError(f"--seq-len {seq_len} is too long for {directory}: {short.path} holds {short.tokens} "

@@ -56,7 +56,14 @@ class Source:
     train: dict = dataclasses.field(default_factory=dict)   # that run's TrainConfig ({}: an export)
 
     def install(self, run) -> None:
-        install(self, run)
+        """Collective: the source's weights as this rank's optimizer shard (master), Adam's m and v zero
+        at step 0, and the parameters published: through the checkpoints' canonical view, so any grid."""
+        world, full = run.grid.world, run.ckpt.layout     # the canonical vectors' layout, sharded over the world
+        flat = np.zeros(full.padded, dtype=np.float32)
+        flat[:self.params.size] = self.params
+        lo, hi = full.shard_range(world.rank)
+        zeros = np.zeros(hi - lo, dtype=np.float32)
+        run.opt.load_state(run.ckpt.view.from_stored(ShardState(flat[lo:hi].copy(), zeros, zeros.copy(), t=0)))
 
     def describe(self) -> dict:
         return {"path": os.path.abspath(self.path), "kind": self.kind, "step": self.step,
@@ -204,8 +211,7 @@ def settings_for(settings, source: Source):
     train = TrainConfig(**{k: values[k] for k in preset})
     differ = [f"{k} {getattr(train, k)!r}{' (flag)' if k in settings.flags else ''}" for k in INHERITED
               if getattr(train, k) != preset[k]]
-    where = ("its run" if source.kind == "checkpoint" else f"--preset {settings.preset} (an export holds none)"
-             if settings.preset else "the fine-tuning defaults (an export holds none)")
+    where = "its run" if source.kind == "checkpoint" else f"{origin} (an export holds none)"
     note = (f"note: fine-tuning with the training settings of {where} unless a flag sets them: in effect, apart "
             f"from --preset {settings.preset or 'reference'}'s: {', '.join(differ) or 'none'} (docs/finetune.md)")
     return dataclasses.replace(settings, model=model_for(settings, source), train=train,
@@ -215,9 +221,7 @@ def settings_for(settings, source: Source):
 def flag(key: str, value) -> str:
     """A model setting as its flag: `--d-model 32`, `--tie-embeddings` / `--no-tie-embeddings`."""
     name = key.replace("_", "-")
-    if isinstance(value, bool):
-        return f"--{'' if value else 'no-'}{name}"
-    return f"--{name} {value}"
+    return f"--{'' if value else 'no-'}{name}" if isinstance(value, bool) else f"--{name} {value}"
 
 
 def model_for(settings, source: Source) -> ModelConfig:
@@ -236,14 +240,13 @@ def check_vocabulary(source: Source, data: dict, data_dir: str) -> None:
     """ConfigError unless the new data's token ids mean what they meant for the source (`data`: the
     new run's data identity: capstone.data.dataset.identity, or the synthetic corpus')."""
     mine, theirs = source.data.get("tokenizer"), data.get("tokenizer")
-    fix = ("Prepare the new text with the source's vocabulary: python -m capstone.prepare TEXT --out DIR "
-           "--vocab-from <the source run's dataset directory>.")
     from capstone.gpt2 import hf
     # a Hugging Face GPT-2 directory that capstone's export did not write: its tokenizer is vocab.json + merges.txt
     gpt2 = paths.kind(source.path) is paths.Kind.HF_MODEL and not hf.exported(source.path)
-    if gpt2 and mine is not None:
-        fix = ("Prepare the new text with its GPT-2 tokenizer: python -m capstone.prepare TEXT --out DIR "
-               f"--tokenizer-from {source.path}.")
+    fix = ("Prepare the new text with its GPT-2 tokenizer: python -m capstone.prepare TEXT --out DIR "
+           f"--tokenizer-from {source.path}." if gpt2 and mine is not None else
+           "Prepare the new text with the source's vocabulary: python -m capstone.prepare TEXT --out DIR "
+           "--vocab-from <the source run's dataset directory>.")
     if mine is None and theirs is None:
         return   # both the synthetic corpus: ids are ids
     if mine is None and gpt2:
@@ -264,14 +267,3 @@ def check_vocabulary(source: Source, data: dict, data_dir: str) -> None:
     if diff:
         raise ConfigError(f"--init-from {source.path}: the vocabularies differ: {diff}. The token ids would mean "
                           f"other characters. {fix}")
-
-
-def install(source: Source, run) -> None:
-    """Collective: the source's weights as this rank's optimizer shard (master), Adam's m and v zero
-    at step 0, and the parameters published: through the checkpoints' canonical view, so any grid."""
-    world, full = run.grid.world, run.ckpt.layout     # the canonical vectors' layout, sharded over the world
-    flat = np.zeros(full.padded, dtype=np.float32)
-    flat[:source.params.size] = source.params
-    lo, hi = full.shard_range(world.rank)
-    zeros = np.zeros(hi - lo, dtype=np.float32)
-    run.opt.load_state(run.ckpt.view.from_stored(ShardState(flat[lo:hi].copy(), zeros, zeros.copy(), t=0)))

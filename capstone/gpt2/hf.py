@@ -69,15 +69,13 @@ def capstone_name(name: str) -> str:
     name = name.removeprefix("transformer.")
     if name.endswith(BUFFERS):
         return ""
-    top = {"wte.weight": "wte", "wpe.weight": "wpe", "ln_f.weight": "ln_f.w", "ln_f.bias": "ln_f.b",
-           "lm_head.weight": "lm_head.w"}
-    if name in top:
-        return top[name]
     parts = name.split(".", 2)
     inverse = {v: k for k, v in BLOCK.items()}
     if len(parts) == 3 and parts[0] == "h" and parts[1].isdigit() and parts[2] in inverse:
         return f"h{parts[1]}.{inverse[parts[2]]}"
-    return name       # unknown: reported by `read_weights`
+    top = {"wte.weight": "wte", "wpe.weight": "wpe", "ln_f.weight": "ln_f.w", "ln_f.bias": "ln_f.b",
+           "lm_head.weight": "lm_head.w"}
+    return top.get(name, name)       # unknown: reported by `read_weights`
 
 
 def read_weights(path: str, cfg: ModelConfig, digest: str | None = None) -> np.ndarray:
@@ -149,9 +147,7 @@ def read(path: str, seq_len: int | None = None):
                           f"{next(n for n in TOKENIZER_FILES if n not in present)} missing: GPT-2's tokenizer is "
                           f"both files (as GPT2Tokenizer.save_pretrained writes them). Copy the missing one in, or "
                           f"remove {present[0]} to read the model as token ids only.")
-    if present:
-        return cfg, params, {"tokenizer": gpt2_tokenizer(path).describe()}
-    return cfg, params, exported
+    return cfg, params, {"tokenizer": gpt2_tokenizer(path).describe()} if present else exported
 
 
 def exported_meta(path: str) -> dict:

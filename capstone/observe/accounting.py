@@ -8,25 +8,20 @@ the ZeRO what-if: bytes per rank of parameters, gradients and optimizer state at
 import argparse
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from capstone.observe.runlog import read_run
 from capstone.flags.pipe import run_tool
 
 # nccl-tests doc/PERFORMANCE.md, "Summary": busbw = algbw * factor(n), independent of the algorithm
 # as long as it is built from point-to-point transfers.
-BUS_FACTORS = {
-    "allreduce": lambda n: 2 * (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "allgather": lambda n: (n - 1) / n,
-    "alltoall": lambda n: (n - 1) / n,
-    "reduce_scatterv": lambda n: (n - 1) / n,   # with per-rank counts (ZeRO-2's groups): S is what they sum to
-    "allgatherv": lambda n: (n - 1) / n,        # (ZeRO-3's gathered groups)
-    "alltoallv": lambda n: (n - 1) / n,         # (--deterministic at ZeRO-2/3: a group's pieces; S: what one rank sends)
-    "broadcast": lambda n: 1.0,
-    "p2p": lambda n: 1.0,                      # a pipeline's messages between neighbouring stages (S: their bytes)
-    "reduce": lambda n: 1.0,
-}
+# reduce_scatterv, allgatherv: with per-rank counts (ZeRO-2's groups, ZeRO-3's gathered groups): S is what they sum
+# to; alltoallv: --deterministic at ZeRO-2/3, a group's pieces (S: what one rank sends); p2p: a pipeline's messages
+# between neighbouring stages (S: their bytes).
+BUS_FACTORS = {"allreduce": lambda n: 2 * (n - 1) / n,
+               **dict.fromkeys(("reduce_scatter", "allgather", "alltoall", "reduce_scatterv", "allgatherv",
+                                "alltoallv"), lambda n: (n - 1) / n),
+               **dict.fromkeys(("broadcast", "p2p", "reduce"), lambda n: 1.0)}
 PER_RANK_COUNT = ("reduce_scatter", "allgather", "alltoall")  # ops whose buffer is n equal per-rank blocks
 
 
@@ -137,8 +132,7 @@ def comm_summary(rows: list[dict], skip_first: bool = True) -> dict:
         last = [r["comm"][name] for r in rows if name in r["comm"]][-1]
         times = [r["comm"][name]["ms"] for r in timed if name in r["comm"]]
         if times:
-            c = Collective(last["op"], last["bytes"], 1, last["ranks"], statistics.median(times) / 1e3)
-            entry = comm_entry(c)
+            entry = comm_entry(Collective(last["op"], last["bytes"], 1, last["ranks"], statistics.median(times) / 1e3))
             entry["median_ms"] = entry.pop("ms")
             out[name] = {**entry, "steps": sum(name in r["comm"] for r in rows), "timed_steps": len(times),
                          "calls": last["calls"], "ranks": last["ranks"]}
@@ -234,9 +228,8 @@ def what_if(n_params: int, padded: int, world: int, memory: list[dict], precisio
     formula = {k: max(m["formula"].get(k, 0) for m in memory) for k in keys} if memory and "formula" in memory[0] else {}
     return {"precision": p.name, "bytes_per_param": {"params": p.param, "grads": p.grad, "optimizer": p.optimizer},
             "n_params": n_params, "P": padded, "world": world,
-            "stages": [{"stage": r.stage, "sharded": STAGES[r.stage], "params_bytes": r.params_bytes,
-                        "grads_bytes": r.grads_bytes, "optimizer_bytes": r.optimizer_bytes,
-                        "total_bytes": r.total_bytes} for r in zero_table(padded, world, precision)],
+            "stages": [{"stage": r.stage, "sharded": STAGES[r.stage], **asdict(r), "total_bytes": r.total_bytes}
+                       for r in zero_table(padded, world, precision)],
             "measured": {"stage": memory[0].get("stage", 1) if memory else 1, **measured},
             "formula": formula}
 
@@ -282,18 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def bad_flag(args) -> str | None:
-    """The usage mistake in --params/--world, or None."""
-    if args.params < 0:
-        return f"--params {args.params}: a parameter count is 0 or more; pass e.g. --params 30144."
-    if args.world < 1:
-        return f"--world {args.world}: a run has 1 rank or more; pass e.g. --world 4."
-    return None
-
-
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    error = bad_flag(args)
+    error = (f"--params {args.params}: a parameter count is 0 or more; pass e.g. --params 30144." if args.params < 0
+             else f"--world {args.world}: a run has 1 rank or more; pass e.g. --world 4." if args.world < 1 else None)
     if error:
         print(f"error: {error}", file=sys.stderr)
         return 2

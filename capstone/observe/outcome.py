@@ -57,16 +57,22 @@ def recorded(run, start_step: int, started: float, log):
         deadline.on_expire = None
 
 
-def ended(run, status: str, reason: str, start_step: int, started: float, extra: dict | None = None) -> dict:
-    """summary.json of a run that ended with `status` ("diverged", "timeout") before finishing: what
-    it did up to there and why it stopped; no invariant was checked."""
-    return {"status": status, "reason": reason, "world_size": run.grid.world.size, "grid": run.grid.describe(),
+def basics(run, status: str, start_step: int, wall: float) -> dict:
+    """What summary.json says of every run, however it ended: the status, the run's configs, grid and
+    provenance, its losses, checkpoints and rollbacks, the held-out losses and the wall time."""
+    return {"status": status, "world_size": run.grid.world.size, "grid": run.grid.describe(),
             "model_config": dataclasses.asdict(run.mcfg), "train_config": dataclasses.asdict(run.tcfg),
             "n_params": run.n_params, "start_step": start_step, "final_step": run.state.step,
             "resumed_from": run.resumed_from, "losses": [list(x) for x in run.state.losses],
-            "last_step": last_row(run.out), "invariants": None, "checkpoints": run.ckpt.manifests,
-            "rollbacks": run.state.rollbacks, "wall_seconds": time.perf_counter() - started,
-            "provenance": run.ckpt.provenance, "held_out": held_out(run), **(extra or {})}
+            "checkpoints": run.ckpt.manifests, "rollbacks": run.state.rollbacks, "wall_seconds": wall,
+            "provenance": getattr(run.ckpt, "provenance", None), "held_out": held_out(run)}
+
+
+def ended(run, status: str, reason: str, start_step: int, started: float, extra: dict | None = None) -> dict:
+    """summary.json of a run that ended with `status` ("diverged", "timeout") before finishing: what
+    it did up to there and why it stopped; no invariant was checked."""
+    return {**basics(run, status, start_step, time.perf_counter() - started), "reason": reason,
+            "last_step": last_row(run.out), "invariants": None, **(extra or {})}
 
 
 def last_row(out: str) -> dict | None:
@@ -84,10 +90,9 @@ def stopped(run, step: int, why: str | None) -> None:
     the newest checkpoint), in case mpirun's kill sequence ends the ranks before their checks and full summary
     ("preempted", which replaces this one) are done: a reader that finds STOPPING after the run has ended
     knows the checkpoint was saved and the checks never ran."""
-    try:
+    newest = None
+    with contextlib.suppress(ValueError):
         newest = files.read_pointer(run.ckpt.directory)
-    except ValueError:
-        newest = None
     write_json(os.path.join(run.out, "summary.json"),
                {"status": STOPPING, "final_step": step, "reason": why, "newest_checkpoint": newest,
                 "provisional": "the run's own summary replaces this once its checks have run", "time": time.time()})

@@ -6,6 +6,7 @@ which all ranks hash, is the same everywhere). It goes into the start row of met
 summary.json and every checkpoint's metadata. Anything that cannot be found is null.
 """
 
+import contextlib
 import os
 import platform
 import socket
@@ -36,15 +37,12 @@ def git_info(cwd: str = CODE_DIR) -> dict:
 def _version(module: str) -> str | None:
     """The installed distribution's version (autograd has no __version__), else the module's."""
     from importlib import metadata
-    try:
+    with contextlib.suppress(metadata.PackageNotFoundError):
         return metadata.version(module)
-    except metadata.PackageNotFoundError:
-        pass
     try:
-        mod = __import__(module)
+        return getattr(__import__(module), "__version__", None)
     except Exception:  # noqa: BLE001 - an absent or broken package is recorded as null
         return None
-    return getattr(mod, "__version__", None)
 
 
 def local() -> dict:
@@ -71,7 +69,6 @@ def local() -> dict:
 def collect(comm) -> dict:
     """Collective: call on all ranks. Rank 0's record plus every rank's host name, on every rank."""
     hosts = comm.allgather_json(socket.gethostname())
-    record = local() if comm.rank == 0 else None
-    record = comm.bcast_json(record)
+    record = comm.bcast_json(local() if comm.rank == 0 else None)
     record["hosts"] = hosts
     return record

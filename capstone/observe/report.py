@@ -184,9 +184,9 @@ def memory_table(rows: list[dict]) -> str:
 
     for r in rows:
         lines.append(fmt(str(r["rank"]), [r.get(k, 0) for k in keys], r["peak_rss_bytes"]))
-    lines.append(fmt("max", [max(r.get(k, 0) for r in rows) for k in keys], max(r["peak_rss_bytes"] for r in rows)))
-    lines.append(fmt("mean", [sum(r.get(k, 0) for r in rows) / len(rows) for k in keys],
-                     sum(r["peak_rss_bytes"] for r in rows) / len(rows)))
+    for label, over in (("max", max), ("mean", lambda values: sum(values) / len(rows))):
+        lines.append(fmt(label, [over([r.get(k, 0) for r in rows]) for k in keys],
+                         over([r["peak_rss_bytes"] for r in rows])))
     if "formula" in rows[0]:
         lines.append(fmt(f"stage {rows[0]['stage']}", [max(r["formula"][k] for r in rows) for k in keys], None)
                      + "  the formula (max over ranks; capstone.observe.memory)")
@@ -268,22 +268,11 @@ class Summary:
     final_fingerprint: tuple
 
     def to_json(self) -> dict:
-        run, layout = self.run, self.run.model.layout
-        return {"status": self.status, "world_size": run.grid.world.size, "grid": run.grid.describe(),
-                "model_config": dataclasses.asdict(run.mcfg), "train_config": dataclasses.asdict(run.tcfg),
-                "n_params": run.n_params, "padded": layout.padded, "start_step": self.start_step,
-                "final_step": run.state.step, "resumed_from": run.resumed_from,
-                "losses": [list(x) for x in run.state.losses], "last_step": self.rows[-1] if self.rows else None,
-                "invariants": self.invariants,
-                "memory": {"per_rank": self.memory, **aggregate(self.memory)}, "checkpoints": run.ckpt.manifests,
-                "rollbacks": run.state.rollbacks, "wall_seconds": self.wall,
-                "final_param_fingerprint": self.final_fingerprint, "comm": self.comm(),
-                "zero_what_if": self.what_if(), "provenance": getattr(run.ckpt, "provenance", None),
-                "held_out": outcome.held_out(run)}
-
-    def comm(self) -> dict:
-        """Median time and bandwidths of each collective of this launch's steps (accounting.comm_summary)."""
-        return accounting.comm_summary(self.rows)
+        return {**outcome.basics(self.run, self.status, self.start_step, self.wall),
+                "padded": self.run.model.layout.padded, "last_step": self.rows[-1] if self.rows else None,
+                "invariants": self.invariants, "memory": {"per_rank": self.memory, **aggregate(self.memory)},
+                "final_param_fingerprint": self.final_fingerprint, "comm": accounting.comm_summary(self.rows),
+                "zero_what_if": self.what_if()}
 
     def what_if(self) -> dict:
         layout = self.run.model.layout
@@ -309,7 +298,7 @@ def _report(summary: Summary, verified: dict | None, rank: int) -> None:
     run = summary.run
     say("\nmemory per rank (bytes):\n" + memory_table(summary.memory), rank)
     say("\n" + accounting.format_what_if(summary.what_if()), rank)
-    comm = summary.comm()
+    comm = accounting.comm_summary(summary.rows)   # each collective's median time and bandwidths in this launch
     if comm:
         say(f"\ncollectives per step, rank 0's clock, median over {'steps after the first' if len(summary.rows) > 1 else 'the step'} "
             f"of this launch (bytes: nccl-tests S; GB/s = 1e9 B/s):\n" + accounting.format_comm_summary(comm), rank)

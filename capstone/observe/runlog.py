@@ -4,6 +4,7 @@ Plain Python, no matplotlib, no MPI. Tolerates a running run (a partial last lin
 yet) and a resumed one (a step written again: the latest row wins); optional fields may be missing.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -35,8 +36,7 @@ def parse_lines(text: str) -> tuple[list[dict], int]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError:
-            bad += 1
-            continue
+            obj = None
         if isinstance(obj, dict):
             records.append(obj)
         else:
@@ -47,16 +47,12 @@ def parse_lines(text: str) -> tuple[list[dict], int]:
 def step_rows(records: list[dict]) -> list[dict]:
     """One row per step in step order; a step written again (after a resume) keeps the latest row.
     Adds "tokens_total" (cumulative tokens) where the row lacks it, summing "tokens"."""
-    latest = {}
-    for r in records:
-        if "event" not in r and isinstance(r.get("step"), int):
-            latest[r["step"]] = r
+    latest = {r["step"]: r for r in records if "event" not in r and isinstance(r.get("step"), int)}
     rows, total = [], 0
-    for s in sorted(latest):
-        row = dict(latest[s])
-        total = row["tokens_total"] if number(row.get("tokens_total")) is not None else total + (number(row.get("tokens")) or 0)
-        row["tokens_total"] = total
-        rows.append(row)
+    for _, r in sorted(latest.items()):
+        total = (r["tokens_total"] if number(r.get("tokens_total")) is not None
+                 else total + (number(r.get("tokens")) or 0))
+        rows.append({**r, "tokens_total": total})
     return rows
 
 
@@ -73,15 +69,9 @@ def number(value) -> float | None:
 
 def series(rows: list[dict], key: str, x: str = "step", accepted_only: bool = False) -> tuple[list, list]:
     """(xs, ys) of the rows where both `x` and `key` are finite numbers."""
-    xs, ys = [], []
-    for r in rows:
-        if accepted_only and r.get("accepted") is False:
-            continue
-        xv, yv = number(r.get(x)), number(r.get(key))
-        if xv is not None and yv is not None:
-            xs.append(xv)
-            ys.append(yv)
-    return xs, ys
+    pairs = [(number(r.get(x)), number(r.get(key))) for r in rows if not (accepted_only and r.get("accepted") is False)]
+    pairs = [(xv, yv) for xv, yv in pairs if xv is not None and yv is not None]
+    return [xv for xv, _ in pairs], [yv for _, yv in pairs]
 
 
 def event_steps(rows: list[dict], name: str) -> list[int]:
@@ -111,11 +101,9 @@ def clip_level(run: Run) -> float | None:
     """train_config.clip of the latest start row that carries one (the segment still writing rows),
     else of summary.json; None if clipping is off or the run does not say."""
     configs = [(run.summary or {}).get("train_config")] + [s.get("train_config") for s in run.starts]
-    for cfg in reversed(configs):
-        clip = number(cfg.get("clip")) if isinstance(cfg, dict) else None
-        if clip is not None:
-            return clip if clip > 0 else None
-    return None
+    clips = [number(cfg.get("clip")) for cfg in reversed(configs) if isinstance(cfg, dict)]
+    clip = next((c for c in clips if c is not None), None)   # the newest that says
+    return clip if clip is not None and clip > 0 else None
 
 
 def memory_rows(run: Run) -> list[dict]:
@@ -132,14 +120,10 @@ def read_run(path: str, label: str | None = None) -> Run:
     with open(metrics) as f:
         records, bad = parse_lines(f.read())
     summary = None
-    try:
-        with open(os.path.join(path, "summary.json")) as f:
-            summary = json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        pass
-    starts = tuple(r for r in records if r.get("event") == "start")
-    label = label or os.path.basename(os.path.normpath(path))
-    return Run(path, label, tuple(step_rows(records)), starts, summary, bad)
+    with contextlib.suppress(FileNotFoundError, json.JSONDecodeError), open(os.path.join(path, "summary.json")) as f:
+        summary = json.load(f)
+    return Run(path, label or os.path.basename(os.path.normpath(path)), tuple(step_rows(records)),
+               tuple(r for r in records if r.get("event") == "start"), summary, bad)
 
 
 def run_labels(paths: list[str]) -> list[str]:
