@@ -514,7 +514,8 @@ MUTANTS = [
            ("tests/test_bias.py::test_the_layout_has_no_bias_and_the_same_seed_draws_the_same_weights",),
            "--no-bias accepted and recorded, but the model keeps every bias (nanoGPT's model is not what trains)"),
     Mutant("bias/hf-export-without-gpt2s-biases", "capstone/export.py",
-           "    tensors = named_tensors({**views, **absent_biases(cfg)})\n", "    tensors = named_tensors(views)\n",
+           "    named = tensors.named_tensors({**views, **tensors.absent_biases(cfg)})\n",
+           "    named = tensors.named_tensors(views)\n",
            ("tests/test_export.py::test_format_hf_of_a_model_trained_without_a_head_bias[nanogpt]",),
            "--format hf of a --no-bias model leaves GPT-2's biases out: transformers initialises them itself"),
 
