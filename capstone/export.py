@@ -21,9 +21,9 @@ import numpy as np
 
 from capstone.flags import paths
 from capstone.checkpoint import CheckpointError, serial
+from capstone.checkpoint.files import write_atomic
 from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout
-from capstone.prepare import write_atomic
 from capstone.flags.pipe import run_tool
 from capstone.gpt2 import tensors
 from capstone.gpt2.vocab import SampleError

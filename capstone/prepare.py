@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from capstone.checkpoint.files import write_atomic
 from capstone.flags import paths
 from capstone.config import ConfigError
 from capstone.data.dataset import (DTYPE_NAME, FORMAT, META_FILE, TOKENIZER_FILE, VERSION, DatasetError,
@@ -116,23 +117,6 @@ def build(texts: list[Text], kind: str, vocab_size: int | None, vocab_from: str 
             raise PrepareError(f"the text is too short: its BPE splits hold {len(train)} and {len(val)} tokens, "
                                f"fewer than {MIN_VAL_TOKENS}; pass a longer text or use --tokenizer char.")
     return Dataset(tok, train, val, n_train, n_val, tuple(texts))
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """Write data to path via a temp file in the same folder, fsync and rename."""
-    folder, name = os.path.split(path)
-    tmp = os.path.join(folder, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)     # the umask applies, as for open()
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def write_dataset(out: str, files: dict[str, bytes]) -> None:

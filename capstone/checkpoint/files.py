@@ -111,6 +111,23 @@ def write_text(path: str, text: str, tmp: str) -> None:
     publish(tmp, path)
 
 
+def write_atomic(path: str, data: bytes) -> None:
+    """Write `data` to `path` whole or not at all: a temp file beside it, fsynced, then renamed (prepare, export)."""
+    folder, name = os.path.split(path)
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)     # the umask applies, as for open()
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
 def write_pointer(directory: str, name: str) -> None:
     """Atomically point `latest` at checkpoint `name` (a file in `directory`)."""
     write_text(os.path.join(directory, POINTER), name + "\n", os.path.join(directory, f".{POINTER}.tmp-{os.getpid()}"))
