@@ -68,8 +68,7 @@ class StepResult:
 
 
 def train_step(run: Run, s: int, writing: bool = False) -> StepResult:
-    """Collective: call on all ranks. One optimizer step (`writing`: this rank's background checkpoint
-    write still runs, a flag the ranks agree on with the others); returns what happened."""
+    """Collective: one optimizer step (`writing`: this rank's background checkpoint write still runs)."""
     timer, state, tcfg = PhaseTimer(), run.state, run.tcfg
     run.grid.world.begin_step(s)
     run.hooks.at("step", s)

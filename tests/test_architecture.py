@@ -29,7 +29,7 @@ from measure import PACKAGE, code_lines, config_error_sites, lines, package_file
 # itself is docs/code-figures.md (tests/measure.py).
 STEP_LINES = 2500
 STEP_FILES = 24
-TRAIN_STEP_LINES = 35
+TRAIN_STEP_LINES = 34   # 35, its length, before issue 48 asked for a limit below the measurement
 MODULE_LINES = 400
 OPTIONAL = ("capstone.parallel.tensor", "capstone.parallel.deterministic", "capstone.parallel.pipeline",
             "capstone.parallel.zero0", "capstone.parallel.zero2", "capstone.parallel.zero3", "capstone.parallel.progress",
