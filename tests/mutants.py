@@ -521,7 +521,7 @@ MUTANTS = [
 
     # ---- --tie-embeddings (capstone.model.tied) ---------------------------------------------------
     Mutant("tie/head-share-of-wte-dropped", "capstone/model/backward.py",
-           "        gw[:share.size] += share.reshape(-1)\n", "",
+           "        gw[:share.size] += share.reshape(-1)\n", "        pass\n",
            ("tests/test_tie.py::test_the_tied_gradient_of_wte_is_the_sum_of_both_uses",),
            "wte's gradient is the embedding's alone: the tied head's use of it does not train it"),
     Mutant("tie/head-share-overwrites-the-embedding's", "capstone/model/backward.py",
