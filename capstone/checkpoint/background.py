@@ -76,7 +76,7 @@ class Writer:
         self.comm.hooks = SaveHooks(hooks, step)
         deadline, main = self.comm.deadline, self.main.deadline
         deadline.explicit, deadline.step, deadline.longest_step = main.explicit, main.step, main.longest_step
-        deadline.record, deadline.on_expire = main.record, getattr(main, "on_expire", None)
+        deadline.record, deadline.on_expire = main.record, main.on_expire
         self.outcome = {}
         self.thread = threading.Thread(target=self._run, args=(job,), name="checkpoint-writer")
         self.thread.start()

@@ -36,6 +36,7 @@ class Deadline:
         self.record: str | None = None   # where a timeout is recorded (JSON), if set
         self.spin_s = spin_s             # how long a wait spins before it sleeps (see dedicated_cores)
         self.watchdog = None             # the watchdog process, started on first use (`guard`)
+        self.on_expire = None            # what else a timeout does (summary.json: capstone.observe.outcome.recorded)
 
     def set_timeout(self, seconds: float) -> None:
         if seconds < 0:
@@ -104,7 +105,7 @@ def expire(deadline, what: str, waited: float) -> None:
             with open(tmp := f"{deadline.record}.tmp-{os.getpid()}", "w") as f:
                 json.dump(record, f)
             os.replace(tmp, deadline.record)
-    if getattr(deadline, "on_expire", None) is not None:   # summary.json (capstone.observe.outcome.recorded)
+    if deadline.on_expire is not None:
         with contextlib.suppress(Exception):   # best effort: the abort must happen anyway
             deadline.on_expire(record)
     MPI.COMM_WORLD.Abort(1)

@@ -65,7 +65,7 @@ def basics(run, status: str, start_step: int, wall: float) -> dict:
             "n_params": run.n_params, "start_step": start_step, "final_step": run.state.step,
             "resumed_from": run.resumed_from, "losses": [list(x) for x in run.state.losses],
             "checkpoints": run.ckpt.manifests, "rollbacks": run.state.rollbacks, "wall_seconds": wall,
-            "provenance": getattr(run.ckpt, "provenance", None), "held_out": held_out(run)}
+            "provenance": run.ckpt.provenance, "held_out": held_out(run)}
 
 
 def ended(run, status: str, reason: str, start_step: int, started: float, extra: dict | None = None) -> dict:
