@@ -214,7 +214,7 @@ def _layout_flags(p) -> None:
                    help="context parallelism: each sequence split over K ranks (balanced: 2K chunks, rank i taking "
                         "i and 2K-1-i), attention a causal ring passing keys and values; --seq-len a multiple of 2K "
                         "(docs/context-parallel.md; default: 1; not kept by checkpoints: resume at any --cp)")
-    g.add_argument("--pp-schedule", choices=("1f1b", "afab"), default=argparse.SUPPRESS,
+    g.add_argument("--pp-schedule", choices=("1f1b", "afab", "zb-h1"), default=argparse.SUPPRESS,
                    help="the pipeline's order of forwards and backwards: 1f1b (one forward one backward, at most "
                         "K micro-batches of activations per stage) or afab (all forwards, then all backwards: "
                         "GPipe) (default: 1f1b; on --resume: the checkpoint's)")

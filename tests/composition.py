@@ -45,7 +45,7 @@ AXES = {
     "resume": (False, True),
     "zero": (0, 1, 2, 3),
     "recompute": (False, True),
-    "pp": ("off", "2:1f1b", "2:afab", "4:1f1b", "4:afab"),    # pipeline stages and schedule
+    "pp": ("off", "2:1f1b", "2:afab", "2:zb-h1", "4:1f1b", "4:afab", "4:zb-h1"),   # pipeline stages, schedule
     "reshard": ("micro-batch", "step"),                       # ZeRO-2/3: gather and reduce per micro-batch or step
     "undo": (True, False),    # the guard's undo copy (False: --no-guard-undo)
     "tie": (False, True),     # --tie-embeddings: the LM head is wte
@@ -263,7 +263,7 @@ def pairs(seed: int = 25) -> list[Row]:
 
 
 NAME = re.compile(r"n(\d+)-tp(\d+)-acc(\d+)-(overlap|no-overlap)-(det|default)-(clean|nan|spike)-zero(\d)(-recompute)?"
-                  r"(?:-pp(\d)-(1f1b|afab))?(?:-reshard-(step))?(-no-undo)?(-tie)?(-dropout)?(-sync-ckpt)?(?:-cp(\d))?(-no-bias)?"
+                  r"(?:-pp(\d)-(1f1b|afab|zb-h1))?(?:-reshard-(step))?(-no-undo)?(-tie)?(-dropout)?(-sync-ckpt)?(?:-cp(\d))?(-no-bias)?"
                   r"(-stop\d+-resume-.*)?")
 
 

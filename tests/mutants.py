@@ -280,8 +280,8 @@ MUTANTS = [
            ("tests/test_backward.py", "mpi: tests/mpi/test_overlap.py"),
            "the seam never tells the reducer a group landed: no bucket starts during the backward pass"),
     Mutant("backward/saved-activations-kept", "capstone/model/backward.py",
-           "    gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, gw, free=True, cp=ps.cp)\n",
-           "    gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, gw, free=False, cp=ps.cp)\n",
+           "    gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, d, free=True, cp=ps.cp)\n",
+           "    gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, d, free=False, cp=ps.cp)\n",
            ("tests/test_backward.py",), "a block keeps every activation to the end of the backward pass (the old peak)"),
 
     # ---- issue 25: the weak spots an independent review found (tests: issue 25's) -----------------

@@ -133,21 +133,21 @@ def test_fast_path_matches_composed_reference(dtype, rtol):
 
 # The fused parts (capstone.model.blocks' pairs) as plain autograd primitives of their input and
 # their group, which is how autograd would differentiate them if the group were a graph input.
-def _pair_vjp(backward, n_inputs):
+def _pair_vjp(backward, n_inputs, shapes_at):
     def vjp(g, saved, argnums, *args):
         gw = np.empty_like(args[n_inputs])
-        gx = backward(g, list(saved) if saved else saved, gw, *args)
+        gx = backward(g, list(saved) if saved else saved, blocks.Grads(blocks.unpack(gw, args[shapes_at])), *args)
         return {n_inputs: gw, **({0: gx} if n_inputs else {})}
     return vjp
 
 
 embedding = kernels.define("embedding_of_w", lambda w, idx, shapes: blocks.embedding_forward(w, idx, shapes),
                            _pair_vjp(lambda g, saved, gw, w, idx, shapes: blocks.embedding_backward(g, w, idx, shapes, gw),
-                                     0))
+                                     0, -1))
 block = kernels.define("block_of_xw", blocks.block_forward, _pair_vjp(
-    lambda g, saved, gw, x, w, T, H, shapes, tp: blocks.block_backward(g, saved, x, w, T, H, shapes, tp, gw, False), 1))
+    lambda g, saved, gw, x, w, T, H, shapes, tp: blocks.block_backward(g, saved, x, w, T, H, shapes, tp, gw, False), 1, -2))
 head_loss = kernels.define("head_loss_of_xw", blocks.head_loss_forward, _pair_vjp(
-    lambda g, saved, gw, x, w, t, shapes: blocks.head_loss_backward(g, saved, w, t, shapes, gw, False), 1))
+    lambda g, saved, gw, x, w, t, shapes: blocks.head_loss_backward(g, saved, w, t, shapes, gw, False), 1, -1))
 
 
 def composed_loss(groups, idx, targets, cfg, scale):

@@ -26,6 +26,7 @@ class Pass:
     cp: object = blocks.WHOLE     # the sequence's part and attention (capstone.model.ring: split)
     masks: object = None          # this micro-batch's dropout masks (None: no dropout)
     tie: object = None            # this pass's tied wte (None: the head has a matrix of its own)
+    later: list | None = None     # a split backward: (group, shapes, Grads) kept for the W pass (`weights_pass`)
 
 
 def _embed_mask(ps: Pass, a, T: int):
@@ -39,14 +40,34 @@ def _embedding_fwd(start, ps: Pass, idx, shapes):
     return _embed_mask(ps, out, idx.shape[1]), None
 
 
+def _grads(ps: Pass, name: str, shapes) -> tuple:
+    """(group `name`'s gradient from the seam, its Grads) or, in a split backward, (None, Grads kept for W)."""
+    if ps.later is None:
+        gw = ps.seam.grad_out(name, ps.fresh)
+        return gw, blocks.Grads(blocks.unpack(gw, shapes))
+    ps.later.append((name, shapes, blocks.Grads()))
+    return None, ps.later[-1][2]
+
+
+def _landed(ps: Pass, name: str, gw) -> None:
+    if gw is not None:
+        ps.seam.landed(name, gw, ps.fresh)
+
+
+def weights_pass(seam: Weights, fresh: bool, later: list) -> None:
+    """W of a split backward (B: the pass with `later`): each kept group's weight gradients, landed in B's order."""
+    for name, shapes, d in later:
+        gw = seam.grad_out(name, fresh)
+        d.into(blocks.unpack(gw, shapes))
+        seam.landed(name, gw, fresh)
+    later.clear()
+
+
 def _embedding_bwd(g, saved, argnums, start, ps: Pass, idx, shapes):
-    g = _embed_mask(ps, g, idx.shape[1])
-    w, gw = ps.seam.weights("embed", True), ps.seam.grad_out("embed", ps.fresh)
-    blocks.embedding_backward(g, w, idx, shapes, gw, ps.cp)
-    share = None if ps.tie is None else ps.tie.share()
-    if share is not None:                              # a tied wte's gradient: the sum of its two uses
-        gw[:share.size] += share.reshape(-1)
-    ps.seam.landed("embed", gw, ps.fresh)
+    gw, d = _grads(ps, "embed", shapes)
+    blocks.embedding_backward(_embed_mask(ps, g, idx.shape[1]), ps.seam.weights("embed", True), idx, shapes, d, ps.cp,
+                              ps.tie)
+    _landed(ps, "embed", gw)
     ps.seam.release("embed")
     return {0: np.zeros_like(start)}
 
@@ -62,9 +83,9 @@ def _block_bwd(g, saved, argnums, x, ps: Pass, name: str, T: int, H: int, shapes
     w = ps.seam.weights(name, True)
     if saved is None:     # recomputation: the activations again, from the block's input (the same masks)
         saved = blocks.block_forward(x, w, T, H, shapes, ps.tp, ps.cp, ps.masks, int(name[1:]))[1]
-    gw = ps.seam.grad_out(name, ps.fresh)
-    gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, gw, free=True, cp=ps.cp)
-    ps.seam.landed(name, gw, ps.fresh)
+    gw, d = _grads(ps, name, shapes)
+    gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, d, free=True, cp=ps.cp)
+    _landed(ps, name, gw)
     ps.seam.release(name)
     return {0: gx}
 
@@ -77,13 +98,13 @@ def _head_fwd(x, ps: Pass, targets, shapes):
 
 
 def _head_bwd(g, saved, argnums, x, ps: Pass, targets, shapes):
-    w, gw = ps.seam.weights("head", True), ps.seam.grad_out("head", ps.fresh)
+    (gw, d), w = _grads(ps, "head", shapes), ps.seam.weights("head", True)
     wte = None if ps.tie is None else ps.tie.wte(ps.seam)
     gwte = None if wte is None else np.empty_like(wte)
-    gx = blocks.head_loss_backward(g, saved, w, targets, shapes, gw, True, wte, gwte)
+    gx = blocks.head_loss_backward(g, saved, w, targets, shapes, d, True, wte, gwte)
     if ps.tie is not None:
         ps.tie.made(gwte)       # the head's share of wte's gradient, for the embedding's backward
-    ps.seam.landed("head", gw, ps.fresh)
+    _landed(ps, "head", gw)
     _release_head(ps)
     return {0: gx}
 

@@ -24,20 +24,25 @@ import time
 
 import numpy as np
 
+from capstone.model.backward import weights_pass
 from capstone.model.params import DTYPE
 
 EVAL_TAG = 30000   # the held-out evaluation's activations (training uses 2j forward, 2j+1 backward)
 
 
 def order(schedule: str, p: int, K: int, m: int) -> list[tuple[str, int]]:
-    """Stage p's sequence of ("F", j) forwards and ("B", j) backwards of micro-batches 0..m-1."""
+    """Stage p's sequence of ("F", j) forwards and ("B", j) backwards of micro-batches 0..m-1 (zb-h1: B is the input's
+    gradient, ("W", j) the weights', held back p micro-batches: ZB-H1 of Qi et al., 1F1B's forwards and memory)."""
     if schedule == "afab":   # GPipe: every forward, then the backwards from the last micro-batch
         return [("F", j) for j in range(m)] + [("B", j) for j in reversed(range(m))]
-    warm = min(K - p - 1, m)
+    warm, held = min(K - p - 1, m), []
     seq = [("F", j) for j in range(warm)]
-    for j in range(m - warm):
-        seq += [("F", warm + j), ("B", j)]
-    return seq + [("B", j) for j in range(m - warm, m)]
+    for j in range(m):
+        seq += [("F", warm + j)] * (warm + j < m) + [("B", j)]
+        held += [j] * (schedule == "zb-h1")
+        if len(held) > p:
+            seq.append(("W", held.pop(0)))
+    return seq + [("W", j) for j in held]
 
 
 class Pipeline:
@@ -51,6 +56,7 @@ class Pipeline:
         self.tie = tie
         self.pp, self.p, self.K = pp, pp.rank, pp.size
         self.sends, self.events = [], []          # (request, buffer) in flight; (kind, j, t0, t1)
+        self.split = schedule == "zb-h1"          # the backward as B and W (capstone.model.backward.weights_pass)
         self.span = (0.0, 0.0)   # the last step's forward_backward, perf_counter seconds
 
     def _recv(self, shape, peer: int, tag: int, what: str) -> np.ndarray:
@@ -78,17 +84,18 @@ class Pipeline:
         """Micro-batch j's forward on this stage; returns (its backward, the output's shape or the
         last stage's loss)."""
         x_in = self._received(x, 2 * j, f"micro-batch {j}'s activations")
-        t0 = time.perf_counter()
-        out, backward = self.model.forward(x, y, self.scale, start=x_in, fresh=not self.reducer.accumulates)
+        t0, later = time.perf_counter(), [] if self.split else None
+        out, backward = self.model.forward(x, y, self.scale, start=x_in, fresh=not self.reducer.accumulates,
+                                           later=later)
         self.events.append(("F", j, t0, time.perf_counter()))
         if self.p < self.K - 1:
             self._send(out, self.p + 1, 2 * j)
-            return (backward, out.shape), 0.0
-        return (backward, None), float(out)
+            return (backward, out.shape, later), 0.0
+        return (backward, None, later), float(out)
 
-    def backward(self, j: int, pending) -> None:
-        """Micro-batch j's backward on this stage: its gradients added to the model's `grads`."""
-        backward, shape = pending
+    def backward(self, j: int, pending) -> list | None:
+        """Micro-batch j's backward on this stage (split: its input's gradient only); its weights' kept for W."""
+        backward, shape, later = pending
         g = None if self.p == self.K - 1 else self._recv(shape, self.p + 1, 2 * j + 1, f"micro-batch {j}'s gradient")
         t0 = time.perf_counter()
         self.reducer.before_backward(j)
@@ -96,6 +103,14 @@ class Pipeline:
         self.events.append(("B", j, t0, time.perf_counter()))
         if self.p > 0:
             self._send(g_in, self.p - 1, 2 * j + 1)
+        return later
+
+    def weights(self, j: int, later: list) -> None:
+        """Micro-batch j's W pass: its weight gradients computed and landed (the reducer told it is j's)."""
+        t0 = time.perf_counter()
+        self.reducer.before_backward(j)
+        weights_pass(self.model.seam, not self.reducer.accumulates, later)
+        self.events.append(("W", j, t0, time.perf_counter()))
 
     def forward_backward(self, batches: list, step: int) -> list[float]:
         """Collective over the pipeline group. Every micro-batch's loss (0 except on the last stage)."""
@@ -107,14 +122,20 @@ class Pipeline:
             self.tie.refresh()
         if self.reducer.accumulates:   # ZeRO-1: the micro-batches' gradients add up in the buffer
             self.model.grads.fill(0.0)
-        self.events, pending, losses = [], {}, [0.0] * m
+        self.events, pending, held, losses = [], {}, {}, [0.0] * m
         for kind, j in order(self.schedule, self.p, self.K, m):
             if kind == "F":
                 pending[j], losses[j] = self.forward(j, *batches[j])
+                continue
+            if kind == "B":
+                held[j] = self.backward(j, pending.pop(j))
+                if held[j] is not None:
+                    continue
             else:
-                self.backward(j, pending.pop(j))
-                self.hooks.gradients(step, j, self.model.grads)
-                self.reducer.after_backward(j)
+                self.weights(j, held[j])
+            del held[j]
+            self.hooks.gradients(step, j, self.model.grads)
+            self.reducer.after_backward(j)
         self.model.seam.step(False)
         self.drain()
         if self.tie is not None:
