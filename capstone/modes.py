@@ -74,8 +74,13 @@ def make(grid: Grid, plan: Plan, mcfg: ModelConfig, tcfg: TrainConfig, data, hoo
         from capstone.parallel.zero3 import ShardedAdam as adam
     elif not zero.shards_optimizer:
         from capstone.parallel.zero0 import ReplicatedAdam as adam
+    if plan.post_validates:       # the update taken before the step's checks (capstone.parallel.postvalidation)
+        from capstone.parallel.postvalidation import post_validated
+        adam = post_validated(adam)
     opt = adam(grid.dp, layout, model.params, (tcfg.beta1, tcfg.beta2), tcfg.eps, tcfg.weight_decay, tcfg.clip,
                undo=plan.guard_undo)
+    if plan.post_validates:
+        reducer.ahead = lambda grad: opt.take_ahead(grad, hooks.learning_rate(hooks.step, tcfg.lr_at(hooks.step)))
     schedule = Sequential(model, reducer, hooks, scale)
     if grid.pp.size > 1:
         from capstone.parallel.pipeline import Pipeline

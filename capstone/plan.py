@@ -100,6 +100,12 @@ class Plan:
         return self.pp_schedule or "1f1b"
 
     @property
+    def post_validates(self) -> bool:
+        """A zero-bubble schedule takes the update before the step's checks (capstone.parallel.postvalidation),
+        where the optimizer updates the reduced shard (not ZeRO-0's fixed-order sums, allgathered after them)."""
+        return self.pp > 1 and self.schedule == "zb-h1" and (self.zero.shards_optimizer or not self.deterministic)
+
+    @property
     def whole_grad(self) -> bool:
         """ZeRO-2/3 with --reshard step: the whole gradient accumulates through the step (not with the
         fixed-order exchange, which exchanges each micro-batch's as it is made)."""

@@ -78,7 +78,6 @@ def train_step(run: Run, s: int, writing: bool = False) -> StepResult:
         losses = run.schedule.forward_backward(batches, s)
     with timer("reduce"):
         stats = run.reducer.finish(losses, Flags(stop.requested(), run.cadence.clock_due(), writing))
-        run.hooks.reduced(s, run.reducer.grad_shard)
     r = StepResult(s, stats.loss, stats.norm, run.hooks.learning_rate(s, tcfg.lr_at(s)),
                    (state.cursor, state.cursor + run.global_batch), run.cadence.due(s, stats.flags))
     if r.due.abandon:   # a signal: this step stops here, its update never applied (`save_on_stop`)

@@ -15,7 +15,8 @@ same parameters); the shard is P/N elements (`Layout.shard`).
 The transient terms (`gathered`, `reduce` at stages 2-3) are measured as their peak over the run;
 the formula's is the layout's (two consecutive groups or buckets), which the double-buffered
 gather and reduction reach exactly whenever they run. The guard's term is the optimizer's again
-(the state before the last update, what an undo restores), 0 with --no-guard-undo. The snapshot
+(the state before the last update, what an undo restores), 0 with --no-guard-undo, and once more
+with a zero-bubble schedule (the spare state of the update taken ahead: capstone.parallel.postvalidation). The snapshot
 (--ckpt-async, the default) is the buffer a checkpoint's rows are copied into for the background
 write: 12 bytes for each value of the checkpoint's shard (the canonical vectors over the world's
 ranks: 12P/N without tensor or pipeline parallelism), allocated once (capstone.checkpoint.background).
@@ -68,7 +69,7 @@ def states(plan, padded: int, reduce, gathered: int, snapshot_shard: int) -> Mod
     row = zero_row(plan.zero.stage, padded, plan.zero_group)
     grads = zero_row(1, padded, plan.zero_group).grads_bytes if plan.whole_grad else row.grads_bytes
     return ModelStates(row.params_bytes, gathered, grads, reduce(grads), row.optimizer_bytes,
-                       row.optimizer_bytes if plan.guard_undo else 0,
+                       row.optimizer_bytes * (plan.guard_undo + plan.post_validates),
                        4 * len(ROWS) * snapshot_shard if plan.ckpt_async else 0)
 
 

@@ -272,7 +272,8 @@ class Summary:
                 "padded": self.run.model.layout.padded, "last_step": self.rows[-1] if self.rows else None,
                 "invariants": self.invariants, "memory": {"per_rank": self.memory, **aggregate(self.memory)},
                 "final_param_fingerprint": self.final_fingerprint, "comm": accounting.comm_summary(self.rows),
-                "zero_what_if": self.what_if()}
+                "zero_what_if": self.what_if(), **({"post_validation": self.run.opt.counts}
+                                                    if self.run.plan.post_validates else {})}
 
     def what_if(self) -> dict:
         layout = self.run.model.layout

@@ -189,6 +189,7 @@ class DeterministicReducer(GradReducer):
             self.dp.hooks.gradients(self.dp.hooks.step, 0, self.grad_shard)
         shard = self.grad_shard if self.norm_weight is None else self.grad_shard * self.norm_weight
         small = np.array([*losses, *flags.counts(), self.norm.sum_of_squares(shard)], dtype=np.float64)
+        self.agreeing()
         every = np.empty((self.world.size, len(small)), dtype=np.float64)
         self.world.Allgather(every, "allgather of the micro-batch losses and norms", "allgather_stats", send=small)
         blocks = every[self.loss_ranks, :self.accum]   # (dp x cp, accum) of the loss-holding parts

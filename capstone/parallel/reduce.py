@@ -42,6 +42,7 @@ class GradReducer:
     """The interface, and the step's one small allreduce (subclasses fill `grad_shard`)."""
 
     accumulates = True   # micro-batch gradients add up in the flat buffer (else each is reduced alone)
+    ahead = None         # called with the reduced gradient before the world's agreement (post-validation)
 
     def __init__(self, grid, layout: Layout, grads: np.ndarray | None, loss_weight: float = 1.0):
         """`grads`: the flat gradient buffer the backward pass lands in (None: ZeRO-2/3 keep none)."""
@@ -76,9 +77,17 @@ class GradReducer:
     def stats(self, loss: float, flags: Flags, sumsq: float | None = None) -> GradStats:
         """Collective over the world: one allreduce of [sum of squares, loss, *flags]."""
         mine = sum_squares(self.grad_shard, self.norm_weight) if sumsq is None else sumsq
+        self.agreeing()
         total = self.world.sum([mine, loss * self.loss_weight, *flags.counts()],
                                "allreduce of the gradient norm and loss", "allreduce_stats")
         return GradStats(total[1], math.sqrt(total[0]), Flags.any_rank(total[2:]))
+
+    def agreeing(self) -> None:
+        """Before the world agrees on the step (its norm measured): the gradient is final (the `reduced` test seam),
+        and post-validation takes the update ahead (`ahead`: capstone.parallel.postvalidation)."""
+        self.dp.hooks.reduced(self.dp.hooks.step, self.grad_shard)
+        if self.ahead is not None:
+            self.ahead(self.grad_shard)
 
     def nbytes(self) -> int:
         """Bytes this reduction holds besides the flat gradient buffer (the received shard...)."""

@@ -45,8 +45,14 @@ class ZeroAdam:
         clip / norm when the whole gradient's `norm` exceeds `clip`), then allgather the shard into `params`;
         returns the norm after clipping."""
         clip = self.clip if 0 < self.clip < norm else 0.0
-        grad_scale = clip / norm if clip else 1.0
         old, new = self.state, self.before or self.state     # no `before`: in place
+        self.update(grad_shard, lr, clip / norm if clip else 1.0, old, new)
+        self.state, self.before, self.revertible = new, old if self.before else None, self.before is not None
+        self._publish()
+        return clip or norm
+
+    def update(self, grad_shard: np.ndarray, lr: float, grad_scale: float, old: ShardState, new: ShardState) -> None:
+        """AdamW of step old.t + 1 from `old` into `new` (may be `old`), the gradient scaled by `grad_scale`."""
         new.t = old.t + 1
         b1, b2 = self.beta1, self.beta2
         k = (np.float32(grad_scale), np.float32(b1), np.float32(1 - b1), np.float32(b2), np.float32(1 - b2),
@@ -54,9 +60,6 @@ class ZeroAdam:
              np.float32(lr / (1 - b1 ** new.t)))
         for lo in range(0, old.master.size, ADAM_CHUNK):
             self._adam_chunk(grad_shard, slice(lo, lo + ADAM_CHUNK), old, new, *k)
-        self.state, self.before, self.revertible = new, old if self.before else None, self.before is not None
-        self._publish()
-        return clip or norm
 
     def revert(self) -> None:
         """Collective: call on all ranks. Undo the last `apply` bit for bit (once: a second call keeps that state)."""

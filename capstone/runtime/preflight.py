@@ -121,7 +121,8 @@ def estimate(mcfg, tcfg, plan) -> tuple[int, int]:
     """(transient: activations or a checkpoint's conversion, model states) in bytes of the heaviest rank
     of the run `plan` lays out: the transient the larger of a step's activations and a checkpoint's
     conversion (`checkpoint_bytes`); with --pp, the largest stage holding the micro-batches its schedule
-    keeps in flight (1f1b: up to K of them; afab: all), and a tied head's wte on the last stage (its copy,
+    keeps in flight (1f1b: up to K of them; afab: all; zb-h1: 1f1b's, stage p with p held-back weight passes
+    besides its K - p, which stage 0 outweighs), and a tied head's wte on the last stage (its copy,
     and the share of its gradient of each micro-batch in flight: capstone.parallel.tiedstages)."""
     whole = mcfg
     ckpt, keys = checkpoint_bytes(mcfg, plan), None
