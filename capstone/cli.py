@@ -216,8 +216,10 @@ def _layout_flags(p) -> None:
                         "(docs/context-parallel.md; default: 1; not kept by checkpoints: resume at any --cp)")
     g.add_argument("--pp-schedule", choices=("1f1b", "afab", "zb-h1"), default=argparse.SUPPRESS,
                    help="the pipeline's order of forwards and backwards: 1f1b (one forward one backward, at most "
-                        "K micro-batches of activations per stage) or afab (all forwards, then all backwards: "
-                        "GPipe) (default: 1f1b; on --resume: the checkpoint's)")
+                        "K micro-batches of activations per stage), afab (all forwards, then all backwards: "
+                        "GPipe) or zb-h1 (1f1b with each backward split, the weights' gradients filling the "
+                        "bubble, the update checked after it is made) (default: 1f1b; on --resume: the "
+                        "checkpoint's)")
     g.add_argument("--pp-layers", type=usage.counts, default=argparse.SUPPRESS, metavar="N,N,...",
                    help="blocks per pipeline stage, e.g. 3,3,2 (default: balanced, the first stages taking one "
                         "more when K does not divide the blocks; fewer on the last stage eases a heavy LM head; "

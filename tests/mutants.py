@@ -281,8 +281,8 @@ MUTANTS = [
            ("tests/test_backward.py", "mpi: tests/mpi/test_overlap.py"),
            "the seam never tells the reducer a group landed: no bucket starts during the backward pass"),
     Mutant("backward/saved-activations-kept", "capstone/model/backward.py",
-           "    gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, d, free=True, cp=ps.cp)\n",
-           "    gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, d, free=False, cp=ps.cp)\n",
+           "    gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, put, free=True, cp=ps.cp)\n",
+           "    gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, put, free=False, cp=ps.cp)\n",
            ("tests/test_backward.py",), "a block keeps every activation to the end of the backward pass (the old peak)"),
 
     # ---- issue 25: the weak spots an independent review found (tests: issue 25's) -----------------
@@ -492,8 +492,8 @@ MUTANTS = [
            "under a pipeline at ZeRO-2/3 every micro-batch's gradient is received into the shard as if it "
            "were the first: only the last micro-batch's sums survive"),
     Mutant("pipeline/a-W-pass-skipped", "capstone/parallel/pipeline.py",
-           "        weights_pass(self.model.seam, not self.reducer.accumulates, later)\n",
-           "        weights_pass(self.model.seam, not self.reducer.accumulates, later if j != 1 else [])\n",
+           "        later.land(self.model.seam, not self.reducer.accumulates)\n",
+           "        (later if j != 1 else Later()).land(self.model.seam, not self.reducer.accumulates)\n",
            ("tests/test_pipeline.py::test_zb_h1_is_1f1b_bit_for_bit_through_a_nan_a_spike_and_the_clip",),
            "zb-h1 never runs micro-batch 1's W pass: its weight gradients are missing from the step's"),
     Mutant("pipeline/taken-ahead-kept-although-the-clip-scales", "capstone/parallel/postvalidation.py",

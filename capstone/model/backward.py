@@ -26,7 +26,7 @@ class Pass:
     cp: object = blocks.WHOLE     # the sequence's part and attention (capstone.model.ring: split)
     masks: object = None          # this micro-batch's dropout masks (None: no dropout)
     tie: object = None            # this pass's tied wte (None: the head has a matrix of its own)
-    later: list | None = None     # a split backward: (group, shapes, Grads) kept for the W pass (`weights_pass`)
+    later: object = None          # a split backward's weight gradients, kept for its W pass (parallel.pipeline.Later)
 
 
 def _embed_mask(ps: Pass, a, T: int):
@@ -41,12 +41,13 @@ def _embedding_fwd(start, ps: Pass, idx, shapes):
 
 
 def _grads(ps: Pass, name: str, shapes) -> tuple:
-    """(group `name`'s gradient from the seam, its Grads) or, in a split backward, (None, Grads kept for W)."""
-    if ps.later is None:
-        gw = ps.seam.grad_out(name, ps.fresh)
-        return gw, blocks.Grads(blocks.unpack(gw, shapes))
-    ps.later.append((name, shapes, blocks.Grads()))
-    return None, ps.later[-1][2]
+    """(group `name`'s gradient from the seam, a `put` writing into it now: capstone.model.blocks), or a split
+    backward's (None, its `put` keeping the writes for the W pass: capstone.parallel.pipeline.Later)."""
+    if ps.later is not None:
+        return None, ps.later.group(name, shapes)
+    gw = ps.seam.grad_out(name, ps.fresh)
+    d = blocks.unpack(gw, shapes)
+    return gw, lambda op, *operands: op(d, *operands)
 
 
 def _landed(ps: Pass, name: str, gw) -> None:
@@ -54,19 +55,10 @@ def _landed(ps: Pass, name: str, gw) -> None:
         ps.seam.landed(name, gw, ps.fresh)
 
 
-def weights_pass(seam: Weights, fresh: bool, later: list) -> None:
-    """W of a split backward (B: the pass with `later`): each kept group's weight gradients, landed in B's order."""
-    for name, shapes, d in later:
-        gw = seam.grad_out(name, fresh)
-        d.into(blocks.unpack(gw, shapes))
-        seam.landed(name, gw, fresh)
-    later.clear()
-
-
 def _embedding_bwd(g, saved, argnums, start, ps: Pass, idx, shapes):
-    gw, d = _grads(ps, "embed", shapes)
-    blocks.embedding_backward(_embed_mask(ps, g, idx.shape[1]), ps.seam.weights("embed", True), idx, shapes, d, ps.cp,
-                              ps.tie)
+    gw, put = _grads(ps, "embed", shapes)
+    blocks.embedding_backward(_embed_mask(ps, g, idx.shape[1]), ps.seam.weights("embed", True), idx, shapes, put,
+                              ps.cp, ps.tie)
     _landed(ps, "embed", gw)
     ps.seam.release("embed")
     return {0: np.zeros_like(start)}
@@ -83,8 +75,8 @@ def _block_bwd(g, saved, argnums, x, ps: Pass, name: str, T: int, H: int, shapes
     w = ps.seam.weights(name, True)
     if saved is None:     # recomputation: the activations again, from the block's input (the same masks)
         saved = blocks.block_forward(x, w, T, H, shapes, ps.tp, ps.cp, ps.masks, int(name[1:]))[1]
-    gw, d = _grads(ps, name, shapes)
-    gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, d, free=True, cp=ps.cp)
+    gw, put = _grads(ps, name, shapes)
+    gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, put, free=True, cp=ps.cp)
     _landed(ps, name, gw)
     ps.seam.release(name)
     return {0: gx}
@@ -98,10 +90,10 @@ def _head_fwd(x, ps: Pass, targets, shapes):
 
 
 def _head_bwd(g, saved, argnums, x, ps: Pass, targets, shapes):
-    (gw, d), w = _grads(ps, "head", shapes), ps.seam.weights("head", True)
+    (gw, put), w = _grads(ps, "head", shapes), ps.seam.weights("head", True)
     wte = None if ps.tie is None else ps.tie.wte(ps.seam)
     gwte = None if wte is None else np.empty_like(wte)
-    gx = blocks.head_loss_backward(g, saved, w, targets, shapes, d, True, wte, gwte)
+    gx = blocks.head_loss_backward(g, saved, w, targets, shapes, put, True, wte, gwte)
     if ps.tie is not None:
         ps.tie.made(gwte)       # the head's share of wte's gradient, for the embedding's backward
     _landed(ps, "head", gw)

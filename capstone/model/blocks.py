@@ -55,47 +55,32 @@ def unpack(w: np.ndarray, shapes: tuple) -> list[np.ndarray]:
     return [None if shape is None else w[a:b].reshape(shape) for a, b, shape in _spans(shapes)]
 
 
-class Grads:
-    """A group's weight gradients: each computed when the backward reaches it, into the views `d` of the group's
-    gradient (unpack), or (`d` None) kept with its operands until `into` (a split backward's W pass)."""
-
-    def __init__(self, d=None):
-        self.d, self.kept = d, []
-
-    def put(self, op, *operands) -> None:
-        if self.d is None:
-            self.kept.append((op, operands))
-        else:
-            op(self.d, *operands)
-
-    def into(self, d) -> None:
-        for op, operands in self.kept:
-            op(d, *operands)
-        self.kept.clear()
-
-
 def _dense_grads(d, i, x, g):
-    """y = x @ w + b: dw = x^T g into d[i], db = sum over rows of g into d[i + 1] (None: no bias)."""
+    """y = x @ w + b: dw = x^T g into d[i], db = sum over rows of g into d[i + 1] (none there or None: no bias)."""
     K._mm(x.T, g, out=d[i])
     _bias_grad(d, i + 1, g)
 
 
+def _bias_grad(d, i, g):
+    if len(d) > i and d[i] is not None:
+        K._add(g, axis=0, out=d[i])
+
+
 def _ln_grads(d, i, g, xhat):
-    """LayerNorm's dw = sum over rows of g * xhat into d[i], db = sum of g into d[i + 1] (None: no bias)."""
+    """LayerNorm's dw = sum over rows of g * xhat into d[i], db = sum of g into d[i + 1]."""
     d[i][...] = K._add(g * xhat, axis=(0,))
-    if d[i + 1] is not None:
-        d[i + 1][...] = K._add(g, axis=(0,))
+    _bias_grad(d, i + 1, g)
 
 
-def _linear_back(g, x, w, d: Grads, i: int):
-    """y = x @ w + b, its weights' gradients d[i], d[i + 1] (put in d); returns dx = g @ w^T."""
-    d.put(_dense_grads, i, x, g)
+def _linear_back(g, x, w, put, i: int):
+    """y = x @ w + b: its weights' gradients d[i], d[i + 1] `put` (see `block_backward`); returns dx = g @ w^T."""
+    put(_dense_grads, i, x, g)
     return K._mm(g, w.T)
 
 
-def _ln_back(g, saved, w, d: Grads, i: int):
-    """LayerNorm, its weights' gradients d[i], d[i + 1] (put in d); returns dx."""
-    d.put(_ln_grads, i, g, saved[0])
+def _ln_back(g, saved, w, put, i: int):
+    """LayerNorm: its weights' gradients d[i], d[i + 1] `put`; returns dx."""
+    put(_ln_grads, i, g, saved[0])
     return K._ln_bwd(g, saved, (0,), g, w, None)[0]  # the input only gives the shape
 
 
@@ -104,10 +89,10 @@ def embedding_forward(w, idx, shapes, cp=WHOLE):
     return K._embed_fwd(*unpack(w, shapes), idx, cp.positions(idx.shape[1]))
 
 
-def embedding_backward(g, w, idx, shapes, d: Grads, cp=WHOLE, tie=None) -> None:
-    """The embedding's gradient put in d (it has no input to differentiate), wte's plus a tied head's share: `tie`'s
-    (capstone.model.tied), taken when it is computed."""
-    d.put(_embedding_grads, g, unpack(w, shapes), idx, cp.positions(idx.shape[1]), tie)
+def embedding_backward(g, w, idx, shapes, put, cp=WHOLE, tie=None) -> None:
+    """The embedding's gradient `put` (it has no input to differentiate), wte's with a tied head's share added (`tie`'s,
+    capstone.model.tied, taken when it is computed)."""
+    put(_embedding_grads, g, unpack(w, shapes), idx, cp.positions(idx.shape[1]), tie)
 
 
 def _embedding_grads(d, g, w, idx, pos, tie):
@@ -148,28 +133,30 @@ def _row_parallel(x, w, b, tp):
     return y
 
 
-def block_backward(g, saved, x, w, T, H, shapes, tp, d: Grads, free: bool, cp=WHOLE):
-    """The block's weights' gradients put in d (Grads: group order); returns its input's. With `free` each activation
-    is freed once used: the block's MLP activations are gone before the attention's temporaries exist."""
+def block_backward(g, saved, x, w, T, H, shapes, tp, put, free: bool, cp=WHOLE):
+    """The block's input gradient; `put(op, *operands)` gets each of its weights' gradients as op(d, *operands), which
+    writes into the views d of the group's gradient (unpack), now or in a split backward's W pass
+    (capstone.model.backward). With `free` each activation is freed once used: the block's MLP activations are gone
+    before the attention's temporaries exist."""
     a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc, m1, m2 = saved
     if free:
         saved.clear()
     ln1w, _, aw, _, pw, _, ln2w, _, fw, _, mw, _ = unpack(w, shapes)
     g2 = _dropped(g, m2)                                                        # the MLP branch's gradient
-    d.put(_dense_grads, 10, h, g2)                                              # _linear_back, with h freed
+    put(_dense_grads, 10, h, g2)                                                # _linear_back, with h freed
     del h, m2                                                                   # before gh exists: 3.6 MiB
     gh = K._mm(g2, mw.T)                                                        # less peak RSS at medium
     del g2                                                                      # (B*T, 4C/tp)
-    gm = _linear_back(K._gelu_grad(gh, *s_fc, out=gh), m, fw, d, 8)             # through the MLP
+    gm = _linear_back(K._gelu_grad(gh, *s_fc, out=gh), m, fw, put, 8)           # through the MLP
     del gh, s_fc, m
     tp.Allreduce(gm, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")   # "f"
-    gx1 = g + _ln_back(gm, s_ln2, ln2w, d, 6)
+    gx1 = g + _ln_back(gm, s_ln2, ln2w, put, 6)
     del gm, s_ln2
-    gqkv = cp.attention_back(_linear_back(_dropped(gx1, m1), y, pw, d, 4), s_att, (0,), qkv, T, H)[0]
+    gqkv = cp.attention_back(_linear_back(_dropped(gx1, m1), y, pw, put, 4), s_att, (0,), qkv, T, H)[0]
     del s_att, y, qkv, m1
-    ga = _linear_back(gqkv, a, aw, d, 2)
+    ga = _linear_back(gqkv, a, aw, put, 2)
     tp.Allreduce(ga, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")   # "f"
-    return gx1 + _ln_back(ga, s_ln1, ln1w, d, 0)
+    return gx1 + _ln_back(ga, s_ln1, ln1w, put, 0)
 
 
 def head_logits(x, w, shapes, wte=None):
@@ -193,9 +180,9 @@ def head_loss_forward(x, w, targets, shapes, wte=None):
     return loss, [z_in, s_ln, probs]
 
 
-def head_loss_backward(g, saved, w, targets, shapes, d: Grads, free: bool, wte=None, gwte=None):
-    """The head's weights' gradients put in d (a tied head's share of wte's into gwte, now); returns the hidden
-    states' (`free`)."""
+def head_loss_backward(g, saved, w, targets, shapes, put, free: bool, wte=None, gwte=None):
+    """The hidden states' gradient (`free`: as block_backward); the head's weights' `put`, a tied head's share of wte's
+    gradient written into gwte."""
     z_in, s_ln, probs = saved
     if free:
         saved.clear()
@@ -203,13 +190,7 @@ def head_loss_backward(g, saved, w, targets, shapes, d: Grads, free: bool, wte=N
     del probs
     if wte is None:
         lnw, _, hw, *_ = unpack(w, shapes)
-        return _ln_back(_linear_back(gz, z_in, hw, d, 2), s_ln, lnw, d, 0)
+        return _ln_back(_linear_back(gz, z_in, hw, put, 2), s_ln, lnw, put, 0)
     K._mm(gz.T, z_in, out=gwte)                                                 # z = z_in @ wte.T: d wte = gz.T @ z_in
-    d.put(_bias_grad, 2, gz)
-    return _ln_back(K._mm(gz, wte), s_ln, unpack(w, shapes)[0], d, 0)
-
-
-def _bias_grad(d, i, g):
-    """A bias's gradient: the sum over rows of g into d[i] (none there or None: no bias)."""
-    if len(d) > i and d[i] is not None:
-        K._add(g, axis=0, out=d[i])
+    put(_bias_grad, 2, gz)
+    return _ln_back(K._mm(gz, wte), s_ln, unpack(w, shapes)[0], put, 0)

@@ -91,15 +91,15 @@ class Model:
         if self.masks is not None:
             self.masks.begin(step)
 
-    def _pass(self, train: bool, fresh: bool = False, B: int = 0, later: list | None = None) -> Pass:
+    def _pass(self, train: bool, fresh: bool = False, B: int = 0, later=None) -> Pass:
         masks = self.masks.next(B) if train and self.masks is not None else None
         tie = None if self.tie is None else self.tie.for_pass()
         return Pass(self.seam, self.tp, fresh, self.recompute, train, self.cp, masks, tie, later)
 
-    def forward(self, x, y, scale: float, start=0.0, fresh: bool = False, later: list | None = None):
+    def forward(self, x, y, scale: float, start=0.0, fresh: bool = False, later=None):
         """(output, backward): this part's scaled summed loss (without the head: its hidden states) and the function
         that runs its backward pass (`differentiate`). `start`: the previous stage's activations (no embedding);
-        `later` (a list): the backward is split, its weight gradients kept there for `weights_pass`."""
+        `later`: the backward is split, its weight gradients kept there (capstone.parallel.pipeline.Later)."""
         ps = self._pass(True, fresh, x.shape[0], later)
         return differentiate(lambda s: run_layers(ps, self.cfg, self.names, s, x, y, scale), start)
 

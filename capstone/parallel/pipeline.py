@@ -21,10 +21,11 @@ communicator, each wait under the run's deadline. Each rank records when it comp
 """
 
 import time
+from typing import Callable
 
 import numpy as np
 
-from capstone.model.backward import weights_pass
+from capstone.model.blocks import unpack
 from capstone.model.params import DTYPE
 
 EVAL_TAG = 30000   # the held-out evaluation's activations (training uses 2j forward, 2j+1 backward)
@@ -43,6 +44,23 @@ def order(schedule: str, p: int, K: int, m: int) -> list[tuple[str, int]]:
         if len(held) > p:
             seq.append(("W", held.pop(0)))
     return seq + [("W", j) for j in held]
+
+
+class Later(list):
+    """A split backward's weight gradients (zb-h1): B keeps each group's writes (`group`: its `put`, as in
+    capstone.model.backward), W (`land`) makes them into the seam's buffer and lands each group, in B's order."""
+
+    def group(self, name: str, shapes) -> Callable:
+        self.append((name, shapes, []))
+        return lambda op, *operands: self[-1][2].append((op, operands))
+
+    def land(self, seam, fresh: bool) -> None:
+        for name, shapes, kept in self:
+            gw = seam.grad_out(name, fresh)
+            d = unpack(gw, shapes)
+            for op, operands in kept:
+                op(d, *operands)
+            seam.landed(name, gw, fresh)
 
 
 class Pipeline:
@@ -84,7 +102,7 @@ class Pipeline:
         """Micro-batch j's forward on this stage; returns (its backward, the output's shape or the
         last stage's loss)."""
         x_in = self._received(x, 2 * j, f"micro-batch {j}'s activations")
-        t0, later = time.perf_counter(), [] if self.split else None
+        t0, later = time.perf_counter(), Later() if self.split else None
         out, backward = self.model.forward(x, y, self.scale, start=x_in, fresh=not self.reducer.accumulates,
                                            later=later)
         self.events.append(("F", j, t0, time.perf_counter()))
@@ -109,7 +127,7 @@ class Pipeline:
         """Micro-batch j's W pass: its weight gradients computed and landed (the reducer told it is j's)."""
         t0 = time.perf_counter()
         self.reducer.before_backward(j)
-        weights_pass(self.model.seam, not self.reducer.accumulates, later)
+        later.land(self.model.seam, not self.reducer.accumulates)
         self.events.append(("W", j, t0, time.perf_counter()))
 
     def forward_backward(self, batches: list, step: int) -> list[float]:

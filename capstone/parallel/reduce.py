@@ -42,7 +42,7 @@ class GradReducer:
     """The interface, and the step's one small allreduce (subclasses fill `grad_shard`)."""
 
     accumulates = True   # micro-batch gradients add up in the flat buffer (else each is reduced alone)
-    ahead = None         # called with the reduced gradient before the world's agreement (post-validation)
+    ahead = staticmethod(lambda grad: None)   # post-validation's update taken ahead (capstone.parallel.postvalidation)
 
     def __init__(self, grid, layout: Layout, grads: np.ndarray | None, loss_weight: float = 1.0):
         """`grads`: the flat gradient buffer the backward pass lands in (None: ZeRO-2/3 keep none)."""
@@ -83,11 +83,9 @@ class GradReducer:
         return GradStats(total[1], math.sqrt(total[0]), Flags.any_rank(total[2:]))
 
     def agreeing(self) -> None:
-        """Before the world agrees on the step (its norm measured): the gradient is final (the `reduced` test seam),
-        and post-validation takes the update ahead (`ahead`: capstone.parallel.postvalidation)."""
+        """Before the world agrees on the step (its norm measured): the gradient is final (the `reduced` test seam)."""
         self.dp.hooks.reduced(self.dp.hooks.step, self.grad_shard)
-        if self.ahead is not None:
-            self.ahead(self.grad_shard)
+        self.ahead(self.grad_shard)
 
     def nbytes(self) -> int:
         """Bytes this reduction holds besides the flat gradient buffer (the received shard...)."""
