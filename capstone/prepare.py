@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from capstone.checkpoint.files import write_atomic
+from capstone.checkpoint.files import fsync_path, write_atomic
 from capstone.flags import paths
 from capstone.config import ConfigError
 from capstone.data.dataset import (DTYPE_NAME, FORMAT, META_FILE, TOKENIZER_FILE, VERSION, DatasetError,
@@ -127,11 +127,7 @@ def write_dataset(out: str, files: dict[str, bytes]) -> None:
             os.unlink(os.path.join(out, name))
     for name, data in files.items():
         write_atomic(os.path.join(out, name), data)
-    fd = os.open(out, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(out)
 
 
 def _describe(ident: dict, sources) -> str:

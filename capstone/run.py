@@ -149,8 +149,7 @@ def _out_dir(opts: RunOptions) -> tuple[str, str | None]:
     there; else a new runs/run-<time>-<pid>) and the note that says it continues in PATH's."""
     if opts.out:
         return opts.out, None
-    home = rundir.run_dir_of(opts.resume)
-    if home:
+    if home := rundir.run_dir_of(opts.resume):
         return home, f"continuing in {home}, the run directory of --resume {opts.resume} (--out DIR branches off)"
     return time.strftime("runs/run-%Y%m%d-%H%M%S") + f"-{os.getpid()}", None
 

@@ -28,5 +28,4 @@ def keep(run, r) -> None:
 def save(ckpt, state, shard) -> dict:
     """Collective: checkpoint `state` into OUT/checkpoints/best through the run's Checkpointer, keeping
     only it; returns its manifest (with "held_out", the best loss)."""
-    man = ckpt.save_best(state, shard, os.path.join(ckpt.directory, DIRECTORY))
-    return {**man, "held_out": state.best_eval}
+    return {**ckpt.save_best(state, shard, os.path.join(ckpt.directory, DIRECTORY)), "held_out": state.best_eval}

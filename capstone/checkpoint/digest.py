@@ -58,8 +58,7 @@ def distributed_roots(comm, shards: dict, lo: int, n: int, chunk: int = CHUNK) -
         local["chunks"][name] = [[c, sha256_hex(shard[c * chunk - lo:min((c + 1) * chunk, n) - lo])] for c in complete]
         local["data"][name] = [shard[a - lo:b - lo].tobytes().hex() for a, b in fragments]
     gathered = comm.gather_json(local)
-    roots = _combine(gathered, list(shards), n, chunk) if comm.rank == 0 else None
-    return comm.bcast_json(roots)
+    return comm.bcast_json(_combine(gathered, list(shards), n, chunk) if comm.rank == 0 else None)
 
 
 def _combine(gathered: list, names: list, n: int, chunk: int) -> dict:

@@ -192,8 +192,7 @@ def retain(directory: str, keep_last: int, protect=()) -> list[str]:
     if keep_last <= 0:
         return removed
     keep = {os.path.abspath(p) for p in protect}
-    pointed = read_pointer(directory)
-    if pointed:
+    if pointed := read_pointer(directory):
         keep.add(os.path.abspath(pointed))
     for _, path in complete_checkpoints(directory)[:-keep_last]:
         if os.path.abspath(path) not in keep:

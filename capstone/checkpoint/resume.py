@@ -72,8 +72,7 @@ def _latest(ckpt_dir: str, pointed: str | None, complete: list) -> dict:
     if path is None:
         return {"error": f"--resume latest: no complete checkpoint in {ckpt_dir}. Pass the run's --out "
                          f"directory, a ckpt-*.h5 path, or --resume auto to start fresh when there is none."}
-    found = integrity.problem(path)
-    if found:
+    if found := integrity.problem(path):
         return {"error": f"--resume latest: {integrity.message(path, *found)}", "invalid": True}
     return {"path": path}
 
@@ -123,8 +122,7 @@ def _explicit(want: str, ckpt_dir: str, pointed: str | None, complete: list) -> 
                          f"the ckpt-*.h5 files beside it, or --resume auto to take the newest one that verifies."}
     step = files.step_of(path)
     acknowledged = files.step_of(pointed) if pointed else -1
-    newer = [os.path.basename(p) for s, p in complete if step < s <= acknowledged]
-    if newer:
+    if newer := [os.path.basename(p) for s, p in complete if step < s <= acknowledged]:
         return {"error": f"--resume {want} (step {step}) into --out {os.path.dirname(ckpt_dir)}, which holds newer "
                          f"checkpoints {newer}: this run would replace them. Pass a new --out directory to branch "
                          f"off from step {step}, or --resume latest to continue the newest one."}

@@ -19,8 +19,7 @@ def dedicated_cores(world: int, node_size=None) -> bool:
     collective) against its CPUs."""
     if os.environ.get("OMPI_MCA_mpi_yield_when_idle", "").lower() in ("1", "true"):   # asked to yield
         return False
-    flag = os.environ.get("OMPI_MCA_mpi_oversubscribe")
-    if flag is not None:
+    if (flag := os.environ.get("OMPI_MCA_mpi_oversubscribe")) is not None:
         return flag == "0"
     if world == 1 or node_size is None:
         return True

@@ -78,8 +78,7 @@ def read_archive(path: str, members: str) -> list[Text]:
             if not chosen:
                 raise PrepareError(f"{path} holds no file matching TOP/{members}; pass --members GLOB "
                                    f"(relative to the archive's top folder) or the text files themselves.")
-            big = [m.name for m in chosen if m.size > MAX_MEMBER_BYTES]
-            if big:
+            if big := [m.name for m in chosen if m.size > MAX_MEMBER_BYTES]:
                 raise PrepareError(f"{path}: {big[0]} is larger than {MAX_MEMBER_BYTES >> 20} MiB; extract and "
                                    f"pass the text files instead.")
             return [decode(f"{label}:{PurePosixPath(*PurePosixPath(m.name).parts[1:])}",

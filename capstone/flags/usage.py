@@ -112,7 +112,6 @@ def counts(text: str) -> tuple[int, ...] | None:
     if text == "balanced":
         return None
     try:
-        counts = tuple(int(x) for x in text.split(","))
+        return tuple(int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected block counts like 3,3,2, got {text!r}") from None
-    return counts

@@ -65,7 +65,7 @@ def model_config(hf: dict, seq_len: int | None, path: str) -> ModelConfig:
 
 def capstone_name(name: str) -> str:
     """capstone's parameter name of a GPT-2 tensor name (either key set), or "" for one it has no use for."""
-    from capstone.gpt2.tensors import BLOCK
+    from capstone.gpt2.tensors import BLOCK, TOP
     name = name.removeprefix("transformer.")
     if name.endswith(BUFFERS):
         return ""
@@ -73,8 +73,7 @@ def capstone_name(name: str) -> str:
     inverse = {v: k for k, v in BLOCK.items()}
     if len(parts) == 3 and parts[0] == "h" and parts[1].isdigit() and parts[2] in inverse:
         return f"h{parts[1]}.{inverse[parts[2]]}"
-    top = {"wte.weight": "wte", "wpe.weight": "wpe", "ln_f.weight": "ln_f.w", "ln_f.bias": "ln_f.b",
-           "lm_head.weight": "lm_head.w"}
+    top = {v.removeprefix("transformer."): k for k, v in TOP.items()}
     return top.get(name, name)       # unknown: reported by `read_weights`
 
 
@@ -98,8 +97,7 @@ def read_weights(path: str, cfg: ModelConfig, digest: str | None = None) -> np.n
             place(path, key, name, tensor, views, cfg)
             seen.add(name)
     check_digest(path, digest, h.hexdigest())
-    missing = sorted(set(views) - seen)
-    if missing:
+    if missing := sorted(set(views) - seen):
         raise ConfigError(f"--init-from {path}: model.safetensors lacks {', '.join(missing[:4])}"
                           f"{' and more' if len(missing) > 4 else ''}, which its config.json's model has: the two "
                           f"disagree (n_layer, n_embd, ... changed in config.json?). Restore config.json to the "

@@ -25,15 +25,13 @@ BLOCK = {"ln_1.w": "ln_1.weight", "ln_1.b": "ln_1.bias", "attn.c_attn.w": "attn.
          "ln_2.w": "ln_2.weight", "ln_2.b": "ln_2.bias", "mlp.c_fc.w": "mlp.c_fc.weight", "mlp.c_fc.b": "mlp.c_fc.bias",
          "mlp.c_proj.w": "mlp.c_proj.weight", "mlp.c_proj.b": "mlp.c_proj.bias"}
 TOP = {"wte": "transformer.wte.weight", "wpe": "transformer.wpe.weight", "ln_f.w": "transformer.ln_f.weight",
-       "ln_f.b": "transformer.ln_f.bias", "lm_head.b": "lm_head.bias"}
+       "ln_f.b": "transformer.ln_f.bias", "lm_head.w": "lm_head.weight", "lm_head.b": "lm_head.bias"}
 
 
 def gpt2_name(name: str) -> str:
     """The GPT-2 name of a capstone parameter (`h3.attn.c_attn.w` -> `transformer.h.3.attn.c_attn.weight`)."""
     if name in TOP:
         return TOP[name]
-    if name == "lm_head.w":
-        return "lm_head.weight"
     layer, _, rest = name.partition(".")
     return f"transformer.h.{int(layer[1:])}.{BLOCK[rest]}"
 

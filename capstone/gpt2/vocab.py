@@ -81,8 +81,7 @@ def _from_dataset(meta: dict, cfg: ModelConfig, data: str, ckpt: str, recorded: 
         ds = load_meta(data)
     except ConfigError as exc:
         raise SampleError(2, f"{exc}") from None
-    diffs = differences(recorded, identity(ds))
-    if diffs:
+    if diffs := differences(recorded, identity(ds)):
         own = " or drop --data (the checkpoint carries its vocabulary)" if "tokenizer" in recorded else ""
         raise SampleError(2, f"{data} is not the dataset {ckpt} was trained on: {'; '.join(diffs)}. Its token ids "
                              f"would decode to the wrong text. Pass --data with the dataset the run was trained on "

@@ -47,19 +47,12 @@ linear = define("linear", _linear_fwd, lambda g, _, argnums, x, w, b: _linear_gr
 gelu = define("gelu", _gelu_fwd, lambda g, tp, argnums, u: {0: _gelu_grad(g, u, tp)})
 
 
-def _linear_gelu_bwd(g, saved, argnums, x, w, b):
-    u, t = saved
-    return _linear_grads(_gelu_grad(g, u, t), argnums, x, w)
-
-
-linear_gelu = define("linear_gelu", _linear_gelu_fwd, _linear_gelu_bwd)
+linear_gelu = define("linear_gelu", _linear_gelu_fwd,
+                     lambda g, saved, argnums, x, w, b: _linear_grads(_gelu_grad(g, *saved), argnums, x, w))
 
 
 causal_attention = define("causal_attention", _attention_fwd, _attention_bwd)
 
 
-def _xent_bwd(g, probs, argnums, z, targets):
-    return {0: _xent_grad_inplace(probs.copy(), targets, g)}
-
-
-cross_entropy_sum = define("cross_entropy_sum", _xent_fwd, _xent_bwd)
+cross_entropy_sum = define("cross_entropy_sum", _xent_fwd,
+                           lambda g, probs, argnums, z, targets: {0: _xent_grad_inplace(probs.copy(), targets, g)})

@@ -130,8 +130,7 @@ def comm_summary(rows: list[dict], skip_first: bool = True) -> dict:
     out = {}
     for name in dict.fromkeys(k for r in rows for k in r["comm"]):
         last = [r["comm"][name] for r in rows if name in r["comm"]][-1]
-        times = [r["comm"][name]["ms"] for r in timed if name in r["comm"]]
-        if times:
+        if times := [r["comm"][name]["ms"] for r in timed if name in r["comm"]]:
             entry = comm_entry(Collective(last["op"], last["bytes"], 1, last["ranks"], statistics.median(times) / 1e3))
             entry["median_ms"] = entry.pop("ms")
             out[name] = {**entry, "steps": sum(name in r["comm"] for r in rows), "timed_steps": len(times),

@@ -69,6 +69,4 @@ def local() -> dict:
 def collect(comm) -> dict:
     """Collective: call on all ranks. Rank 0's record plus every rank's host name, on every rank."""
     hosts = comm.allgather_json(socket.gethostname())
-    record = comm.bcast_json(local() if comm.rank == 0 else None)
-    record["hosts"] = hosts
-    return record
+    return {**comm.bcast_json(local() if comm.rank == 0 else None), "hosts": hosts}

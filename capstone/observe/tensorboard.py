@@ -5,6 +5,8 @@ torch.utils.tensorboard; with neither, the run stops before its first step with 
 the install command, before anything is written. metrics.jsonl stays the record; this is a view of the same numbers.
 """
 
+import importlib
+
 from capstone.collective.agree import agreed
 from capstone.config import ConfigError
 from capstone.observe.runlog import number, timing_parts
@@ -18,16 +20,12 @@ SCALARS = {"loss": "train/loss", "eval_loss": "eval/loss", "grad_norm": "train/g
 
 def writer_class():
     """SummaryWriter of tensorboardX or torch.utils.tensorboard, or None."""
-    try:
-        from tensorboardX import SummaryWriter
-        return SummaryWriter
-    except ImportError:
-        pass
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-        return SummaryWriter
-    except ImportError:
-        return None
+    for module in ("tensorboardX", "torch.utils.tensorboard"):
+        try:
+            return importlib.import_module(module).SummaryWriter
+        except ImportError:
+            pass
+    return None
 
 
 class Board:
@@ -41,9 +39,8 @@ class Board:
         step, walltime = row["step"], row.get("time")
         scalars = {tag: number(row.get(key)) for key, tag in SCALARS.items()}
         scalars.update({f"time/{phase}_ms": ms for phase, ms in timing_parts(row).items()})
-        for name, e in (row.get("comm") or {}).items():
-            for key in ("algbw_GBps", "busbw_GBps"):
-                scalars[f"comm/{name}_{key}"] = number(e.get(key))
+        scalars.update({f"comm/{name}_{key}": number(e.get(key)) for name, e in (row.get("comm") or {}).items()
+                        for key in ("algbw_GBps", "busbw_GBps")})
         for tag, value in scalars.items():
             if value is not None:
                 self.writer.add_scalar(tag, value, step, walltime=walltime)

@@ -6,13 +6,13 @@ page-faults the same activations back in (at the `large` preset a 256 MiB trim t
 faults and 13% of a step). A training step reaches the same peak every time, so never trim.
 """
 
+import contextlib
+
 
 def keep_freed_memory() -> None:
     """Never trim the heap, and keep blocks up to 256 MiB in it (no-op where glibc is not the libc)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-1, -1)         # M_TRIM_THRESHOLD: -1, never trim
         libc.mallopt(-3, 256 << 20)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass

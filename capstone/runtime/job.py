@@ -27,6 +27,7 @@ if __name__ == "__main__":   # before anything else: Slurm's warning (or a Ctrl-
     for _sig in (signal.SIGUSR1, signal.SIGINT) if os.environ.get("CAPSTONE_PLAIN_MPIRUN") else (signal.SIGUSR1,):
         signal.signal(_sig, lambda sig, _: _early.append(sig))   # a Ctrl-C also when started with it ignored
 
+import contextlib
 import subprocess
 import time
 from dataclasses import dataclass
@@ -138,10 +139,8 @@ class Step:
             self._send(signal.SIGUSR1)
 
     def _send(self, sig) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def end_lingering(self, record: str) -> None:
         """A rank's collective timed out: end the step if it outlives the record by the grace period
@@ -153,19 +152,16 @@ class Step:
             f"unreachable node): ending it. {_read(record)}")
         for sig in (signal.SIGTERM, signal.SIGKILL):
             self._send(sig)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=2)
                 return
-            except subprocess.TimeoutExpired:
-                continue
 
     def wait(self, run_dir: str) -> int:
         """The step's exit status (128 + N for a signal, as a shell says it), forwarding and watching meanwhile."""
         while self.proc.poll() is None:
             time.sleep(0.1)
             self.forward()
-            record = timeout_record(run_dir, self.started)
-            if record:
+            if record := timeout_record(run_dir, self.started):
                 self.end_lingering(record)
         rc = self.proc.returncode
         return 128 - rc if rc < 0 else rc

@@ -15,6 +15,7 @@ Not under mpirun (srun, one process), or under scripts/launch: nothing measured 
 follows). No checkpoint is written for the measurement: the run's saves are the Checkpointer's.
 """
 
+import contextlib
 import hashlib
 import os
 import time
@@ -108,7 +109,5 @@ def save_seconds(directory: str, nbytes: int) -> float | None:
     except OSError:
         return None
     finally:
-        try:
+        with contextlib.suppress(OSError):
             os.remove(path)
-        except OSError:
-            pass
