@@ -487,7 +487,7 @@ MUTANTS = [
            ("tests/test_composition.py::test_row[n4-tp1-acc4-overlap-det-spike-zero1-recompute-pp4-afab]",),
            "the earlier stages train on a zero gradient: the activations' gradient is not passed back"),
     Mutant("pipeline/zero2-micro-batches-not-told-apart", "capstone/parallel/pipeline.py",
-           "            self.reducer.after_backward(j)\n", "",
+           "                self.reducer.after_backward(j)\n", "",
            ("tests/test_composition.py::test_row[n2-tp1-acc2-overlap-default-clean-zero3-recompute-pp2-afab]",),
            "under a pipeline at ZeRO-2/3 every micro-batch's gradient is received into the shard as if it "
            "were the first: only the last micro-batch's sums survive"),

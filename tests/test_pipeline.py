@@ -105,6 +105,20 @@ def test_zb_h1_is_1f1b_bit_for_bit_through_a_nan_a_spike_and_the_clip(tmp_path, 
     assert "post_validation" not in want
 
 
+def test_a_run_stopped_under_one_schedule_resumes_under_another_with_the_same_bits(tmp_path):
+    """zb-h1 stopped at step 3 and resumed under 1f1b (and the reverse) ends as the uninterrupted zb-h1 run."""
+    flags = ["--pp", 2, "--grad-accum", 4, "--steps", 6, "--n-layers", 4, "--clip", 0.5, "--ckpt-every", 3, "--quiet"]
+    assert mpirun(2, "--out", tmp_path / "whole", "--pp-schedule", "zb-h1", *flags).returncode == 0
+    for first, then in (("zb-h1", "1f1b"), ("1f1b", "zb-h1")):
+        out = tmp_path / f"{first}-then-{then}"
+        assert mpirun(2, "--out", out, "--pp-schedule", first, *flags, "--stop-after", 3).returncode == 0
+        res = mpirun(2, "--out", out, "--resume", "latest", "--pp-schedule", then, "--quiet")
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr
+        assert by_step(out) == by_step(tmp_path / "whole")
+        assert summary(out)["final_param_fingerprint"] == summary(tmp_path / "whole")["final_param_fingerprint"]
+        assert ("post_validation" in summary(out)) == (then == "zb-h1")   # the resumed segment's schedule
+
+
 @pytest.fixture(scope="module")
 def activations():
     """The forward/backward peak of allocated bytes above the step's start on each rank (tracemalloc:

@@ -111,7 +111,7 @@ class Pipeline:
             return (backward, out.shape, later), 0.0
         return (backward, None, later), float(out)
 
-    def backward(self, j: int, pending) -> list | None:
+    def backward(self, j: int, pending):
         """Micro-batch j's backward on this stage (split: its input's gradient only); its weights' kept for W."""
         backward, shape, later = pending
         g = None if self.p == self.K - 1 else self._recv(shape, self.p + 1, 2 * j + 1, f"micro-batch {j}'s gradient")
@@ -123,7 +123,7 @@ class Pipeline:
             self._send(g_in, self.p - 1, 2 * j + 1)
         return later
 
-    def weights(self, j: int, later: list) -> None:
+    def weights(self, j: int, later: Later) -> None:
         """Micro-batch j's W pass: its weight gradients computed and landed (the reducer told it is j's)."""
         t0 = time.perf_counter()
         self.reducer.before_backward(j)
@@ -140,20 +140,16 @@ class Pipeline:
             self.tie.refresh()
         if self.reducer.accumulates:   # ZeRO-1: the micro-batches' gradients add up in the buffer
             self.model.grads.fill(0.0)
-        self.events, pending, held, losses = [], {}, {}, [0.0] * m
+        self.events, pending, losses = [], {}, [0.0] * m
         for kind, j in order(self.schedule, self.p, self.K, m):
             if kind == "F":
                 pending[j], losses[j] = self.forward(j, *batches[j])
-                continue
-            if kind == "B":
-                held[j] = self.backward(j, pending.pop(j))
-                if held[j] is not None:
-                    continue
-            else:
-                self.weights(j, held[j])
-            del held[j]
-            self.hooks.gradients(step, j, self.model.grads)
-            self.reducer.after_backward(j)
+            elif kind == "B" and self.split:
+                pending[j] = self.backward(j, pending[j])
+            else:    # a joined backward, or zb-h1's W pass: micro-batch j's gradient is complete
+                (self.weights if kind == "W" else self.backward)(j, pending.pop(j))
+                self.hooks.gradients(step, j, self.model.grads)
+                self.reducer.after_backward(j)
         self.model.seam.step(False)
         self.drain()
         if self.tie is not None:
