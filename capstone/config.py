@@ -156,8 +156,7 @@ class TrainConfig:
 
 
 def learning_rate(step: int, lr: float, steps: int, kind: str = "constant", warmup: int = 0, min_lr: float = 0.0) -> float:
-    """Linear warmup, then constant or cosine decay towards min_lr, reached one step after the last: with
-    min_lr 0 a schedule that hit it on the last step would make that step a no-op."""
+    """Linear warmup, then constant or cosine decay towards min_lr, reached one step after the last."""
     if warmup > 0 and step <= warmup:
         return lr * step / warmup
     if kind == "constant":

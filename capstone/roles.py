@@ -1,7 +1,6 @@
-"""What one training run holds (`Run`, built by capstone.run from its plan; who owns what: docs/design.md,
-"Inside the step", roles.py), and the roles of its parts as Protocols: what the run and its loop ask of each
-part, whichever mode made it (capstone.modes; the reducer's role is the class capstone.parallel.reduce.GradReducer).
-"""
+"""What one training run holds (`Run`, built by capstone.run from its plan), and the roles of its parts as Protocols.
+
+How it works: docs/design.md, "Inside the step", roles.py."""
 
 from __future__ import annotations
 

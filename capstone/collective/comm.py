@@ -63,7 +63,6 @@ class Comm:
         t = self.traffic.setdefault(kind, Traffic(op, self.size))
         t.bytes, t.seconds, t.calls, t.hidden = t.bytes + nbytes, t.seconds + seconds, t.calls + calls, t.hidden + hidden
 
-    # ---- buffer collectives: blocking for the caller, non-blocking for MPI ----------------------
     def Allreduce(self, buf: np.ndarray, what: str, kind: str = "allreduce") -> np.ndarray:
         """Sum `buf` over the group, in place."""
         if self.size > 1:
@@ -100,7 +99,6 @@ class Comm:
         self.wait(self.mpi.Iallreduce(MPI.IN_PLACE, v, op=MPI.SUM), what, kind, "allreduce", v.nbytes)
         return [float(x) for x in v]
 
-    # ---- the optional modes' exchanges ---------------------------------------------------------
     def Alltoall(self, send: np.ndarray, recv: np.ndarray, what: str, kind: str = "alltoall") -> None:
         """Block j of `send` to rank j, block i of `recv` from rank i."""
         self.hooks.at(kind)
@@ -133,7 +131,6 @@ class Comm:
     def Barrier(self, what: str = "barrier") -> None:
         self.wait(self.mpi.Ibarrier(), what)
 
-    # ---- small values as JSON (never pickle) ----------------------------------------------------
     def allgather_json(self, value) -> list:
         """Every rank's JSON-able value, in rank order, on every rank."""
         data, sizes = self._encoded(value)
@@ -163,7 +160,6 @@ class Comm:
         self.wait(self.mpi.Ibcast(buf, root=root), "broadcast (JSON)")
         return json.loads(buf.tobytes())
 
-    # ---- what has no non-blocking form: under the watchdog --------------------------------------
     @contextmanager
     def blocking(self, what: str):
         """A blocking collective call (h5py's mpio driver on `self.mpi`) bounded by the deadline."""

@@ -113,8 +113,7 @@ def expire(deadline, what: str, waited: float) -> None:
 
 @contextlib.contextmanager
 def guard(deadline, what: str):
-    """Run the block under this rank's watchdog: at the deadline it prints the timeout line and
-    kills this rank (the job then ends), even if the block holds the GIL inside MPI or HDF5."""
+    """Run the block under this rank's watchdog: at the deadline it prints the timeout line and kills this rank."""
     line, record = message(deadline, what)
     if deadline.watchdog is None:
         deadline.watchdog = Watchdog()

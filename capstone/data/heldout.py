@@ -1,6 +1,4 @@
-"""The held-out evaluation: M fixed batches of S sequences never trained on, split across the data-parallel
-ranks by rows, forward only through the schedule's `loss`. `weight` is 1 on the ranks whose loss counts for
-their replica (tensor-parallel rank 0), 0 elsewhere: the world sum of the shares is the mean loss per token."""
+"""The held-out evaluation on fixed batches never trained on (docs/design.md, "Inside the step", data/heldout.py)."""
 
 
 class HeldOut:

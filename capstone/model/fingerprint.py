@@ -1,6 +1,5 @@
 """Numbers that summarise a flat float32 buffer: its sum of squares (norms, in float64 over chunks), and a
-fingerprint (norm and digest) that replicas compare every step (invariant (b), docs/invariants.md).
-"""
+fingerprint (norm and digest) that replicas compare every step (invariant (b), docs/invariants.md)."""
 
 import hashlib
 import math
@@ -20,8 +19,7 @@ def sum_squares(flat: np.ndarray, weight: np.ndarray | None = None) -> float:
 
 
 def word_sum(flat: np.ndarray) -> int:
-    """The buffer's bytes summed as 64-bit words modulo 2**64 (an odd last 32-bit word added on its
-    own): flipping any one bit changes it by a power of two, so it always changes."""
+    """The buffer's bytes summed as 64-bit words modulo 2**64 (an odd last 32-bit word added on its own)."""
     u = np.ascontiguousarray(flat).reshape(-1).view(np.uint32)
     even = u.size - u.size % 2
     total = int(np.add.reduce(u[:even].view(np.uint64))) if even else 0
@@ -29,8 +27,7 @@ def word_sum(flat: np.ndarray) -> int:
 
 
 def fingerprint(flat: np.ndarray, strong: bool = True) -> tuple[float, str]:
-    """(L2 norm in float64, 16 hex digits) of a contiguous buffer, compared across ranks: the sha256 prefix
-    (strong: evaluation steps), else the word sum: one pass, about 30x cheaper, and any one-bit flip changes it."""
+    """(L2 norm in float64, 16 hex digits) of a contiguous buffer: the sha256 prefix if `strong`, else the word sum."""
     norm = math.sqrt(sum_squares(flat))
     if not strong:
         return norm, f"{word_sum(flat):016x}"

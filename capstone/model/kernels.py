@@ -1,7 +1,6 @@
 """Hand-written VJPs for MiniGPT's ops: autograd primitives over plain NumPy.
 
-How it works: docs/design.md, "Inside the step", model/kernels.py.
-"""
+How it works: docs/design.md, "Inside the step", model/kernels.py."""
 
 import functools
 import math
@@ -133,8 +132,7 @@ def _linear_fwd(x, w, b):
 
 
 def _gelu_fwd(u):
-    """GELU, tanh approximation (GPT-2), any shape: 0.5 u (1 + t), t = tanh(K (u + A u^3)); saves 1 + t. In place
-    over row blocks: fresh layer-sized temporaries, and passes over arrays beyond the cache, cost more than the math."""
+    """GELU, tanh approximation (GPT-2), any shape: 0.5 u (1 + t), t = tanh(K (u + A u^3)); saves 1 + t."""
     t, y = np.empty_like(u), np.empty_like(u)
     for r in _row_blocks(u):
         ur, tr, yr = u[r], t[r], y[r]
@@ -151,8 +149,7 @@ def _gelu_fwd(u):
 
 
 def _gelu_grad(g, u, tp, out=None):
-    """g * d gelu(u) / du = g (1 + t) (0.5 + 0.5 u (1 - t) K (1 + 3 A u^2)), tp = 1 + t, into `out`
-    (may be g itself; default: a new array), over row blocks: the two temporaries are small."""
+    """g * gelu'(u) = g (1 + t) (0.5 + 0.5 u (1 - t) K (1 + 3 A u^2)), tp = 1 + t, into `out` (may be g; None: new)."""
     out = np.empty_like(u) if out is None else out
     for r in _row_blocks(u):
         d = u[r] * u[r]
@@ -173,12 +170,7 @@ def _linear_gelu_fwd(x, w, b):
     return y, (u, t)
 
 
-# ---- causal multi-head attention on the fused qkv buffer, in causal blocks ----------------------
-# Query blocks of ATTN_BLOCK rows (when T >= 2 ATTN_BLOCK): block (s, e) sees keys [0, e) only, skipping most of
-# the masked upper triangle (one Python iteration per block, never per head). Per block the forward keeps
-# E = exp(S - max) and 1/sum: y = (E v) / sum scales the (T, D) output, not the (T, T) matrix. The backward needs
-# no (T, T) reduction: for P = softmax, sum_j P_ij dP_ij = gy_i . y_i (as in FlashAttention). (T, T) passes:
-# matmul, mask (diagonal block), max, subtract, exp, sum; backward matmul, subtract, multiply; the rest is BLAS.
+# ---- causal multi-head attention on the fused qkv buffer, in causal blocks (docs/design.md) -------
 
 def _split_heads(qkv, T, H):
     """qkv (B*T, 3C) -> q, k, v views of shape (B, H, T, D)."""

@@ -1,9 +1,6 @@
 """The flat parameter buffer: one contiguous, padded float32 vector whose views are the model's arrays.
 
-Like llm.c's `malloc_and_point_parameters`: a `Layout` lists (name, shape) in a fixed order, gives
-each an offset, and pads the total to a multiple of the world size so ZeRO-1 can split it into
-equal shards on any number of ranks. Gradients use a second buffer with the same layout.
-"""
+How it works: docs/design.md, "Inside the step", model/params.py."""
 
 import functools
 import json
@@ -18,11 +15,7 @@ from capstone.config import ModelConfig
 DTYPE = np.float32
 
 
-# The tensor-parallel plan (Megatron's split; picotron's `apply_tensor_parallel` table): how each block
-# parameter is split over the tp ranks. "heads": column-parallel by whole heads (the q, k and v columns of
-# H/tp heads), "columns": column-parallel, "rows": row-parallel; the rest (embeddings, LayerNorms, the head,
-# row-parallel biases) is whole on every tp rank. Read by the shapes here, capstone.parallel.tensor (slicing,
-# checkpoint conversion) and the norm's ownership weights; capstone.model.blocks computes with it.
+# The tensor-parallel plan: how each block parameter is split over the tp ranks (docs/design.md).
 TP_PLAN = MappingProxyType({"attn.c_attn.w": "heads", "attn.c_attn.b": "heads", "attn.c_proj.w": "rows",
                             "mlp.c_fc.w": "columns", "mlp.c_fc.b": "columns", "mlp.c_proj.w": "rows"})
 
@@ -161,8 +154,7 @@ def init_params(layout: Layout, cfg: ModelConfig, seed: int, part=None) -> np.nd
 
 
 def no_decay_runs(layout: Layout, lo: int, hi: int, chunk: int) -> list[list[slice]]:
-    """Per pass of `chunk` elements of the shard [lo, hi), its slices without weight decay (biases, LayerNorms,
-    padding): a few per layer (capstone.parallel.zero), where a mask would cost a byte per element and a pass."""
+    """Per `chunk`-element pass over the shard [lo, hi): its slices without decay (biases, LayerNorms, padding)."""
     decays = np.zeros(hi - lo + 2, dtype=np.int8)   # 1 where decay applies, 0-padded ends
     for _, shape, off in layout.entries:
         a, b = max(off, lo), min(off + math.prod(shape), hi)

@@ -1,7 +1,6 @@
 """The seam between the model and the modes: where a parameter group's weights come from and its gradient goes.
 
-How it works: docs/design.md, "Inside the step", model/seam.py.
-"""
+How it works: docs/design.md, "Inside the step", model/seam.py."""
 
 from typing import Callable, Protocol
 
@@ -25,16 +24,14 @@ class Weights(Protocol):
 
 
 class MaskSource(Protocol):
-    """The model's second input besides its weights, with --dropout: each micro-batch's masks, a step's in
-    the order their forwards begin (capstone.model.dropout.Draws)."""
+    """The model's second input besides its weights, with --dropout: each micro-batch's masks."""
 
     def begin(self, step: int) -> None: ...
     def next(self, B: int): ...             # the next micro-batch's masks (capstone.model.dropout.Masks)
 
 
 class TieSource(Protocol):
-    """The model's third, with --tie-embeddings: each pass's tied wte (capstone.model.tied.Tied; on a
-    pipeline's stages capstone.parallel.tiedstages.Link, which exchanges wte and its gradient)."""
+    """The model's third, with --tie-embeddings: each pass's tied wte."""
 
     def for_pass(self): ...                 # capstone.model.tied.Tie
 
@@ -44,8 +41,7 @@ def ignore(group: str, grad: np.ndarray) -> None:
 
 
 class Sinks:
-    """Where gradients land in a flat gradient buffer: `sinks` (name -> flat array; None: no buffer,
-    each group's gradient is handed on as it is), then `on_landed(group, sink)`."""
+    """Where gradients land: `sinks` (name -> flat array; None: handed on as made), then `on_landed(group, sink)`."""
 
     def __init__(self, sinks: dict | None, on_landed: Callable = ignore):
         self.sinks, self.on_landed = sinks, on_landed

@@ -1,7 +1,6 @@
-"""How a step's micro-batches go through forward and backward: `Sequential`, each in turn on this rank's model,
-the gradients accumulating in the flat buffer (or overwriting it, for a reducer that takes each micro-batch
-alone); with pipeline parallelism the stages take turns instead (capstone.parallel.pipeline: afab, 1f1b).
-"""
+"""How a step's micro-batches go through forward and backward: `Sequential`, each in turn on this rank's model.
+
+How it works: docs/design.md, "Inside the step", parallel/schedules.py."""
 
 
 class Sequential:

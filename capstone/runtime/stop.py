@@ -1,5 +1,4 @@
-"""The stop flag: set by a signal (capstone.runtime.signals), read at every step and agreed across ranks
-(any rank's request stops every rank at the same step)."""
+"""The stop flag: set by a signal (capstone.runtime.signals), read at every step and agreed across ranks."""
 
 _requested: list[str] = []      # the first request's description; empty: none
 

@@ -3,7 +3,7 @@
 How it works: docs/design.md, "Inside the step", guard.py."""
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 UPDATE_REASONS = ("update_nonfinite", "eval_spike")
 
@@ -16,13 +16,6 @@ class GuardState:
     last_eval: float | None = None   # held-out loss of the current accepted state
     consecutive: int = 0             # triggers since the last accepted update
     pending: bool = False            # the last update was accepted without a held-out evaluation
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> "GuardState":
-        return cls(**data)
 
 
 class DivergenceError(RuntimeError):

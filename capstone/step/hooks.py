@@ -12,7 +12,6 @@ class Hooks:
         if point == "step":
             self.step = step
 
-    # each a point where capstone.runtime.faults.Faults acts; here, nothing
     def gradients(self, step: int, micro: int, grads) -> None: ...     # a micro-batch's, before the reducer's
     def reduced(self, step: int, grad_shard) -> None: ...               # the step's reduced shard
     def learning_rate(self, step: int, lr: float) -> float: return lr   # the step's
