@@ -61,8 +61,7 @@ def _marks(ax, run: Run, color: str, x: str = "step") -> None:
 
 def fig_loss(runs: list[Run], x: str = "step"):
     """Train loss (accepted steps) and held-out loss against `x` ("step" or "tokens_total")."""
-    fig, axes = _figure()
-    ax = axes[0][0]
+    fig, [[ax]] = _figure()
     for c, run in zip(itertools.cycle(COLORS), runs):
         ax.plot(*series(run.rows, "loss", x, accepted_only=True), color=c, lw=1.5, label=f"{run.label} train")
         ax.plot(*series(run.rows, "eval_loss", x, accepted_only=True), color=c, ls="--", marker="o", ms=3, label=f"{run.label} held-out")

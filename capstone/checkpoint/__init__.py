@@ -254,10 +254,8 @@ def load(comm, path: str, layout, expect: dict) -> tuple[dict, dict]:
     comm.hooks.at("load")
     try:
         f, error = _open(path, "r", comm), None
-    except CheckpointError as exc:
-        f, error = None, str(exc)
     except Exception as exc:
-        f, error = None, str(reader.parse_error(path, exc, f" on rank {rank}"))
+        f, error = None, reader.error_text(path, exc, f" on rank {rank}")
     agree(comm, error)
     state, meta, mismatch = None, None, None
     with comm.blocking(f"parallel HDF5 read of {os.path.basename(path)}"), f:
@@ -267,10 +265,8 @@ def load(comm, path: str, layout, expect: dict) -> tuple[dict, dict]:
             state = _gather_shard(f, path, meta, lo, hi, layout.n_params, rank)
         except CheckpointUsageError as exc:   # another model than the flags ask for: exit 2
             mismatch = str(exc)
-        except CheckpointError as exc:
-            error = str(exc)
         except Exception as exc:
-            error = str(reader.parse_error(path, exc, f" on rank {rank}"))
+            error = reader.error_text(path, exc, f" on rank {rank}")
     agree(comm, error)
     agree(comm, mismatch, CheckpointUsageError)
     roots = distributed_roots(comm, dict(zip(ROWS, state)), lo, layout.n_params, meta["logical_chunk"])

@@ -24,7 +24,6 @@ from capstone.flags import paths
 from capstone.checkpoint import files
 from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError, CheckpointUsageError, CorruptCheckpoint
 
-READ_CHUNK = 8 << 20
 DIGEST_RE = re.compile(r"# capstone checkpoint digest v1: (\d+) bytes\n([0-9a-f]{64})  (\S+)\n")
 NEXT = {
     "missing": "Check the path: pass a ckpt-*.h5 file, a run directory (--out) or its checkpoints/latest.",
@@ -51,11 +50,8 @@ def _settled_sha256(path: str, *identity) -> str:
 
 
 def _sha256(path: str) -> str:
-    h, block = hashlib.sha256(), memoryview(bytearray(READ_CHUNK))
     with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(block):
-            h.update(block[:n])
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_digest(path: str, name: str | None = None) -> str:

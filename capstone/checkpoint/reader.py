@@ -55,6 +55,11 @@ def parse_error(path: str, exc: BaseException, where: str = "") -> CorruptCheckp
     return corrupt(path, f"it cannot be read{where} ({type(exc).__name__}: {text})")
 
 
+def error_text(path: str, exc: BaseException, where: str = "") -> str:
+    """A reader's failure as text: a CheckpointError's own message, any other exception's `parse_error`."""
+    return str(exc if isinstance(exc, CheckpointError) else parse_error(path, exc, where))
+
+
 def _plain(value):
     return value.item() if isinstance(value, np.generic) else value
 
@@ -150,11 +155,10 @@ def open_verified(path: str, require_digest: bool = True):
         raise parse_error(path, exc) from None
     try:
         return f, read_meta(f, path)
-    except CheckpointError:
-        f.close()
-        raise
     except Exception as exc:
         f.close()
+        if isinstance(exc, CheckpointError):
+            raise
         raise parse_error(path, exc) from None
 
 

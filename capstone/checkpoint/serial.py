@@ -13,7 +13,7 @@ from capstone.flags import paths
 from capstone.checkpoint import integrity
 from capstone.checkpoint.digest import logical_root
 from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError, CorruptCheckpoint
-from capstone.checkpoint.reader import open_verified, parse_error, read_dataset
+from capstone.checkpoint.reader import error_text, open_verified, read_dataset
 from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout
 from capstone.step.state import ROWS
@@ -35,10 +35,8 @@ def load_all(path: str, require_digest: bool = True):
         for name in sorted(meta["datasets"]):
             try:
                 results[name] = (True, "sha256 ok", read_dataset(f, path, meta, name, "verify"))
-            except CheckpointError as exc:
-                results[name] = (False, str(exc), None)
             except Exception as exc:
-                results[name] = (False, str(parse_error(path, exc)), None)
+                results[name] = (False, error_text(path, exc), None)
     return meta, results
 
 

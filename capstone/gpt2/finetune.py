@@ -183,13 +183,12 @@ def fetch(world, target: str, seq_len: int | None = None) -> Source:
 
     def describe() -> dict:
         found.append(read(target, seq_len))
-        return {"path": found[0].path, "kind": found[0].kind, "step": found[0].step, "data": found[0].data,
-                "model": dataclasses.asdict(found[0].model), "train": found[0].train}
+        return dataclasses.asdict(dataclasses.replace(found[0], params=None))   # the weights: broadcast below
     head = agreed(world, describe, errors=(ConfigError, CheckpointError))
     cfg = ModelConfig(**head["model"])
     params = found[0].params if found else np.empty(cfg_params(cfg), dtype=np.float32)
     world.Bcast(params, "broadcast of the --init-from weights")
-    return Source(head["path"], head["kind"], head["step"], cfg, head["data"], params, head["train"])
+    return Source(**{**head, "model": cfg, "params": params})
 
 
 def settings_for(settings, source: Source):

@@ -81,10 +81,8 @@ def pick(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Gene
     if top_p < 1:
         order = np.argsort(-p, kind="stable")
         mass = np.cumsum(p[order])
-        keep = order[mass - p[order] < np.float32(top_p) * mass[-1]]    # the id that crosses p stays in
-        mask = np.zeros(p.size, dtype=bool)
-        mask[keep] = True
-        p = np.where(mask, p, np.float32(0))
+        kept = mass - p[order] < np.float32(top_p) * mass[-1]    # the id that crosses p stays in
+        p[order[~kept]] = 0
     cdf = np.cumsum(p)
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), z.size - 1))
 

@@ -8,6 +8,7 @@ names each difference (tokenizer kind, which characters, the text of each split)
 """
 
 import os
+import pathlib
 from dataclasses import dataclass
 
 from capstone.flags import paths
@@ -40,12 +41,8 @@ def data_candidates(trained: str, ckpt: str) -> list[str]:
         return [trained]
     folder = os.path.dirname(os.path.abspath(ckpt))
     run_dir = os.path.dirname(folder) if os.path.basename(folder) == "checkpoints" else folder
-    out, base = [trained], os.path.dirname(run_dir)
-    while True:
-        out.append(os.path.join(base, trained))
-        if os.path.dirname(base) == base:
-            return list(dict.fromkeys(out))
-        base = os.path.dirname(base)
+    base = pathlib.Path(run_dir).parent
+    return list(dict.fromkeys([trained] + [os.path.join(b, trained) for b in (base, *base.parents)]))
 
 
 def _short(value) -> str:

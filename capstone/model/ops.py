@@ -31,14 +31,8 @@ layer_norm = define("layer_norm", _ln_fwd, _ln_bwd)
 
 def _linear_grads(g, argnums, x, w):
     """{0: dx, 1: dw, 2: db} of y = x @ w + b for output gradient g (N, Cout)."""
-    out = {}
-    if 0 in argnums:
-        out[0] = _mm(g, w.T)
-    if 1 in argnums:
-        out[1] = _mm(x.T, g)
-    if 2 in argnums:
-        out[2] = _add(g, axis=0)
-    return out
+    rules = {0: lambda: _mm(g, w.T), 1: lambda: _mm(x.T, g), 2: lambda: _add(g, axis=0)}
+    return {i: rules[i]() for i in argnums}
 
 
 linear = define("linear", _linear_fwd, lambda g, _, argnums, x, w, b: _linear_grads(g, argnums, x, w))

@@ -59,15 +59,8 @@ def tree_rows(rows: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 def tree_sum(values) -> float:
     """The same tree as `tree_rows` over a sequence of float64 scalars."""
-    v = [float(x) for x in values]
-    if not v:
-        return 0.0
-    stride = 1
-    while stride < len(v):
-        for i in range(0, len(v) - stride, 2 * stride):
-            v[i] = v[i] + v[i + stride]
-        stride *= 2
-    return v[0]
+    v = np.array([float(x) for x in values], dtype=np.float64)
+    return float(tree_rows(v[:, None], np.empty(1))[0]) if len(v) else 0.0
 
 
 def sumsq(values: np.ndarray) -> float:
@@ -202,15 +195,11 @@ def group_plans(layout, rank: int) -> dict:
     """For each parameter group [a, b): the Alltoallv specs (counts, displacements) of its pieces:
     to rank q the part in q's shard, and from every rank this rank's part, at its place in that
     rank's row of shard length."""
-    plans, shard, lo = {}, layout.shard, layout.shard_range(rank)[0]
-    for name, (a, b) in layout.group_ranges().items():
-        pieces = [(max(a, q * shard), min(b, (q + 1) * shard)) for q in range(layout.world)]
-        counts = [max(0, hi - p) for p, hi in pieces]
-        mine = counts[rank]
-        at = max(a, lo) - lo
-        plans[name] = ((counts, [max(0, p - a) if c else 0 for (p, _), c in zip(pieces, counts)]),
-                       ([mine] * layout.world, [q * shard + at for q in range(layout.world)]))
-    return plans
+    from capstone.parallel.zero2 import GroupPlan   # a group's counts per rank and this rank's slice
+    shard, w = layout.shard, layout.world
+    plans = {name: GroupPlan(a, b, layout, rank) for name, (a, b) in layout.group_ranges().items()}
+    return {name: ((g.counts, [max(0, q * shard - g.a) if c else 0 for q, c in enumerate(g.counts)]),
+                   ([g.counts[rank]] * w, [q * shard + g.recv.start for q in range(w)])) for name, g in plans.items()}
 
 
 # ---- the held-out evaluation -------------------------------------------------------------------
@@ -236,8 +225,7 @@ class HeldOutBlocks(HeldOut):
         self.per_rank = -(-self.n_blocks // self.w)
         if in_step and len(self.blocks) < self.per_rank:   # a forward whose loss is not counted, for the gathers
             k, a, b = spans[0]
-            x, y = data.val_batch(k, batch_size)
-            self.spare = (x[a:b].copy(), y[a:b].copy())
+            self.spare = tuple(part[a:b].copy() for part in data.val_batch(k, batch_size))
 
     def loss_share(self) -> float:
         local = np.zeros(self.per_rank, dtype=np.float64)

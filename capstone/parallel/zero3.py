@@ -21,6 +21,7 @@ from capstone.model.fingerprint import sum_squares, word_sum
 from capstone.model.params import DTYPE, Layout
 from capstone.model.seam import Sinks
 from capstone.parallel.progress import Progress
+from capstone.parallel.replicas import ReplicaCheck
 from capstone.parallel.zero import ZeroAdam
 from capstone.parallel.zero2 import GroupPlan
 
@@ -66,10 +67,9 @@ class Gatherer:
         if self.keep:
             return sum(sizes)
         bound = max([sizes[0]] + [x + y for x, y in zip(sizes, sizes[1:])])
-        names = {name for name, _, _ in self.layout.entries}
-        if "head" not in self.order or "embed" not in self.order or "lm_head.w" in names:
-            return bound
-        return max(bound, sizes[0] + sum(sizes[-2:]))   # tied: the head's backward borrows wte, the last block in flight
+        tied = {"head", "embed"} <= set(self.order) and all(n != "lm_head.w" for n, _, _ in self.layout.entries)
+        # tied: the head's backward borrows wte, the last block in flight
+        return max(bound, sizes[0] + sum(sizes[-2:])) if tied else bound
 
     def _start(self, name: str) -> None:
         plan = self.plans[name]
@@ -134,27 +134,18 @@ class Gatherer:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-class ShardedReplicaCheck:
-    """Invariant (b) at ZeRO-3 (capstone.parallel.replicas' interface): the ranks of a data-parallel
-    group hold different shards, but must have assembled the same groups; the step's norm is the
-    whole model's, from every rank's share."""
+class ShardedReplicaCheck(ReplicaCheck):
+    """Invariant (b) at ZeRO-3 (capstone.parallel.replicas' interface and record): the ranks of a
+    data-parallel group hold different shards, but must have assembled the same groups; the step's
+    norm is the whole model's, from every rank's share."""
 
     def __init__(self, grid, layout: Layout, gatherer: Gatherer, exact: Callable | None = None):
-        from capstone.parallel.replicas import ReplicaCheck
-        self.world, self.gatherer, self.weight = grid.world, gatherer, None
+        super().__init__(grid, layout)
+        self.gatherer, self.weight = gatherer, None
         self.exact, self.first = exact, grid.replica_ranks(0)   # --deterministic: replica 0's parts' sums, in order
         if grid.tp.size > 1:
             from capstone.parallel import tensor
             self.weight = tensor.norm_weight(layout, grid.tp.rank, *layout.shard_range(grid.dp.rank))
-        self.record_to = ReplicaCheck(grid, layout)
-
-    @property
-    def checked(self) -> int:
-        return self.record_to.checked
-
-    @property
-    def mismatches(self) -> list:
-        return self.record_to.mismatches
 
     def check(self, step: int, params: np.ndarray, strong: bool) -> tuple[float, str]:
         """Collective over the world: (whole-model parameter norm, digest of the gathered groups)."""
@@ -165,7 +156,7 @@ class ShardedReplicaCheck:
         mine[1:].view(np.uint64)[0] = int(digest, 16)
         every = np.empty((self.world.size, 2))
         self.world.Allgather(every, "allgather of the gathered groups' fingerprints", "allgather_checks", send=mine)
-        self.record_to.record(step, [f"{int(e[1:].view(np.uint64)[0]):016x}" for e in every])
+        self.record(step, [f"{int(e[1:].view(np.uint64)[0]):016x}" for e in every])
         if self.exact is not None:   # each rank of a part has the part's sum: replica 0's parts, in order
             from capstone.parallel.deterministic import tree_sum
             return float(np.sqrt(tree_sum(every[self.first, 0]))), digest

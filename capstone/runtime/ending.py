@@ -12,6 +12,7 @@ nothing behind.
 
 import json
 import os
+import pathlib
 import time
 
 from capstone.observe.jsonout import write_json
@@ -22,8 +23,7 @@ UNRECORDED = "ended without a record"
 def status(run_dir: str) -> str | None:
     """summary.json's status (None: none, or unreadable)."""
     try:
-        with open(os.path.join(run_dir, "summary.json")) as f:
-            return json.load(f).get("status")
+        return json.loads(pathlib.Path(run_dir, "summary.json").read_text()).get("status")
     except (OSError, ValueError, AttributeError):
         return None
 
@@ -37,8 +37,7 @@ def _written_since(run_dir: str, since: float) -> bool:
 
 def newest_checkpoint(run_dir: str) -> str | None:
     try:
-        with open(os.path.join(run_dir, "checkpoints", "latest")) as f:
-            return os.path.join(run_dir, "checkpoints", f.read().strip())
+        return os.path.join(run_dir, "checkpoints", pathlib.Path(run_dir, "checkpoints", "latest").read_text().strip())
     except OSError:
         return None
 

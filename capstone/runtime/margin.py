@@ -101,10 +101,8 @@ def save_seconds(directory: str, nbytes: int) -> float | None:
                 f.write(block[:size - start])
             f.flush()
             os.fsync(f.fileno())
-        digest = hashlib.sha256()
         with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(len(block)), b""):
-                digest.update(chunk)
+            hashlib.file_digest(f, "sha256")
         return (time.perf_counter() - t0) * nbytes / size
     except OSError:
         return None
