@@ -148,10 +148,11 @@ def test_row(row, references, tmp_path):
     got = step_rows(out)
     # a kept x1000 update (the lr spike without the undo) amplifies the 1e-6 differences of another
     # summation order chaotically: the numbers after it are not comparable, its verdicts are
-    # a tied head's held-out loss right after the x1000 update (before the guard undoes it) is ~1600:
-    # the logits scale with wte twice, and the update of a near-zero gradient entry is Adam's
-    # normalised rounding noise x1000 (1.2e-5 relative apart on 8 ranks): that one number is not compared
-    skip = ((mx.SPIKE_STEP, "eval_loss"),) if row.tie and row.inject == "spike" else ()
+    # the held-out loss right after the x1000 update (before the guard undoes it, or not) is measured after
+    # it: the update of a near-zero gradient entry is Adam's normalised rounding noise x1000, so that one
+    # number is not compared (its verdict is): 1.2e-5 relative apart for a tied head on 8 ranks (~1600,
+    # the logits scale with wte twice), 1.6e-5 for pp 4 x cp 2 with dropout on 8 ranks (~121)
+    skip = ((mx.SPIKE_STEP, "eval_loss"),) if row.inject == "spike" else ()
     same_run(got, want["rows"], where, mx.SPIKE_STEP if row.inject == "spike" and not row.undo else mx.STEPS, skip)
     if row.det:   # bit-identical to another data-parallel layout of the same tp, pp and per-rank micro-batch
         partner = mx.det_partner(row)
