@@ -34,26 +34,30 @@ class PostValidated:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.spare = ShardState(*(np.zeros_like(self.state.master) for _ in ROWS))
-        self.taken, self.counts = None, {"kept": 0, "redone": 0, "dropped": 0}
+        self.taken, self.made = None, {"taken": 0, "kept": 0, "redone": 0}
+
+    @property
+    def counts(self) -> dict:
+        """The updates taken ahead so far: kept, redone, and dropped (taken and never applied: a rejected batch)."""
+        m = self.made
+        return {"kept": m["kept"], "redone": m["redone"], "dropped": m["taken"] - m["kept"] - m["redone"]}
 
     def take_ahead(self, grad_shard: np.ndarray, lr: float) -> None:
         """The step's update at learning rate `lr`, unclipped, from the state into the spare state."""
-        if self.taken is not None:      # the last one taken was never applied: its batch was rejected
-            self.counts["dropped"] += 1
         self.update(grad_shard, lr, 1.0, self.state, self.spare)
-        self.taken = (lr, self.state)
+        self.taken, self.made["taken"] = (lr, self.state), self.made["taken"] + 1
 
     def apply(self, grad_shard: np.ndarray, lr: float, norm: float) -> float:
         """ZeroAdam.apply's result: the update taken ahead when it is that update, else apply's own."""
         taken, self.taken = self.taken, None
         if taken is None or taken[0] != lr or taken[1] is not self.state or 0 < self.clip < norm:
             if taken is not None:
-                self.counts["redone"] += 1
+                self.made["redone"] += 1
             return super().apply(grad_shard, lr, norm)
         old = self.state
         self.state, self.spare = self.spare, old if self.before is None else self.before
         self.before, self.revertible = (None, False) if self.before is None else (old, True)
-        self.counts["kept"] += 1
+        self.made["kept"] += 1
         self._publish()
         return norm
 
