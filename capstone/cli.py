@@ -120,10 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
         _flag(g, name, text)
     _flag(g, "lr_schedule", "decay after warmup", choices=("constant", "cosine"))
     g.add_argument("--deterministic", action="store_true", default=argparse.SUPPRESS,
-                   help="sum gradients, losses and norms in a fixed order by sample index, so that every layout of ranks "
-                        "x grad-accum with the same global batch and batch size gives bit-identical results (with "
-                        "--tp, --pp, --cp: every data-parallel layout at the same tp, pp and cp; any --zero-stage) "
-                        "(docs/deterministic.md; default: off; on --resume: the checkpoint's)")
+                   help="every sum in a fixed order: every layout (ranks x grad-accum, --tp, --pp, --cp, --zero-stage) "
+                        "of the same global batch and batch size gives the same bits (docs/deterministic.md; default: "
+                        "off; on --resume: the checkpoint's)")
     g.add_argument("--no-deterministic", dest="deterministic", action="store_false", default=argparse.SUPPRESS,
                    help="the default reduction (to resume a --deterministic run without it)")
     g = p.add_argument_group("checkpoints and guard")
@@ -220,6 +219,8 @@ def _layout_flags(p) -> None:
                         "GPipe) or zb-h1 (1f1b with each backward split, the weights' gradients filling the "
                         "bubble, the update checked after it is made) (default: 1f1b; on --resume: the "
                         "checkpoint's)")
+    g.add_argument("--det-split", type=int, default=argparse.SUPPRESS, metavar="S",
+                   help="--deterministic's S chunks per sequence and pieces per split contraction (default: 4 or what fits)")
     g.add_argument("--pp-layers", type=usage.counts, default=argparse.SUPPRESS, metavar="N,N,...",
                    help="blocks per pipeline stage, e.g. 3,3,2 (default: balanced, the first stages taking one "
                         "more when K does not divide the blocks; fewer on the last stage eases a heavy LM head; "

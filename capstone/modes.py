@@ -55,20 +55,29 @@ def make(grid: Grid, plan: Plan, mcfg: ModelConfig, tcfg: TrainConfig, data, hoo
     layout = Layout.for_model(mcfg, grid.dp.size, grid.tp.size, stages[grid.pp.rank % len(stages)])
     full = Layout.for_model(mcfg, grid.world.size)
     view, params = _initial(grid, mcfg, tcfg, layout, full, stages, sharded=zero.shards_params)
-    reducer = _reducer(grid, layout, plan, tcfg)
+    sums = None
+    if plan.deterministic:        # norms and fingerprint of the canonical vector (capstone.parallel.chunksums)
+        from capstone.parallel.chunksums import ChunkSums, canonical_index
+        sums = ChunkSums(grid.world, canonical_index(grid, mcfg, layout, stages[grid.pp.rank % len(stages)]),
+                         full.n_params)
+    reducer = _reducer(grid, layout, plan, tcfg, sums)
     if not zero.shards_optimizer:      # plain data parallelism: the whole state replicated (capstone.parallel.zero0)
         from capstone.parallel import zero0
         view = zero0.ReplicatedView(grid.dp, layout, view)
         reducer = zero0.Allgathered(reducer) if plan.deterministic else reducer
     seam = _seam(grid, layout, params, reducer, plan)
     link = masks = None
+    arith = ring or WHOLE         # the layers' arithmetic: --deterministic's cuts them canonically (capstone.model.exact)
+    if plan.deterministic:
+        from capstone.model.exact import Exact
+        arith = Exact(plan.det_split, mcfg.seq_len, mcfg.n_heads, grid.tp, ring)
     if mcfg.tie_embeddings and grid.pp.size > 1:    # wte on the first and last pipeline stages (parallel.tiedstages)
         from capstone.parallel.tiedstages import Link
-        link = Link(seam, grid.pp, (mcfg.vocab_size, mcfg.d_model))
+        link = Link(seam, grid.pp, (mcfg.vocab_size, mcfg.d_model), arith.share_buffer)
     if mcfg.dropout:              # each micro-batch's masks (capstone.model.dropout): the sample's index is its
         from capstone.model import dropout   # replica's (a cp ring's ranks share samples)
         masks = dropout.Draws(mcfg.dropout, tcfg.seed, grid.replica, grid.replicas, ring)
-    model = Model(mcfg, layout, seam, grid.tp, plan.recompute, ring or WHOLE, masks, link)
+    model = Model(mcfg, layout, seam, grid.tp, plan.recompute, arith, masks, link)
     adam = ZeroAdam
     if zero.shards_params:        # the parameters are a shard too
         from capstone.parallel.zero3 import ShardedAdam as adam
@@ -86,7 +95,7 @@ def make(grid: Grid, plan: Plan, mcfg: ModelConfig, tcfg: TrainConfig, data, hoo
         from capstone.parallel.pipeline import Pipeline
         schedule = Pipeline(model, reducer, hooks, scale, plan.schedule, grid.pp, link)
     return Parts(layout=layout, full=full, view=view, model=model, reducer=reducer,
-                 replicas=_replicas(grid, layout, seam, plan), heldout=_heldout(grid, data, plan, tcfg, mcfg, schedule),
+                 replicas=_replicas(grid, layout, seam, plan, sums), heldout=_heldout(grid, data, plan, tcfg, mcfg, schedule),
                  opt=opt, schedule=schedule, data=data)
 
 
@@ -119,7 +128,7 @@ def _initial(grid: Grid, mcfg, tcfg, layout: Layout, full: Layout, stages: list,
     return view, params
 
 
-def _reducer(grid: Grid, layout: Layout, plan: Plan, tcfg: TrainConfig) -> GradReducer:
+def _reducer(grid: Grid, layout: Layout, plan: Plan, tcfg: TrainConfig, sums=None) -> GradReducer:
     """The gradient reduction of the run's modes, with the flat gradient buffer it reduces from
     (`grads`): fixed-order sums (--deterministic), ZeRO-1's buckets, or (ZeRO-2/3: no buffer) each
     group's gradient reduce-scattered as it is made (capstone.parallel.zero2)."""
@@ -129,7 +138,7 @@ def _reducer(grid: Grid, layout: Layout, plan: Plan, tcfg: TrainConfig) -> GradR
         if grid.world.rank == 0:
             _deterministic_notes(plan)
         grads = None if zero.shards_grads else layout.zeros()   # ZeRO-2/3: each group's exchanged as made
-        return det.DeterministicReducer(grid, layout, grads, tcfg.grad_accum)
+        return det.DeterministicReducer(grid, layout, grads, tcfg.grad_accum, sums if grid.mp.size > 1 else None)
     floats = plan.bucket_floats(layout.padded)
     if zero.stage == 1 or plan.whole_grad:   # the whole gradient, reduce-scattered once a step
         return BucketReducer(grid, layout, layout.zeros(), floats, _loss_weight(grid))
@@ -165,19 +174,17 @@ def _seam(grid: Grid, layout: Layout, params, reducer: GradReducer, plan: Plan) 
     return Resident.over(layout, params, reducer.grads, reducer.landed)
 
 
-def _replicas(grid: Grid, layout: Layout, seam: Weights, plan: Plan) -> Replicas:
-    """Invariant (b)'s check: the replicas' fingerprints (deterministic: bit-exact ones; ZeRO-3: of
-    the groups each rank gathered)."""
-    deterministic = plan.deterministic
-    if deterministic:
-        from capstone.parallel import deterministic as det
+def _replicas(grid: Grid, layout: Layout, seam: Weights, plan: Plan, sums=None) -> Replicas:
+    """Invariant (b)'s check: the replicas' fingerprints (ZeRO-3: of the groups each rank gathered); with
+    --deterministic the step's param_norm and fingerprint are the canonical vector's (`sums`: parallel.chunksums)."""
+    check = ReplicaCheck(grid, layout)
     if plan.zero.shards_params:
         from capstone.parallel.zero3 import ShardedReplicaCheck
-        exact = det.ShardNorm(grid.dp, layout.n_params, layout.shard).sum_of_squares if deterministic else None
-        return ShardedReplicaCheck(grid, layout, seam, exact)
-    if deterministic:
-        return ReplicaCheck(grid, layout, lambda p, strong: det.fingerprint(p, layout.n_params))
-    return ReplicaCheck(grid, layout)
+        check = ShardedReplicaCheck(grid, layout, seam)
+    if sums is None:
+        return check
+    from capstone.parallel.chunksums import CanonicalCheck
+    return CanonicalCheck(check, sums, slice(None) if plan.zero.shards_params else slice(*layout.shard_range(grid.dp.rank)))
 
 
 def _loss_weight(grid: Grid) -> float:

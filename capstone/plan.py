@@ -24,20 +24,24 @@ applies; `make` says why, for the changed-settings line.
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from capstone.config import ConfigError, problems_error
 
 # the layout flags, with their defaults (every one has no argparse default, so a resume tells given from not)
 DEFAULTS = {"tp": 1, "pp": 1, "cp": 1, "zero_stage": 1, "reshard": "micro-batch", "recompute": False, "overlap": True,
-            "bucket_mb": 1.0, "guard_undo": True, "ckpt_async": True, "pp_schedule": None, "pp_layers": None}
+            "bucket_mb": 1.0, "guard_undo": True, "ckpt_async": True, "pp_schedule": None, "pp_layers": None,
+            "det_split": None}
 # those a checkpoint keeps (its `modes`); not kept: the bucket size and overlap (tuning of the exchange's
 # messages), cp (any --cp resumes: the samples are the same), and the checkpoint's own write mode
-KEPT = ("zero_stage", "reshard", "recompute", "tp", "pp", "pp_schedule", "pp_layers", "guard_undo")
+KEPT = ("zero_stage", "reshard", "recompute", "tp", "pp", "pp_schedule", "pp_layers", "guard_undo", "det_split")
 _CHECKS = (("tp", lambda v: v >= 1, "must be >= 1 (1: no tensor parallelism)"),
            ("pp", lambda v: v >= 1, "must be >= 1 (1: no pipeline)"),
            ("cp", lambda v: v >= 1, "must be >= 1 (1: no context parallelism)"),
-           ("bucket_mb", lambda v: v > 0, "must be > 0 MB (default 1.0; --no-overlap for one reduction)"))
+           ("bucket_mb", lambda v: v > 0, "must be > 0 MB (default 1.0; --no-overlap for one reduction)"),
+           ("det_split", lambda v: v >= 1 and v & (v - 1) == 0, "must be a power of two (--deterministic's pieces and "
+            "chunks: docs/deterministic.md)"))
 
 
 def problems(values: dict) -> list[str]:
@@ -83,6 +87,7 @@ class Plan:
     ckpt_async: bool = True           # a snapshot buffer for the background checkpoint write
     pp_schedule: str | None = None    # the pipeline's order of forwards and backwards (None: 1f1b)
     pp_layers: tuple[int, ...] | None = None   # blocks per pipeline stage (None: balanced)
+    det_split: int = 4                # --deterministic's pieces and chunks (capstone.model.exact)
     stages: tuple = (None,)           # each pipeline stage's parameter groups ((None,): one stage, the whole model)
 
     @property
@@ -146,6 +151,7 @@ class Plan:
         layout does not fit the model or the world."""
         values, why = _layered(given, saved, world)
         values = {**DEFAULTS, **values}
+        values["det_split"] = values["det_split"] or least_split(values, model)
         problems = list(_refusals(world, values, model, train.deterministic))
         if problems:
             raise problems_error(problems)
@@ -202,6 +208,8 @@ def _refusals(world: int, v: dict, model, deterministic: bool):
         yield (f"--cp {cp}: --seq-len {model.seq_len} is not a multiple of 2 x cp = {2 * cp}: the balanced split "
                f"cuts each sequence into 2 x cp equal chunks, cp rank i taking chunks i and 2cp-1-i, so that every "
                f"rank does the same causal attention work. Use a --seq-len divisible by {2 * cp}.")
+    if deterministic:
+        yield from _split_refusals(v, model)
     if pp == 1 and (v["pp_layers"] is not None or v["pp_schedule"] is not None):
         yield (f"{'--pp-layers' if v['pp_layers'] is not None else '--pp-schedule'} is about pipeline stages: it "
                f"needs --pp K > 1 (docs/pipeline.md).")
@@ -214,6 +222,27 @@ def _refusals(world: int, v: dict, model, deterministic: bool):
                f"gradient as the backward pass makes it, and keeps no whole gradient to reduce after it. Drop "
                f"--no-overlap, or keep the whole gradient through the step with --reshard step, or use "
                f"--zero-stage 1 (docs/composition.md).")
+
+
+def least_split(v: dict, model) -> int:
+    """--det-split's default: 4, or the least power of two that fits the layout and the model (`_split_refusals`)."""
+    fits = [s for s in (4, 2, 1, 8, 16, 32, 64) if not list(_split_refusals({**v, "det_split": s}, model))]
+    return fits[0] if fits else 4
+
+
+def _split_refusals(v: dict, model):
+    """Why --det-split S does not cut this model on this layout (--deterministic only): S chunks per sequence, and
+    gcd(S, n_heads) pieces per split contraction (a piece of attention is whole heads), tp's ranks holding pieces."""
+    s, tp, cp = v["det_split"], v["tp"], v["cp"]
+    pieces = math.gcd(s, model.n_heads)
+    if pieces % tp or tp & (tp - 1) or (cp > 1 and (s % (2 * cp) or cp & (cp - 1))):
+        yield (f"--deterministic cuts each sequence into --det-split {s} chunks and every split contraction into "
+               f"gcd({s}, n_heads {model.n_heads}) = {pieces} pieces, the same on every layout: --tp {tp} must be a "
+               f"power of two that divides the pieces, 2 x --cp {cp} one that divides the chunks. Choose such a --tp "
+               f"and --cp, or another --det-split (a new split: other bits than this one's).")
+    if model.seq_len % s:
+        yield (f"--det-split {s} must divide --seq-len {model.seq_len}: a chunk is seq_len / S positions. Choose a "
+               f"--det-split that divides it.")
 
 
 def stage_problem(n_layers: int, pp: int, counts: tuple[int, ...]) -> str | None:

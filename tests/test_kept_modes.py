@@ -41,7 +41,7 @@ def test_a_resume_without_mode_flags_keeps_the_checkpoints_modes(tmp_path):
     rank cannot hold, falls back to pp 1 with the reason on the changed-settings line."""
     out = tmp_path / "run"
     modes = {"zero_stage": 3, "reshard": "step", "recompute": True, "tp": 1, "pp": 2, "pp_schedule": "afab",
-             "pp_layers": [3, 1], "guard_undo": True}
+             "pp_layers": [3, 1], "guard_undo": True, "det_split": 4}
     res = mpirun(2, "--out", out, *SMALL, "--zero-stage", 3, "--reshard", "step", "--recompute", "--pp", 2,
                  "--pp-schedule", "afab",
                  "--pp-layers", "3,1", "--grad-accum", 2, "--stop-after", 2)
@@ -72,7 +72,8 @@ def test_mode_flags_given_win_and_every_change_is_listed(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert stage_and_grid(out) == ({1}, 1, 2)
     assert started(out)[-1]["modes"] == {"zero_stage": 1, "reshard": "micro-batch", "recompute": False, "tp": 1,
-                                         "pp": 2, "pp_schedule": None, "pp_layers": None, "guard_undo": True}
+                                         "pp": 2, "pp_schedule": None, "pp_layers": None, "guard_undo": True,
+                                         "det_split": 4}
     line = changed_line(res)
     for change in ("zero_stage: 2 -> 1", "reshard: step -> micro-batch", "recompute: True -> False", "pp: 1 -> 2",
                    "steps: 6 -> 4",
@@ -167,5 +168,6 @@ def test_a_checkpoint_of_the_code_before_the_plan_resumes_on_its_grid_and_on_ano
     for ranks, where in ((4, out), (2, other)):
         res = mpirun(ranks, "--out", where, "--resume", "latest")
         assert res.returncode == 0 and "logical digests verified" in res.stdout, res.stdout + res.stderr
-        assert started(where)[-1]["modes"] == modes and summary(where)["status"] == "completed"
+        now = started(where)[-1]["modes"]   # the modes it kept; --det-split, new since, at its default
+        assert {k: now[k] for k in modes} == modes and now["det_split"] == 4 and summary(where)["status"] == "completed"
         assert stage_and_grid(where) == ({2}, 2, 1)

@@ -213,9 +213,9 @@ def test_every_backward_gradient_is_float32(vjp_dtypes):
     x, y = batch(cfg, B=2)
     loss, grads = loss_and_grad(layout, init_params(layout, cfg, 0), x, y, cfg, 1.0 / x.size)
     # One gradient per node, of its input (the groups' gradients land through the seam): the
-    # embedding's scalar start 1, each block 1, head_loss 1, * scale 1.
-    assert len(vjp_dtypes) == 1 + cfg.n_layers + 2
-    assert {n for n, _ in vjp_dtypes} == {"embedding", "block", "head_loss", "multiply"}
+    # embedding's scalar start 1, each block 1, head_loss 1 (the loss's scale is the head's).
+    assert len(vjp_dtypes) == 1 + cfg.n_layers + 1
+    assert {n for n, _ in vjp_dtypes} == {"embedding", "block", "head_loss"}
     # (the embedding's one gradient is the zero of its float64 scalar start; its group's goes through the seam)
     wrong = sorted({(n, str(d)) for n, d in vjp_dtypes if d != np.float32 and n != "embedding"})
     assert not wrong, f"VJPs producing non-float32 gradients: {wrong}"

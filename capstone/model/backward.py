@@ -82,18 +82,19 @@ def _block_bwd(g, saved, argnums, x, ps: Pass, name: str, T: int, H: int, shapes
     return {0: gx}
 
 
-def _head_fwd(x, ps: Pass, targets, shapes):
+def _head_fwd(x, ps: Pass, targets, shapes, scale):
     w = ps.seam.weights("head", False)
-    loss, saved = blocks.head_loss_forward(x, w, targets, shapes, None if ps.tie is None else ps.tie.wte(ps.seam))
+    loss, saved = blocks.head_loss_forward(x, w, targets, shapes, scale, None if ps.tie is None else ps.tie.wte(ps.seam),
+                                           ps.cp)
     _release_head(ps)
     return loss, saved if ps.train else None
 
 
-def _head_bwd(g, saved, argnums, x, ps: Pass, targets, shapes):
+def _head_bwd(g, saved, argnums, x, ps: Pass, targets, shapes, scale):
     (gw, put), w = _grads(ps, "head", shapes), ps.seam.weights("head", True)
     wte = None if ps.tie is None else ps.tie.wte(ps.seam)
-    gwte = None if wte is None else np.empty_like(wte)
-    gx = blocks.head_loss_backward(g, saved, w, targets, shapes, put, True, wte, gwte)
+    gwte = None if wte is None else ps.cp.share_buffer(wte)
+    gx = blocks.head_loss_backward(g, saved, w, targets, shapes, put, True, scale, wte, gwte, ps.cp)
     if ps.tie is not None:
         ps.tie.made(gwte)       # the head's share of wte's gradient, for the embedding's backward
     _landed(ps, "head", gw)

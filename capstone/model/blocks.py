@@ -11,12 +11,43 @@ import numpy as np
 from capstone.model import kernels as K
 
 
+def _dense_grads(d, i, x, g, split=None):
+    """y = x @ w + b: dw = x^T g into d[i], db = sum over rows of g into d[i + 1] (none there or None: no bias)."""
+    K._mm(x.T, g, out=d[i])
+    _bias_grad(d, i + 1, g)
+
+
+def _bias_grad(d, i, g):
+    if len(d) > i and d[i] is not None:
+        K._add(g, axis=0, out=d[i])
+
+
+def _ln_grads(d, i, g, xhat):
+    """LayerNorm's dw = sum over rows of g * xhat into d[i], db = sum of g into d[i + 1]."""
+    d[i][...] = K._add(g * xhat, axis=(0,))
+    _bias_grad(d, i + 1, g)
+
+
+def _embedding_grads(d, g, w, idx, pos, tie):
+    d[0][...], d[1][...] = K._embed_bwd(g, None, (0, 1), *w, idx, pos).values()
+    if tie is not None and (share := tie.share()) is not None:   # a tied wte's gradient: the sum of its two uses
+        d[0] += share
+
+
+def _row_parallel(x, w, b, tp):
+    """x @ w summed over the tensor-parallel ranks ("g"), then + b (if any): (B*T, Cin/tp) -> (B*T, C)."""
+    y = K._mm(x, w)
+    tp.Allreduce(y, "tensor-parallel allreduce of a block's output", "tp_allreduce")
+    if b is not None:
+        y += b
+    return y
+
+
 class Alone:
     """A block not split: the tensor-parallel group of one rank (its sums are the identity), and the sequence
     whole on this rank (positions 0..T-1, the causal kernel; dropout's `drop` masks it: capstone.model.dropout)."""
 
-    size, k = 1, 1   # the ranks splitting the block, and the sequence
-    positions = staticmethod(lambda T: None)
+    size, k, positions = 1, 1, staticmethod(lambda T: None)   # the ranks splitting the block, the sequence
 
     @staticmethod
     def attention(qkv, T, H, drop=None):
@@ -39,6 +70,28 @@ class Alone:
     def Allreduce(self, buf, what: str, kind: str = "") -> np.ndarray:
         return buf
 
+    # the layers' arithmetic, one GEMM or sum each (capstone.model.exact.Exact: --deterministic's, cut canonically)
+    exact, mm, row, share_buffer = False, staticmethod(K._mm), staticmethod(_row_parallel), staticmethod(np.empty_like)
+    dense, bias, ln, embed = map(staticmethod, (_dense_grads, _bias_grad, _ln_grads, _embedding_grads))
+    col = staticmethod(lambda x, w, b, split: K._linear_fwd(x, w, b)[0])      # a column-parallel (or whole) layer
+    row_back = staticmethod(lambda g, w: K._mm(g, w.T))                        # a row-parallel layer's input gradient
+
+    def col_back(self, g, x, w, put, i: int, split, tp):
+        """A column-parallel layer's weights' gradients `put`; its input gradient g @ w^T, summed over `tp` ("f")."""
+        put(self.dense, i, x, g, split)
+        gx = K._mm(g, w.T)
+        tp.Allreduce(gx, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")
+        return gx
+
+    @staticmethod
+    def xent(z, targets, scale):
+        loss, probs = K._xent_fwd(z, targets)
+        return loss * scale, probs
+
+    @staticmethod
+    def share(gz, z_in, gwte) -> None:
+        K._mm(gz.T, z_in, out=gwte)                                             # z = z_in @ wte.T: d wte = gz.T @ z_in
+
 
 ALONE = WHOLE = Alone()
 
@@ -55,32 +108,9 @@ def unpack(w: np.ndarray, shapes: tuple) -> list[np.ndarray]:
     return [None if shape is None else w[a:b].reshape(shape) for a, b, shape in _spans(shapes)]
 
 
-def _dense_grads(d, i, x, g):
-    """y = x @ w + b: dw = x^T g into d[i], db = sum over rows of g into d[i + 1] (none there or None: no bias)."""
-    K._mm(x.T, g, out=d[i])
-    _bias_grad(d, i + 1, g)
-
-
-def _bias_grad(d, i, g):
-    if len(d) > i and d[i] is not None:
-        K._add(g, axis=0, out=d[i])
-
-
-def _ln_grads(d, i, g, xhat):
-    """LayerNorm's dw = sum over rows of g * xhat into d[i], db = sum of g into d[i + 1]."""
-    d[i][...] = K._add(g * xhat, axis=(0,))
-    _bias_grad(d, i + 1, g)
-
-
-def _linear_back(g, x, w, put, i: int):
-    """y = x @ w + b: its weights' gradients d[i], d[i + 1] `put` (see `block_backward`); returns dx = g @ w^T."""
-    put(_dense_grads, i, x, g)
-    return K._mm(g, w.T)
-
-
-def _ln_back(g, saved, w, put, i: int):
+def _ln_back(g, saved, w, put, i: int, cp):
     """LayerNorm: its weights' gradients d[i], d[i + 1] `put`; returns dx."""
-    put(_ln_grads, i, g, saved[0])
+    put(cp.ln, i, g, saved[0])
     return K._ln_bwd(g, saved, (0,), g, w, None)[0]  # the input only gives the shape
 
 
@@ -92,14 +122,7 @@ def embedding_forward(w, idx, shapes, cp=WHOLE):
 def embedding_backward(g, w, idx, shapes, put, cp=WHOLE, tie=None) -> None:
     """The embedding's gradient `put` (it has no input to differentiate), wte's with a tied head's share added (`tie`'s,
     capstone.model.tied, taken when it is computed)."""
-    put(_embedding_grads, g, unpack(w, shapes), idx, cp.positions(idx.shape[1]), tie)
-
-
-def _embedding_grads(d, g, w, idx, pos, tie):
-    d[0][...], d[1][...] = K._embed_bwd(g, None, (0, 1), *w, idx, pos).values()
-    share = None if tie is None else tie.share()
-    if share is not None:                              # a tied wte's gradient: the sum of its two uses
-        d[0] += share
+    put(cp.embed, g, unpack(w, shapes), idx, cp.positions(idx.shape[1]), tie)
 
 
 def block_forward(x, w, T, H, shapes, tp, cp=WHOLE, masks=None, layer: int = 0):
@@ -111,26 +134,18 @@ def block_forward(x, w, T, H, shapes, tp, cp=WHOLE, masks=None, layer: int = 0):
         drop = masks.drop(layer, T, H, getattr(tp, "rank", 0) * H)
         m1, m2 = (masks.channels(layer, site, T, x.shape[1]) for site in ("attn_out", "mlp_out"))
     a, s_ln1 = K._ln_fwd(x, ln1w, ln1b)
-    qkv, _ = K._linear_fwd(a, aw, ab)                                           # (B*T, 3C/tp)
+    qkv = cp.col(a, aw, ab, "heads")                                            # (B*T, 3C/tp)
     y, s_att = cp.attention(qkv, T, H, drop)                                    # (B*T, C/tp)
-    x1 = x + _dropped(_row_parallel(y, pw, pb, tp), m1)
+    x1 = x + _dropped(cp.row(y, pw, pb, tp), m1)
     m, s_ln2 = K._ln_fwd(x1, ln2w, ln2b)
-    h, s_fc = K._linear_gelu_fwd(m, fw, fb)                                     # (B*T, 4C/tp)
-    return x1 + _dropped(_row_parallel(h, mw, mb, tp), m2), [a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc, m1, m2]
+    u = cp.col(m, fw, fb, "columns")                                            # (B*T, 4C/tp)
+    h, t = K._gelu_fwd(u)
+    return x1 + _dropped(cp.row(h, mw, mb, tp), m2), [a, s_ln1, qkv, s_att, y, m, s_ln2, h, (u, t), m1, m2]
 
 
 def _dropped(a, mask):
     """a with dropout's mask applied (None: no dropout)."""
     return a if mask is None else a * mask
-
-
-def _row_parallel(x, w, b, tp):
-    """x @ w summed over the tensor-parallel ranks ("g"), then + b (if any): (B*T, Cin/tp) -> (B*T, C)."""
-    y = K._mm(x, w)
-    tp.Allreduce(y, "tensor-parallel allreduce of a block's output", "tp_allreduce")
-    if b is not None:
-        y += b
-    return y
 
 
 def block_backward(g, saved, x, w, T, H, shapes, tp, put, free: bool, cp=WHOLE):
@@ -143,23 +158,23 @@ def block_backward(g, saved, x, w, T, H, shapes, tp, put, free: bool, cp=WHOLE):
         saved.clear()
     ln1w, _, aw, _, pw, _, ln2w, _, fw, _, mw, _ = unpack(w, shapes)
     g2 = _dropped(g, m2)                                                        # the MLP branch's gradient
-    put(_dense_grads, 10, h, g2)                                                # _linear_back, with h freed
+    put(cp.dense, 10, h, g2, "rows")                                            # the row layer's, with h freed
     del h, m2                                                                   # before gh exists: 3.6 MiB
-    gh = K._mm(g2, mw.T)                                                        # less peak RSS at medium
+    gh = cp.row_back(g2, mw)                                                    # less peak RSS at medium
     del g2                                                                      # (B*T, 4C/tp)
-    gm = _linear_back(K._gelu_grad(gh, *s_fc, out=gh), m, fw, put, 8)           # through the MLP
+    gm = cp.col_back(K._gelu_grad(gh, *s_fc, out=gh), m, fw, put, 8, "columns", tp)   # through the MLP
     del gh, s_fc, m
-    tp.Allreduce(gm, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")   # "f"
-    gx1 = g + _ln_back(gm, s_ln2, ln2w, put, 6)
+    gx1 = g + _ln_back(gm, s_ln2, ln2w, put, 6, cp)
     del gm, s_ln2
-    gqkv = cp.attention_back(_linear_back(_dropped(gx1, m1), y, pw, put, 4), s_att, (0,), qkv, T, H)[0]
-    del s_att, y, qkv, m1
-    ga = _linear_back(gqkv, a, aw, put, 2)
-    tp.Allreduce(ga, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")   # "f"
-    return gx1 + _ln_back(ga, s_ln1, ln1w, put, 0)
+    gy = _dropped(gx1, m1)
+    put(cp.dense, 4, y, gy, "rows")
+    gqkv = cp.attention_back(cp.row_back(gy, pw), s_att, (0,), qkv, T, H)[0]
+    del s_att, y, qkv, m1, gy
+    ga = cp.col_back(gqkv, a, aw, put, 2, "heads", tp)
+    return gx1 + _ln_back(ga, s_ln1, ln1w, put, 0, cp)
 
 
-def head_logits(x, w, shapes, wte=None):
+def head_logits(x, w, shapes, wte=None, cp=WHOLE):
     """Logits (B*T, V) of the final hidden states x (B*T, C): w = [ln_f.w, ln_f.b, lm_head.w(, lm_head.b)]; tied
     (--tie-embeddings, capstone.model.tied): w = [ln_f.w, ln_f.b(, lm_head.b)], the head wte.T, wte (V, C)."""
     if wte is None:
@@ -167,30 +182,31 @@ def head_logits(x, w, shapes, wte=None):
     else:
         (lnw, lnb, *hb), hw = unpack(w, shapes), wte.T
     z_in, s_ln = K._ln_fwd(x, lnw, lnb)
-    z = K._mm(z_in, hw)
+    z = cp.mm(z_in, hw)
     if hb:
         z += hb[0]
     return z, (z_in, s_ln)
 
 
-def head_loss_forward(x, w, targets, shapes, wte=None):
-    """Sum over the rows of the cross-entropy of the logits against targets (B*T,) -> scalar."""
-    z, (z_in, s_ln) = head_logits(x, w, shapes, wte)
-    loss, probs = K._xent_fwd(z, targets)
+def head_loss_forward(x, w, targets, shapes, scale=1.0, wte=None, cp=WHOLE):
+    """scale * (sum over the rows of the cross-entropy of the logits against targets (B*T,)) -> scalar."""
+    z, (z_in, s_ln) = head_logits(x, w, shapes, wte, cp)
+    loss, probs = cp.xent(z, targets, scale)
     return loss, [z_in, s_ln, probs]
 
 
-def head_loss_backward(g, saved, w, targets, shapes, put, free: bool, wte=None, gwte=None):
+def head_loss_backward(g, saved, w, targets, shapes, put, free: bool, scale=1.0, wte=None, gwte=None, cp=WHOLE):
     """The hidden states' gradient (`free`: as block_backward); the head's weights' `put`, a tied head's share of wte's
-    gradient written into gwte."""
+    gradient written into gwte (cp.share_buffer)."""
     z_in, s_ln, probs = saved
     if free:
         saved.clear()
-    gz = K._xent_grad_inplace(probs if free else probs.copy(), targets, g)      # over the softmax if owned
+    gz = K._xent_grad_inplace(probs if free else probs.copy(), targets, g * scale)   # over the softmax if owned
     del probs
     if wte is None:
         lnw, _, hw, *_ = unpack(w, shapes)
-        return _ln_back(_linear_back(gz, z_in, hw, put, 2), s_ln, lnw, put, 0)
-    K._mm(gz.T, z_in, out=gwte)                                                 # z = z_in @ wte.T: d wte = gz.T @ z_in
-    put(_bias_grad, 2, gz)
-    return _ln_back(K._mm(gz, wte), s_ln, unpack(w, shapes)[0], put, 0)
+        put(cp.dense, 2, z_in, gz)
+        return _ln_back(cp.mm(gz, hw.T), s_ln, lnw, put, 0, cp)
+    cp.share(gz, z_in, gwte)
+    put(cp.bias, 2, gz)
+    return _ln_back(cp.mm(gz, wte), s_ln, unpack(w, shapes)[0], put, 0, cp)

@@ -27,7 +27,7 @@ def hidden(ps: Pass, cfg: ModelConfig, names, start, idx):
 def run_layers(ps: Pass, cfg: ModelConfig, names, start, idx, targets, scale):
     """Groups `names` of the model: scale * (summed cross-entropy against targets), or (no head) its hidden states."""
     h, shapes = hidden(ps, cfg, names, start, idx), group_shapes(cfg, ps.tp.size)
-    return h if "head" not in names else head_loss(h, ps, targets.reshape(-1), shapes["head"]) * scale
+    return h if "head" not in names else head_loss(h, ps, targets.reshape(-1), shapes["head"], scale)
 
 
 def tied_source(cfg: ModelConfig, tp=ALONE):

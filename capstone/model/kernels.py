@@ -163,13 +163,6 @@ def _gelu_grad(g, u, tp, out=None):
     return out
 
 
-def _linear_gelu_fwd(x, w, b):
-    """gelu(x @ w + b): x (N, Cin) -> (N, Cout); saves the pre-activation and its tanh."""
-    u, _ = _linear_fwd(x, w, b)
-    y, t = _gelu_fwd(u)
-    return y, (u, t)
-
-
 # ---- causal multi-head attention on the fused qkv buffer, in causal blocks (docs/design.md) -------
 
 def _split_heads(qkv, T, H):

@@ -14,7 +14,6 @@ from capstone.model.kernels import (
     _gelu_fwd,
     _gelu_grad,
     _linear_fwd,
-    _linear_gelu_fwd,
     _ln_bwd,
     _ln_fwd,
     _mm,
@@ -39,6 +38,13 @@ linear = define("linear", _linear_fwd, lambda g, _, argnums, x, w, b: _linear_gr
 
 
 gelu = define("gelu", _gelu_fwd, lambda g, tp, argnums, u: {0: _gelu_grad(g, u, tp)})
+
+
+def _linear_gelu_fwd(x, w, b):
+    """gelu(x @ w + b): x (N, Cin) -> (N, Cout); saves the pre-activation and its tanh (the blocks fuse it so)."""
+    u, _ = _linear_fwd(x, w, b)
+    y, t = _gelu_fwd(u)
+    return y, (u, t)
 
 
 linear_gelu = define("linear_gelu", _linear_gelu_fwd,

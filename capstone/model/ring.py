@@ -32,6 +32,7 @@ import math
 import numpy as np
 
 from capstone.model import kernels as K
+from capstone.model.blocks import Alone
 
 TAG = 7100   # + the hop: the ring's messages on the cp communicator
 TILE = 64    # query rows at a time within a chunk block: its temporaries are (B, H, TILE, n), not (B, H, n, n)
@@ -63,7 +64,7 @@ def merge(acc, s, v, keep=None):
     return [o * a + block[0] * b, top, lo * a + block[2] * b]
 
 
-class Ring:
+class Ring(Alone):
     """The cp group's attention and positions, handed to the blocks through the model's `Pass`
     (capstone.model.backward): the sequence's part on this rank is chunks `chunks(rank, size)`."""
 

@@ -29,7 +29,6 @@ and across a resume on another world size. docs/deterministic.md has the scheme 
 The cost: `mpirun -n 4 python -m benchmarks.determinism [--repeats 3] [--reduction-only]`.
 """
 
-import hashlib
 import math
 
 import numpy as np
@@ -73,12 +72,6 @@ def sumsq(values: np.ndarray) -> float:
 def chunked_sumsq(full: np.ndarray, n: int, chunk: int = FIXED_CHUNK) -> float:
     """Sum of squares of full[:n] over fixed chunks, summed in the fixed tree (serial reference)."""
     return tree_sum(sumsq(full[c:min(c + chunk, n)]) for c in range(0, n, chunk))
-
-
-def fingerprint(flat: np.ndarray, n: int) -> tuple[float, str]:
-    """(L2 norm, sha256 prefix) of the first n values (the parameters without the world-dependent
-    padding), the norm in the fixed chunk tree: the same bits for the same parameters on any layout."""
-    return math.sqrt(chunked_sumsq(flat, n)), hashlib.sha256(flat[:n].tobytes()).hexdigest()[:16]
 
 
 # ---- the gradient ------------------------------------------------------------------------------
@@ -131,15 +124,15 @@ class DeterministicReducer(GradReducer):
 
     accumulates = False   # every micro-batch overwrites the flat gradient buffer
 
-    def __init__(self, grid, layout, grads, grad_accum: int):
+    def __init__(self, grid, layout, grads, grad_accum: int, chunks=None):
         super().__init__(grid, layout, grads)
+        self.chunks = chunks    # model-parallel parts: the norm over the canonical vector's chunks (parallel.chunksums)
         self.micro, self.plans = 0, None if grads is not None else group_plans(layout, grid.dp.rank)
         self.accum, self.w = grad_accum, grid.dp.size
         # a replica's parts (pipeline stage p, tensor-parallel rank t: part p * tp + t), the ranks of the
         # part whose losses are the replica's (the last stage's t = 0) in dp x cp order, replica 0's ranks
         loss_part = (grid.pp.size - 1) * grid.tp.size
         self.loss_ranks = [r for r in range(grid.world.size) if grid.part(r) == loss_part]
-        self.first = grid.replica_ranks(0)
         # row k = j*world + q: rank q's block j, this rank's shard of it (block k of the step)
         self.rows = np.zeros((grad_accum * self.w, layout.shard), dtype=np.float32)   # padding stays 0
         self.norm = ShardNorm(grid.dp, layout.n_params, layout.shard)
@@ -180,14 +173,17 @@ class DeterministicReducer(GradReducer):
         tree_rows(self.rows, self.grad_shard)   # padding columns: sums of zeros
         if self.plans is not None:   # --inject-nan (a test seam), where no flat buffer is
             self.dp.hooks.gradients(self.dp.hooks.step, 0, self.grad_shard)
-        shard = self.grad_shard if self.norm_weight is None else self.grad_shard * self.norm_weight
-        small = np.array([*losses, *flags.counts(), self.norm.sum_of_squares(shard)], dtype=np.float64)
+        if self.chunks is None:
+            square = self.norm.sum_of_squares(self.grad_shard)
+        else:
+            square = self.chunks(self.grad_shard)[0]
+        small = np.array([*losses, *flags.counts(), square], dtype=np.float64)
         self.agreeing()
         every = np.empty((self.world.size, len(small)), dtype=np.float64)
         self.world.Allgather(every, "allgather of the micro-batch losses and norms", "allgather_stats", send=small)
         blocks = every[self.loss_ranks, :self.accum]   # (dp x cp, accum) of the loss-holding parts
         loss = tree_sum(blocks.T.reshape(-1))          # index j*world + q = block k (--cp: its part q % cp)
-        norm = math.sqrt(tree_sum(every[self.first, -1]))          # replica 0's parts, in part order
+        norm = math.sqrt(square)
         return GradStats(loss, norm, Flags.any_rank(every[:, self.accum:-1].sum(axis=0)))
 
 

@@ -26,8 +26,8 @@ class Link:
     """The model's tie source on a pipeline stage (capstone.model.tied.Tied's role), with the exchange of
     wte and its gradient between the first and last stages; `seam` is the stage's (it holds wte on the first)."""
 
-    def __init__(self, seam, pp, shape: tuple):
-        self.seam, self.pp, self.shape = seam, pp, shape
+    def __init__(self, seam, pp, shape: tuple, share_buffer=np.empty_like):
+        self.seam, self.pp, self.shape, self.share_buffer = seam, pp, shape, share_buffer   # the share's (per chunk)
         self.first, self.last = pp.rank == 0, pp.rank == pp.size - 1
         self.mirror = np.empty(shape, dtype=DTYPE) if self.last else None
         self.sends = []
@@ -53,7 +53,7 @@ class Link:
 
     def receive_share(self) -> np.ndarray:
         """The first stage: the last stage's share of wte's gradient of the same micro-batch."""
-        buf = np.empty(self.shape, dtype=DTYPE)
+        buf = self.share_buffer(np.empty(self.shape, dtype=DTYPE))
         self.pp.wait(self.pp.Irecv(buf, self.pp.size - 1, SHARE_TAG),
                      "receive of the tied head's gradient of wte from the last pipeline stage", "tied_recv", "p2p",
                      buf.nbytes)

@@ -139,10 +139,9 @@ class ShardedReplicaCheck(ReplicaCheck):
     data-parallel group hold different shards, but must have assembled the same groups; the step's
     norm is the whole model's, from every rank's share."""
 
-    def __init__(self, grid, layout: Layout, gatherer: Gatherer, exact: Callable | None = None):
+    def __init__(self, grid, layout: Layout, gatherer: Gatherer):
         super().__init__(grid, layout)
         self.gatherer, self.weight = gatherer, None
-        self.exact, self.first = exact, grid.replica_ranks(0)   # --deterministic: replica 0's parts' sums, in order
         if grid.tp.size > 1:
             from capstone.parallel import tensor
             self.weight = tensor.norm_weight(layout, grid.tp.rank, *layout.shard_range(grid.dp.rank))
@@ -151,15 +150,11 @@ class ShardedReplicaCheck(ReplicaCheck):
         """Collective over the world: (whole-model parameter norm, digest of the gathered groups)."""
         digest = self.gatherer.digest()
         self.gatherer.reset()
-        shard = params if self.weight is None else params * self.weight
-        mine = np.array([sum_squares(params, self.weight) if self.exact is None else self.exact(shard), 0.0])
+        mine = np.array([sum_squares(params, self.weight), 0.0])
         mine[1:].view(np.uint64)[0] = int(digest, 16)
         every = np.empty((self.world.size, 2))
         self.world.Allgather(every, "allgather of the gathered groups' fingerprints", "allgather_checks", send=mine)
         self.record(step, [f"{int(e[1:].view(np.uint64)[0]):016x}" for e in every])
-        if self.exact is not None:   # each rank of a part has the part's sum: replica 0's parts, in order
-            from capstone.parallel.deterministic import tree_sum
-            return float(np.sqrt(tree_sum(every[self.first, 0]))), digest
         return float(np.sqrt(np.add.reduce(every[:, 0]))), digest
 
 

@@ -1,0 +1,270 @@
+"""--deterministic's arithmetic: every sum that a layout could cut is cut the same way on every layout.
+
+The plan's split count S (`--det-split`, capstone.plan) fixes two canonical cuts of the model's sums:
+
+- *Pieces.* Every contraction that tensor parallelism cuts is P = gcd(S, n_heads) partial products:
+  a row-parallel layer (both c_proj) and a column-parallel layer's input gradient (c_attn, c_fc)
+  add P products over P pieces of the split dimension (c_attn: P groups of whole heads), in the
+  fixed tree over the piece index, a tensor-parallel rank of tp holding P/tp pieces (its subtree) and the ranks'
+  subtrees added in the same tree after one allgather. A column-parallel output and every weight
+  gradient are computed piece by piece, so the GEMMs have the same shapes also at tp 1.
+- *Chunks.* Each sequence is S chunks of n = T/S positions. Every GEMM over tokens runs per chunk
+  tile of one sample (n rows), and every sum over tokens (each weight gradient, LayerNorm's and the
+  biases' gradients, the embeddings' scatter-add, the loss) is taken per chunk of the micro-batch
+  and added in the chunk tree: chunks q and S-1-q first (a *pair*), then the stride tree over the
+  pair index. Context-parallel rank c of k holds the pairs [c S/2k, (c+1) S/2k) (its ring chunks
+  c and 2k-1-c: capstone.model.ring), so it sums its subtree and the deterministic reducer adds the
+  ranks' rows in the same tree (capstone.parallel.deterministic: rows of a block are adjacent).
+- Attention (`Exact.attention`): each query chunk merges its key chunks' partial softmax results
+  (running max, sum, output) in chunk-index order, tile by tile; under --cp the keys and values
+  are allgathered over the ring, and each key chunk's gradient is the chunk tree over the query
+  chunks, the ranks' subtrees sent to its owner (one Alltoall) and added in the same tree.
+
+tp (dividing P) and 2 cp (dividing S) are powers of two, so that every subtree is a subtree of the one tree.
+docs/deterministic.md has the proof.
+"""
+
+import math
+
+import numpy as np
+
+from capstone.model import kernels as K
+from capstone.model.blocks import Alone
+
+
+def tree(leaves: list):
+    """The fixed tree over leaf indices: at stride 1, 2, 4, ... leaf i += leaf i+stride (i a multiple of 2 stride)."""
+    stride = 1
+    while stride < len(leaves):
+        for i in range(0, len(leaves) - stride, 2 * stride):
+            leaves[i] = leaves[i] + leaves[i + stride]
+        stride *= 2
+    return leaves[0]
+
+
+def held(S: int, k: int, c: int) -> list[int]:
+    """The chunks (of S) that cp rank c of k holds, in its rows' order: its ring chunks c and 2k-1-c, S/2k each."""
+    m = S // (2 * k)
+    return [*range(c * m, (c + 1) * m), *range((2 * k - 1 - c) * m, (2 * k - c) * m)]
+
+
+def _c(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a)
+
+
+class Exact(Alone):
+    """The blocks' arithmetic in S pieces and S chunks (see the module), over tensor-parallel group `tp`
+    and the context-parallel `ring` (capstone.model.ring.Ring; None: the sequence whole)."""
+
+    exact = True
+
+    def __init__(self, S: int, T: int, heads: int, tp, ring=None):
+        k, c = (1, 0) if ring is None else (ring.k, ring.c)
+        self.S, self.n, self.tp, self.ring, self.k, self.P = S, T // S, tp, ring, k, math.gcd(S, heads) // tp.size
+        self.chunks = held(S, k, c)
+        self.L, at, m = len(self.chunks), {q: i for i, q in enumerate(self.chunks)}, S // (2 * k)
+        self.pairs = [(at[p], at[S - 1 - p]) for p in range(c * m, (c + 1) * m)]   # this rank's pairs, in order
+
+    def positions(self, t: int):
+        return None if self.ring is None else self.ring.positions(t)
+
+    # ---- the two cuts -------------------------------------------------------------------------
+
+    def tsum(self, f):
+        """The chunk tree of f(l) over this rank's chunks l (local order): pairs, then their stride tree."""
+        return tree([f(i) + f(j) for i, j in self.pairs])
+
+    def across(self, y: np.ndarray) -> np.ndarray:
+        """The piece tree's top: the tensor-parallel ranks' subtrees y, allgathered, added in rank order."""
+        if self.tp.size == 1:
+            return y
+        every = np.empty((self.tp.size,) + y.shape, dtype=y.dtype)
+        self.tp.Allgather(every, "deterministic tensor-parallel allgather of partial products", "tp_allreduce",
+                          send=_c(y))
+        return tree(list(every))
+
+    def pieces(self, width: int, split: str) -> list:
+        """This rank's S/tp pieces of a split dimension of `width` (heads: [q_s | k_s | v_s] of fused qkv)."""
+        if split == "heads":
+            c = width // 3
+            n = c // self.P
+            return [np.concatenate([j * c + s * n + np.arange(n) for j in range(3)]) for s in range(self.P)]
+        n = width // self.P
+        return [slice(s * n, (s + 1) * n) for s in range(self.P)]
+
+    def chunk(self, x: np.ndarray, l: int) -> np.ndarray:
+        """The rows of local chunk l of every sample of x (B*t, C): (B*n, C), contiguous."""
+        return x.reshape(-1, self.L, self.n, x.shape[-1])[:, l].reshape(-1, x.shape[-1])
+
+    def mm(self, x, w):
+        """x @ w per chunk tile (n rows of one sample): (B*t, Cin) -> (B*t, Cout)."""
+        return K._mm(x.reshape(-1, self.n, x.shape[-1]), w).reshape(len(x), -1)
+
+    # ---- the layers (capstone.model.blocks.Alone's interface) -----------------------------------
+
+    def col(self, x, w, b, split):
+        out = np.empty((len(x), w.shape[1]), dtype=np.result_type(x, w))
+        for cols in self.pieces(w.shape[1], split):
+            out[:, cols] = self.mm(x, _c(w[:, cols]))
+        if b is not None:
+            out += b
+        return out
+
+    def row(self, x, w, b, tp):
+        y = self.across(tree([self.mm(_c(x[:, r]), w[r]) for r in self.pieces(x.shape[1], "rows")]))
+        if b is not None:
+            y += b
+        return y
+
+    def col_back(self, g, x, w, put, i: int, split, tp):
+        put(self.dense, i, x, g, split)
+        return self.across(tree([self.mm(_c(g[:, c]), _c(w[:, c].T)) for c in self.pieces(w.shape[1], split)]))
+
+    def row_back(self, g, w):
+        gx = np.empty((len(g), w.shape[0]), dtype=np.result_type(g, w))
+        for r in self.pieces(w.shape[0], "rows"):
+            gx[:, r] = self.mm(g, _c(w[r].T))
+        return gx
+
+    def dense(self, d, i, x, g, split=None):
+        """Weight gradient x^T g piece by piece, each the chunk tree of the chunks' GEMMs; the bias's likewise."""
+        xs, gs = [self.chunk(x, l) for l in range(self.L)], [self.chunk(g, l) for l in range(self.L)]
+        every = slice(None)
+        if split is None:
+            cuts = [(every, every)]
+        elif split == "rows":
+            cuts = [(r, every) for r in self.pieces(x.shape[1], "rows")]
+        else:
+            cuts = [(every, c) for c in self.pieces(g.shape[1], split)]
+        for a, c in cuts:
+            d[i][a, c] = self.tsum(lambda l: K._mm(_c(xs[l][:, a].T), _c(gs[l][:, c])))
+        self.bias(d, i + 1, g, gs)
+
+    def bias(self, d, i, g, gs=None):
+        if len(d) > i and d[i] is not None:
+            gs = gs or [self.chunk(g, l) for l in range(self.L)]
+            d[i][...] = self.tsum(lambda l: K._add(gs[l], axis=0))
+
+    def ln(self, d, i, g, xhat):
+        gs = [self.chunk(g, l) for l in range(self.L)]
+        d[i][...] = self.tsum(lambda l: K._add(gs[l] * self.chunk(xhat, l), axis=0))
+        self.bias(d, i + 1, g, gs)
+
+    def xent(self, z, targets, scale):
+        """(the chunk tree of each chunk's float32 loss sum as float64 times scale, softmax)."""
+        zs = z - K._max(z, axis=1, keepdims=True)
+        e = np.exp(zs)
+        s = K._add(e, axis=1, keepdims=True)
+        rows = (np.log(s[:, 0]) - zs[np.arange(z.shape[0]), targets])[:, None]
+        e /= s
+        return self.tsum(lambda l: np.float64(K._add(self.chunk(rows, l)[:, 0])) * scale), e
+
+    def share_buffer(self, wte):
+        return np.empty((self.L,) + wte.shape, dtype=wte.dtype)
+
+    def share(self, gz, z_in, gwte) -> None:
+        """A tied head's share of wte's gradient, per chunk (added to the embedding's chunk by chunk)."""
+        for l in range(self.L):
+            K._mm(_c(self.chunk(gz, l).T), self.chunk(z_in, l), out=gwte[l])
+
+    def embed(self, d, g, w, idx, pos, tie):
+        """wte's gradient: each chunk's scatter-add (and a tied head's share), in the chunk tree; wpe's per position."""
+        share = None if tie is None else tie.share()
+        B, n = idx.shape[0], self.n
+        ids = idx.reshape(B, self.L, n)
+
+        def leaf(l):
+            out = K._embed_bwd(self.chunk(g, l), None, (0,), *w, _c(ids[:, l]))[0]
+            return out if share is None else out + share[l]
+        d[0][...] = self.tsum(leaf)
+        d[1][...] = 0.0
+        for l, q in enumerate(self.chunks):
+            d[1][q * n:(q + 1) * n] = K._add(self.chunk(g, l).reshape(B, n, -1), axis=0)
+
+    # ---- attention ----------------------------------------------------------------------------
+
+    def _kv(self, k, v) -> np.ndarray:
+        """(2, B, H, S n, D): every chunk's keys and values in chunk order (under --cp, allgathered)."""
+        kv = np.stack([k, v])
+        if self.ring is None:
+            return kv
+        every = np.empty((self.k,) + kv.shape, dtype=kv.dtype)
+        self.ring.cp.Allgather(every, "deterministic context-parallel allgather of keys and values", "cp_ring",
+                               send=_c(kv))
+        n = self.n
+        out = np.empty(kv.shape[:3] + (self.S * n,) + kv.shape[4:], dtype=kv.dtype)
+        for r in range(self.k):
+            for l, q in enumerate(held(self.S, self.k, r)):
+                out[:, :, :, q * n:(q + 1) * n] = every[r][:, :, :, l * n:(l + 1) * n]
+        return out
+
+    def _tiles(self, drop):
+        """(local query rows, key chunk b, key rows, causal mask or None, dropout keep or None) of every tile,
+        query chunk by chunk and within a tile key chunk by key chunk, in index order."""
+        n = self.n
+        for l, a in enumerate(self.chunks):
+            for r in range(0, n, K.ATTN_BLOCK):
+                e = min(n, r + K.ATTN_BLOCK)
+                rows = slice(l * n + r, l * n + e)
+                for b in range(a + 1):
+                    keys = slice(b * n, b * n + e) if b == a else slice(b * n, (b + 1) * n)
+                    keep = None if drop is None else drop(np.arange(a * n + r, a * n + e), np.arange(keys.start,
+                                                                                                      keys.stop))
+                    yield l, rows, b, keys, K.causal_mask(n)[r:e, :e] if b == a else None, keep
+
+    def attention(self, qkv, t: int, h: int, drop=None):
+        from capstone.model.ring import merge
+        q, k, v = K._split_heads(qkv, t, h)
+        bsz, _, _, d = q.shape
+        qs, kv, acc = q * (1.0 / math.sqrt(d)), self._kv(k, v), {}
+        for _, rows, _, keys, mask, keep in self._tiles(drop):
+            s = K._mm(qs[:, :, rows], kv[0][:, :, keys].swapaxes(-1, -2))
+            if mask is not None:
+                s += mask
+            acc[rows.start] = merge(acc.get(rows.start), s, kv[1][:, :, keys], keep)
+        parts = [acc[start] for start in sorted(acc)]
+        yh = np.concatenate([o / s for o, _, s in parts], axis=2)
+        lse = np.concatenate([m + np.log(s) for _, m, s in parts], axis=2)
+        y = _c(yh.transpose(0, 2, 1, 3)).reshape(bsz * t, -1)
+        return y, (lse, y, drop)
+
+    def attention_back(self, g, saved, argnums, qkv, t: int, h: int):
+        lse, y, drop = saved
+        q, k, v = K._split_heads(qkv, t, h)
+        bsz, _, _, d = q.shape
+        qs, kv, n = q * (1.0 / math.sqrt(d)), self._kv(k, v), self.n
+        gy = K._heads(g, bsz, t, h)
+        dot = K._rowdot(gy, K._heads(y, bsz, t, h))
+        gq = np.zeros_like(qs)
+        parts = np.zeros((self.S, self.L) + kv.shape[:3] + (n, d), dtype=kv.dtype)   # key chunk b, query chunk l
+        for l, rows, b, keys, mask, keep in self._tiles(drop):
+            s = K._mm(qs[:, :, rows], kv[0][:, :, keys].swapaxes(-1, -2))
+            if mask is not None:
+                s += mask
+            p = np.exp(s - lse[:, :, rows])
+            width = keys.stop - keys.start
+            parts[b, l, 1][..., :width, :] += K._mm((p if keep is None else p * keep).swapaxes(-1, -2), gy[:, :, rows])
+            ds = K._mm(gy[:, :, rows], kv[1][:, :, keys].swapaxes(-1, -2))
+            if keep is not None:
+                ds *= keep
+            ds -= dot[:, :, rows]
+            ds *= p
+            gq[:, :, rows] += K._mm(ds, kv[0][:, :, keys])
+            parts[b, l, 0][..., :width, :] += K._mm(ds.swapaxes(-1, -2), qs[:, :, rows])
+        dkv = self._home(np.stack([self.tsum(lambda l, b=b: parts[b, l]) for b in range(self.S)]))
+        gqkv = np.empty((bsz, t, 3, h, d), dtype=np.result_type(qkv, g))
+        gqkv[:, :, 0] = (gq * (1.0 / math.sqrt(d))).transpose(0, 2, 1, 3)
+        gqkv[:, :, 1:] = dkv.transpose(2, 0, 4, 1, 3, 5).reshape(bsz, t, 2, h, d)
+        return {0: gqkv.reshape(qkv.shape)}
+
+    def _home(self, sub: np.ndarray) -> np.ndarray:
+        """(L, 2, B, H, n, D): this rank's key chunks' gradients, the ranks' subtrees `sub` (S, ...) sent to each
+        chunk's owner and added in rank order (the top of the chunk tree)."""
+        if self.ring is None:
+            return sub
+        send = _c(np.stack([sub[held(self.S, self.k, r)] for r in range(self.k)]))
+        got = np.empty_like(send)
+        self.ring.cp.Alltoall(send, got, "deterministic context-parallel exchange of key and value gradients",
+                              "cp_ring")
+        return np.stack([tree(list(got[:, l])) for l in range(self.L)])
+

@@ -1,0 +1,104 @@
+"""--deterministic's norms and fingerprint of the canonical vector, from any layout's parts.
+
+The canonical vector is the 1-rank model's flat vector (unpadded; capstone.parallel.tensor.positions
+maps a part's elements to it). It is cut into fixed chunks of FIXED_CHUNK values; chunk c belongs to
+world rank c % world. Each rank sends every value it holds once (its ZeRO shard of its part; a whole
+parameter replicated over the tensor-parallel ranks from tp rank 0 only) to its chunk's owner: one
+Alltoall (of blocks padded to the largest), whose plan (counts and the receivers' placement) is made once, at the
+start. The owner has
+each of its chunks whole and in order, and gives its float64 sum of squares (`sumsq`) and sha256; one
+allgather of those, and every rank adds the sums in the fixed tree over chunk indices and hashes the
+digests in chunk order. So param_norm, the gradient norm and the fingerprint are one quantity on every
+stage, tp, pp, cp and ZeRO layout, and no rank holds more than its chunks (the whole model never does).
+"""
+
+import hashlib
+import math
+
+import numpy as np
+
+from capstone.parallel.deterministic import FIXED_CHUNK, sumsq, tree_sum
+
+KIND = "sha256 of the canonical vector's 16384-value chunks' sha256s"   # the fingerprint's, recorded with a run
+
+
+class ChunkSums:
+    """The canonical chunks' sums of squares and digests of the values this rank holds (see the module):
+    `idx` their canonical indices (-1: a value another rank counts), of `n` in all."""
+
+    def __init__(self, world, idx: np.ndarray, n: int):
+        self.world, w, me = world, world.size, world.rank
+        held = np.flatnonzero(idx >= 0)
+        owner = (idx[held] // FIXED_CHUNK) % w
+        order = np.lexsort((idx[held], owner))
+        self.take, counts = held[order], np.bincount(owner, minlength=w)
+        every = np.empty((w, w), dtype=np.int64)             # every[r, o]: values rank r sends to chunk owner o
+        world.Allgather(every, "deterministic norms: counts of the canonical chunks' values", "chunk_sums",
+                        send=counts.astype(np.int64))
+        self.block = int(every.max())                        # one Alltoall of equal blocks, padded to the largest
+        self.send_at = np.concatenate([o * self.block + np.arange(c) for o, c in enumerate(counts)]).astype(np.int64)
+        self.recv_at = np.concatenate([r * self.block + np.arange(c) for r, c in enumerate(every[:, me])])
+        where = self._exchange(idx[self.take].astype(np.int64), "deterministic norms: the canonical chunks' indices")
+        self.n_chunks = -(-n // FIXED_CHUNK)
+        self.per_rank, mine = -(-self.n_chunks // w), np.arange(me, self.n_chunks, w)   # this rank's chunks
+        self.starts = np.concatenate(([0], np.cumsum(np.minimum(n, (mine + 1) * FIXED_CHUNK) - mine * FIXED_CHUNK)))
+        base = np.zeros(self.n_chunks, dtype=np.int64)
+        base[mine] = self.starts[:-1]
+        self.place = base[where // FIXED_CHUNK] + where % FIXED_CHUNK
+        if len(np.unique(self.place)) != int(self.starts[-1]) or len(self.place) != int(self.starts[-1]):
+            raise RuntimeError("deterministic norms: the parts do not cover the canonical vector once")
+
+    def _exchange(self, values: np.ndarray, what: str) -> np.ndarray:
+        """Collective: `values` (in `take`'s order) to their chunks' owners; what this rank received, in rank order."""
+        send = np.zeros(self.world.size * self.block, dtype=values.dtype)
+        send[self.send_at] = values
+        got = np.empty_like(send)
+        self.world.Alltoall(send, got, what, "chunk_sums")
+        return got[self.recv_at]
+
+    def __call__(self, values: np.ndarray, digest: bool = False) -> tuple[float, str | None]:
+        """Collective over the world: (sum of squares of the canonical vector, its fingerprint if `digest`)."""
+        whole = np.empty(int(self.starts[-1]), dtype=values.dtype)
+        whole[self.place] = self._exchange(values[self.take], "deterministic norms: the canonical chunks' values")
+        mine = np.zeros((self.per_rank, 5))                  # per chunk: its sum of squares, its sha256 as 4 words
+        for i, (a, b) in enumerate(zip(self.starts[:-1], self.starts[1:])):
+            mine[i, 0] = sumsq(whole[a:b])
+            if digest:
+                mine[i, 1:].view(np.uint8)[:] = np.frombuffer(hashlib.sha256(whole[a:b].tobytes()).digest(), np.uint8)
+        every = np.empty((self.world.size,) + mine.shape)
+        self.world.Allgather(every, "allgather of the canonical chunks' sums", "allgather_stats", send=mine)
+        rows = [every[c % self.world.size, c // self.world.size] for c in range(self.n_chunks)]
+        total = tree_sum(r[0] for r in rows)
+        if not digest:
+            return total, None
+        return total, hashlib.sha256(b"".join(r[1:].tobytes() for r in rows)).hexdigest()[:16]
+
+
+class CanonicalCheck:
+    """Invariant (b) by `inner`'s check (capstone.parallel.replicas, zero3's); the step's param_norm and fingerprint
+    are the canonical vector's, from `shard` of the parameters (ZeRO-3: all of them, the shard)."""
+
+    def __init__(self, inner, sums: ChunkSums, shard: slice):
+        self.inner, self.sums, self.shard = inner, sums, shard
+
+    checked = property(lambda self: self.inner.checked)
+    mismatches = property(lambda self: self.inner.mismatches)
+
+    def check(self, step: int, params: np.ndarray, strong: bool) -> tuple[float, str]:
+        self.inner.check(step, params, strong)
+        sq, digest = self.sums(params[self.shard], digest=True)
+        return math.sqrt(sq), digest
+
+
+def canonical_index(grid, cfg, layout, groups) -> np.ndarray:
+    """Per element of this rank's ZeRO shard of its part: its index in the canonical vector, -1 for the padding and
+    for a whole parameter on a tensor-parallel rank > 0 (tp rank 0 counts it)."""
+    idx = np.full(layout.padded, -1, dtype=np.int64)
+    if grid.mp.size > 1:
+        from capstone.parallel import tensor
+        at, owned = tensor.positions(cfg, grid.tp.size, grid.tp.rank, groups)
+        idx[:layout.n_params] = np.where(owned, at, -1)
+    else:
+        idx[:layout.n_params] = np.arange(layout.n_params)
+    lo, hi = layout.shard_range(grid.dp.rank)
+    return idx[lo:hi]
