@@ -27,28 +27,17 @@ import numpy as np
 
 from capstone.checkpoint import files, integrity, reader
 from capstone.checkpoint.digest import CHUNK, distributed_roots, sha256_hex
-from capstone.checkpoint.files import CheckpointError, CheckpointUsageError, CorruptCheckpoint
-from capstone.checkpoint.integrity import check_file
-from capstone.checkpoint.reader import (
-    FORMAT,
-    HEADER,
-    VERSION,
-    dataset_name,
-    open_verified,
-    read_dataset,
-    read_meta,
-    root_attributes,
-    verify_contents,
-)
+from capstone.checkpoint.files import MIB, CheckpointError, CheckpointUsageError, CorruptCheckpoint
+from capstone.checkpoint.reader import (FORMAT, VERSION, dataset_name, open_verified, read_dataset, read_meta,
+                                       root_attributes, verify_contents)
 from capstone.collective.agree import agreed
 from capstone.config import ModelConfig
 from capstone.step.hooks import NONE
 from capstone.step.state import ROWS, ShardState
 
-__all__ = ["CheckpointError", "CorruptCheckpoint", "FORMAT", "HEADER", "VERSION", "agree", "check_file",
-           "dataset_name", "load", "mpi_io_available", "open_verified", "read_dataset", "read_meta", "read_meta_file",
-           "root_attributes", "save", "verify_contents", "verify_snapshot", "write"]
-MIB = 1 << 20
+__all__ = ["CheckpointError", "CorruptCheckpoint", "FORMAT", "VERSION", "agree", "dataset_name", "load",
+           "mpi_io_available", "open_verified", "read_dataset", "read_meta", "read_meta_file", "root_attributes",
+           "save", "verify_contents", "verify_snapshot", "write"]
 
 
 def read_meta_file(path: str) -> dict:
@@ -138,8 +127,13 @@ def _write_file(comm, tmp: str, meta: dict, meta_bytes: bytes, meta_sha: str, da
     f = None
     try:
         f = _agreed(comm, step, tmp, lambda: _open(tmp, "w", comm))
-        with comm.blocking(f"parallel HDF5 metadata of checkpoint step {step}"):
-            meta_ds, shards = _create_datasets(f, meta, meta_sha, len(meta_bytes), comm.size)
+        with comm.blocking(f"parallel HDF5 metadata of checkpoint step {step}"):   # every rank makes all of it
+            f.attrs.update({**root_attributes(meta), "meta_sha256": meta_sha})
+            meta_ds = f.create_dataset("meta_json", shape=(len(meta_bytes),), dtype="u1")
+            shards = [f.create_dataset(dataset_name(r), shape=(len(ROWS), meta["shard"]), dtype="<f4")
+                      for r in range(comm.size)]
+            for r, ds in enumerate(shards):
+                ds.attrs.update(meta["datasets"][dataset_name(r)])
 
         def write():
             if comm.rank == 0:
@@ -154,16 +148,6 @@ def _write_file(comm, tmp: str, meta: dict, meta_bytes: bytes, meta_sha: str, da
     except CheckpointError:
         _discard(comm, f, tmp)
         raise
-
-
-def _create_datasets(f, meta: dict, meta_sha: str, meta_len: int, world: int):
-    """Collective metadata: the root attributes, /meta_json and every rank's shard dataset."""
-    f.attrs.update({**root_attributes(meta), "meta_sha256": meta_sha})
-    meta_ds = f.create_dataset("meta_json", shape=(meta_len,), dtype="u1")
-    shards = [f.create_dataset(dataset_name(r), shape=(len(ROWS), meta["shard"]), dtype="<f4") for r in range(world)]
-    for r, ds in enumerate(shards):
-        ds.attrs.update(meta["datasets"][dataset_name(r)])
-    return meta_ds, shards
 
 
 def _agreed(comm, step: int, tmp: str, action, collective: str = ""):
@@ -231,8 +215,7 @@ def _check_compatible(meta: dict, path: str, layout, expect: dict) -> None:
 def _gather_shard(f, path: str, meta: dict, lo: int, hi: int, n: int, rank: int) -> np.ndarray:
     """This rank's new shard [lo, hi) assembled from the saved shards that overlap it (resharding)."""
     out = np.zeros((len(ROWS), hi - lo), dtype=np.float32)
-    old = meta["shard"]
-    end = min(hi, n)
+    old, end = meta["shard"], min(hi, n)
     for r in range(lo // old, (end - 1) // old + 1) if end > lo else ():
         data = read_dataset(f, path, meta, dataset_name(r), f"rank {rank}")
         a, b = max(lo, r * old), min(end, (r + 1) * old)
@@ -255,7 +238,7 @@ def load(comm, path: str, layout, expect: dict) -> tuple[dict, dict]:
     try:
         f, error = _open(path, "r", comm), None
     except Exception as exc:
-        f, error = None, reader.error_text(path, exc, f" on rank {rank}")
+        f, error = None, str(reader.read_error(path, exc, f" on rank {rank}"))
     agree(comm, error)
     state, meta, mismatch = None, None, None
     with comm.blocking(f"parallel HDF5 read of {os.path.basename(path)}"), f:
@@ -266,7 +249,7 @@ def load(comm, path: str, layout, expect: dict) -> tuple[dict, dict]:
         except CheckpointUsageError as exc:   # another model than the flags ask for: exit 2
             mismatch = str(exc)
         except Exception as exc:
-            error = reader.error_text(path, exc, f" on rank {rank}")
+            error = str(reader.read_error(path, exc, f" on rank {rank}"))
     agree(comm, error)
     agree(comm, mismatch, CheckpointUsageError)
     roots = distributed_roots(comm, dict(zip(ROWS, state)), lo, layout.n_params, meta["logical_chunk"])

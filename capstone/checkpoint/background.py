@@ -66,26 +66,24 @@ class Writer:
     def __init__(self, comm, main):
         self.comm, self.main = comm, main   # the duplicate, and the training thread's Comm (its deadline)
         self.thread: threading.Thread | None = None
-        self.outcome: dict = {}
+        self.error: CheckpointError | None = None   # the failure of the write in flight, once it ended
 
     def start(self, job, hooks, step: int) -> None:
-        """Run `job()` (the collective write of checkpoint `step`; it returns the manifest) in the
-        thread, its collectives calling `hooks` as the step's own do. The previous write must have
-        been waited for."""
+        """Run `job()` (the collective write of checkpoint `step`) in the thread, its collectives calling
+        `hooks` as the step's own do. The previous write must have been waited for."""
         assert self.thread is None, "one checkpoint write in flight at a time"
         self.comm.hooks = SaveHooks(hooks, step)
-        deadline, main = self.comm.deadline, self.main.deadline
-        deadline.explicit, deadline.step, deadline.longest_step = main.explicit, main.step, main.longest_step
-        deadline.record, deadline.on_expire = main.record, main.on_expire
-        self.outcome = {}
+        for name in ("explicit", "step", "longest_step", "record", "on_expire"):   # the training thread's deadline
+            setattr(self.comm.deadline, name, getattr(self.main.deadline, name))
+        self.error = None
         self.thread = threading.Thread(target=self._run, args=(job,), name="checkpoint-writer")
         self.thread.start()
 
     def _run(self, job) -> None:
         try:
-            self.outcome = {"manifest": job()}
+            job()
         except CheckpointError as exc:   # agreed: raised on every rank's thread alike
-            self.outcome = {"error": exc}
+            self.error = exc
         except BaseException as exc:  # noqa: BLE001 - a bug: end the job, as launch.fail_fast does
             print(f"[rank {self.comm.rank}/{self.comm.size}] error in the checkpoint writer: "
                   f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}[rank {self.comm.rank}] aborting all ranks",
@@ -93,28 +91,22 @@ class Writer:
             self.comm.abort(1)
 
     def running(self) -> bool:
-        """The write in flight has not ended (its outcome, once ended, waits for `wait`)."""
+        """The write in flight has not ended (its error, once ended, waits for `wait`)."""
         return self.thread is not None and self.thread.is_alive()
 
-    def wait(self) -> dict | None:
-        """Wait for the write in flight; its manifest (None: none was in flight). Raises its
-        CheckpointError, on every rank alike."""
-        if self.thread is None:
-            return None
-        self.thread.join()
-        self.thread, outcome = None, self.outcome
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["manifest"]
+    def wait(self) -> None:
+        """Wait for the write in flight, if any. Raises its CheckpointError, on every rank alike."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+            if self.error is not None:
+                raise self.error
 
 
 def writer(world) -> Writer | None:
     """Collective. The background writer of a run on `world`, or None (with a note from rank 0)
     when MPI cannot run collectives from a second thread."""
-    dup = world.for_thread("the checkpoint writer")
-    if dup is None:
-        if world.rank == 0:
-            print("note: MPI does not provide MPI_THREAD_MULTIPLE, so checkpoints are written synchronously "
-                  "(--no-ckpt-async); an MPI built with thread support writes them behind training.", flush=True)
-        return None
-    return Writer(dup, world)
+    if (dup := world.for_thread("the checkpoint writer")) is None and world.rank == 0:
+        print("note: MPI does not provide MPI_THREAD_MULTIPLE, so checkpoints are written synchronously "
+              "(--no-ckpt-async); an MPI built with thread support writes them behind training.", flush=True)
+    return None if dup is None else Writer(dup, world)

@@ -20,12 +20,8 @@ def improved(state, step: int, eval_loss: float | None) -> bool:
 
 
 def keep(run, r) -> None:
-    """Collective. With --keep-best, checkpoint step result `r` if it set a new best (an event says so)."""
+    """Collective. With --keep-best, checkpoint step result `r` if it set a new best (an event says so): into
+    OUT/checkpoints/best through the run's Checkpointer, keeping only it."""
     if run.tcfg.keep_best and improved(run.state, r.step, r.eval_loss):
-        r.events.append({"event": "best", "path": save(run.ckpt, run.state, run.opt.state)["path"]})
-
-
-def save(ckpt, state, shard) -> dict:
-    """Collective: checkpoint `state` into OUT/checkpoints/best through the run's Checkpointer, keeping
-    only it; returns its manifest (with "held_out", the best loss)."""
-    return {**ckpt.save_best(state, shard, os.path.join(ckpt.directory, DIRECTORY)), "held_out": state.best_eval}
+        man = run.ckpt.save_best(run.state, run.opt.state, os.path.join(run.ckpt.directory, DIRECTORY))
+        r.events.append({"event": "best", "path": man["path"]})

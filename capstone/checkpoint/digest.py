@@ -28,20 +28,10 @@ def split_shard(lo: int, hi: int, n: int, chunk: int = CHUNK):
     """For a shard [lo, hi) of a logical vector of n values: the chunks wholly inside it, and the
     (start, stop) fragments of the chunks it only partly holds (those must be joined across ranks)."""
     hi = min(hi, n)
-    if hi <= lo:
-        return [], []
-    first_full = -(-lo // chunk)
-    complete = [c for c in range(first_full, -(-hi // chunk)) if c * chunk < hi and min((c + 1) * chunk, n) <= hi]
-    if not complete:  # the shard lies inside one chunk or straddles a boundary: one piece per chunk
-        cuts = [lo] + list(range((lo // chunk + 1) * chunk, hi, chunk)) + [hi]
-        return [], list(zip(cuts, cuts[1:]))
-    fragments = []
-    if lo < complete[0] * chunk:
-        fragments.append((lo, complete[0] * chunk))
-    end = min((complete[-1] + 1) * chunk, n)
-    if end < hi:
-        fragments.append((end, hi))
-    return complete, fragments
+    cuts = [lo] + list(range((lo // chunk + 1) * chunk, hi, chunk)) + [hi]
+    pieces = list(zip(cuts, cuts[1:])) if hi > lo else []
+    whole = [(a, b) for a, b in pieces if a % chunk == 0 and b == min(a + chunk, n)]
+    return [a // chunk for a, _ in whole], [p for p in pieces if p not in whole]
 
 
 def distributed_roots(comm, shards: dict, lo: int, n: int, chunk: int = CHUNK) -> dict:
@@ -51,8 +41,7 @@ def distributed_roots(comm, shards: dict, lo: int, n: int, chunk: int = CHUNK) -
     padding and ignored. Complete chunks are hashed where they live; the pieces of chunks split
     between ranks (at most two per rank once shards exceed a chunk) go to rank 0 with the chunk
     digests, which computes the roots and broadcasts them. Returns {name: root hex} on every rank."""
-    length = len(next(iter(shards.values())))
-    complete, fragments = split_shard(lo, lo + length, n, chunk)
+    complete, fragments = split_shard(lo, lo + len(next(iter(shards.values()))), n, chunk)
     local = {"chunks": {}, "fragments": [[a, b] for a, b in fragments], "data": {}}
     for name, shard in shards.items():
         local["chunks"][name] = [[c, sha256_hex(shard[c * chunk - lo:min((c + 1) * chunk, n) - lo])] for c in complete]

@@ -102,19 +102,15 @@ def publish(tmp_path: str, final_path: str) -> None:
     fsync_path(os.path.dirname(os.path.abspath(final_path)))
 
 
-def write_text(path: str, text: str, tmp: str) -> None:
-    """Write `text` to `path` durably: into the temp file `tmp`, fsynced, then renamed over `path`."""
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    publish(tmp, path)
+def write_text(path: str, text: str) -> None:
+    """Write `text` to `path` durably: `write_atomic`, then its directory fsynced (the rename survives a crash)."""
+    write_atomic(path, text.encode())
+    fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 def write_atomic(path: str, data: bytes) -> None:
     """Write `data` to `path` whole or not at all: a temp file beside it, fsynced, then renamed (prepare, export)."""
-    folder, name = os.path.split(path)
-    tmp = os.path.join(folder, f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)     # the umask applies, as for open()
     try:
         with os.fdopen(fd, "wb") as f:
@@ -130,7 +126,7 @@ def write_atomic(path: str, data: bytes) -> None:
 
 def write_pointer(directory: str, name: str) -> None:
     """Atomically point `latest` at checkpoint `name` (a file in `directory`)."""
-    write_text(os.path.join(directory, POINTER), name + "\n", os.path.join(directory, f".{POINTER}.tmp-{os.getpid()}"))
+    write_text(os.path.join(directory, POINTER), name + "\n")
 
 
 def read_pointer(directory: str) -> str | None:
@@ -191,9 +187,7 @@ def retain(directory: str, keep_last: int, protect=()) -> list[str]:
     removed = _remove_leftovers(directory)
     if keep_last <= 0:
         return removed
-    keep = {os.path.abspath(p) for p in protect}
-    if pointed := read_pointer(directory):
-        keep.add(os.path.abspath(pointed))
+    keep = {os.path.abspath(p) for p in [*protect, read_pointer(directory)] if p}   # and the file `latest` names
     for _, path in complete_checkpoints(directory)[:-keep_last]:
         if os.path.abspath(path) not in keep:
             os.remove(path)

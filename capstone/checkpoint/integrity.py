@@ -54,25 +54,21 @@ def _sha256(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def write_digest(path: str, name: str | None = None) -> str:
+def write_digest(path: str, name: str | None = None) -> None:
     """Hash `path` and write its digest file `path.sha256` (naming `name`, default the file's own
-    name) durably, by rename. Returns the sha256."""
+    name) durably, by rename."""
     digest, size, name = file_sha256(path), os.path.getsize(path), name or os.path.basename(path)
-    files.write_text(path + DIGEST_SUFFIX, f"# capstone checkpoint digest v1: {size} bytes\n{digest}  {name}\n",
-                     f"{path}{DIGEST_SUFFIX}.tmp-{os.getpid()}")
-    return digest
+    files.write_text(path + DIGEST_SUFFIX, f"# capstone checkpoint digest v1: {size} bytes\n{digest}  {name}\n")
 
 
-def publish(tmp: str, final: str, between=None) -> str:
+def publish(tmp: str, final: str, between) -> None:
     """Rank 0, once every rank has closed `tmp`: write the digest file of `final`, then rename
     `tmp` to `final`. A crash in between (`between()` is called there: a test's crash point) leaves
-    a digest file without its checkpoint, which `files.retain` removes. Returns the sha256."""
-    digest = write_digest(tmp, os.path.basename(final))
+    a digest file without its checkpoint, which `files.retain` removes."""
+    write_digest(tmp, os.path.basename(final))
     files.publish(tmp + DIGEST_SUFFIX, final + DIGEST_SUFFIX)
-    if between is not None:
-        between()
+    between()
     files.publish(tmp, final)
-    return digest
 
 
 def recorded(path: str) -> tuple[int, str] | None:

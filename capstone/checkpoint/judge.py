@@ -38,25 +38,22 @@ def fall_back(run, path: str, reason: str, held: float) -> str:
 
     def decide() -> str:
         directory, step = os.path.dirname(path), files.step_of(path)
-        older = [p for s, p in files.complete_checkpoints(directory) if s < step]
         mine = os.path.abspath(directory) == os.path.abspath(run.ckpt.directory)
-        aside = f"; set aside as {os.path.basename(files.quarantine(path, 'rejected'))}" if mine else ""
+        try:
+            older = [p for s, p in files.complete_checkpoints(directory) if s < step]
+            aside = f"; set aside as {os.path.basename(files.quarantine(path, 'rejected'))}" if mine else ""
+            if mine and older:
+                files.write_pointer(directory, os.path.basename(older[-1]))
+        except OSError as exc:   # e.g. no permission to set the file aside
+            raise CheckpointError(f"{why}; it could not be set aside ({exc}): fix the permissions of "
+                                  f"{directory} and rerun.") from None
         if not older:
             raise CheckpointError(f"{why}{aside}. {directory} holds no older checkpoint to fall back to: start the "
                                   f"run again (a new --out, or --resume auto in {run.out}, which starts it over).")
-        if mine:
-            files.write_pointer(directory, os.path.basename(older[-1]))
         print(f"warning: {why}{aside}; resuming from {os.path.basename(older[-1])}, the newest older checkpoint"
               f"{f' ({directory}/latest now names it)' if mine else ''}.", flush=True)
         return older[-1]
-
-    def decided() -> str:
-        try:
-            return decide()
-        except OSError as exc:   # e.g. no permission to set the file aside
-            raise CheckpointError(f"{why}; it could not be set aside ({exc}): fix the permissions of "
-                                  f"{os.path.dirname(path)} and rerun.") from None
-    return agreed(run.grid.world, decided, errors=(CheckpointError,))
+    return agreed(run.grid.world, decide, errors=(CheckpointError,))
 
 
 def save_on_stop(run, abandoned: int) -> None:

@@ -7,6 +7,7 @@ both. Inside the file, /meta_json is authoritative (its sha256 is the root attri
 a digest: the root attributes, and each shard dataset's rank, offset, length and sha256.
 """
 
+import contextlib
 import hashlib
 import json
 
@@ -37,27 +38,22 @@ def root_attributes(meta: dict) -> dict:
 def silence_hdf5() -> None:
     """No HDF5 error stack on stderr: our message says what failed. h5py does this on import for
     the importing thread; repeat it for the calling one."""
-    try:
+    with contextlib.suppress(ImportError):  # a future h5py without it
         from h5py._errors import silence_errors
-    except ImportError:  # pragma: no cover - a future h5py without it
-        return
-    silence_errors()
+        silence_errors()
 
 
 def corrupt(path: str, reason: str) -> CorruptCheckpoint:
     return CorruptCheckpoint(integrity.message(path, "corrupt", reason), reason)
 
 
-def parse_error(path: str, exc: BaseException, where: str = "") -> CorruptCheckpoint:
-    """Any exception from h5py/numpy/json while reading a checkpoint, as a clean error naming it
-    (`where`: e.g. " on rank 3")."""
+def read_error(path: str, exc: BaseException, where: str = "") -> CheckpointError:
+    """A reader's failure as a clean error: a CheckpointError as it is, any exception from h5py/numpy/json
+    as a CorruptCheckpoint naming the file (`where`: e.g. " on rank 3")."""
+    if isinstance(exc, CheckpointError):
+        return exc
     text = (str(exc).splitlines() or [""])[0][:200]
     return corrupt(path, f"it cannot be read{where} ({type(exc).__name__}: {text})")
-
-
-def error_text(path: str, exc: BaseException, where: str = "") -> str:
-    """A reader's failure as text: a CheckpointError's own message, any other exception's `parse_error`."""
-    return str(exc if isinstance(exc, CheckpointError) else parse_error(path, exc, where))
 
 
 def _plain(value):
@@ -90,15 +86,19 @@ def read_meta(f, path: str) -> dict:
 
 def _check_root(f, path: str, meta: dict) -> None:
     """The root attributes are exactly the header copies and meta_sha256; nothing else has any."""
-    want = {**root_attributes(meta), "meta_sha256": f.attrs.get("meta_sha256")}
-    for key in sorted(set(want) | set(f.attrs)):
-        stored = _plain(f.attrs.get(key))
-        if stored != want.get(key):
-            raise corrupt(path, f"root attribute {key}={stored!r} disagrees with the verified /meta_json "
-                                f"({want.get(key)!r}); the file was modified")
+    _check_attrs(path, f.attrs, {**root_attributes(meta), "meta_sha256": f.attrs.get("meta_sha256")}, "root ")
     for name in ("meta_json", "shards"):
         if name in f and len(f[name].attrs):
             raise corrupt(path, f"/{name} has attributes {sorted(f[name].attrs)}, which a checkpoint never has")
+
+
+def _check_attrs(path: str, attrs, want: dict, prefix: str = "", suffix: str = "") -> None:
+    """An HDF5 object's attributes are exactly `want` (what the verified /meta_json says)."""
+    for key in sorted(set(want) | set(attrs)):
+        stored = _plain(attrs.get(key))
+        if stored != want.get(key):
+            raise corrupt(path, f"{prefix}attribute {key}={stored!r}{suffix} disagrees with the verified /meta_json "
+                                f"({want.get(key)!r}); the file was modified")
 
 
 def _check_layout(path: str, meta: dict) -> None:
@@ -122,11 +122,7 @@ def checked_dataset(f, path: str, meta: dict, name: str, reader: str) -> h5py.Da
     if not isinstance(ds, h5py.Dataset) or ds.shape != want or ds.dtype != np.dtype("<f4"):
         got = f"{ds.shape} {ds.dtype}" if isinstance(ds, h5py.Dataset) else "not a dataset"
         raise corrupt(path, f"/{name} is {got}, expected a float32 dataset of shape {want} (read by {reader})")
-    for key in sorted(set(DATASET_KEYS) | set(ds.attrs)):
-        stored = _plain(ds.attrs.get(key))
-        if stored != info.get(key):
-            raise corrupt(path, f"attribute {key}={stored!r} of /{name} disagrees with the verified "
-                                f"/meta_json ({info.get(key)!r}); the file was modified")
+    _check_attrs(path, ds.attrs, {key: info.get(key) for key in DATASET_KEYS}, suffix=f" of /{name}")
     return ds
 
 
@@ -152,14 +148,12 @@ def open_verified(path: str, require_digest: bool = True):
     try:
         f = h5py.File(path, "r")
     except Exception as exc:
-        raise parse_error(path, exc) from None
+        raise read_error(path, exc) from None
     try:
         return f, read_meta(f, path)
     except Exception as exc:
         f.close()
-        if isinstance(exc, CheckpointError):
-            raise
-        raise parse_error(path, exc) from None
+        raise read_error(path, exc) from None
 
 
 def verify_contents(path: str) -> dict:
@@ -177,8 +171,6 @@ def verify_contents(path: str) -> dict:
                 if h.hexdigest() != meta["datasets"][name]["sha256"]:
                     raise corrupt(path, f"dataset /{name} sha256 mismatch (stored {meta['datasets'][name]['sha256']}, "
                                         f"computed {h.hexdigest()}): the shard is corrupt")
-        except CheckpointError:
-            raise
         except Exception as exc:
-            raise parse_error(path, exc) from None
+            raise read_error(path, exc) from None
     return meta

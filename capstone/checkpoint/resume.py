@@ -134,12 +134,11 @@ def _decided(want: str | None, ckpt_dir: str) -> dict:
     """Rank 0: `_plan`'s plan, or its error raised (CheckpointError for an invalid checkpoint)."""
     try:
         plan = _plan(want, ckpt_dir)
-        if "error" not in plan:   # a killed save's partial file: never a checkpoint, gone before this run saves
-            plan["leftovers"] = files.set_aside_leftovers(ckpt_dir)
+        if "error" in plan:
+            raise (CheckpointError if plan.get("invalid") else ConfigError)(plan["error"])
+        plan["leftovers"] = files.set_aside_leftovers(ckpt_dir)   # a killed save's partial file: never a checkpoint
     except OSError as exc:  # e.g. no permission to set a corrupt file aside
         raise ConfigError(f"--resume {want}: {exc}; fix the permissions of {ckpt_dir} and rerun.") from exc
-    if "error" in plan:
-        raise (CheckpointError if plan.get("invalid") else ConfigError)(plan["error"])
     return plan
 
 

@@ -11,6 +11,7 @@ written before run ids were recorded count as OUT's own only when they lie insid
 directory, its checkpoints directory or `latest`, a checkpoint in it or in its `best` directory.
 """
 
+import contextlib
 import json
 import os
 import uuid
@@ -33,11 +34,9 @@ def run_dir_of(target: str | None) -> str | None:
     what = paths.kind(target) if target and target not in ("latest", "auto") else paths.Kind.MISSING
     if what is paths.Kind.MISSING:
         return None
-    path = os.path.abspath(target)
-    if what is paths.Kind.RUN:
-        found = path
-    else:
-        up = path if os.path.isdir(path) else os.path.dirname(path)
+    found = os.path.abspath(target)
+    if what is not paths.Kind.RUN:
+        up = found if os.path.isdir(found) else os.path.dirname(found)
         if os.path.basename(up) == "best" and os.path.basename(os.path.dirname(up)) == "checkpoints":
             up = os.path.dirname(up)
         found = os.path.dirname(up) if os.path.basename(up) == "checkpoints" else None
@@ -46,11 +45,9 @@ def run_dir_of(target: str | None) -> str | None:
 
 def checkpoint_run_id(path: str) -> str | None:
     """The run id in checkpoint `path`'s metadata (None: not recorded, or unreadable here)."""
-    try:
-        with h5py.File(path, "r") as f:
-            return (read_meta(f, path).get("run") or {}).get("run_id")
-    except (OSError, CheckpointError):
-        return None
+    with contextlib.suppress(OSError, CheckpointError), h5py.File(path, "r") as f:
+        return (read_meta(f, path).get("run") or {}).get("run_id")
+    return None
 
 
 def occupant(out: str) -> dict | None:
@@ -72,10 +69,8 @@ def logged_run_id(log: str) -> str | None:
     with open(log, errors="replace") as f:
         for line in f:
             if '"start"' in line:
-                try:
+                with contextlib.suppress(ValueError):
                     found = json.loads(line).get("run_id") or found
-                except ValueError:
-                    continue
     return found
 
 

@@ -86,18 +86,16 @@ class Checkpointer:
         protect = [self.manifests[0]["path"]] if self.manifests else []
         protect += [self.last_judged] if self.last_judged and not judged else []
         if self.writer is None:
-            man = checkpoint.save(self.comm, self.directory, state.step, stored, self.layout, extra,
-                                  self.keep_last, protect, self.hooks)
-            self._written(man, judged)
-            first = np.stack(stored.rows()) if self.snapshot is None else None
+            man = self._written(checkpoint.save(self.comm, self.directory, state.step, stored, self.layout, extra,
+                                                self.keep_last, protect, self.hooks), judged)
+            self.snapshot = np.stack(stored.rows()) if self.snapshot is None else self.snapshot
         else:   # the snapshot: the rows and the run state copied now, written by the thread
             rows, extra, t, step = self.buffer.take(stored), json.loads(json.dumps(extra)), int(stored.t), state.step
-            first = rows.copy() if self.snapshot is None else None
+            self.snapshot = rows.copy() if self.snapshot is None else self.snapshot
             self.writer.start(lambda: self._written(checkpoint.write(
                 self.writer.comm, self.directory, step, rows, t, self.layout, extra, self.keep_last, protect,
                 self.hooks), judged), self.hooks, step)
             man = {"path": os.path.join(self.directory, files.final_name(step)), "step": step}
-        self.snapshot = first if first is not None else self.snapshot
         self.last_judged = man["path"] if judged else self.last_judged
         self.cadence.saved()
         return {**man, "judged": judged}

@@ -13,7 +13,7 @@ from capstone.flags import paths
 from capstone.checkpoint import integrity
 from capstone.checkpoint.digest import logical_root
 from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError, CorruptCheckpoint
-from capstone.checkpoint.reader import error_text, open_verified, read_dataset
+from capstone.checkpoint.reader import open_verified, read_dataset, read_error
 from capstone.config import ConfigError, ModelConfig
 from capstone.model.params import Layout
 from capstone.step.state import ROWS
@@ -28,7 +28,8 @@ def find(target: str, flag: str = "sample") -> str:
 
 
 def load_all(path: str, require_digest: bool = True):
-    """Check the file and the metadata; return (meta, {dataset: (ok, message, array|None)})."""
+    """Check the file and the metadata; return (meta, {dataset: (ok, message, array|None)}) in rank order, which
+    is offset order (`reader.read_meta` checked the layout)."""
     f, meta = open_verified(path, require_digest)
     with f:
         results = {}
@@ -36,16 +37,15 @@ def load_all(path: str, require_digest: bool = True):
             try:
                 results[name] = (True, "sha256 ok", read_dataset(f, path, meta, name, "verify"))
             except Exception as exc:
-                results[name] = (False, error_text(path, exc), None)
+                results[name] = (False, str(read_error(path, exc)), None)
     return meta, results
 
 
 def logical_check(meta: dict, results: dict) -> dict:
-    """Recompute the logical digests from the concatenated shards."""
-    names = sorted(meta["datasets"], key=lambda n: meta["datasets"][n]["offset"])
-    if not all(results[n][0] for n in names):
+    """Recompute the logical digests from the concatenated shards (`load_all`'s results, in offset order)."""
+    if not all(good for good, _, _ in results.values()):
         return {row: None for row in ROWS}
-    full = np.concatenate([results[n][2] for n in names], axis=1)[:, :meta["n_params"]]
+    full = np.concatenate([data for _, _, data in results.values()], axis=1)[:, :meta["n_params"]]
     return {row: logical_root(full[i], meta["logical_chunk"]) == meta["logical_sha256"][row] for i, row in enumerate(ROWS)}
 
 
@@ -77,8 +77,7 @@ def load_weights(path: str) -> tuple[dict, ModelConfig, np.ndarray]:
     if bad:
         raise CheckpointError(f"not a valid checkpoint: {path}: " + "; ".join(bad) + "\nSample from an earlier "
                              f"checkpoint; `python -m capstone.checkpoint verify {path}` lists every check.")
-    names = sorted(meta["datasets"], key=lambda n: meta["datasets"][n]["offset"])
-    flat = np.concatenate([results[n][2][0] for n in names])[:meta["n_params"]].astype(np.float32, copy=False)
+    flat = np.concatenate([data[0] for _, _, data in results.values()], dtype=np.float32)[:meta["n_params"]]
     try:
         cfg = ModelConfig(**meta["model_config"])
     except (ConfigError, TypeError) as exc:

@@ -59,6 +59,11 @@ class Comm:
         if kind is not None:
             self.count(kind, op or kind, nbytes, time.perf_counter() - t0, len(requests))
 
+    def _run(self, start, what: str, kind: str | None, op: str, nbytes: int) -> None:
+        """The hook point `kind` (or `op`), then `start()`'s request waited for and counted as `wait` does."""
+        self.hooks.at(kind or op)
+        self.wait(start(), what, kind, op, nbytes)
+
     def count(self, kind: str, op: str, nbytes: int, seconds: float, calls: int = 1, hidden: float = 0.0) -> None:
         t = self.traffic.setdefault(kind, Traffic(op, self.size))
         t.bytes, t.seconds, t.calls, t.hidden = t.bytes + nbytes, t.seconds + seconds, t.calls + calls, t.hidden + hidden
@@ -66,21 +71,18 @@ class Comm:
     def Allreduce(self, buf: np.ndarray, what: str, kind: str = "allreduce") -> np.ndarray:
         """Sum `buf` over the group, in place."""
         if self.size > 1:
-            self.hooks.at(kind)
-            self.wait(self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), what, kind, "allreduce", buf.nbytes)
+            self._run(lambda: self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM), what, kind, "allreduce", buf.nbytes)
         return buf
 
     def Allgather(self, buf: np.ndarray, what: str, kind: str | None = None, send: np.ndarray | None = None) -> None:
         """Rank r's block r of `buf` (its len(buf)/size values, or `send`) to every rank, in place."""
         if self.size > 1 or send is not None:
-            self.hooks.at(kind or "allgather")
-            request = self.mpi.Iallgather(MPI.IN_PLACE if send is None else send, buf)
-            self.wait(request, what, kind, "allgather", buf.nbytes)
+            self._run(lambda: self.mpi.Iallgather(MPI.IN_PLACE if send is None else send, buf), what, kind, "allgather",
+                      buf.nbytes)
 
     def Bcast(self, buf: np.ndarray, what: str, root: int = 0, kind: str | None = None) -> None:
         if self.size > 1:
-            self.hooks.at(kind or "broadcast")
-            self.wait(self.mpi.Ibcast(buf, root=root), what, kind, "broadcast", buf.nbytes)
+            self._run(lambda: self.mpi.Ibcast(buf, root=root), what, kind, "broadcast", buf.nbytes)
 
     def Ireduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts: list[int]):
         """Start summing `send` over the group into rank r's counts[r] values of `recv`; `wait` (or `Test`) it."""
@@ -95,19 +97,16 @@ class Comm:
     def sum(self, values, what: str = "allreduce (sums)", kind: str | None = None) -> list[float]:
         """Element-wise sums (float64) of a few numbers over the group."""
         v = np.array(values, dtype=np.float64)
-        self.hooks.at(kind or "allreduce")
-        self.wait(self.mpi.Iallreduce(MPI.IN_PLACE, v, op=MPI.SUM), what, kind, "allreduce", v.nbytes)
+        self._run(lambda: self.mpi.Iallreduce(MPI.IN_PLACE, v, op=MPI.SUM), what, kind, "allreduce", v.nbytes)
         return [float(x) for x in v]
 
     def Alltoall(self, send: np.ndarray, recv: np.ndarray, what: str, kind: str = "alltoall") -> None:
         """Block j of `send` to rank j, block i of `recv` from rank i."""
-        self.hooks.at(kind)
-        self.wait(self.mpi.Ialltoall(send, recv), what, kind, "alltoall", send.nbytes)
+        self._run(lambda: self.mpi.Ialltoall(send, recv), what, kind, "alltoall", send.nbytes)
 
     def Alltoallv(self, send: np.ndarray, send_spec: tuple, recv: np.ndarray, recv_spec: tuple, what: str) -> None:
         """`Alltoall` with a spec (counts, displacements) per side, in elements."""
-        self.hooks.at("alltoall")
-        self.wait(self.mpi.Ialltoallv([send, send_spec], [recv, recv_spec]), what, "alltoall", "alltoallv",
+        self._run(lambda: self.mpi.Ialltoallv([send, send_spec], [recv, recv_spec]), what, "alltoall", "alltoallv",
                   sum(send_spec[0]) * send.itemsize)
 
     def Allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int], what: str) -> None:

@@ -3,7 +3,6 @@
 How it works: docs/design.md, "Inside the step", collective/deadline.py."""
 
 import contextlib
-import json
 import os
 import socket
 import sys
@@ -11,7 +10,7 @@ import time
 
 from mpi4py import MPI
 
-from capstone.collective.watchdog import Watchdog
+from capstone.collective.watchdog import Watchdog, write_record
 
 FLOOR_S = 300.0      # the automatic timeout is never below this
 STEP_MULT = 20.0     # ... nor below this many times the longest step measured so far
@@ -35,7 +34,7 @@ class Deadline:
         self._step_start: float | None = None
         self.record: str | None = None   # where a timeout is recorded (JSON), if set
         self.spin_s = spin_s             # how long a wait spins before it sleeps (see dedicated_cores)
-        self.watchdog = None             # the watchdog process, started on first use (`guard`)
+        self.watchdog = Watchdog()       # the watchdog process, started on its first use (`guard`)
         self.on_expire = None            # what else a timeout does (summary.json: capstone.observe.outcome.recorded)
 
     def set_timeout(self, seconds: float) -> None:
@@ -100,11 +99,7 @@ def expire(deadline, what: str, waited: float) -> None:
     line, record = message(deadline, what, waited)
     print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
-    if deadline.record is not None:   # best effort (the run directory may be unwritable or gone)
-        with contextlib.suppress(OSError):
-            with open(tmp := f"{deadline.record}.tmp-{os.getpid()}", "w") as f:
-                json.dump(record, f)
-            os.replace(tmp, deadline.record)
+    write_record(deadline.record, record)
     if deadline.on_expire is not None:
         with contextlib.suppress(Exception):   # best effort: the abort must happen anyway
             deadline.on_expire(record)
@@ -115,10 +110,8 @@ def expire(deadline, what: str, waited: float) -> None:
 def guard(deadline, what: str):
     """Run the block under this rank's watchdog: at the deadline it prints the timeout line and kills this rank."""
     line, record = message(deadline, what)
-    if deadline.watchdog is None:
-        deadline.watchdog = Watchdog()
-    deadline.watchdog.arm(deadline.seconds, line, deadline.record, record)
+    deadline.watchdog.send({"arm": deadline.seconds, "line": line, "record": deadline.record, "data": record})
     try:
         yield
     finally:
-        deadline.watchdog.disarm()
+        deadline.watchdog.send({"disarm": True})

@@ -21,9 +21,7 @@ def dedicated_cores(world: int, node_size=None) -> bool:
         return False
     if (flag := os.environ.get("OMPI_MCA_mpi_oversubscribe")) is not None:
         return flag == "0"
-    if world == 1 or node_size is None:
-        return True
-    return node_size() <= (os.cpu_count() or 1)
+    return world == 1 or node_size is None or node_size() <= (os.cpu_count() or 1)
 
 
 def world() -> Comm:

@@ -14,6 +14,7 @@ the signals the launcher forwards as stop requests (SIGINT, SIGTERM, SIGUSR1), w
 itself handles. Standard library only, so it starts in milliseconds and needs nothing of the parent's.
 """
 
+import contextlib
 import json
 import os
 import select
@@ -24,18 +25,13 @@ import time
 
 
 class Watchdog:
-    """The rank's side: arm and disarm the watchdog process (started on first use)."""
+    """The rank's side: the watchdog process (started on first use), armed and disarmed by `send`."""
 
     def __init__(self):
         self.proc: subprocess.Popen | None = None
 
-    def arm(self, seconds: float, line: str, record: str | None, data: dict) -> None:
-        self._send({"arm": seconds, "line": line, "record": record, "data": data})
-
-    def disarm(self) -> None:
-        self._send({"disarm": True})
-
-    def _send(self, order: dict) -> None:
+    def send(self, order: dict) -> None:
+        """Send one order (see the module: {"arm": SECONDS, ...} or {"disarm": true})."""
         line = json.dumps(order).encode() + b"\n"
         for _ in range(2):   # a watchdog killed from outside is replaced once
             if self.proc is None or self.proc.poll() is not None:
@@ -49,16 +45,18 @@ class Watchdog:
                 self.proc = None
 
 
+def write_record(path: str | None, data: dict) -> None:
+    """Write `data` as JSON to `path` by rename, best effort (the run directory may be unwritable or gone)."""
+    if path:
+        with contextlib.suppress(OSError):
+            with open(tmp := f"{path}.tmp-{os.getpid()}", "w") as f:
+                json.dump(data, f)
+            os.replace(tmp, path)
+
+
 def expire(parent: int, order: dict) -> None:
     os.write(2, (order["line"] + "\n").encode())
-    if order.get("record"):
-        tmp = f"{order['record']}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(order["data"], f)
-            os.replace(tmp, order["record"])
-        except OSError:
-            pass
+    write_record(order.get("record"), order["data"])
     os.kill(parent, signal.SIGKILL)
 
 
@@ -67,8 +65,7 @@ def main(parent: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
     armed, until, pending = None, None, b""
     while True:
-        timeout = None if until is None else max(0.0, until - time.monotonic())
-        ready, _, _ = select.select([0], [], [], timeout)
+        ready, _, _ = select.select([0], [], [], None if until is None else max(0.0, until - time.monotonic()))
         if not ready:
             expire(parent, armed)
             return

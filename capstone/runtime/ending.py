@@ -10,6 +10,7 @@ directory's summary.json said before, if any. A refused start (exit 2) writes no
 nothing behind.
 """
 
+import contextlib
 import json
 import os
 import pathlib
@@ -22,33 +23,29 @@ UNRECORDED = "ended without a record"
 
 def status(run_dir: str) -> str | None:
     """summary.json's status (None: none, or unreadable)."""
-    try:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         return json.loads(pathlib.Path(run_dir, "summary.json").read_text()).get("status")
-    except (OSError, ValueError, AttributeError):
-        return None
+    return None
 
 
 def _written_since(run_dir: str, since: float) -> bool:
-    try:
+    with contextlib.suppress(OSError):
         return os.stat(os.path.join(run_dir, "summary.json")).st_mtime >= since - 1
-    except OSError:
-        return False
+    return False
 
 
 def newest_checkpoint(run_dir: str) -> str | None:
-    try:
+    with contextlib.suppress(OSError):
         return os.path.join(run_dir, "checkpoints", pathlib.Path(run_dir, "checkpoints", "latest").read_text().strip())
-    except OSError:
-        return None
+    return None
 
 
 def record(run_dir: str, who: str, exit_status: int | None, note: str) -> str:
     """Write the record of a launch that ended without the ranks' own; returns its one-line account."""
     newest = newest_checkpoint(run_dir)
-    before = status(run_dir)
-    write_json(os.path.join(run_dir, "summary.json"),
+    write_json(os.path.join(run_dir, "summary.json"),   # its previous status read before it is replaced
                {"status": UNRECORDED, "recorded_by": who, "exit_status": exit_status, "newest_checkpoint": newest,
-                "previous_status": before, "time": time.time(), "note": note})
+                "previous_status": status(run_dir), "time": time.time(), "note": note})
     return (f"the launch ended without the ranks' record ({note}); {who} wrote summary.json; its newest "
             f"checkpoint is {newest or 'none'}")
 
@@ -56,10 +53,9 @@ def record(run_dir: str, who: str, exit_status: int | None, note: str) -> str:
 def settle(run_dir: str, since: float, exit_status: int, who: str) -> str | None:
     """After a launch that started at `since` ended with `exit_status`: summary.json's status, written by
     the ranks, or (they wrote none, and the start was not refused) the record written now."""
-    if _written_since(run_dir, since) or exit_status in (0, 2) or not os.path.isdir(run_dir):
+    trained = os.path.exists(os.path.join(run_dir, "metrics.jsonl"))   # else it never started training here
+    if _written_since(run_dir, since) or exit_status in (0, 2) or not trained:
         return status(run_dir)
-    if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        return status(run_dir)   # it never started training here: nothing to account for
     print(record(run_dir, who, exit_status, f"exit status {exit_status}"), flush=True)
     return UNRECORDED
 
@@ -68,17 +64,11 @@ def previous(run_dir: str) -> str | None:
     """At a start (rank 0, the run directory locked): if the last launch here began training and left
     no record of how it ended (summary.json older than its start row in metrics.jsonl), the record,
     written now, and what to say; else None."""
-    last = None
     try:
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            for line in f:
-                if '"event": "start"' in line:
-                    last = line
-    except OSError:
-        return None
-    try:
-        started = float(json.loads(last)["time"])
-    except (TypeError, ValueError, KeyError):
+            starts = [line for line in f if '"event": "start"' in line]
+        started = float(json.loads(starts[-1])["time"])
+    except (OSError, IndexError, TypeError, ValueError, KeyError):
         return None
     if _written_since(run_dir, started + 1):
         return None

@@ -43,9 +43,7 @@ class InjectedFault(RuntimeError):
 
 def parse(spec: str) -> tuple[str, int, int | None, str]:
     """(action, rank, step or None, hook point) of a CAPSTONE_FAULT value."""
-    action, _, rest = spec.partition(":")
-    rank, _, rest = rest.partition(":")
-    step, _, point = rest.partition(":")
+    action, rank, step, point = (spec.split(":", 3) + [""] * 3)[:4]
     if action not in ACTIONS or point and action not in ("stall", "stop"):
         raise ValueError(f"CAPSTONE_FAULT={spec!r}: the action must be one of {', '.join(ACTIONS)}; only stall "
                          f"and stop take a hook point (<action>:<rank>:<step>:<point>)")
@@ -70,32 +68,26 @@ class Faults(Hooks):
 
     def _mine(self, point: str, step: int | None) -> str | None:
         """The action if the fault names this rank, point and step."""
-        if self.fault is None:
-            return None
-        action, rank, at_step, at_point = self.fault
-        if rank != self.rank or point != at_point or at_step is not None and at_step != (step or 0):
-            return None
-        return action
+        action, rank, at_step, at_point = self.fault or (None,) * 4
+        mine = rank == self.rank and point == at_point and (at_step is None or at_step == (step or 0))
+        return action if mine else None
 
     def at(self, point: str, step: int | None = None) -> None:
         super().at(point, step)
-        action = self._mine(point, self.step if step is None else step)
-        if action is None or action == "flip_param_bit":
-            return
-        where = f"{point} of step {(self.step if step is None else step) or 0}"   # a save's step: its own thread's
+        step = self.step if step is None else step   # a save's step: its own thread's
+        action, where = self._mine(point, step), f"{point} of step {step or 0}"
         if action == "raise_in_step":
             raise InjectedFault(f"injected failure on rank {self.rank} at step {self.step} (CAPSTONE_FAULT)")
-        if action == "usr1":
-            os.kill(os.getpid(), signal.SIGUSR1)
-            return
         if action == "write_error":
             raise OSError(28, "No space left on device (injected by CAPSTONE_FAULT)")
-        if action == "stall":
-            say(f"[rank {self.rank}] CAPSTONE_FAULT: stalling this rank for {STALL_S:.0f} s at {where}")
+        if action == "usr1":
+            os.kill(os.getpid(), signal.SIGUSR1)
+        elif action == "stall":
+            say(self.rank, f"stalling this rank for {STALL_S:.0f} s at {where}")
             time.sleep(STALL_S)
-            return
-        say(f"[rank {self.rank}] CAPSTONE_FAULT: {'stopping' if action == 'stop' else 'killing'} this rank at {where}")
-        os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
+        elif action in SAVE_POINTS + ("stop",):
+            say(self.rank, f"{'stopping' if action == 'stop' else 'killing'} this rank at {where}")
+            os.kill(os.getpid(), signal.SIGSTOP if action == "stop" else signal.SIGKILL)
 
     def gradients(self, step: int, micro: int, grads) -> None:
         """--inject-nan: rank 0's gradient NaN on the steps it names (after the first micro-batch)."""
@@ -132,5 +124,5 @@ def _in(step: int, span: tuple[int, int] | None) -> bool:
     return span is not None and step >= span[0] and (not span[1] or step < span[0] + span[1])
 
 
-def say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+def say(rank: int, text: str) -> None:
+    print(f"[rank {rank}] CAPSTONE_FAULT: {text}", file=sys.stderr, flush=True)

@@ -61,8 +61,7 @@ class Switches:
     def read(cls, env) -> "Switches":
         import re
         for name, (pattern, what) in SWITCHES.items():
-            value = env.get(name, "")
-            if value and not re.match(pattern, value):
+            if (value := env.get(name, "")) and not re.match(pattern, value):
                 raise JobError(f"{name}='{value}': it must be {what}: unset it for the default or set it so, "
                                f"and submit again")
         settle = env.get("CAPSTONE_SIGNAL_SETTLE", "3000")
@@ -170,18 +169,15 @@ class Step:
 def timeout_record(run_dir: str, since: float) -> str | None:
     """RUN_DIR/collective-timeout.json if a rank wrote it during this step."""
     record = os.path.join(run_dir, "collective-timeout.json")
-    try:
+    with contextlib.suppress(OSError):
         return record if os.stat(record).st_mtime >= int(since) else None
-    except OSError:
-        return None
+    return None
 
 
 def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+    with contextlib.suppress(OSError), open(path) as f:
+        return f.read().strip()
+    return ""
 
 
 def requeue(reason: str, switches: Switches, env) -> bool:
@@ -223,16 +219,13 @@ def run(run_dir: str, command: list[str], env, early: list) -> int:
     """The job (see the module); its exit status."""
     switches = Switches.read(env)
     refuse_another_out(run_dir, command)
-    catch = (signal.SIGUSR1, signal.SIGINT) if switches.plain else (signal.SIGUSR1,)
-    for sig in catch:   # kept while the step starts, acted on once it has
-        signal.signal(sig, lambda sig, _: early.append(sig))
-    try:
+    try:   # a stop request while the step starts is kept in `early` (the handlers of the module's start)
         step = Step(command, switches)
     except OSError as exc:   # no such launcher (srun, mpirun) on this node's PATH: as a shell says it
         log(f"error: cannot start the job step {command[0]}: {exc.strerror}")
         return 127 if isinstance(exc, FileNotFoundError) else 126
     act = {signal.SIGUSR1: step.stop_requested, signal.SIGINT: step.interrupted}
-    for sig in catch:
+    for sig in (signal.SIGUSR1, signal.SIGINT) if switches.plain else (signal.SIGUSR1,):
         signal.signal(sig, lambda sig, _: act[sig]())
     while early:
         act[early.pop(0)]()
@@ -244,8 +237,7 @@ def run(run_dir: str, command: list[str], env, early: list) -> int:
     log(f"job step exited with status {rc}")
     if os.environ.get("CAPSTONE_JOB_FAULT") == "usr1-after-step":   # test hook: a real late warning
         os.kill(os.getpid(), signal.SIGUSR1)
-    record = timeout_record(run_dir, step.started)
-    if rc != 0 and record:
+    if rc != 0 and (record := timeout_record(run_dir, step.started)):
         after_timeout(run_dir, record, switches, env)
     status = ending.settle(run_dir, step.started, rc, "the job step")
     log(f"summary status: {status or '<no summary.json>'}")

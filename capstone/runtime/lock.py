@@ -26,12 +26,6 @@ NAME = ".lock"
 _UNSUPPORTED = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 
 
-def owner_record() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "launcher_pid": os.getppid(),
-            "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "command": " ".join(sys.argv)}
-
-
 def describe(owner: dict) -> str:
     if not owner:
         return "a run that has not written its owner record yet (it is starting up)"
@@ -57,9 +51,9 @@ def acquire(out: str) -> tuple["Held | None", str | None]:
             return None, (f"warning: {path}: this filesystem does not support file locks ({exc.strerror}); "
                           f"running unlocked: make sure no other run uses this --out at the same time.")
         raise
-    data = json.dumps(owner_record(), sort_keys=True).encode() + b"\n"
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, data, 0)
+    _write(fd, {"host": socket.gethostname(), "pid": os.getpid(), "launcher_pid": os.getppid(),
+                "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "command": " ".join(sys.argv)})
     return Held(fd), None
 
 
@@ -72,15 +66,19 @@ class Held:
     def label(self, **fields) -> None:
         """Add `fields` (the run's id, once it is known) to the owner record."""
         if self.fd is not None:
-            data = json.dumps({**_read(self.fd), **fields}, sort_keys=True).encode() + b"\n"
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, data, 0)
+            _write(self.fd, {**_read(self.fd), **fields})
 
     def release(self) -> None:
         """Give the lock up early (a failed start); otherwise it goes with the process."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _write(fd: int, owner: dict) -> None:
+    """Replace the owner record in the lock file `fd`."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(owner, sort_keys=True).encode() + b"\n", 0)
 
 
 def _read(fd: int) -> dict:

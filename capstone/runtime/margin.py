@@ -34,10 +34,9 @@ def kill_sequence() -> tuple[float, str] | None:
     if not os.environ.get("OMPI_MCA_orte_hnp_uri") or os.environ.get("CAPSTONE_PLAIN_MPIRUN"):
         return None   # not Open MPI's mpirun, or under scripts/launch, which turns a Ctrl-C into SIGUSR1
     raw = os.environ.get("OMPI_MCA_odls_base_sigkill_timeout", "1")
-    try:
+    with contextlib.suppress(ValueError):
         return 2 * max(float(raw), 0.0), raw
-    except ValueError:
-        return 2.0, raw
+    return 2.0, raw
 
 
 class StopMargin:

@@ -10,7 +10,9 @@ directories and the lock file it created, so it leaves nothing behind.
 """
 
 import bisect
+import contextlib
 import os
+import pathlib
 import socket
 import sys
 from dataclasses import dataclass, field, replace
@@ -61,13 +63,10 @@ def available_bytes() -> tuple[int | None, str]:
     """Memory this node can still give (MemAvailable, capped by a cgroup limit such as Slurm's
     --mem), and where the number comes from."""
     avail, source = None, "MemAvailable in /proc/meminfo"
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
     room = _cgroup_room()
     if room is not None and (avail is None or room < avail):
         avail, source = room, "the memory limit of this job's cgroup"
@@ -77,17 +76,14 @@ def available_bytes() -> tuple[int | None, str]:
 def _cgroup_room() -> int | None:
     """limit - usage of this process's memory cgroup (v2 or v1), None when unlimited or unknown."""
     try:
-        with open("/proc/self/cgroup") as f:
-            entries = [line.strip().split(":", 2) for line in f if line.count(":") >= 2]
+        lines = pathlib.Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return None
-    for _, controllers, path in entries:
+    for _, controllers, path in (line.strip().split(":", 2) for line in lines if line.count(":") >= 2):
         for directory, limit_file, usage_file in _cgroup_files(controllers, path):
             try:
-                with open(os.path.join(directory, limit_file)) as f:
-                    limit = f.read().strip()
-                with open(os.path.join(directory, usage_file)) as f:
-                    usage = int(f.read())
+                limit = pathlib.Path(directory, limit_file).read_text().strip()
+                usage = int(pathlib.Path(directory, usage_file).read_text())
             except (OSError, ValueError):
                 continue
             if limit.isdigit() and int(limit) < 1 << 60:   # "max" or a huge number: unlimited
@@ -178,14 +174,12 @@ def check_memory(comm, mcfg, tcfg, plan) -> None:
         if avail is not None and need * local > avail:
             raise ConfigError(
                 f"--batch-size {tcfg.batch_size} at --seq-len {mcfg.seq_len} needs about {need / MIB:.0f} MiB per rank "
-                f"({acts / MIB:.0f} MiB "
-                f"of activations{' with --recompute' if plan.recompute else ''} or a checkpoint's conversion, "
-                f"{states / MIB:.0f} MiB of model "
-                f"states at --zero-stage {plan.zero.stage}; {local} ranks on {socket.gethostname()}: "
-                f"{need * local / MIB:.0f} MiB), but only {avail / MIB:.0f} MiB is available ({source}); the kernel "
-                f"would kill the run in its first step; {ranks_needed(mcfg, tcfg, plan, avail // local)}. Lower "
-                f"--batch-size (raise --grad-accum to keep the global batch) or --seq-len, add --recompute, raise "
-                f"--zero-stage, or run fewer ranks per node.")
+                f"({acts / MIB:.0f} MiB of activations{' with --recompute' if plan.recompute else ''} or a "
+                f"checkpoint's conversion, {states / MIB:.0f} MiB of model states at --zero-stage {plan.zero.stage}; "
+                f"{local} ranks on {socket.gethostname()}: {need * local / MIB:.0f} MiB), but only {avail / MIB:.0f} "
+                f"MiB is available ({source}); the kernel would kill the run in its first step; "
+                f"{ranks_needed(mcfg, tcfg, plan, avail // local)}. Lower --batch-size (raise --grad-accum to keep the "
+                f"global batch) or --seq-len, add --recompute, raise --zero-stage, or run fewer ranks per node.")
     agreed(comm, check, errors=(ConfigError,), every=True, explain=lambda failed: ConfigError(failed[0][1]))
 
 
@@ -201,16 +195,11 @@ class Claim:
         if self.lock is not None:
             self.lock.release()
         if self.lock_path:
-            _quietly(os.remove, self.lock_path)
+            with contextlib.suppress(OSError):
+                os.remove(self.lock_path)
         for d in reversed(self.created):
-            _quietly(os.rmdir, d)   # only if empty: never removes anything else
-
-
-def _quietly(fn, path) -> None:
-    try:
-        fn(path)
-    except OSError:
-        pass
+            with contextlib.suppress(OSError):
+                os.rmdir(d)   # only if empty: never removes anything else
 
 
 def claim(comm, out: str, ckpt_dir: str, ckpt_bytes: int) -> Claim:
@@ -249,7 +238,10 @@ def _claim(done: Claim, out: str, ckpt_dir: str, ckpt_bytes: int) -> None:
         print(warning, file=sys.stderr, flush=True)
     for d in (out, ckpt_dir):   # metrics.jsonl and summary.json go to OUT, checkpoints below it
         _probe(d)
-    _check_space(ckpt_dir, ckpt_bytes)
+    free = files.lacking_space(ckpt_dir, ckpt_bytes)
+    if free is not None:
+        raise ConfigError(f"{ckpt_dir} has {free / MIB:.1f} MiB free but one checkpoint needs about "
+                          f"{ckpt_bytes / MIB:.1f} MiB: free space there, or pass an --out on a larger filesystem.")
 
 
 def _make_dirs(done: Claim, ckpt_dir: str) -> None:
@@ -276,10 +268,3 @@ def _probe(directory: str) -> None:
         raise ConfigError(f"{directory} is not writable ({exc.strerror}): the run could not save its "
                           f"checkpoints and summary there. Fix its permissions (chmod u+w {directory}) or pass "
                           f"another --out.") from None
-
-
-def _check_space(ckpt_dir: str, need: int) -> None:
-    free = files.lacking_space(ckpt_dir, need)
-    if free is not None:
-        raise ConfigError(f"{ckpt_dir} has {free / MIB:.1f} MiB free but one checkpoint needs about "
-                          f"{need / MIB:.1f} MiB: free space there, or pass an --out on a larger filesystem.")

@@ -84,11 +84,9 @@ def _rank() -> int:
 
 
 def _request(signum, frame) -> None:
-    if signum == signal.SIGCONT and _just_resumed():   # fg after Ctrl-Z: carry on
-        return
     if stop.requested() and signum == signal.SIGINT:
         raise KeyboardInterrupt("second SIGINT: aborting without a checkpoint")
-    if stop.requested():
+    if stop.requested() or signum == signal.SIGCONT and _just_resumed():   # already asked; fg after Ctrl-Z: carry on
         return
     stop.request(_REASONS.get(signum, f"signal {signum}"))
     if _rank() == 0:  # os.write: safe inside a handler, unlike print
