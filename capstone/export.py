@@ -20,11 +20,10 @@ import sys
 import numpy as np
 
 from capstone.flags import paths
-from capstone.checkpoint import CheckpointError, serial
 from capstone.checkpoint.files import write_atomic
-from capstone.config import ConfigError, ModelConfig
+from capstone.config import ModelConfig
 from capstone.model.params import Layout
-from capstone.flags.pipe import run_tool
+from capstone.flags.pipe import fail, run_tool
 from capstone.gpt2 import tensors
 from capstone.gpt2.vocab import SampleError
 
@@ -68,13 +67,10 @@ def write_bytes(data: bytes, out: str) -> None:
 def hf_config(cfg: ModelConfig) -> dict:
     """config.json of GPT2LMHeadModel, as `save_pretrained` writes it (no dropout; no GPT-2 special tokens,
     which lie outside this vocabulary)."""
-    return {"activation_function": "gelu_new", "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.0,
-            "bos_token_id": None, "dtype": "float32", "embd_pdrop": 0.0, "eos_token_id": None,
-            "initializer_range": 0.02, "layer_norm_epsilon": tensors.LAYER_NORM_EPS, "model_type": "gpt2",
-            "n_ctx": cfg.seq_len, "n_embd": cfg.d_model, "n_head": cfg.n_heads, "n_inner": 4 * cfg.d_model,
-            "n_layer": cfg.n_layers, "n_positions": cfg.seq_len, "reorder_and_upcast_attn": False,
-            "resid_pdrop": 0.0, "scale_attn_by_inverse_layer_idx": False, "scale_attn_weights": True,
-            "tie_word_embeddings": cfg.tie_embeddings, "use_cache": True, "vocab_size": cfg.vocab_size}
+    gpt2 = {k: v for k, v in tensors.gpt2_config(cfg).items() if k != "lm_head_bias"}   # the fields GPT-2 has
+    return {**gpt2, "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.0, "bos_token_id": None, "dtype": "float32",
+            "embd_pdrop": 0.0, "eos_token_id": None, "initializer_range": 0.02, "reorder_and_upcast_attn": False,
+            "resid_pdrop": 0.0, "scale_attn_by_inverse_layer_idx": False, "use_cache": True}
 
 
 def write_hf(views: dict[str, np.ndarray], cfg: ModelConfig, md: dict, out: str, save) -> dict[str, np.ndarray]:
@@ -118,11 +114,9 @@ def write_tokenizer(tokenizer: str | None, cfg: ModelConfig, out: str) -> list[s
 
 
 def _load(target: str):
-    try:
-        path = serial.find(target, "export")
-        meta, cfg, params = serial.load_weights(path)
-    except (ConfigError, CheckpointError) as exc:   # 2: no checkpoint there; 1: an invalid one
-        raise SampleError(2 if isinstance(exc, ConfigError) else 1, str(exc)) from None
+    from capstone.sample import load_checkpoint, resolve
+    path = resolve(target, "export")   # SampleError 2: no checkpoint there; 1: an invalid one
+    meta, cfg, params = load_checkpoint(path)
     return path, meta, cfg, Layout.for_model(cfg, 1).views(params)
 
 
@@ -163,8 +157,7 @@ def main(argv=None) -> int:
     try:
         s = export(args.target, args.out, args.format, args.force)
     except SampleError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.code
+        return fail(exc, exc.code)
     print(f"wrote {args.out}: {s['tensors']} tensors, {s['parameters']} parameters, {s['bytes']} bytes, from "
           f"{s['checkpoint']} (step {s['step']})")
     if s["tokenizer"]:

@@ -12,14 +12,14 @@ import sys
 
 from capstone.observe.runlog import (Run, clip_level, event_steps, memory_rows, number, phase_order, read_run, resume_steps,
                      run_labels, series, timing_parts, x_of_step)
-from capstone.flags.pipe import run_tool
+from capstone.flags.pipe import fail, run_tool
+from capstone.observe.memory import FIELDS
 
 INSTALL = "pip install matplotlib   (or: pip install -e '.[plot]')"
 MIB, KIB = 1024 * 1024, 1024
 NAMES = {"fwd_bwd": "compute (fwd+bwd)", "ckpt": "checkpoint"}  # legend names of step-time phases
 # the model states as held (capstone.observe.memory); runs from before ZeRO-2/3 have no gathered/reduce
-MEMORY = ("params_bytes", "gathered_bytes", "grads_bytes", "reduce_bytes", "optimizer_bytes", "guard_bytes",
-          "snapshot_bytes")
+MEMORY = tuple(f + "_bytes" for f in FIELDS)
 COLORS = tuple(f"C{i}" for i in range(10))  # one colour per run: the default cycle
 
 
@@ -181,12 +181,10 @@ def main(argv=None) -> int:
             raise FileNotFoundError(f"no step rows in {', '.join(args.runs)} yet: nothing to plot")
         paths = save_figures(make_figures(runs), out)
     except (FileNotFoundError, MissingMatplotlib) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(exc)
     except OSError as exc:
-        print(f"error: cannot write the figures to {args.out or 'RUN_DIR/plots'} ({exc}); pass a writable "
-              f"directory as --out.", file=sys.stderr)
-        return 2
+        return fail(f"cannot write the figures to {args.out or 'RUN_DIR/plots'} ({exc}); pass a writable directory as "
+                    f"--out.")
     lines = []                        # printed after the work: a reader that leaves early loses only lines
     for run in runs:
         state = f"status {run.summary.get('status')}" if run.summary else "running or stopped (no summary.json yet)"

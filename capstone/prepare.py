@@ -23,11 +23,11 @@ import numpy as np
 from capstone.checkpoint.files import fsync_path, write_atomic
 from capstone.flags import paths
 from capstone.config import ConfigError
-from capstone.data.dataset import (DTYPE_NAME, FORMAT, META_FILE, TOKENIZER_FILE, VERSION, DatasetError,
-                                   identity, load_meta)
+from capstone.data.dataset import (DTYPE_NAME, FORMAT, META_FILE, SPLITS, TOKENIZER_FILE, VERSION, DatasetError, Meta,
+                                   identity, load_meta, read_sources, read_split)
 from capstone.data.sources import RECIPES, PrepareError, Text, read_inputs
 from capstone.data.tokenizer import MAX_VOCAB, BPETokenizer, CharTokenizer, check_bpe_options, train_bpe
-from capstone.flags.pipe import run_tool
+from capstone.flags.pipe import fail, run_tool
 
 VAL_FRACTION = 10               # the last 1/10 of the characters is the validation split
 MIN_VAL_TOKENS = 2              # one input and one target
@@ -184,11 +184,9 @@ def target(out: str, data: Dataset, files: dict[str, bytes], force: bool) -> str
 
 def load_written(data: Dataset, files: dict[str, bytes]):
     """The Meta that `files` describe, as load_meta would read it back (without writing anything)."""
-    from capstone.data.dataset import Meta, Source, Split
     raw = json.loads(files[META_FILE])
-    splits = {n: Split(e["file"], e["tokens"], e["sha256"], e["chars"]) for n, e in raw["splits"].items()}
-    sources = tuple(Source(s["name"], s["chars"], s["sha256"]) for s in raw["sources"])
-    return Meta("", data.tokenizer, splits["train"], splits["val"], sources)
+    train, val = (read_split("", META_FILE, name, raw["splits"][name], VERSION) for name in SPLITS)
+    return Meta("", data.tokenizer, train, val, read_sources(META_FILE, raw["sources"]))
 
 
 def prepare(inputs: list[str], out: str, members: str | None = None, tokenizer: str = "char",
@@ -267,12 +265,10 @@ def main(argv=None) -> int:
                                                 or args.tokenizer != "char"):
             raise PrepareError("--tokenizer-from takes the GPT-2 tokenizer of its directory as it is: drop "
                                "--vocab-from, --tokenizer and --vocab-size.")
-        s = prepare(args.inputs, args.out, args.members, args.tokenizer, args.vocab_size, args.force, args.vocab_from,
-                    args.tokenizer_from, args.special)
+        s = prepare(**vars(args))   # every flag is a parameter of prepare
         load_meta(args.out)                 # what we wrote must read back
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(exc)
     asked = args.vocab_size or DEFAULT_BPE_VOCAB
     if s["kind"] == "bpe" and args.vocab_from is None and args.tokenizer_from is None and s["vocab_size"] < asked:
         print(f"note: --vocab-size {asked}{'' if args.vocab_size else ' (the default)'} was not reached: this text "

@@ -18,15 +18,15 @@ import numpy as np
 from capstone.checkpoint import CheckpointError, serial
 from capstone.config import ConfigError, ModelConfig
 from capstone.gpt2.generate import KVCache, generate, pick  # noqa: F401  (capstone.sample.KVCache etc., as before)
-from capstone.flags.pipe import run_tool
+from capstone.flags.pipe import fail, run_tool
 from capstone.gpt2.vocab import SampleError, Vocab, load_vocab
 
 
-def resolve(target: str) -> str:
+def resolve(target: str, tool: str = "sample") -> str:
     """The checkpoint file: `target` itself, or the one RUN_DIR/checkpoints/latest names (exit 2 for a path
-    that names none, 1 for a `latest` that names no checkpoint file)."""
+    that names none, 1 for a `latest` that names no checkpoint file; `tool`: who asks, for the messages)."""
     try:
-        return serial.find(target, "sample")
+        return serial.find(target, tool)
     except (ConfigError, CheckpointError) as exc:
         raise SampleError(2 if isinstance(exc, ConfigError) else 1, str(exc)) from None
 
@@ -186,8 +186,7 @@ def main(argv=None) -> int:
     try:
         return run(args)
     except (SampleError, ConfigError) as exc:   # ConfigError: e.g. a BPE checkpoint without the tokenizers library
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.code if isinstance(exc, SampleError) else 2
+        return fail(exc, exc.code if isinstance(exc, SampleError) else 2)
 
 
 if __name__ == "__main__":

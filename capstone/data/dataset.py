@@ -104,7 +104,8 @@ def _check(ok: bool, path: str, reason: str) -> None:
         raise invalid(path, reason)
 
 
-def _split(directory: str, path: str, name: str, entry, version: int) -> Split:
+def read_split(directory: str, path: str, name: str, entry, version: int) -> Split:
+    """meta.json's `splits.<name>` entry (of meta.json `path`, format `version`), checked."""
     where, keys = f"splits.{name}", {"file", "tokens", "sha256"} | ({"chars"} if version == 2 else set())
     _check(isinstance(entry, dict) and set(entry) == keys, path,
            f"{where} must be an object with exactly the keys {', '.join(sorted(keys))}")
@@ -117,7 +118,8 @@ def _split(directory: str, path: str, name: str, entry, version: int) -> Split:
                  entry.get("chars", entry["tokens"]))
 
 
-def _sources(path: str, sources) -> tuple[Source, ...]:
+def read_sources(path: str, sources) -> tuple[Source, ...]:
+    """meta.json's `sources` list (of meta.json `path`), checked."""
     _check(isinstance(sources, list) and len(sources) >= 1, path, "sources must be a non-empty list")
     for s in sources:
         _check(isinstance(s, dict) and set(s) == {"name", "chars", "sha256"} and isinstance(s["name"], str)
@@ -195,8 +197,8 @@ def load_meta(directory: str, flag: str = "--data") -> Meta:
     tokenizer = _tokenizer(directory, path, raw)
     splits = raw["splits"]
     _check(isinstance(splits, dict) and set(splits) == set(SPLITS), path, "splits must have exactly train and val")
-    train, val = (_split(directory, path, name, splits[name], raw["version"]) for name in SPLITS)
-    meta = Meta(directory, tokenizer, train, val, _sources(path, raw["sources"]), raw["version"])
+    train, val = (read_split(directory, path, name, splits[name], raw["version"]) for name in SPLITS)
+    meta = Meta(directory, tokenizer, train, val, read_sources(path, raw["sources"]), raw["version"])
     total = sum(s.chars for s in meta.sources)
     _check(total == train.chars + val.chars, path, f"the sources hold {total} characters but the splits "
                                                    f"{train.chars} + {val.chars}")

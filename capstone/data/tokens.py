@@ -14,9 +14,7 @@ import os
 import numpy as np
 
 from capstone.config import ConfigError
-from capstone.data.dataset import (DTYPE_NAME, FORMAT, META_FILE, SPLITS, VERSION, DatasetError, Meta, Split,  # noqa: F401
-                                   _check, identity, invalid, load_meta)
-from capstone.data.tokenizer import MAX_VOCAB  # noqa: F401  (re-exported)
+from capstone.data.dataset import DatasetError, Split, _check, identity, invalid, load_meta  # noqa: F401 (re-exported)
 
 DTYPE = np.dtype("<u2")         # uint16, little-endian
 VAL_KEY = 0x5EA1                # key of the fixed validation permutation (not the training seed)

@@ -145,38 +145,34 @@ DIRECTORY_KINDS = frozenset({K.EMPTY, K.RUN, K.CHECKPOINTS, K.HF_MODEL, K.HF_HAL
 RUN_OR_CHECKPOINT = ("a run directory (--out of a training run), its checkpoints directory or `latest` pointer, or a "
                      "ckpt-*.h5 file")
 PREPARED = "the directory `python -m capstone.prepare TEXT_FILE... --out DIR` wrote"
+OUT = {"name": "--out", "subject": "--out {path}"}   # a command's --out
 ACCEPTS = {
     "--init-from": Takes(CHECKPOINT_KINDS | {K.EXPORT, K.HF_MODEL},
                          "a run directory, checkpoint, .safetensors export or Hugging Face model directory",
                          "a run directory (its checkpoints/latest), a ckpt-*.h5 file, a .safetensors file `python -m "
                          "capstone.export` wrote, or a Hugging Face GPT-2 directory (config.json + model.safetensors)"),
     "--resume": Takes(CHECKPOINT_KINDS, "a run directory or checkpoint", RUN_OR_CHECKPOINT),
-    "export": Takes(CHECKPOINT_KINDS, "a run directory or checkpoint", RUN_OR_CHECKPOINT, "python -m capstone.export",
-                    "{path}"),
-    "sample": Takes(CHECKPOINT_KINDS, "a run directory or checkpoint", RUN_OR_CHECKPOINT, "python -m capstone.sample",
-                    "{path}"),
+    **{tool: Takes(CHECKPOINT_KINDS, "a run directory or checkpoint", RUN_OR_CHECKPOINT, f"python -m capstone.{tool}",
+                   "{path}") for tool in ("export", "sample")},
     # verify looks at any other file or directory too, and says why it is no checkpoint (integrity)
     "checkpoint": Takes(CHECKPOINT_KINDS | {K.TEXT, K.FILE, K.EMPTY, K.DIRECTORY}, "a run directory or checkpoint",
                         RUN_OR_CHECKPOINT, "python -m capstone.checkpoint", "not a valid checkpoint: {path}",
                         "it does not exist"),
     # an empty directory is a prepare that wrote nothing yet: load_meta says meta.json is missing
-    "--data": Takes(frozenset({K.DATASET, K.EMPTY}), "a prepared dataset", PREPARED, missing="no such directory"),
-    "--vocab-from": Takes(frozenset({K.DATASET, K.EMPTY}), "a prepared dataset", PREPARED,
-                          missing="no such directory"),
+    **dict.fromkeys(("--data", "--vocab-from"), Takes(frozenset({K.DATASET, K.EMPTY}), "a prepared dataset", PREPARED,
+                                                      missing="no such directory")),
     "--tokenizer-from": Takes(frozenset({K.HF_MODEL, K.HF_HALF, K.HF_PICKLE, K.DIRECTORY}),
                               "a directory holding the GPT-2 tokenizer (vocab.json + merges.txt)",
                               "a Hugging Face GPT-2 directory holding its tokenizer's vocab.json and merges.txt (as "
                               "GPT2Tokenizer.save_pretrained writes them)", missing="no such directory"),
     "prepare --out": Takes(DIRECTORY_KINDS | {K.MISSING}, "a directory",
-                           "a new or empty directory, or one holding a dataset (--force: any directory)", "--out",
-                           "--out {path}"),
+                           "a new or empty directory, or one holding a dataset (--force: any directory)", **OUT),
     "export --out": Takes(frozenset({K.MISSING, K.EXPORT, K.TEXT, K.FILE}), "a .safetensors file name",
-                          "the .safetensors file to write (an existing one is replaced only with --force)", "--out",
-                          "--out {path}"),
+                          "the .safetensors file to write (an existing one is replaced only with --force)", **OUT),
     "export --out --format hf": Takes(frozenset({K.MISSING, K.EMPTY, K.HF_MODEL, K.HF_HALF, K.HF_PICKLE, K.DIRECTORY}),
                                       "a new directory or a Hugging Face model's",
                                       "a directory with --format hf: the Hugging Face model directory to write (an "
-                                      "existing model is replaced only with --force)", "--out", "--out {path}"),
+                                      "existing model is replaced only with --force)", **OUT),
 }
 READERS = ("--init-from", "--resume", "export", "sample", "checkpoint")
 ADVICE_ROWS = (

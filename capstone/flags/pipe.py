@@ -18,6 +18,12 @@ from typing import Callable
 READER_LEFT = 128 + signal.SIGPIPE       # 141
 
 
+def fail(message, code: int = 2) -> int:
+    """`message` on stderr as the tool's error ("error: ..."); returns the exit code `code`."""
+    print(f"error: {message}", file=sys.stderr)
+    return code
+
+
 def run_tool(main: Callable[[], int | None]) -> int | None:
     """`main()`'s exit code, or READER_LEFT, quietly, when stdout's reader has gone."""
     try:

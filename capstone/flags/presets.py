@@ -16,19 +16,19 @@ import math
 
 from capstone.config import ConfigError
 
+# the optimizer and schedule of the cosine presets (nanoGPT's baby GPT's)
+COSINE = {"beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "clip": 1.0, "lr_schedule": "cosine"}
 PRESETS: dict[str, dict] = {
     "reference": {},
     "shakespeare-char": {
         "n_layers": 4, "n_heads": 4, "d_model": 128, "seq_len": 64, "bias": False, "head_bias": False,
         "tie_embeddings": True, "data": "data/shakespeare", "global_batch": 12, "steps": 2000,
-        "lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "clip": 1.0,
-        "lr_schedule": "cosine", "warmup_steps": 100, "min_lr": 1e-4,
+        "lr": 1e-3, **COSINE, "warmup_steps": 100, "min_lr": 1e-4,
         "eval_every": 250, "eval_batches": 20, "eval_batch_size": 12, "ckpt_every": 250,
     },
     "medium": {
         "n_layers": 4, "n_heads": 8, "d_model": 256, "seq_len": 128, "batch_size": 8, "steps": 400,
-        "lr": 1e-3, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "clip": 1.0,
-        "lr_schedule": "cosine", "warmup_steps": 40, "min_lr": 1e-4,
+        "lr": 1e-3, **COSINE, "warmup_steps": 40, "min_lr": 1e-4,
         "eval_every": 100, "eval_batches": 2, "eval_batch_size": 16, "ckpt_every": 100,
     },
     "gpt2": {
@@ -39,14 +39,12 @@ PRESETS: dict[str, dict] = {
     },
     "gpt2-mini": {
         "n_layers": 4, "n_heads": 4, "d_model": 256, "seq_len": 256, "vocab_size": 50257, "head_bias": False,
-        "tie_embeddings": True, "batch_size": 4, "steps": 200, "lr": 3e-4, "beta1": 0.9, "beta2": 0.99,
-        "weight_decay": 0.1, "clip": 1.0, "lr_schedule": "cosine", "warmup_steps": 20, "min_lr": 3e-5,
-        "eval_every": 50, "eval_batches": 2, "eval_batch_size": 4, "ckpt_every": 100,
+        "tie_embeddings": True, "batch_size": 4, "steps": 200, "lr": 3e-4, **COSINE, "warmup_steps": 20,
+        "min_lr": 3e-5, "eval_every": 50, "eval_batches": 2, "eval_batch_size": 4, "ckpt_every": 100,
     },
     "large": {
         "n_layers": 6, "n_heads": 8, "d_model": 512, "seq_len": 256, "vocab_size": 512, "batch_size": 8,
-        "steps": 400, "lr": 6e-4, "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "clip": 1.0,
-        "lr_schedule": "cosine", "warmup_steps": 40, "min_lr": 6e-5,
+        "steps": 400, "lr": 6e-4, **COSINE, "warmup_steps": 40, "min_lr": 6e-5,
         "eval_every": 100, "eval_batches": 2, "eval_batch_size": 16, "ckpt_every": 100,
     },
 }

@@ -54,14 +54,13 @@ def unknown(extras: list[str], known: list[str]) -> list[str]:
     out, i = [], 0
     while i < len(extras):
         token = extras[i]
-        if not token.startswith("-"):
+        value = extras[i + 1] if token.startswith("-") and "=" not in token and i + 1 < len(extras) \
+            and not extras[i + 1].startswith("--") else None
+        if token.startswith("-"):
+            out.append(_one(token, value, known))
+        else:
             hint = " (a config file? capstone takes flags and --preset NAME)" if token.endswith(".py") else ""
             out.append(f"{token}: unexpected argument{hint}; every setting is a flag.")
-            i += 1
-            continue
-        value = extras[i + 1] if "=" not in token and i + 1 < len(extras) and not extras[i + 1].startswith("--") \
-            else None
-        out.append(_one(token, value, known))
         i += 1 if value is None else 2
     return out
 

@@ -29,7 +29,7 @@ from capstone.collective.agree import agreed
 from capstone.config import ConfigError, ModelConfig, TrainConfig
 from capstone.data.tokenizer import difference, from_description
 from capstone.model.params import Layout
-from capstone.flags.presets import fit_warmup
+from capstone.flags.presets import COSINE, fit_warmup
 from capstone.step.state import ShardState
 
 MODEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig))
@@ -37,8 +37,7 @@ MODEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 INHERITED = ("lr", "lr_schedule", "warmup_steps", "min_lr", "clip", "beta1", "beta2", "eps", "weight_decay",
              "eval_every", "eval_batches", "eval_batch_size", "ckpt_every", "ckpt_every_minutes", "keep_last")
 # from an export: settings for a run of FINETUNE_STEPS (the warmup shortened for a shorter one)
-FINETUNE_DEFAULTS = {"lr": 3e-4, "lr_schedule": "cosine", "warmup_steps": 30, "min_lr": 3e-5, "clip": 1.0,
-                     "beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "eval_every": 25, "eval_batches": 4,
+FINETUNE_DEFAULTS = {"lr": 3e-4, **COSINE, "warmup_steps": 30, "min_lr": 3e-5, "eval_every": 25, "eval_batches": 4,
                      "eval_batch_size": 8, "ckpt_every": 100}
 FINETUNE_STEPS = 300
 
@@ -79,9 +78,7 @@ def read(target: str, seq_len: int | None = None) -> Source:
     """One process: the weights of a checkpoint, an export or a Hugging Face GPT-2 directory (capstone.gpt2.hf:
     `seq_len` crops its positions). CheckpointError for an invalid file or weights that are not all finite,
     ConfigError for a path that is none."""
-    source = _read(target, seq_len)
-    refuse_non_finite(target, source)
-    return source
+    return refuse_non_finite(target, _read(target, seq_len))
 
 
 def _read(target: str, seq_len: int | None) -> Source:
@@ -104,18 +101,17 @@ def _read(target: str, seq_len: int | None) -> Source:
     except CheckpointError as exc:
         raise CheckpointError(f"--init-from {target}: {exc}") from None
     refuse_unjudged(target, meta, path)
-    return Source(path, "checkpoint", int(meta["step"]), cfg, meta.get("data") or {}, params[:cfg_params(cfg)],
-                  meta.get("train_config") or {})
+    return Source(path, "checkpoint", int(meta["step"]), cfg, meta.get("data") or {},
+                  params[:Layout.for_model(cfg, 1).n_params], meta.get("train_config") or {})
 
 
-def refuse_non_finite(target: str, source: Source) -> None:
-    """CheckpointError if any weight is NaN or infinite (a diverged run's, or a damaged file's), naming the tensors."""
+def refuse_non_finite(target: str, source: Source) -> Source:
+    """`source`, or CheckpointError if any weight is NaN or infinite (a diverged run's, or a damaged file's), naming
+    the tensors."""
     if np.isfinite(source.params).all():
-        return
-    layout = Layout.for_model(source.model, 1)
-    flat = layout.zeros()
-    flat[:source.params.size] = source.params
-    bad = [name for name, view in layout.views(flat).items() if not np.isfinite(view).all()]
+        return source
+    views = Layout.for_model(source.model, 1).views(source.params)   # one rank: no padding
+    bad = [name for name, view in views.items() if not np.isfinite(view).all()]
     raise CheckpointError(f"--init-from {target}: {int(np.count_nonzero(~np.isfinite(source.params)))} of its weights "
                           f"are NaN or infinite (in {', '.join(bad[:4])}{' and more' if len(bad) > 4 else ''}): "
                           f"no training can start from them. Pass an earlier checkpoint of that run, saved before "
@@ -134,16 +130,12 @@ def refuse_unjudged(target: str, meta: dict, path: str | None = None) -> None:
                       f"it saves after that; or pass an older checkpoint of that run.")
 
 
-def cfg_params(cfg: ModelConfig) -> int:
-    return Layout.for_model(cfg, 1).n_params
-
-
 def _read_export(path: str) -> Source:
     """An export's tensors back into the flat layout (lm_head.weight transposed back to (in, out))."""
-    from capstone.gpt2.tensors import DIGEST_KEY, FORMAT, check_digest, gpt2_name, save_file, tensor_digest
+    from capstone.gpt2.tensors import DIGEST_KEY, FORMAT, check_digest, gpt2_name, library, tensor_digest
     from capstone.gpt2.vocab import SampleError
     try:
-        save_file()   # the library, or the install command
+        library()   # the library, or the install command
     except SampleError as exc:
         raise ConfigError(f"--init-from {path}: {exc}") from None
     from safetensors import safe_open
@@ -186,7 +178,7 @@ def fetch(world, target: str, seq_len: int | None = None) -> Source:
         return dataclasses.asdict(dataclasses.replace(found[0], params=None))   # the weights: broadcast below
     head = agreed(world, describe, errors=(ConfigError, CheckpointError))
     cfg = ModelConfig(**head["model"])
-    params = found[0].params if found else np.empty(cfg_params(cfg), dtype=np.float32)
+    params = found[0].params if found else np.empty(Layout.for_model(cfg, 1).n_params, dtype=np.float32)
     world.Bcast(params, "broadcast of the --init-from weights")
     return Source(**{**head, "model": cfg, "params": params})
 

@@ -20,38 +20,34 @@ import numpy as np
 from capstone.flags import paths
 from capstone.checkpoint import CheckpointError
 from capstone.config import ConfigError, ModelConfig
+from capstone.gpt2.tensors import BLOCK, DIGEST_KEY, LAYER_NORM_EPS, TOP, check_digest, digest_update
 from capstone.model.params import Layout
 
 FILES = paths.HF_FILES
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")      # capstone's GELU is the tanh approximation
-LAYER_NORM_EPS = 1e-5                              # capstone.model.kernels' LayerNorm
 BUFFERS = (".attn.bias", ".attn.masked_bias")      # older files' causal-mask buffers: not parameters
 
 
 def model_config(hf: dict, seq_len: int | None, path: str) -> ModelConfig:
     """capstone's ModelConfig of a GPT-2 config.json (`seq_len`: a crop of n_positions, None: all of it);
     ConfigError naming every setting capstone cannot represent."""
-    C = hf.get("n_embd")
-    problems = []
-    if hf.get("model_type") != "gpt2":
-        problems.append(f"model_type is {hf.get('model_type')!r}, not 'gpt2'")
-    if hf.get("activation_function", "gelu_new") not in GELU_TANH:
-        problems.append(f"activation_function {hf.get('activation_function')!r}: capstone's MLP uses GELU's tanh "
-                        f"approximation (gelu_new) only")
-    if abs(float(hf.get("layer_norm_epsilon", LAYER_NORM_EPS)) - LAYER_NORM_EPS) > 1e-12:
-        problems.append(f"layer_norm_epsilon {hf.get('layer_norm_epsilon')}: capstone's LayerNorm uses {LAYER_NORM_EPS}")
-    if hf.get("n_inner") not in (None, 4 * (C or 0)):
-        problems.append(f"n_inner {hf.get('n_inner')}: capstone's MLP is 4 x n_embd = {4 * (C or 0)} wide")
-    if not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"):
-        problems.append("the attention scaling differs from 1/sqrt(head size) (scale_attn_weights false or "
-                        "scale_attn_by_inverse_layer_idx true)")
-    if hf.get("add_cross_attention"):
-        problems.append("add_cross_attention: capstone's blocks have no cross-attention")
-    n_positions = hf.get("n_positions")
-    if seq_len is not None and isinstance(n_positions, int) and seq_len > n_positions:
-        problems.append(f"--seq-len {seq_len} is longer than its n_positions {n_positions}: the position table "
-                        f"has no rows beyond it; pass --seq-len {n_positions} or less")
+    C, n_positions = hf.get("n_embd"), hf.get("n_positions")
+    problems = [text for wrong, text in (
+        (hf.get("model_type") != "gpt2", f"model_type is {hf.get('model_type')!r}, not 'gpt2'"),
+        (hf.get("activation_function", "gelu_new") not in GELU_TANH, f"activation_function "
+         f"{hf.get('activation_function')!r}: capstone's MLP uses GELU's tanh approximation (gelu_new) only"),
+        (abs(float(hf.get("layer_norm_epsilon", LAYER_NORM_EPS)) - LAYER_NORM_EPS) > 1e-12,
+         f"layer_norm_epsilon {hf.get('layer_norm_epsilon')}: capstone's LayerNorm uses {LAYER_NORM_EPS}"),
+        (hf.get("n_inner") not in (None, 4 * (C or 0)),
+         f"n_inner {hf.get('n_inner')}: capstone's MLP is 4 x n_embd = {4 * (C or 0)} wide"),
+        (not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx"), "the attention scaling "
+         "differs from 1/sqrt(head size) (scale_attn_weights false or scale_attn_by_inverse_layer_idx true)"),
+        (hf.get("add_cross_attention"), "add_cross_attention: capstone's blocks have no cross-attention"),
+        (seq_len is not None and isinstance(n_positions, int) and seq_len > n_positions, f"--seq-len {seq_len} is "
+         f"longer than its n_positions {n_positions}: the position table has no rows beyond it; pass --seq-len "
+         f"{n_positions} or less"),
+    ) if wrong]
     if problems:
         raise ConfigError(f"--init-from {path}: capstone cannot represent this GPT-2 model: " + "; ".join(problems)
                           + ". Only GPT-2's own architecture is read (docs/gpt2.md).")
@@ -65,7 +61,6 @@ def model_config(hf: dict, seq_len: int | None, path: str) -> ModelConfig:
 
 def capstone_name(name: str) -> str:
     """capstone's parameter name of a GPT-2 tensor name (either key set), or "" for one it has no use for."""
-    from capstone.gpt2.tensors import BLOCK, TOP
     name = name.removeprefix("transformer.")
     if name.endswith(BUFFERS):
         return ""
@@ -82,8 +77,6 @@ def read_weights(path: str, cfg: ModelConfig, digest: str | None = None) -> np.n
     a tied model's lm_head.weight, if stored, must be wte); ConfigError for missing or extra tensors,
     CheckpointError if the tensors' sha256 is not `digest` (capstone's export records it; None: unchecked)."""
     from safetensors import safe_open
-
-    from capstone.gpt2.tensors import check_digest, digest_update
     layout = Layout.for_model(cfg, 1)
     flat = layout.zeros()
     views, seen, h = layout.views(flat), set(), hashlib.sha256()
@@ -122,7 +115,6 @@ def read(path: str, seq_len: int | None = None):
     """(ModelConfig, flat parameters, data identity: the tokenizer of vocab.json + merges.txt if they are
     there, else the one capstone's export kept in the weights' metadata). CheckpointError for a
     model.safetensors safetensors cannot read or whose recorded digest does not match."""
-    from capstone.gpt2.tensors import DIGEST_KEY
     with open(os.path.join(path, FILES[0])) as f:
         try:
             hf = json.load(f)

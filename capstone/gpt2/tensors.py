@@ -20,10 +20,9 @@ SAFETENSORS_PIN = "safetensors==0.8.0"
 FORMAT = "capstone-gpt2"
 DIGEST_KEY = "tensor_sha256"     # metadata: sha256 of the tensors (`tensor_digest`), verified by --init-from
 LAYER_NORM_EPS = 1e-5            # capstone.model.kernels._ln_fwd
-BLOCK = {"ln_1.w": "ln_1.weight", "ln_1.b": "ln_1.bias", "attn.c_attn.w": "attn.c_attn.weight",
-         "attn.c_attn.b": "attn.c_attn.bias", "attn.c_proj.w": "attn.c_proj.weight", "attn.c_proj.b": "attn.c_proj.bias",
-         "ln_2.w": "ln_2.weight", "ln_2.b": "ln_2.bias", "mlp.c_fc.w": "mlp.c_fc.weight", "mlp.c_fc.b": "mlp.c_fc.bias",
-         "mlp.c_proj.w": "mlp.c_proj.weight", "mlp.c_proj.b": "mlp.c_proj.bias"}
+BLOCK = {f"{module}.{short}": f"{module}.{full}"   # a block's parameters: ln_1.w -> ln_1.weight, ...
+         for module in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
+         for short, full in (("w", "weight"), ("b", "bias"))}
 TOP = {"wte": "transformer.wte.weight", "wpe": "transformer.wpe.weight", "ln_f.w": "transformer.ln_f.weight",
        "ln_f.b": "transformer.ln_f.bias", "lm_head.w": "lm_head.weight", "lm_head.b": "lm_head.bias"}
 
@@ -79,8 +78,7 @@ def gpt2_config(cfg: ModelConfig, head_bias: bool = True) -> dict:
     return {"model_type": "gpt2", "vocab_size": cfg.vocab_size, "n_positions": cfg.seq_len, "n_ctx": cfg.seq_len,
             "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": 4 * cfg.d_model,
             "layer_norm_epsilon": LAYER_NORM_EPS, "activation_function": "gelu_new",
-            "tie_word_embeddings": cfg.tie_embeddings,
-            "lm_head_bias": head_bias, "scale_attn_weights": True}
+            "tie_word_embeddings": cfg.tie_embeddings, "lm_head_bias": head_bias, "scale_attn_weights": True}
 
 
 def metadata(meta: dict, cfg: ModelConfig, path: str, head_bias: bool = True) -> dict[str, str]:
@@ -104,8 +102,3 @@ def library():
         raise SampleError(2, f"export needs the `safetensors` library: pip install {SAFETENSORS_PIN} "
                              f"(scripts/setup installs it).") from None
     return st
-
-
-def save_file():
-    """safetensors.numpy.save_file, or SampleError(2) with the install command (capstone.gpt2.finetune)."""
-    return library().save_file

@@ -36,9 +36,8 @@ class Vocab:
 
 
 def data_candidates(trained: str, ckpt: str) -> list[str]:
-    """Where the training run's data path may be: as given, then relative to the run dir's ancestors."""
-    if os.path.isabs(trained):
-        return [trained]
+    """Where the training run's data path may be: as given, then relative to the run dir's ancestors (an
+    absolute path: only itself, which os.path.join keeps)."""
     folder = os.path.dirname(os.path.abspath(ckpt))
     run_dir = os.path.dirname(folder) if os.path.basename(folder) == "checkpoints" else folder
     base = pathlib.Path(run_dir).parent
@@ -72,7 +71,7 @@ def differences(recorded: dict, found: dict) -> list[str]:
     return out
 
 
-def _from_dataset(meta: dict, cfg: ModelConfig, data: str, ckpt: str, recorded: dict) -> Vocab:
+def _from_dataset(meta: dict, data: str, ckpt: str, recorded: dict) -> Vocab:
     trained = (meta.get("train_config") or {}).get("data") or "?"
     try:
         ds = load_meta(data)
@@ -107,7 +106,7 @@ def load_vocab(meta: dict, cfg: ModelConfig, data: str | None, ckpt: str) -> Voc
                                  f"(--prompt-ids), or sample a checkpoint trained with --data.")
         return None
     if data is not None or "tokenizer" not in recorded:
-        vocab = _from_dataset(meta, cfg, data or _find_data(meta, ckpt), ckpt, recorded)
+        vocab = _from_dataset(meta, data or _find_data(meta, ckpt), ckpt, recorded)
     else:
         try:
             tok = from_description(recorded["tokenizer"])

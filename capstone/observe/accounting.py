@@ -11,7 +11,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from capstone.observe.runlog import read_run
-from capstone.flags.pipe import run_tool
+from capstone.flags.pipe import fail, run_tool
 
 # nccl-tests doc/PERFORMANCE.md, "Summary": busbw = algbw * factor(n), independent of the algorithm
 # as long as it is built from point-to-point transfers.
@@ -238,7 +238,7 @@ def format_what_if(w: dict) -> str:
     text = format_zero_table(zero_table(w["P"], w["world"], PRECISIONS[w["precision"]]), w["P"], w["world"],
                              PRECISIONS[w["precision"]])
     stage = w["measured"]["stage"]
-    for label, m in ((f"measured (max over ranks)", w["measured"]), (f"formula of stage {stage}", w.get("formula"))):
+    for label, m in (("measured (max over ranks)", w["measured"]), (f"formula of stage {stage}", w.get("formula"))):
         if m and "params_bytes" in m:
             total = m["params_bytes"] + m["grads_bytes"] + m["optimizer_bytes"]
             text += (f"\n{stage:<5} {label:<26} {m['params_bytes']:>12} {m['grads_bytes']:>12} "
@@ -279,15 +279,13 @@ def main(argv=None) -> int:
     error = (f"--params {args.params}: a parameter count is 0 or more; pass e.g. --params 30144." if args.params < 0
              else f"--world {args.world}: a run has 1 rank or more; pass e.g. --world 4." if args.world < 1 else None)
     if error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        return fail(error)
     n_params, world = args.params, args.world
     if args.run:
         try:
             summary, records = run_bandwidths(args.run)
         except (FileNotFoundError, KeyError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return fail(exc)
         n_params, world = summary["padded"], summary["world_size"]
         print(f"{args.run}: median over steps 2.. of rank 0's timings\n"
               f"{format_collectives(list(records.values()), list(records))}\n")

@@ -12,7 +12,7 @@ from capstone.checkpoint import best, files
 from capstone.checkpoint.files import CheckpointError
 from capstone.step.guard import DivergenceError
 from capstone.observe.jsonout import write_json
-from capstone.observe.runlog import parse_lines, step_rows
+from capstone.observe.runlog import logged_rows
 
 STOPPING = "stopping"   # a stop's checkpoint is saved, its end-of-run checks not yet run (`stopped`)
 
@@ -77,11 +77,7 @@ def ended(run, status: str, reason: str, start_step: int, started: float, extra:
 
 def last_row(out: str) -> dict | None:
     """The newest step row of OUT/metrics.jsonl (None: none yet)."""
-    try:
-        with open(os.path.join(out, "metrics.jsonl")) as f:
-            rows = step_rows(parse_lines(f.read())[0])
-    except OSError:
-        return None
+    rows = logged_rows(os.path.join(out, "metrics.jsonl"))
     return rows[-1] if rows else None
 
 

@@ -9,7 +9,8 @@ import time
 
 from capstone.observe import accounting, outcome
 from capstone.observe.jsonout import jsonable, write_json  # noqa: F401  (report.jsonable, report.write_json)
-from capstone.observe.runlog import number, parse_lines, step_rows
+from capstone.observe.memory import FIELDS
+from capstone.observe.runlog import logged_rows, number
 
 MIB = 1024 * 1024
 EMA_BETA = 0.9     # the console's smoothed loss on long runs
@@ -22,13 +23,18 @@ def say(text: str = "", rank: int = 0) -> None:
         print(text, flush=True)
 
 
+def dash(value, spec: str) -> str:
+    """`value` formatted by `spec`, or "-" for None."""
+    return "-" if value is None else format(value, spec)
+
+
 def step_header() -> str:
     return f"{'step':>5} {'loss':>9} {'eval_loss':>9} {'grad_norm':>10} {'lr':>9} {'ms':>7}  {'param_norm':>11} {'fingerprint':<16}  event"
 
 
-def banner(run, header: str | None = None) -> None:
-    """The run's first lines: ranks (and the grid), whole-model parameters, global batch, run dir (none
-    with --quiet)."""
+def banner(run, header: str) -> None:
+    """The run's first lines: ranks (and the grid), whole-model parameters, global batch, run dir, then
+    the console's `header` (none with --quiet)."""
     if run.opts.quiet:
         return
     layout, (dp, pp, tp), cp = run.model.layout, run.grid.shape, run.grid.cp_size
@@ -38,7 +44,7 @@ def banner(run, header: str | None = None) -> None:
         f"{run.mcfg.seq_len} tokens, run dir {run.out}", run.grid.world.rank)
     if run.grid.placement():   # several hosts: which holds which grid position (capstone.parallel.placement)
         say(f"placement: {run.grid.placement()}", run.grid.world.rank)
-    say(step_header() if header is None else header, run.grid.world.rank)
+    say(header, run.grid.world.rank)
 
 
 def metrics_row(r, tokens: int, tokens_total: int, repeat: bool = False) -> dict:
@@ -142,18 +148,14 @@ class Console:
         elapsed = now - self.t0
         eta = (self.steps - step) * elapsed / max(step - self.start_step, 1)
         ema = f"{self.ema / (1 - EMA_BETA ** self.n_ema):.5f}" if self.n_ema else "-"
-        held = "-" if m["eval_loss"] is None else f"{m['eval_loss']:.5f}"
-        return (f"{step:>7} {ema:>9} {held:>9} {m['lr']:>9.2e} {rate:>10.0f} {duration(elapsed):>8} "
-                f"{duration(eta):>8}  "
-                f"{' '.join(e['event'] for e in m['events'])}")
+        return (f"{step:>7} {ema:>9} {dash(m['eval_loss'], '.5f'):>9} {m['lr']:>9.2e} {rate:>10.0f} "
+                f"{duration(elapsed):>8} {duration(eta):>8}  {' '.join(e['event'] for e in m['events'])}")
 
 
 def rolled_back(r, guard_state, adam_t: int, rank: int) -> None:
-    held = "-" if r.eval_loss is None else f"{r.eval_loss:.6g}"
-    last = "-" if guard_state.last_loss is None else f"{guard_state.last_loss:.6g}"
-    say(f"  rollback at step {r.step}: {r.rollback} (loss {r.loss:.6g}, held-out {held}; last accepted {last}, "
-        f"held-out {guard_state.last_eval:.6g}); state of Adam step {adam_t} in effect, samples "
-        f"[{r.samples[0]}, {r.samples[1]}) skipped", rank)
+    say(f"  rollback at step {r.step}: {r.rollback} (loss {r.loss:.6g}, held-out {dash(r.eval_loss, '.6g')}; last "
+        f"accepted {dash(guard_state.last_loss, '.6g')}, held-out {guard_state.last_eval:.6g}); state of Adam step "
+        f"{adam_t} in effect, samples [{r.samples[0]}, {r.samples[1]}) skipped", rank)
 
 
 def resumed(path: str, state, saved_world: int, world: int, changed: dict, rank: int) -> None:
@@ -165,18 +167,16 @@ def resumed(path: str, state, saved_world: int, world: int, changed: dict, rank:
 
 
 def step_row(m: dict) -> str:
-    held = "-" if m["eval_loss"] is None else f"{m['eval_loss']:.5f}"
-    return (f"{m['step']:>5} {m['loss']:>9.5f} {held:>9} {m['grad_norm']:>10.4f} {m['lr']:>9.2e} {m['step_ms']:>7.2f}  "
-            f"{m['param_norm']:>11.6f} {m['fingerprint']:<16}  {' '.join(e['event'] for e in m['events'])}")
+    return (f"{m['step']:>5} {m['loss']:>9.5f} {dash(m['eval_loss'], '.5f'):>9} {m['grad_norm']:>10.4f} "
+            f"{m['lr']:>9.2e} {m['step_ms']:>7.2f}  {m['param_norm']:>11.6f} {m['fingerprint']:<16}  "
+            f"{' '.join(e['event'] for e in m['events'])}")
 
 
 def memory_table(rows: list[dict]) -> str:
     """Per-rank memory rows (capstone.observe.memory), max and mean across ranks, and the formula of
     the run's ZeRO stage (bytes; peak RSS in MiB)."""
-    keys = ("params_bytes", "gathered_bytes", "grads_bytes", "reduce_bytes", "optimizer_bytes", "guard_bytes",
-            "snapshot_bytes")
-    lines = [f"{'rank':>8} {'params':>10} {'gathered':>10} {'grads':>10} {'reduce':>10} {'optimizer':>10} "
-             f"{'guard':>10} {'snapshot':>10} {'total':>11} {'peak_rss_MiB':>13}"]
+    keys = [f + "_bytes" for f in FIELDS]
+    lines = [f"{'rank':>8} " + " ".join(f"{f:>10}" for f in FIELDS) + f" {'total':>11} {'peak_rss_MiB':>13}"]
 
     def fmt(label, vals, rss):
         return (f"{label:>8} " + " ".join(f"{v:>10.0f}" for v in vals) + f" {sum(vals):>11.0f}"
@@ -198,11 +198,10 @@ def aggregate(rows: list[dict]) -> dict:
     return {"max": {k: max(r[k] for r in rows) for k in keys}, "mean": {k: sum(r[k] for r in rows) / len(rows) for k in keys}}
 
 
-def checkpoints_line(manifests: list, verified: dict | None) -> str | None:
-    """The console's one line on the checkpoints: how many written and kept, which one invariant (d)
-    reloaded, the newest; their digests are in summary.json (`checkpoints`) and each file's .sha256."""
-    if not manifests:
-        return None
+def checkpoints_line(manifests: list, verified: dict | None) -> str:
+    """The console's one line on the checkpoints (`manifests`, at least one): how many written and kept,
+    which one invariant (d) reloaded, the newest; their digests are in summary.json (`checkpoints`) and each
+    file's .sha256."""
     kept = [m for m in manifests if os.path.exists(m["path"])]
     newest = kept[-1]["path"] if kept else manifests[-1]["path"]
     first = f"{os.path.basename(verified['path'])} reloaded by (d), " if verified and verified.get("path") else ""
@@ -216,7 +215,8 @@ class MetricsLog:
     the next one, after a warning; the run goes on, and the checkpoint's own error, if any, ends it."""
 
     def __init__(self, path: str | None):
-        self.last_step = last_logged_step(path) if path else 0  # a resumed launch repeats steps up to this
+        # the highest step logged: a resumed launch repeats steps up to this
+        self.last_step = max((r["step"] for r in logged_rows(path)), default=0) if path else 0
         self.path, self.f = path, open(path, "ab", buffering=0) if path else None   # unbuffered: what failed is ours
         self.pending, self.warned = b"", False
 
@@ -244,16 +244,6 @@ class MetricsLog:
             self.f.close()
 
 
-def last_logged_step(path: str) -> int:
-    """The highest step with a row in metrics.jsonl `path` (0: none, or no file)."""
-    try:
-        with open(path) as f:
-            records, _ = parse_lines(f.read())
-    except FileNotFoundError:
-        return 0
-    return max((r["step"] for r in step_rows(records)), default=0)
-
-
 @dataclasses.dataclass
 class Summary:
     """The end of a run: what summary.json holds and the final report prints."""
@@ -272,8 +262,8 @@ class Summary:
                 "padded": self.run.model.layout.padded, "last_step": self.rows[-1] if self.rows else None,
                 "invariants": self.invariants, "memory": {"per_rank": self.memory, **aggregate(self.memory)},
                 "final_param_fingerprint": self.final_fingerprint, "comm": accounting.comm_summary(self.rows),
-                "zero_what_if": self.what_if(), **({"post_validation": self.run.opt.counts}
-                                                    if self.run.plan.post_validates else {})}
+                "zero_what_if": self.what_if(),
+                **({"post_validation": self.run.opt.counts} if self.run.plan.post_validates else {})}
 
     def what_if(self) -> dict:
         layout = self.run.model.layout
@@ -303,9 +293,8 @@ def _report(summary: Summary, verified: dict | None, rank: int) -> None:
     if comm:
         say(f"\ncollectives per step, rank 0's clock, median over {'steps after the first' if len(summary.rows) > 1 else 'the step'} "
             f"of this launch (bytes: nccl-tests S; GB/s = 1e9 B/s):\n" + accounting.format_comm_summary(comm), rank)
-    line = checkpoints_line(run.ckpt.manifests, verified)
-    if line:
-        say(line, rank)
+    if run.ckpt.manifests:
+        say(checkpoints_line(run.ckpt.manifests, verified), rank)
     say("\ninvariants:\n  " + "\n  ".join(describe(summary.invariants, run.grid.world.size)), rank)
     if verified and verified["ok"]:
         say(f"resume verified: {verified['path']} reloads byte-equal on all {run.grid.world.size} ranks", rank)

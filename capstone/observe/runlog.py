@@ -56,6 +56,15 @@ def step_rows(records: list[dict]) -> list[dict]:
     return rows
 
 
+def logged_rows(path: str) -> list[dict]:
+    """The step rows (`step_rows`) of the metrics.jsonl `path`; none if there is no such file."""
+    try:
+        with open(path) as f:
+            return step_rows(parse_lines(f.read())[0])
+    except OSError:
+        return []
+
+
 def number(value) -> float | None:
     """A finite float from a metrics value, else None (null, missing, "nan"/"inf" strings, booleans)."""
     if isinstance(value, bool) or value is None:

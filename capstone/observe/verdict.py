@@ -42,7 +42,7 @@ def describe(results: dict, world: int) -> list[str]:
         *describe_learning(a, mark[a["ok"]]),
         f"(b) {mark[b['ok']]} parameter fingerprint identical on all {world} ranks at {b['steps_checked'] - b['n_mismatches']}"
         f"/{b['steps_checked']} steps" if b.get("judged", True) else
-        f"(b) not judged: the launch stopped before its first step, so there were no parameters to compare",
+        "(b) not judged: the launch stopped before its first step, so there were no parameters to compare",
         f"(c) {mark[c['ok']]} {memory_text(c)}",
         f"(d) {mark[d['ok']]} " + (f"{d['path']}: {d['mismatched_bytes']} bytes differ from the in-memory snapshot"
                                    if "path" in d else d["reason"]),
