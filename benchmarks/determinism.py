@@ -1,4 +1,4 @@
-"""The cost of --deterministic: `mpirun -n 4 python -m benchmarks.determinism [--repeats 3] [--reduction-only]`.
+"""The cost of --deterministic: `mpirun -n 4 python -m benchmarks.determinism [--repeats 3] [--tp 1,2] [--reduction-only]`.
 
 First the phase the mode replaces, alone (no forward/backward, so less noise): the gradient
 reduction and norm, default (one reduce-scatter) vs deterministic (an Alltoall and the fixed
@@ -27,6 +27,7 @@ from capstone.model.gpt import Model
 from capstone.model.params import Layout, init_params
 from capstone.collective import launch
 from capstone.parallel.buckets import BucketReducer
+from capstone.parallel.chunksums import ChunkSums
 from capstone.parallel.deterministic import DeterministicReducer
 from capstone.parallel.grid import Grid
 from capstone.parallel.reduce import Flags
@@ -46,7 +47,10 @@ def reduction(world, repeats: int) -> None:
         model = Model.over(cfg, layout, init_params(layout, cfg, 0))
         model.grads[:layout.n_params] = np.random.default_rng(world.rank).standard_normal(layout.n_params) * 1e-3
         default = BucketReducer(grid, layout, model.grads, layout.padded)
-        det = DeterministicReducer(grid, layout, model.grads, 1)
+        idx = np.full(layout.padded, -1, dtype=np.int64)
+        idx[:layout.n_params] = np.arange(layout.n_params)
+        det = DeterministicReducer(grid, layout, model.grads, 1,
+                                   ChunkSums(world, idx[slice(*layout.shard_range(world.rank))], layout.n_params))
 
         def deterministic():
             det.after_backward(0)
@@ -69,9 +73,9 @@ def reduction(world, repeats: int) -> None:
 def runs(world, args) -> None:
     """Collective. Step time of default vs --deterministic training runs, reference and medium."""
     tmp = world.bcast_json(tempfile.mkdtemp(prefix="capstone-det-bench-") if world.rank == 0 else None)
-    sizes = [("reference", ["--steps", str(args.reference_steps)]),
-             ("medium", ["--preset", "medium", "--steps", str(args.medium_steps), "--eval-every", "1000",
-                         "--warmup-steps", "0"])]
+    medium = ["--preset", "medium", "--steps", str(args.medium_steps), "--eval-every", "1000", "--warmup-steps", "0"]
+    sizes = [("reference", ["--steps", str(args.reference_steps)])]
+    sizes += [(f"medium tp{tp}", medium + ["--tp", str(tp)]) for tp in args.tp]
     common = ["--quiet", "--ckpt-every", "0", "--ckpt-every-minutes", "0"]
     modes = ("default", "deterministic")
     rows = {(name, mode): [] for name, _ in sizes for mode in modes}
@@ -89,12 +93,12 @@ def runs(world, args) -> None:
     if world.rank == 0:
         print(f"step time on {world.size} ranks, default vs --deterministic (rank 0, median ms over steps 2.. of "
               f"{args.repeats} runs each; reference {args.reference_steps} steps, medium {args.medium_steps} steps):")
-        print(f"  {'size':<10} {'mode':<14} {'step':>9} {'fwd_bwd':>9} {'reduce':>9} {'ratio':>6}")
+        print(f"  {'size':<12} {'mode':<14} {'step':>9} {'fwd_bwd':>9} {'reduce':>9} {'ratio':>6}")
         for name, _ in sizes:
             base = statistics.median(r["step_ms"] for r in rows[(name, "default")])
             for mode in modes:
                 med = {k: statistics.median(r[k] for r in rows[(name, mode)]) for k in ("step_ms", "fwd_bwd_ms", "reduce_ms")}
-                print(f"  {name:<10} {mode:<14} {med['step_ms']:>9.2f} {med['fwd_bwd_ms']:>9.2f} "
+                print(f"  {name:<12} {mode:<14} {med['step_ms']:>9.2f} {med['fwd_bwd_ms']:>9.2f} "
                       f"{med['reduce_ms']:>9.2f} {med['step_ms'] / base:>6.2f}")
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -104,6 +108,8 @@ def main(argv=None) -> int:
     p.add_argument("--reference-steps", type=int, default=10)
     p.add_argument("--medium-steps", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--tp", type=lambda v: [int(t) for t in v.split(",")], default=[1],
+                   help="the medium runs' tensor-parallel degrees, e.g. 1,2 (default: 1)")
     p.add_argument("--reduction-only", action="store_true", help="only the reduction phase, without training runs")
     args = p.parse_args(argv)
     world = launch.world()

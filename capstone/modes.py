@@ -138,7 +138,7 @@ def _reducer(grid: Grid, layout: Layout, plan: Plan, tcfg: TrainConfig, sums=Non
         if grid.world.rank == 0:
             _deterministic_notes(plan)
         grads = None if zero.shards_grads else layout.zeros()   # ZeRO-2/3: each group's exchanged as made
-        return det.DeterministicReducer(grid, layout, grads, tcfg.grad_accum, sums if grid.mp.size > 1 else None)
+        return det.DeterministicReducer(grid, layout, grads, tcfg.grad_accum, sums)
     floats = plan.bucket_floats(layout.padded)
     if zero.stage == 1 or plan.whole_grad:   # the whole gradient, reduce-scattered once a step
         return BucketReducer(grid, layout, layout.zeros(), floats, _loss_weight(grid))
@@ -184,7 +184,8 @@ def _replicas(grid: Grid, layout: Layout, seam: Weights, plan: Plan, sums=None) 
     if sums is None:
         return check
     from capstone.parallel.chunksums import CanonicalCheck
-    return CanonicalCheck(check, sums, slice(None) if plan.zero.shards_params else slice(*layout.shard_range(grid.dp.rank)))
+    shard = slice(None) if plan.zero.shards_params else slice(*layout.shard_range(grid.dp.rank))
+    return CanonicalCheck(check, sums, shard)
 
 
 def _loss_weight(grid: Grid) -> float:

@@ -289,5 +289,8 @@ def _resume(run: Run, path: str, saved: dict, why: dict) -> None:
     if meta.get("global_batch", run.global_batch) != run.global_batch:   # batch_size x grad_accum x replicas
         changed["global batch (sequences per step)"] = (meta["global_batch"], run.global_batch)
     changed.update(kept.changes(meta.get("modes"), run.plan, why))
+    if run.tcfg.deterministic and "det_split" not in (meta.get("modes") or {}) and run.grid.world.rank == 0:
+        report.say("note: the checkpoint's run logged fingerprints of the older kind (sha256 of each rank's part of the "
+                   "parameters); from this resume they are of the canonical vector's chunks (docs/deterministic.md)")
     report.resumed(path, state, meta["world_size"], run.grid.world.size, changed,
                    -1 if run.opts.quiet else run.grid.world.rank)   # --quiet: the final line only

@@ -116,7 +116,7 @@ MUTANTS = [
            ("tests/test_async_checkpoints.py::test_a_stop_during_an_async_write_waits_for_it_then_saves",),
            "the background write writes the snapshot buffer without copying the shard into it first"),
     Mutant("checkpoint/async-write-error-swallowed", "capstone/checkpoint/background.py",
-           'self.outcome = {"error": exc}', 'self.outcome = {"manifest": None}',
+           'self.error = exc', 'self.error = None',
            ("tests/test_resume.py::test_write_error_on_one_rank_fails_cleanly_and_keeps_the_previous_checkpoint",),
            "a background write that failed on every rank is forgotten: the run goes on and ends 'completed'"),
     Mutant("checkpoint/async-failure-taken-at-the-next-save", "capstone/train.py",
@@ -310,11 +310,14 @@ MUTANTS = [
            "(grid.pp.size - 1) * grid.tp.size", "0",
            ("tests/test_composition.py::test_row[n4-tp1-acc4-overlap-det-spike-zero1-recompute-pp4-afab]",),
            "--deterministic --pp: the step's loss is taken from stage 0, which has none (the guard judges zeros)"),
-    Mutant("det/tp-norm-counts-replicated-parameters-twice", "capstone/parallel/deterministic.py",
-           "        shard = self.grad_shard if self.norm_weight is None else self.grad_shard * self.norm_weight\n",
-           "        shard = self.grad_shard\n",
-           ("tests/test_composition.py::test_row[n4-tp2-acc1-no-overlap-det-nan-zero1-recompute-pp2-afab]",),
+    Mutant("det/tp-norm-counts-replicated-parameters-twice", "capstone/parallel/chunksums.py",
+           "idx[:layout.n_params] = np.where(owned, at, -1)", "idx[:layout.n_params] = at",
+           ("tests/test_same_bits.py::test_every_layout_has_the_one_rank_runs_bits[dp2-tp2-zero0]",),
            "--deterministic --tp: the gradient norm (hence clipping) counts each replicated parameter once per tp rank"),
+    Mutant("det/partial-products-added-out-of-order", "capstone/model/exact.py",
+           "            leaves[i] = leaves[i] + leaves[i + stride]", "            leaves[0] = leaves[0] + leaves[i + stride]",
+           ("tests/test_same_bits.py::test_every_layout_has_the_one_rank_runs_bits[dp2-tp2-zero0]",),
+           "--deterministic: the pieces' and chunks' tree a running sum, so tp 2's subtrees are another association"),
     Mutant("deadline/start-up-without-the-floor", "capstone/collective/deadline.py",
            "return self.explicit if self.step is not None else max(self.explicit, floor_s())",
            "return self.explicit",
@@ -329,10 +332,8 @@ MUTANTS = [
            ("tests/test_deadlines.py::test_a_rank_stopped_in_a_checkpoint_save_ends_the_job_and_never_publishes_it",),
            "a parallel-HDF5 collective (or a Split) waits forever for a stopped rank"),
     Mutant("publish/checkpoint-before-its-digest", "capstone/checkpoint/integrity.py",
-           "    files.publish(tmp + DIGEST_SUFFIX, final + DIGEST_SUFFIX)\n    if between is not None:\n"
-           "        between()\n    files.publish(tmp, final)\n",
-           "    files.publish(tmp, final)\n    if between is not None:\n        between()\n"
-           "    files.publish(tmp + DIGEST_SUFFIX, final + DIGEST_SUFFIX)\n",
+           "    files.publish(tmp + DIGEST_SUFFIX, final + DIGEST_SUFFIX)\n    between()\n    files.publish(tmp, final)\n",
+           "    files.publish(tmp, final)\n    between()\n    files.publish(tmp + DIGEST_SUFFIX, final + DIGEST_SUFFIX)\n",
            ("tests/test_resume.py::test_kill_between_the_two_renames_of_a_publish",),
            "a crash between the two renames leaves a published checkpoint without its digest file"),
     Mutant("invariants/too-few-optimizer-bytes-pass", "capstone/observe/invariants.py",
@@ -388,8 +389,8 @@ MUTANTS = [
            ("tests/test_stop.py::test_a_stop_at_the_last_step_completes_the_run",),
            "a stop requested at the last step ends a finished run as 'preempted'"),
     Mutant("deadline/watchdog-armed-for-ten-deadlines", "capstone/collective/deadline.py",
-           "    deadline.watchdog.arm(deadline.seconds, line, deadline.record, record)",
-           "    deadline.watchdog.arm(10 * deadline.seconds, line, deadline.record, record)",
+           '    deadline.watchdog.send({"arm": deadline.seconds, "line": line, "record": deadline.record, "data": record})',
+           '    deadline.watchdog.send({"arm": 10 * deadline.seconds, "line": line, "record": deadline.record, "data": record})',
            ("tests/test_deadlines.py::test_a_rank_stopped_in_a_checkpoint_save_ends_the_job_and_never_publishes_it",), "a rank stopped during a checkpoint save holds the job ten times the deadline"),
 
     # ---- ZeRO-2/3, recompute ------------------------------------------------------------------------
@@ -440,12 +441,12 @@ MUTANTS = [
            "    def before_backward(self, micro: int) -> None:\n        self.micro = 0\n",
            ("tests/test_composition.py::test_row[n2-tp1-acc2-overlap-det-clean-zero2]",),
            "--deterministic at ZeRO-2/3: every micro-batch's pieces land in the first micro-batch's rows"),
-    Mutant("det/zero3-param-norm-in-rank-order", "capstone/modes.py",
-           "det.ShardNorm(grid.dp, layout.n_params, layout.shard).sum_of_squares if deterministic else None",
-           "None",
-           ("tests/test_composition.py::test_row[n3-tp1-acc2-overlap-det-clean-zero3]",),
-           "--deterministic at ZeRO-3: param_norm summed over the ranks' shards, in an order that moves with "
-           "the data-parallel layout"),
+    Mutant("det/zero3-param-norm-of-a-shards-shard", "capstone/modes.py",
+           "slice(None) if plan.zero.shards_params else slice(*layout.shard_range(grid.dp.rank))",
+           "slice(*layout.shard_range(grid.dp.rank))",
+           ("tests/test_same_bits.py::test_every_layout_has_the_one_rank_runs_bits[pp2-tp2-zero3]",),
+           "--deterministic at ZeRO-3: param_norm and the fingerprint of a slice of the rank's shard, as if it held "
+           "the whole part"),
     Mutant("reshard/step-gathered-weights-kept-across-the-update", "capstone/parallel/zero3.py",
            "                self._wait(name)\n            self.live.clear()\n",
            "                self._wait(name)\n",
@@ -623,7 +624,7 @@ MUTANTS = [
 
     # ---- exit codes, no pickle, setup -----------------------------------------------------------
     Mutant("nopickle/lowercase-allreduce", "capstone/collective/comm.py",
-           '        self.wait(self.mpi.Iallreduce(MPI.IN_PLACE, v, op=MPI.SUM), what, kind, "allreduce", v.nbytes)\n'
+           '        self._run(lambda: self.mpi.Iallreduce(MPI.IN_PLACE, v, op=MPI.SUM), what, kind, "allreduce", v.nbytes)\n'
            '        return [float(x) for x in v]',
            "        return [float(x) for x in self.mpi.allreduce(v, op=MPI.SUM)]",
            ("mpi: tests/mpi/test_training.py::test_training_checkpoints_resume_and_data_without_pickle",),

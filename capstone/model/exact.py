@@ -61,8 +61,8 @@ class Exact(Alone):
     def __init__(self, S: int, T: int, heads: int, tp, ring=None):
         k, c = (1, 0) if ring is None else (ring.k, ring.c)
         self.S, self.n, self.tp, self.ring, self.k, self.P = S, T // S, tp, ring, k, math.gcd(S, heads) // tp.size
-        self.chunks = held(S, k, c)
-        self.L, at, m = len(self.chunks), {q: i for i, q in enumerate(self.chunks)}, S // (2 * k)
+        self.held = held(S, k, c)                                              # its chunks, in row order
+        self.L, at, m = len(self.held), {q: i for i, q in enumerate(self.held)}, S // (2 * k)
         self.pairs = [(at[p], at[S - 1 - p]) for p in range(c * m, (c + 1) * m)]   # this rank's pairs, in order
 
     def positions(self, t: int):
@@ -92,44 +92,53 @@ class Exact(Alone):
         n = width // self.P
         return [slice(s * n, (s + 1) * n) for s in range(self.P)]
 
-    def chunk(self, x: np.ndarray, l: int) -> np.ndarray:
-        """The rows of local chunk l of every sample of x (B*t, C): (B*n, C), contiguous."""
-        return x.reshape(-1, self.L, self.n, x.shape[-1])[:, l].reshape(-1, x.shape[-1])
+    def chunks(self, x: np.ndarray) -> np.ndarray:
+        """(B*t, C) -> (L, B*n, C), contiguous: local chunk l's rows of every sample (a GEMM tile: B*n rows)."""
+        return _c(x.reshape(-1, self.L, self.n, x.shape[-1]).transpose(1, 0, 2, 3)).reshape(self.L, -1, x.shape[-1])
+
+    def rows(self, y: np.ndarray) -> np.ndarray:
+        """`chunks`' inverse: (L, B*n, N) -> (B*t, N)."""
+        return _c(y.reshape(self.L, -1, self.n, y.shape[-1]).transpose(1, 0, 2, 3)).reshape(-1, y.shape[-1])
 
     def mm(self, x, w):
-        """x @ w per chunk tile (n rows of one sample): (B*t, Cin) -> (B*t, Cout)."""
-        return K._mm(x.reshape(-1, self.n, x.shape[-1]), w).reshape(len(x), -1)
+        """x @ w per chunk tile: (B*t, Cin) -> (B*t, Cout)."""
+        return self.rows(K._mm(self.chunks(x), w))
 
     # ---- the layers (capstone.model.blocks.Alone's interface) -----------------------------------
 
     def col(self, x, w, b, split):
-        out = np.empty((len(x), w.shape[1]), dtype=np.result_type(x, w))
+        xs = self.chunks(x)
+        out = np.empty(xs.shape[:2] + (w.shape[1],), dtype=np.result_type(x, w))
         for cols in self.pieces(w.shape[1], split):
-            out[:, cols] = self.mm(x, _c(w[:, cols]))
+            out[..., cols] = K._mm(xs, _c(w[:, cols]))
+        out = self.rows(out)
         if b is not None:
             out += b
         return out
 
     def row(self, x, w, b, tp):
-        y = self.across(tree([self.mm(_c(x[:, r]), w[r]) for r in self.pieces(x.shape[1], "rows")]))
+        xs = self.chunks(x)
+        y = self.rows(self.across(tree([K._mm(xs[..., r], w[r]) for r in self.pieces(x.shape[1], "rows")])))
         if b is not None:
             y += b
         return y
 
     def col_back(self, g, x, w, put, i: int, split, tp):
         put(self.dense, i, x, g, split)
-        return self.across(tree([self.mm(_c(g[:, c]), _c(w[:, c].T)) for c in self.pieces(w.shape[1], split)]))
+        gs = self.chunks(g)
+        parts = [K._mm(gs[..., c], _c(w[:, c].T)) for c in self.pieces(w.shape[1], split)]
+        return self.rows(self.across(tree(parts)))
 
     def row_back(self, g, w):
-        gx = np.empty((len(g), w.shape[0]), dtype=np.result_type(g, w))
+        gs = self.chunks(g)
+        gx = np.empty(gs.shape[:2] + (w.shape[0],), dtype=np.result_type(g, w))
         for r in self.pieces(w.shape[0], "rows"):
-            gx[:, r] = self.mm(g, _c(w[r].T))
-        return gx
+            gx[..., r] = K._mm(gs, _c(w[r].T))
+        return self.rows(gx)
 
     def dense(self, d, i, x, g, split=None):
         """Weight gradient x^T g piece by piece, each the chunk tree of the chunks' GEMMs; the bias's likewise."""
-        xs, gs = [self.chunk(x, l) for l in range(self.L)], [self.chunk(g, l) for l in range(self.L)]
-        every = slice(None)
+        xs, gs, every = self.chunks(x), self.chunks(g), slice(None)
         if split is None:
             cuts = [(every, every)]
         elif split == "rows":
@@ -137,17 +146,19 @@ class Exact(Alone):
         else:
             cuts = [(every, c) for c in self.pieces(g.shape[1], split)]
         for a, c in cuts:
-            d[i][a, c] = self.tsum(lambda l: K._mm(_c(xs[l][:, a].T), _c(gs[l][:, c])))
+            prod = K._mm(xs[..., a].transpose(0, 2, 1), gs[..., c])      # (L, piece of Cin, piece of Cout)
+            d[i][a, c] = self.tsum(lambda l: prod[l])
         self.bias(d, i + 1, g, gs)
 
     def bias(self, d, i, g, gs=None):
         if len(d) > i and d[i] is not None:
-            gs = gs or [self.chunk(g, l) for l in range(self.L)]
-            d[i][...] = self.tsum(lambda l: K._add(gs[l], axis=0))
+            sums = K._add(self.chunks(g) if gs is None else gs, axis=1)
+            d[i][...] = self.tsum(lambda l: sums[l])
 
     def ln(self, d, i, g, xhat):
-        gs = [self.chunk(g, l) for l in range(self.L)]
-        d[i][...] = self.tsum(lambda l: K._add(gs[l] * self.chunk(xhat, l), axis=0))
+        gs = self.chunks(g)
+        sums = K._add(gs * self.chunks(xhat), axis=1)
+        d[i][...] = self.tsum(lambda l: sums[l])
         self.bias(d, i + 1, g, gs)
 
     def xent(self, z, targets, scale):
@@ -155,31 +166,30 @@ class Exact(Alone):
         zs = z - K._max(z, axis=1, keepdims=True)
         e = np.exp(zs)
         s = K._add(e, axis=1, keepdims=True)
-        rows = (np.log(s[:, 0]) - zs[np.arange(z.shape[0]), targets])[:, None]
+        rows = self.chunks((np.log(s[:, 0]) - zs[np.arange(z.shape[0]), targets])[:, None])
         e /= s
-        return self.tsum(lambda l: np.float64(K._add(self.chunk(rows, l)[:, 0])) * scale), e
+        return self.tsum(lambda l: np.float64(K._add(rows[l, :, 0])) * scale), e
 
     def share_buffer(self, wte):
         return np.empty((self.L,) + wte.shape, dtype=wte.dtype)
 
     def share(self, gz, z_in, gwte) -> None:
         """A tied head's share of wte's gradient, per chunk (added to the embedding's chunk by chunk)."""
-        for l in range(self.L):
-            K._mm(_c(self.chunk(gz, l).T), self.chunk(z_in, l), out=gwte[l])
+        K._mm(self.chunks(gz).transpose(0, 2, 1), self.chunks(z_in), out=gwte)
 
     def embed(self, d, g, w, idx, pos, tie):
         """wte's gradient: each chunk's scatter-add (and a tied head's share), in the chunk tree; wpe's per position."""
         share = None if tie is None else tie.share()
-        B, n = idx.shape[0], self.n
+        B, n, gs = idx.shape[0], self.n, self.chunks(g)
         ids = idx.reshape(B, self.L, n)
 
         def leaf(l):
-            out = K._embed_bwd(self.chunk(g, l), None, (0,), *w, _c(ids[:, l]))[0]
+            out = K._embed_bwd(gs[l], None, (0,), *w, _c(ids[:, l]))[0]
             return out if share is None else out + share[l]
         d[0][...] = self.tsum(leaf)
         d[1][...] = 0.0
-        for l, q in enumerate(self.chunks):
-            d[1][q * n:(q + 1) * n] = K._add(self.chunk(g, l).reshape(B, n, -1), axis=0)
+        for l, q in enumerate(self.held):
+            d[1][q * n:(q + 1) * n] = K._add(gs[l].reshape(B, n, -1), axis=0)
 
     # ---- attention ----------------------------------------------------------------------------
 
@@ -202,7 +212,7 @@ class Exact(Alone):
         """(local query rows, key chunk b, key rows, causal mask or None, dropout keep or None) of every tile,
         query chunk by chunk and within a tile key chunk by key chunk, in index order."""
         n = self.n
-        for l, a in enumerate(self.chunks):
+        for l, a in enumerate(self.held):
             for r in range(0, n, K.ATTN_BLOCK):
                 e = min(n, r + K.ATTN_BLOCK)
                 rows = slice(l * n + r, l * n + e)

@@ -8,7 +8,8 @@ Alltoall (of blocks padded to the largest), whose plan (counts and the receivers
 start. The owner has
 each of its chunks whole and in order, and gives its float64 sum of squares (`sumsq`) and sha256; one
 allgather of those, and every rank adds the sums in the fixed tree over chunk indices and hashes the
-digests in chunk order. So param_norm, the gradient norm and the fingerprint are one quantity on every
+digests in chunk order (on the steps that are not evaluated, as capstone.model.fingerprint's weak digest: the
+vector's 64-bit words summed modulo 2**64, each chunk's sum by its owner). So param_norm, the gradient norm and the fingerprint are one quantity on every
 stage, tp, pp, cp and ZeRO layout, and no rank holds more than its chunks (the whole model never does).
 """
 
@@ -17,9 +18,18 @@ import math
 
 import numpy as np
 
+from capstone.model.fingerprint import word_sum
 from capstone.parallel.deterministic import FIXED_CHUNK, sumsq, tree_sum
 
 KIND = "sha256 of the canonical vector's 16384-value chunks' sha256s"   # the fingerprint's, recorded with a run
+
+
+def whole(vector: np.ndarray) -> tuple[float, str]:
+    """(sum of squares, sha256 fingerprint) of a whole canonical vector on one process: what `ChunkSums` gives from
+    parts (the checkpoint tool prints it for a checkpoint's stored parameters)."""
+    chunks = [vector[c:c + FIXED_CHUNK] for c in range(0, len(vector), FIXED_CHUNK)]
+    return tree_sum(sumsq(c) for c in chunks), hashlib.sha256(b"".join(
+        hashlib.sha256(c.tobytes()).digest() for c in chunks)).hexdigest()[:16]
 
 
 class ChunkSums:
@@ -45,7 +55,9 @@ class ChunkSums:
         base = np.zeros(self.n_chunks, dtype=np.int64)
         base[mine] = self.starts[:-1]
         self.place = base[where // FIXED_CHUNK] + where % FIXED_CHUNK
-        if len(np.unique(self.place)) != int(self.starts[-1]) or len(self.place) != int(self.starts[-1]):
+        covered = np.zeros(int(self.starts[-1]), dtype=bool)
+        covered[self.place] = True
+        if len(self.place) != len(covered) or not covered.all():
             raise RuntimeError("deterministic norms: the parts do not cover the canonical vector once")
 
     def _exchange(self, values: np.ndarray, what: str) -> np.ndarray:
@@ -56,22 +68,25 @@ class ChunkSums:
         self.world.Alltoall(send, got, what, "chunk_sums")
         return got[self.recv_at]
 
-    def __call__(self, values: np.ndarray, digest: bool = False) -> tuple[float, str | None]:
-        """Collective over the world: (sum of squares of the canonical vector, its fingerprint if `digest`)."""
+    def __call__(self, values: np.ndarray, digest: str | None = None) -> tuple[float, str | None]:
+        """Collective over the world: (sum of squares of the canonical vector, its fingerprint: "sha256" of the chunks'
+        sha256s, or "words": its 64-bit words summed modulo 2**64, as capstone.model.fingerprint's weak one; None)."""
         whole = np.empty(int(self.starts[-1]), dtype=values.dtype)
         whole[self.place] = self._exchange(values[self.take], "deterministic norms: the canonical chunks' values")
-        mine = np.zeros((self.per_rank, 5))                  # per chunk: its sum of squares, its sha256 as 4 words
+        mine = np.zeros((self.per_rank, 5))                  # per chunk: its sum of squares, its digest as 4 words
         for i, (a, b) in enumerate(zip(self.starts[:-1], self.starts[1:])):
             mine[i, 0] = sumsq(whole[a:b])
-            if digest:
+            if digest == "sha256":
                 mine[i, 1:].view(np.uint8)[:] = np.frombuffer(hashlib.sha256(whole[a:b].tobytes()).digest(), np.uint8)
+            elif digest:
+                mine[i, 1:2].view(np.uint64)[0] = word_sum(whole[a:b])   # chunks of even length: the same words
         every = np.empty((self.world.size,) + mine.shape)
         self.world.Allgather(every, "allgather of the canonical chunks' sums", "allgather_stats", send=mine)
         rows = [every[c % self.world.size, c // self.world.size] for c in range(self.n_chunks)]
         total = tree_sum(r[0] for r in rows)
-        if not digest:
-            return total, None
-        return total, hashlib.sha256(b"".join(r[1:].tobytes() for r in rows)).hexdigest()[:16]
+        if digest == "sha256":
+            return total, hashlib.sha256(b"".join(r[1:].tobytes() for r in rows)).hexdigest()[:16]
+        return total, None if digest is None else f"{sum(int(r[1:2].view(np.uint64)[0]) for r in rows) % (1 << 64):016x}"
 
 
 class CanonicalCheck:
@@ -86,7 +101,7 @@ class CanonicalCheck:
 
     def check(self, step: int, params: np.ndarray, strong: bool) -> tuple[float, str]:
         self.inner.check(step, params, strong)
-        sq, digest = self.sums(params[self.shard], digest=True)
+        sq, digest = self.sums(params[self.shard], digest="sha256" if strong else "words")
         return math.sqrt(sq), digest
 
 

@@ -18,13 +18,14 @@ and across a resume on another world size. docs/deterministic.md has the scheme 
   is elementwise, so each element's result depends only on the K block values of that element:
   not on where the shard boundaries fall (which moves with the world size).
 - The loss: every block's loss is allgathered and summed in the same tree over block indices.
-- The gradient norm: sums of squares per fixed chunk of FIXED_CHUNK values of the unpadded vector
-  (chunk boundaries do not depend on the world size); chunks split between shards are assembled
-  from the allgathered pieces; the chunk sums are added in a fixed tree over chunk indices.
+- The gradient norm: sums of squares per fixed chunk of FIXED_CHUNK values of the canonical
+  (1-rank, unpadded) vector, each chunk assembled by its owner whatever the layout, added in a
+  fixed tree over chunk indices (capstone.parallel.chunksums).
 - `HeldOutBlocks`: the held-out loss per fixed block of EVAL_ROWS rows, blocks dealt round-robin
   to the ranks, the block losses allgathered and tree-summed.
 - Adam, clipping and the allgather of the parameters are elementwise or a copy: exact once their
-  inputs are.
+  inputs are. A block's gradient is the same bits on every layout because the layers' arithmetic
+  is cut the same way on every layout (capstone.model.exact).
 
 The cost: `mpirun -n 4 python -m benchmarks.determinism [--repeats 3] [--reduction-only]`.
 """
@@ -33,7 +34,6 @@ import math
 
 import numpy as np
 
-from capstone.checkpoint.digest import split_shard
 from capstone.data.heldout import HeldOut
 from capstone.parallel.reduce import Flags, GradReducer, GradStats
 
@@ -69,54 +69,6 @@ def sumsq(values: np.ndarray) -> float:
     return float(np.add.reduce(x * x))
 
 
-def chunked_sumsq(full: np.ndarray, n: int, chunk: int = FIXED_CHUNK) -> float:
-    """Sum of squares of full[:n] over fixed chunks, summed in the fixed tree (serial reference)."""
-    return tree_sum(sumsq(full[c:min(c + chunk, n)]) for c in range(0, n, chunk))
-
-
-# ---- the gradient ------------------------------------------------------------------------------
-
-class ShardNorm:
-    """The global L2 norm of a vector of n values sharded as [q*shard, (q+1)*shard) on rank q,
-    the same bits on any number of ranks: chunk sums of squares where a rank holds whole chunks,
-    the pieces of split chunks allgathered and joined, then the fixed tree over chunk indices."""
-
-    def __init__(self, comm, n: int, shard: int, chunk: int = FIXED_CHUNK):
-        self.comm, self.n, self.chunk = comm, n, chunk
-        self.rank, world = comm.rank, comm.size
-        self.lo = self.rank * shard
-        self.plans = [split_shard(q * shard, (q + 1) * shard, n, chunk) for q in range(world)]
-        self.counts = [len(c) + sum(b - a for a, b in f) for c, f in self.plans]
-        self.displs = list(np.cumsum([0] + self.counts[:-1]))
-        self.recv = np.empty(sum(self.counts), dtype=np.float64)
-        self.n_chunks = -(-n // chunk)
-
-    def __call__(self, shard: np.ndarray) -> float:
-        """Collective: call on all ranks with this rank's shard. Returns the norm (float64)."""
-        return math.sqrt(self.sum_of_squares(shard))
-
-    def sum_of_squares(self, shard: np.ndarray) -> float:
-        """Collective: the square of the norm, before its square root (the tree over chunk indices)."""
-        complete, fragments = self.plans[self.rank]
-        lo, chunk, n = self.lo, self.chunk, self.n
-        send = [np.array([sumsq(shard[c * chunk - lo:min((c + 1) * chunk, n) - lo]) for c in complete])]
-        send += [shard[a - lo:b - lo].astype(np.float64) for a, b in fragments]
-        self.comm.Allgatherv(np.concatenate(send), self.recv, self.counts, "allgather of the gradient norm's pieces")
-        sums, pieces = {}, {}
-        for (complete, fragments), at in zip(self.plans, self.displs):
-            for c in complete:
-                sums[c] = float(self.recv[at])
-                at += 1
-            for a, b in fragments:
-                pieces.setdefault(a // chunk, []).append((a, self.recv[at:at + b - a]))
-                at += b - a
-        for c, parts in pieces.items():
-            sums[c] = sumsq(np.concatenate([p for _, p in sorted(parts, key=lambda t: t[0])]))
-        if sorted(sums) != list(range(self.n_chunks)):
-            raise RuntimeError(f"deterministic norm: chunks {sorted(set(range(self.n_chunks)) - set(sums))} missing")
-        return tree_sum(sums[c] for c in range(self.n_chunks))
-
-
 class DeterministicReducer(GradReducer):
     """Each micro-batch's gradient alone, exchanged to the shard owners after its backward pass
     (`grads` None, ZeRO-2/3: each group's as the backward makes it), then fixed-order trees for the
@@ -124,9 +76,9 @@ class DeterministicReducer(GradReducer):
 
     accumulates = False   # every micro-batch overwrites the flat gradient buffer
 
-    def __init__(self, grid, layout, grads, grad_accum: int, chunks=None):
+    def __init__(self, grid, layout, grads, grad_accum: int, chunks):
         super().__init__(grid, layout, grads)
-        self.chunks = chunks    # model-parallel parts: the norm over the canonical vector's chunks (parallel.chunksums)
+        self.chunks = chunks    # the norm: of the canonical vector's chunks (capstone.parallel.chunksums.ChunkSums)
         self.micro, self.plans = 0, None if grads is not None else group_plans(layout, grid.dp.rank)
         self.accum, self.w = grad_accum, grid.dp.size
         # a replica's parts (pipeline stage p, tensor-parallel rank t: part p * tp + t), the ranks of the
@@ -135,7 +87,6 @@ class DeterministicReducer(GradReducer):
         self.loss_ranks = [r for r in range(grid.world.size) if grid.part(r) == loss_part]
         # row k = j*world + q: rank q's block j, this rank's shard of it (block k of the step)
         self.rows = np.zeros((grad_accum * self.w, layout.shard), dtype=np.float32)   # padding stays 0
-        self.norm = ShardNorm(grid.dp, layout.n_params, layout.shard)
 
     def nbytes(self) -> int:
         """Bytes this mode holds besides the flat buffer: the received rows (grad_accum x the
@@ -173,10 +124,7 @@ class DeterministicReducer(GradReducer):
         tree_rows(self.rows, self.grad_shard)   # padding columns: sums of zeros
         if self.plans is not None:   # --inject-nan (a test seam), where no flat buffer is
             self.dp.hooks.gradients(self.dp.hooks.step, 0, self.grad_shard)
-        if self.chunks is None:
-            square = self.norm.sum_of_squares(self.grad_shard)
-        else:
-            square = self.chunks(self.grad_shard)[0]
+        square = self.chunks(self.grad_shard)[0]
         small = np.array([*losses, *flags.counts(), square], dtype=np.float64)
         self.agreeing()
         every = np.empty((self.world.size, len(small)), dtype=np.float64)

@@ -12,16 +12,16 @@ from capstone.model.fingerprint import fingerprint
 class ReplicaCheck:
     """(b)'s record: how many steps were checked and the ones where replicas differed."""
 
-    def __init__(self, grid, layout, fingerprint_fn=None):
+    def __init__(self, grid, layout):
         self.world, self.tp_rank = grid.world, grid.tp.rank
         self.parts = grid.mp.size                      # ranks per replica
         self.part_of, self.mates = [grid.part(r) for r in range(grid.world.size)], grid.replica_ranks()
-        self.layout, self.fingerprint = layout, fingerprint_fn or fingerprint
+        self.layout = layout
         self.checked, self.mismatches = 0, []
 
     def check(self, step: int, params, strong: bool) -> tuple[float, str]:
         """Collective over the world: this rank's (whole-model parameter norm, fingerprint)."""
-        norm, digest = self.fingerprint(params, strong)
+        norm, digest = fingerprint(params, strong)
         owned = norm * norm
         if self.parts > 1:   # this rank's share of its replica's sum of squares
             from capstone.parallel import tensor
