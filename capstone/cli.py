@@ -220,7 +220,7 @@ def _layout_flags(p) -> None:
                         "bubble, the update checked after it is made) (default: 1f1b; on --resume: the "
                         "checkpoint's)")
     g.add_argument("--det-split", type=int, default=argparse.SUPPRESS, metavar="S",
-                   help="--deterministic's S chunks per sequence and pieces per split contraction (default: 4 or what fits)")
+                   help="--deterministic's S chunks per sequence and pieces per contraction (default: 4 or what fits)")
     g.add_argument("--pp-layers", type=usage.counts, default=argparse.SUPPRESS, metavar="N,N,...",
                    help="blocks per pipeline stage, e.g. 3,3,2 (default: balanced, the first stages taking one "
                         "more when K does not divide the blocks; fewer on the last stage eases a heavy LM head; "

@@ -67,7 +67,7 @@ def make(grid: Grid, plan: Plan, mcfg: ModelConfig, tcfg: TrainConfig, data, hoo
         reducer = zero0.Allgathered(reducer) if plan.deterministic else reducer
     seam = _seam(grid, layout, params, reducer, plan)
     link = masks = None
-    arith = ring or WHOLE         # the layers' arithmetic: --deterministic's cuts them canonically (capstone.model.exact)
+    arith = ring or WHOLE         # the layers' arithmetic (--deterministic's: cut canonically, capstone.model.exact)
     if plan.deterministic:
         from capstone.model.exact import Exact
         arith = Exact(plan.det_split, mcfg.seq_len, mcfg.n_heads, grid.tp, ring)
@@ -95,7 +95,8 @@ def make(grid: Grid, plan: Plan, mcfg: ModelConfig, tcfg: TrainConfig, data, hoo
         from capstone.parallel.pipeline import Pipeline
         schedule = Pipeline(model, reducer, hooks, scale, plan.schedule, grid.pp, link)
     return Parts(layout=layout, full=full, view=view, model=model, reducer=reducer,
-                 replicas=_replicas(grid, layout, seam, plan, sums), heldout=_heldout(grid, data, plan, tcfg, mcfg, schedule),
+                 replicas=_replicas(grid, layout, seam, plan, sums),
+                 heldout=_heldout(grid, data, plan, tcfg, mcfg, schedule),
                  opt=opt, schedule=schedule, data=data)
 
 

@@ -48,6 +48,18 @@ def test_every_layout_has_the_one_rank_runs_bits(name, one_rank, tmp_path):
     assert summary(out)["final_param_fingerprint"] == summary(one_rank)["final_param_fingerprint"]
 
 
+def test_the_checkpoint_tool_prints_the_fingerprint_a_run_logged(one_rank):
+    """`python -m capstone.checkpoint inspect` gives the stored parameters' fingerprints of both kinds: the canonical
+    one is the last step's logged one (an evaluated step: the sha256 kind)."""
+    import subprocess
+    import sys
+    from conftest import ROOT, mpi_env
+    got = subprocess.run([sys.executable, "-m", "capstone.checkpoint", "inspect", str(one_rank)], capture_output=True,
+                         text=True, env=mpi_env(), cwd=ROOT, timeout=60)
+    assert got.returncode == 0, got.stdout + got.stderr
+    assert f"parameters: {table(one_rank)[-1]['fingerprint']} (--deterministic" in got.stdout, got.stdout
+
+
 def test_dropout_and_a_tied_head_have_the_same_bits_on_another_layout(tmp_path):
     one = run(tmp_path, "one", 1, 4, options=OPTIONS)
     other = run(tmp_path, "cp2-pp2-tp2", 8, 4, "--cp", "2", "--pp", "2", "--tp", "2", options=OPTIONS)

@@ -16,9 +16,12 @@ TARGET is, capstone.flags.paths decides; a bad option).
 """
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
+
+import numpy as np
 
 from capstone.flags import paths
 from capstone.checkpoint import integrity, kept
@@ -40,6 +43,16 @@ def manifest(path: str, meta: dict) -> None:
         print(f"  /{name}  ({len(ROWS)}, {info['length']}) float32  offset {info['offset']}  sha256 {info['sha256']}")
     for row, root in meta["logical_sha256"].items():
         print(f"  logical {row:<11} {root}")
+
+
+def fingerprints(meta: dict, results: dict) -> str:
+    """The stored parameters' fingerprints, to compare with a run's metrics.jsonl: --deterministic's (the canonical
+    vector's chunks, capstone.parallel.chunksums) and the older kind's (sha256 of the vector: --deterministic before
+    issue 49 on one rank or data-parallel layouts, and the default mode on one rank)."""
+    from capstone.parallel.chunksums import whole
+    master = np.concatenate([data[ROWS.index("master")] for _, _, data in results.values()])[:meta["n_params"]]
+    return (f"  fingerprints of the parameters: {whole(master)[1]} (--deterministic, the canonical vector's chunks), "
+            f"{hashlib.sha256(master.tobytes()).hexdigest()[:16]} (sha256 of the vector: the older kind)")
 
 
 def failed(args, error: str, code: int) -> int:
@@ -66,6 +79,8 @@ def inspect_or_verify(args, path: str) -> int:
         print(json.dumps({**meta, "file": path, "verified": ok, "problems": problems}, indent=2, sort_keys=True))
     elif args.command == "inspect":
         manifest(path, meta)
+        if ok:
+            print(fingerprints(meta, results))
     out = sys.stderr if args.json else sys.stdout
     for good, line in lines:
         if args.command == "verify" or not good:

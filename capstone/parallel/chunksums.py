@@ -9,8 +9,9 @@ start. The owner has
 each of its chunks whole and in order, and gives its float64 sum of squares (`sumsq`) and sha256; one
 allgather of those, and every rank adds the sums in the fixed tree over chunk indices and hashes the
 digests in chunk order (on the steps that are not evaluated, as capstone.model.fingerprint's weak digest: the
-vector's 64-bit words summed modulo 2**64, each chunk's sum by its owner). So param_norm, the gradient norm and the fingerprint are one quantity on every
-stage, tp, pp, cp and ZeRO layout, and no rank holds more than its chunks (the whole model never does).
+vector's 64-bit words summed modulo 2**64, each chunk's sum by its owner). So param_norm, the gradient norm and
+the fingerprint are one quantity on every stage, tp, pp, cp and ZeRO layout, and no rank holds more than its
+chunks (the whole model never does).
 """
 
 import hashlib
@@ -41,38 +42,39 @@ class ChunkSums:
         held = np.flatnonzero(idx >= 0)
         owner = (idx[held] // FIXED_CHUNK) % w
         order = np.lexsort((idx[held], owner))
-        self.take, counts = held[order], np.bincount(owner, minlength=w)
+        take, counts = held[order], np.bincount(owner, minlength=w)
         every = np.empty((w, w), dtype=np.int64)             # every[r, o]: values rank r sends to chunk owner o
         world.Allgather(every, "deterministic norms: counts of the canonical chunks' values", "chunk_sums",
                         send=counts.astype(np.int64))
         self.block = int(every.max())                        # one Alltoall of equal blocks, padded to the largest
-        self.send_at = np.concatenate([o * self.block + np.arange(c) for o, c in enumerate(counts)]).astype(np.int64)
-        self.recv_at = np.concatenate([r * self.block + np.arange(c) for r, c in enumerate(every[:, me])])
-        where = self._exchange(idx[self.take].astype(np.int64), "deterministic norms: the canonical chunks' indices")
+        self.src = np.zeros(w * self.block, dtype=np.int64)  # send position -> value (padding: any, never read)
+        self.src[np.concatenate([o * self.block + np.arange(c, dtype=np.int64) for o, c in enumerate(counts)])] = take
+        recv_at = np.concatenate([r * self.block + np.arange(c) for r, c in enumerate(every[:, me])]).astype(np.int64)
+        where = self._exchange(idx.astype(np.int64), "deterministic norms: the canonical chunks' indices")[recv_at]
         self.n_chunks = -(-n // FIXED_CHUNK)
         self.per_rank, mine = -(-self.n_chunks // w), np.arange(me, self.n_chunks, w)   # this rank's chunks
         self.starts = np.concatenate(([0], np.cumsum(np.minimum(n, (mine + 1) * FIXED_CHUNK) - mine * FIXED_CHUNK)))
         base = np.zeros(self.n_chunks, dtype=np.int64)
         base[mine] = self.starts[:-1]
-        self.place = base[where // FIXED_CHUNK] + where % FIXED_CHUNK
+        place = base[where // FIXED_CHUNK] + where % FIXED_CHUNK
         covered = np.zeros(int(self.starts[-1]), dtype=bool)
-        covered[self.place] = True
-        if len(self.place) != len(covered) or not covered.all():
+        covered[place] = True
+        if len(place) != len(covered) or not covered.all():
             raise RuntimeError("deterministic norms: the parts do not cover the canonical vector once")
+        self.gather = np.empty(len(covered), dtype=np.int64)   # this rank's chunks, in order <- received position
+        self.gather[place] = recv_at
 
     def _exchange(self, values: np.ndarray, what: str) -> np.ndarray:
-        """Collective: `values` (in `take`'s order) to their chunks' owners; what this rank received, in rank order."""
-        send = np.zeros(self.world.size * self.block, dtype=values.dtype)
-        send[self.send_at] = values
+        """Collective: `values` to their chunks' owners (one gather, one Alltoall); what this rank received."""
+        send = values[self.src] if len(values) else np.zeros(len(self.src), dtype=values.dtype)
         got = np.empty_like(send)
         self.world.Alltoall(send, got, what, "chunk_sums")
-        return got[self.recv_at]
+        return got
 
     def __call__(self, values: np.ndarray, digest: str | None = None) -> tuple[float, str | None]:
         """Collective over the world: (sum of squares of the canonical vector, its fingerprint: "sha256" of the chunks'
         sha256s, or "words": its 64-bit words summed modulo 2**64, as capstone.model.fingerprint's weak one; None)."""
-        whole = np.empty(int(self.starts[-1]), dtype=values.dtype)
-        whole[self.place] = self._exchange(values[self.take], "deterministic norms: the canonical chunks' values")
+        whole = self._exchange(values, "deterministic norms: the canonical chunks' values")[self.gather]
         mine = np.zeros((self.per_rank, 5))                  # per chunk: its sum of squares, its digest as 4 words
         for i, (a, b) in enumerate(zip(self.starts[:-1], self.starts[1:])):
             mine[i, 0] = sumsq(whole[a:b])
@@ -86,7 +88,8 @@ class ChunkSums:
         total = tree_sum(r[0] for r in rows)
         if digest == "sha256":
             return total, hashlib.sha256(b"".join(r[1:].tobytes() for r in rows)).hexdigest()[:16]
-        return total, None if digest is None else f"{sum(int(r[1:2].view(np.uint64)[0]) for r in rows) % (1 << 64):016x}"
+        words = sum(int(r[1:2].view(np.uint64)[0]) for r in rows) % (1 << 64)
+        return total, None if digest is None else f"{words:016x}"
 
 
 class CanonicalCheck:
