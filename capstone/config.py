@@ -2,7 +2,6 @@
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 
 class ConfigError(ValueError):
@@ -36,7 +35,7 @@ class _Checks:
             raise problems_error(self.failed)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """MiniGPT dimensions (GPT-2 names: V vocab, T context, C width, H heads, L blocks) and GPT-2's options."""
 
@@ -70,7 +69,7 @@ class ModelConfig:
         _require.done()
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """Optimisation, data and schedule settings of one run (batch is sequences per rank per micro-batch)."""
 

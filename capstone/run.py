@@ -33,10 +33,9 @@ from capstone.observe import provenance, report
 from capstone.collective.comm import Comm
 from capstone.parallel.grid import Grid
 from capstone.plan import Plan
-from capstone.step.state import ROWS
 from capstone.roles import Run
 from capstone.runtime import ending, preflight
-from capstone.step.state import RunState
+from capstone.step.state import ROWS, RunState
 
 TIMEOUT_RECORD = "collective-timeout.json"   # in the run directory, written by a rank whose collective timed out
 
@@ -127,9 +126,8 @@ def _starting_point(world: Comm, settings: Settings, ckpt_dir: str):
 
 def _check_memory(world: Comm, settings: Settings, plan: Plan) -> None:
     """Collective: ConfigError on every rank if a step of `plan` does not fit some node's memory."""
-    tcfg = settings.train
-    preflight.check_memory(world, settings.model, dataclasses.replace(tcfg, batch_size=tcfg.batch_for(plan.replicas)),
-                           plan)
+    batched = dataclasses.replace(settings.train, batch_size=settings.train.batch_for(plan.replicas))
+    preflight.check_memory(world, settings.model, batched, plan)
 
 
 def _checked(world: Comm, settings: Settings) -> Settings:
@@ -212,11 +210,10 @@ def build(world: Comm, settings: Settings, out: str, hooks: Hooks | None = None,
 def _hooks(world: Comm, opts: RunOptions) -> Hooks:
     """The test seam: fault injection when a test asks for it (capstone.runtime.faults), else nothing."""
     hooks = Hooks()
-    if os.environ.get("CAPSTONE_FAULT") or os.environ.get("CAPSTONE_FAULT_PIDS") or opts.inject_lr_spike \
-            or opts.inject_nan or opts.sleep_per_step or opts.inject_grad_sign or opts.inject_no_update:
+    faults = (opts.inject_lr_spike, opts.inject_nan, opts.sleep_per_step, opts.inject_grad_sign, opts.inject_no_update)
+    if os.environ.get("CAPSTONE_FAULT") or os.environ.get("CAPSTONE_FAULT_PIDS") or any(faults):
         from capstone.runtime.faults import Faults
-        hooks = Faults(world.rank, opts.inject_lr_spike, opts.inject_nan, opts.sleep_per_step, opts.inject_grad_sign,
-                       opts.inject_no_update)
+        hooks = Faults(world.rank, *faults)
     world.hooks = hooks   # every collective is a hook point (capstone.collective.comm)
     return hooks
 
@@ -228,8 +225,7 @@ def start(run: Run, path: str | None = None, saved_train: dict | None = None, wh
     if path is not None:
         _resume(run, path, saved_train if saved_train is not None else dataclasses.asdict(run.tcfg), why or {})
     else:
-        run.state.eval_start = run.state.best_eval = run.heldout.measure()
-        run.guard.state.last_eval = run.state.eval_start
+        run.state.eval_start = run.state.best_eval = run.guard.state.last_eval = run.heldout.measure()
     if world.rank == 0:
         os.makedirs(run.out, exist_ok=True)
     run.ckpt.provenance = provenance.collect(world)   # into summary.json and every checkpoint's metadata

@@ -126,19 +126,16 @@ def train(run: Run) -> int:
             r = train_step(run, run.state.step, run.ckpt.writing())
             if not r.due.writing:   # every rank's background write has ended: a failed one ends the run now
                 run.ckpt.drain()
-            if r.due.abandon:
-                status = "preempted"
+            if r.due.abandon:   # a signal: the step's update was never applied, nothing of it is logged
                 judge.save_on_stop(run, r.step)
-                report.stopped(run, run.state.step, stop.reason())
-                break
-            if r.due.checkpoint:
-                man = run.ckpt.save(run.state, run.opt.state)
-                r.events.append({"event": "checkpoint", "path": man["path"]})
-            best.keep(run, r)   # --keep-best
-            rows.append(log.step(r))
-            run.hooks.step_done(r.step)
-            fit.step_done(r.step, r.due.stop)
-            if r.due.stop:
+            else:
+                if r.due.checkpoint:
+                    r.events.append({"event": "checkpoint", "path": run.ckpt.save(run.state, run.opt.state)["path"]})
+                best.keep(run, r)   # --keep-best
+                rows.append(log.step(r))
+                run.hooks.step_done(r.step)
+                fit.step_done(r.step, r.due.stop)
+            if r.due.abandon or r.due.stop:
                 status = "preempted"
                 report.stopped(run, r.step, stop.reason())
                 break

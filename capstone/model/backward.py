@@ -51,8 +51,11 @@ def _grads(ps: Pass, name: str, shapes) -> tuple:
 
 
 def _landed(ps: Pass, name: str, gw) -> None:
+    """Group `name`'s gradient `gw` lands through the seam (None: a split backward keeps it for its W pass), then
+    the group's weights are released (`_release`)."""
     if gw is not None:
         ps.seam.landed(name, gw, ps.fresh)
+    _release(ps, name)
 
 
 def _embedding_bwd(g, saved, argnums, start, ps: Pass, idx, shapes):
@@ -60,7 +63,6 @@ def _embedding_bwd(g, saved, argnums, start, ps: Pass, idx, shapes):
     blocks.embedding_backward(_embed_mask(ps, g, idx.shape[1]), ps.seam.weights("embed", True), idx, shapes, put,
                               ps.cp, ps.tie)
     _landed(ps, "embed", gw)
-    ps.seam.release("embed")
     return {0: np.zeros_like(start)}
 
 
@@ -78,15 +80,13 @@ def _block_bwd(g, saved, argnums, x, ps: Pass, name: str, T: int, H: int, shapes
     gw, put = _grads(ps, name, shapes)
     gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, put, free=True, cp=ps.cp)
     _landed(ps, name, gw)
-    ps.seam.release(name)
     return {0: gx}
 
 
 def _head_fwd(x, ps: Pass, targets, shapes, scale):
-    w = ps.seam.weights("head", False)
-    loss, saved = blocks.head_loss_forward(x, w, targets, shapes, scale, None if ps.tie is None else ps.tie.wte(ps.seam),
-                                           ps.cp)
-    _release_head(ps)
+    loss, saved = blocks.head_loss_forward(x, ps.seam.weights("head", False), targets, shapes, scale,
+                                           None if ps.tie is None else ps.tie.wte(ps.seam), ps.cp)
+    _release(ps, "head")
     return loss, saved if ps.train else None
 
 
@@ -98,13 +98,12 @@ def _head_bwd(g, saved, argnums, x, ps: Pass, targets, shapes, scale):
     if ps.tie is not None:
         ps.tie.made(gwte)       # the head's share of wte's gradient, for the embedding's backward
     _landed(ps, "head", gw)
-    _release_head(ps)
     return {0: gx}
 
 
-def _release_head(ps: Pass) -> None:
-    ps.seam.release("head")
-    if ps.tie is not None:      # the head read wte from the embedding's group
+def _release(ps: Pass, name: str) -> None:
+    ps.seam.release(name)
+    if name == "head" and ps.tie is not None:      # the head read wte from the embedding's group
         ps.seam.release("embed")
 
 

@@ -53,8 +53,7 @@ class Masks:
     where this rank's rows sit in the sequence (None: the whole sequence; a context-parallel `Ring`)."""
 
     def __init__(self, p: float, seed: int, step: int, samples: np.ndarray, cp=None):
-        self.p, self.seed, self.step, self.samples = p, seed, step, samples.astype(np.uint64)
-        self.cp = cp
+        self.seed, self.step, self.samples, self.cp = seed, step, samples.astype(np.uint64), cp
         self.scale = np.float32(1.0 / (1.0 - p))
         self.threshold = np.uint64(round(p * (1 << 24)))
 

@@ -22,8 +22,7 @@ def word_sum(flat: np.ndarray) -> int:
     """The buffer's bytes summed as 64-bit words modulo 2**64 (an odd last 32-bit word added on its own)."""
     u = np.ascontiguousarray(flat).reshape(-1).view(np.uint32)
     even = u.size - u.size % 2
-    total = int(np.add.reduce(u[:even].view(np.uint64))) if even else 0
-    return (total + (int(u[-1]) if u.size % 2 else 0)) % (1 << 64)
+    return (int(np.add.reduce(u[:even].view(np.uint64))) + int(u[even:].sum())) % (1 << 64)
 
 
 def fingerprint(flat: np.ndarray, strong: bool = True) -> tuple[float, str]:

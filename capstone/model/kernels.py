@@ -105,11 +105,8 @@ def _ln_bwd(g, saved, argnums, x, w, b, eps=1e-5):
     xhat, rstd = saved
     inv_c = 1.0 / x.shape[-1]
     lead = tuple(range(x.ndim - 1))
-    out = {}
-    if 1 in argnums:
-        out[1] = _add(g * xhat, axis=lead)
-    if 2 in argnums:
-        out[2] = _add(g, axis=lead)
+    sums = {1: lambda: _add(g * xhat, axis=lead), 2: lambda: _add(g, axis=lead)}   # dw, db
+    out = {i: sums[i]() for i in (1, 2) if i in argnums}
     if 0 in argnums:  # dx = rstd * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat)), gxhat = g * w
         gx = np.empty_like(g, dtype=np.result_type(g, w))
         for r in _row_blocks(g):                        # row by row: in blocks from cache

@@ -87,19 +87,19 @@ class Ring(Alone):
         """A tile's dropout mask (None: no dropout): `drop` at its queries' and keys' real positions."""
         return None if drop is None else drop(self.positions(t)[qi], self.positions(t, src)[ki])
 
-    def _pairs(self, src: int, n: int):
-        """(query rows, key rows, mask or None) of the tiles of the causal blocks between this rank's
-        chunks and src's, TILE query rows at a time; on a diagonal block only the keys up to the
-        tile's last row, masked above the diagonal."""
+    def _tiles(self, qs, kv, src: int, n: int):
+        """(query rows, key rows, scores) of the tiles of the causal blocks between this rank's chunks
+        and src's (whose keys and values are kv), TILE query rows at a time; on a diagonal block only
+        the keys up to the tile's last row, masked above the diagonal."""
         for i, a in enumerate(self.mine):
             for j, b in enumerate(chunks(src, self.k)):
                 for r in range(0, n, TILE) if b <= a else ():
                     e = min(n, r + TILE)
-                    rows = slice(i * n + r, i * n + e)
+                    qi, ki = slice(i * n + r, i * n + e), slice(j * n, j * n + e if a == b else (j + 1) * n)
+                    s = K._mm(qs[:, :, qi], kv[0][:, :, ki].swapaxes(-1, -2))
                     if a == b:
-                        yield rows, slice(j * n, j * n + e), K.causal_mask(n)[r:e, :e]
-                    else:
-                        yield rows, slice(j * n, (j + 1) * n), None
+                        s += K.causal_mask(n)[r:e, :e]
+                    yield qi, ki, s
 
     def _shift(self, send: np.ndarray, hop: int, way: int = 1):
         """Start sending `send` to the next rank (`way` -1: the previous) and receiving its like from
@@ -116,6 +116,17 @@ class Ring(Alone):
         self.cp.wait(recv, f"{name} from cp rank {(self.c - 1) % self.k}", "cp_ring", "p2p", nbytes)
         self.cp.wait(send, f"{name} to cp rank {(self.c + 1) % self.k}", "cp_ring", "p2p")
 
+    def _hops(self, kv):
+        """(hop, the rank whose keys and values these are, kv) round the ring: each hop's are sent on, and the
+        next hop's received, while the caller computes with them."""
+        for hop in range(self.k):
+            if hop < self.k - 1:
+                nxt, reqs = self._shift(kv, hop)
+            yield hop, (self.c - hop) % self.k, kv
+            if hop < self.k - 1:
+                self._wait(reqs, kv.nbytes, "keys and values", hop)
+                kv = nxt
+
     def attention(self, qkv, t: int, h: int, drop=None):
         """Causal softmax attention of this rank's rows over the whole sequence: qkv (B*t, 3C) ->
         (B*t, C), saving (log-sum-exp, output, drop). `drop` (capstone.model.dropout.Masks.drop):
@@ -124,19 +135,10 @@ class Ring(Alone):
         bsz, _, _, d = q.shape
         qs, kv, n = q * (1.0 / math.sqrt(d)), np.ascontiguousarray(np.stack([k, v])), t // 2
         acc: dict = {}
-        for hop in range(self.k):
-            src = (self.c - hop) % self.k
-            if hop < self.k - 1:
-                nxt, reqs = self._shift(kv, hop)
-            for qi, ki, mask in self._pairs(src, n):
-                s = K._mm(qs[:, :, qi], kv[0][:, :, ki].swapaxes(-1, -2))
-                if mask is not None:
-                    s += mask
+        for _, src, kv in self._hops(kv):
+            for qi, ki, s in self._tiles(qs, kv, src, n):
                 acc[qi.start] = merge(acc.get(qi.start), s, kv[1][:, :, ki], self._keep(drop, src, t, qi, ki))
                 self.computed += qi.start % n == 0          # a chunk block's first tile
-            if hop < self.k - 1:
-                self._wait(reqs, kv.nbytes, "keys and values", hop)
-                kv = nxt
         parts = [acc[start] for start in sorted(acc)]   # the tiles in row order
         yh = np.concatenate([o / l for o, _, l in parts], axis=2)                 # (B, H, t, D)
         lse = np.concatenate([m + np.log(l) for _, m, l in parts], axis=2)        # (B, H, t, 1)
@@ -155,18 +157,12 @@ class Ring(Alone):
         gy = K._heads(g, bsz, t, h)
         dot = K._rowdot(gy, K._heads(y, bsz, t, h))
         gq, got_req = np.zeros_like(qs), None
-        for hop in range(self.k):
-            src = (self.c - hop) % self.k
-            if hop < self.k - 1:
-                nxt, reqs = self._shift(kv, hop)
+        for hop, src, kv in self._hops(kv):
             dkv = self._block_grads(qs, kv, (gy, dot, lse, gq), src, n, drop)
             if got_req is not None:     # the gradients of src's keys and values so far, from the ranks before
                 self._wait(got_req, dkv.nbytes, "key and value gradients", hop)
                 dkv += got
             got, got_req = self._shift(dkv, self.k + hop)
-            if hop < self.k - 1:
-                self._wait(reqs, kv.nbytes, "keys and values", hop)
-                kv = nxt
         self._wait(got_req, got.nbytes, "key and value gradients", self.k)   # this rank's own, home
         gqkv = np.empty((bsz, t, 3, h, d), dtype=np.result_type(qkv, g))
         gqkv[:, :, 0] = (gq * (1.0 / math.sqrt(d))).transpose(0, 2, 1, 3)
@@ -178,10 +174,7 @@ class Ring(Alone):
         log-sum-exp, gq) of this rank's queries, gq gains the blocks'."""
         gy, dot, lse, gq = rows
         dkv = np.zeros(kv.shape, dtype=kv.dtype)
-        for qi, ki, mask in self._pairs(src, n):
-            s = K._mm(qs[:, :, qi], kv[0][:, :, ki].swapaxes(-1, -2))
-            if mask is not None:
-                s += mask
+        for qi, ki, s in self._tiles(qs, kv, src, n):
             p, keep = np.exp(s - lse[:, :, qi]), self._keep(drop, src, 2 * n, qi, ki)
             dkv[1][:, :, ki] += K._mm((p if keep is None else p * keep).swapaxes(-1, -2), gy[:, :, qi])
             ds = K._mm(gy[:, :, qi], kv[1][:, :, ki].swapaxes(-1, -2))
@@ -203,9 +196,7 @@ class Chunks:
         self.data, self.ring, self.k = data, ring, ring.k
 
     def micro_batch(self, cursor: int, micro: int, rank: int, world: int):
-        x, y = self.data.micro_batch(cursor, micro, rank // self.k, world // self.k)
-        return self.ring.part(x), self.ring.part(y)
+        return tuple(map(self.ring.part, self.data.micro_batch(cursor, micro, rank // self.k, world // self.k)))
 
     def val_batch(self, k: int, count: int, rank: int = 0, world: int = 1):
-        x, y = self.data.val_batch(k, count, rank // self.k, max(1, world // self.k))
-        return self.ring.part(x), self.ring.part(y)
+        return tuple(map(self.ring.part, self.data.val_batch(k, count, rank // self.k, max(1, world // self.k))))

@@ -66,18 +66,16 @@ class Sinks:
 
 
 class Resident:
-    """Weights held whole on this rank: `groups` (name -> flat array); gradients land as `Sinks(sinks, on_landed)`."""
+    """Weights held whole on this rank: `groups` (name -> flat array); gradients land as `Sinks(sinks, on_landed)`;
+    `params`, `grads`: the flat buffers they view (None: none)."""
 
-    def __init__(self, groups: dict, sinks: dict | None = None, on_landed: Callable = ignore):
-        self.groups, self.out = groups, Sinks(sinks, on_landed)
-        self.params = self.grads = None
+    def __init__(self, groups: dict, sinks: dict | None = None, on_landed: Callable = ignore, params=None, grads=None):
+        self.groups, self.out, self.params, self.grads = groups, Sinks(sinks, on_landed), params, grads
 
     @classmethod
     def over(cls, layout, params: np.ndarray, grads: np.ndarray | None = None, on_landed: Callable = ignore):
         """The seam of flat buffers of `layout`: the parameters and (None: none) the gradients."""
-        seam = cls(layout.groups(params), None if grads is None else layout.groups(grads), on_landed)
-        seam.params, seam.grads = params, grads
-        return seam
+        return cls(layout.groups(params), None if grads is None else layout.groups(grads), on_landed, params, grads)
 
     def weights(self, group: str, backward: bool = False) -> np.ndarray:
         return self.groups[group]

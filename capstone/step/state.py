@@ -32,8 +32,7 @@ class ShardState:
         return [getattr(self, r) for r in ROWS]
 
     def copy_from(self, other: "ShardState") -> None:
-        for r in ROWS:
-            src, dst = getattr(other, r), getattr(self, r)
+        for r, src, dst in zip(ROWS, other.rows(), self.rows()):
             if src.shape != dst.shape:
                 raise ValueError(f"{r} shard has shape {src.shape}, this rank needs {dst.shape}")
             dst[...] = src
