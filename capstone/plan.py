@@ -226,6 +226,8 @@ def _refusals(world: int, v: dict, model, deterministic: bool):
 
 def least_split(v: dict, model) -> int:
     """--det-split's default: 4, or the least power of two that fits the layout and the model (`_split_refusals`)."""
+    if not all(isinstance(v[k], int) and v[k] >= 1 for k in ("tp", "cp")):
+        return 4                                             # a bad --tp or --cp: its own refusal says why
     fits = [s for s in (4, 2, 1, 8, 16, 32, 64) if not list(_split_refusals({**v, "det_split": s}, model))]
     return fits[0] if fits else 4
 

@@ -33,11 +33,12 @@ from capstone.model.blocks import Alone
 
 
 def tree(leaves: list):
-    """The fixed tree over leaf indices: at stride 1, 2, 4, ... leaf i += leaf i+stride (i a multiple of 2 stride)."""
+    """The fixed tree over leaf indices: at stride 1, 2, 4, ... leaf i += leaf i+stride (i a multiple of 2 stride);
+    an array leaf is added into in place (its buffer is overwritten), a scalar's sum is a new scalar."""
     stride = 1
     while stride < len(leaves):
         for i in range(0, len(leaves) - stride, 2 * stride):
-            leaves[i] = leaves[i] + leaves[i + stride]
+            leaves[i] = np.add(leaves[i], leaves[i + stride], out=leaves[i] if np.ndim(leaves[i]) else None)
         stride *= 2
     return leaves[0]
 
@@ -201,12 +202,8 @@ class Exact(Alone):
         every = np.empty((self.k,) + kv.shape, dtype=kv.dtype)
         self.ring.cp.Allgather(every, "deterministic context-parallel allgather of keys and values", "cp_ring",
                                send=_c(kv))
-        n = self.n
-        out = np.empty(kv.shape[:3] + (self.S * n,) + kv.shape[4:], dtype=kv.dtype)
-        for r in range(self.k):
-            for l, q in enumerate(held(self.S, self.k, r)):
-                out[:, :, :, q * n:(q + 1) * n] = every[r][:, :, :, l * n:(l + 1) * n]
-        return out
+        n, at = self.n, {q: (r, l) for r in range(self.k) for l, q in enumerate(held(self.S, self.k, r))}
+        return np.concatenate([every[r][..., l * n:(l + 1) * n, :] for r, l in map(at.get, range(self.S))], axis=3)
 
     def _tiles(self, drop):
         """(local query rows, key chunk b, key rows, causal mask or None, dropout keep or None) of every tile,

@@ -3,7 +3,6 @@
 How it works: docs/design.md, "Inside the step", parallel/buckets.py."""
 
 import bisect
-import collections
 
 import numpy as np
 
@@ -20,13 +19,15 @@ def tree_order(world: int) -> list[int]:
     return [int(format(j, f"0{bits}b")[::-1], 2) for j in range(world)]
 
 
-class Bucket:
-    """A range [a, b) of the flat buffer, its counts in the reduce-scatter's rank order, this rank's piece's place."""
+class GroupPlan:
+    """Where a range [a, b) of the flat buffer (a bucket of whole `params`, a parameter group) goes in a
+    reduce-scatter: its counts in the rank order `order` (None: the identity), this rank's piece's place."""
 
-    def __init__(self, a: int, b: int, params: list[int], layout: Layout, rank: int, order: list[int]):
+    def __init__(self, a: int, b: int, layout: Layout, rank: int, order: list[int] | None = None, params=()):
         self.a, self.b, self.params = a, b, params
+        order = order or list(range(layout.world))
         pieces = [(max(a, lo), min(b, hi)) for lo, hi in map(layout.shard_range, range(layout.world))]
-        self.counts = [max(0, pieces[o][1] - pieces[o][0]) for o in order]   # by position in the tree order
+        self.counts = [max(0, pieces[o][1] - pieces[o][0]) for o in order]   # by position in the order
         lo, n = layout.shard_range(rank)[0], max(0, pieces[rank][1] - pieces[rank][0])
         self.recv = slice(max(a, lo) - lo, max(a, lo) - lo + n)               # within g_shard
         # with a non-identity order the pieces are staged in that order: (staging slice, grads slice)
@@ -37,10 +38,9 @@ class Bucket:
                 pos += n_o
 
 
-def plan(layout: Layout, bucket_floats: int, rank: int = 0, order: list[int] | None = None) -> list[Bucket]:
+def plan(layout: Layout, bucket_floats: int, rank: int = 0, order: list[int] | None = None) -> list[GroupPlan]:
     """Buckets in flat order (bucket 0 starts at 0), filled from the end: whole parameters, each at least
     `bucket_floats` long except bucket 0 (the remainder). The padding goes with the last parameter."""
-    order = order or list(range(layout.world))
     entries = sorted(layout.entries, key=lambda e: e[2])
     bounds, end, params = [], layout.padded, []
     for i in range(len(entries) - 1, -1, -1):
@@ -49,7 +49,7 @@ def plan(layout: Layout, bucket_floats: int, rank: int = 0, order: list[int] | N
         if end - start >= bucket_floats or i == 0:
             bounds.append((0 if i == 0 else start, end, sorted(params)))
             end, params = start, []
-    return [Bucket(a, b, p, layout, rank, order) for a, b, p in reversed(bounds)]
+    return [GroupPlan(a, b, layout, rank, order, p) for a, b, p in reversed(bounds)]
 
 
 class BucketReducer(GradReducer):
@@ -75,8 +75,8 @@ class BucketReducer(GradReducer):
         self.seen = [0] * len(self.bucket_of)
         self.missing = [len(b.params) for b in self.buckets]
         self.next = len(self.buckets) - 1        # the next bucket to start (they start highest first)
-        self.pending: collections.deque = collections.deque()
         self.requests: list = []
+        self.tested = 0                          # requests[:tested] have completed
 
     def start(self, micro_batches: int) -> None:
         """Before a step's micro-batches: start buckets from the backward pass as they become ready (if several)."""
@@ -96,21 +96,20 @@ class BucketReducer(GradReducer):
         while self.next > 0 and self.missing[self.next] == 0:
             self._start(self.next)
             self.overlapped += 1
-        while self.pending and self.pending[0].Test():   # drive the outstanding collectives
-            self.pending.popleft()
+        while self.tested < len(self.requests) and self.requests[self.tested].Test():   # drive the outstanding ones
+            self.tested += 1
 
     def _start(self, k: int) -> None:
-        b = self.buckets[k]
-        if self.staging is None:
-            send = self.grads[b.a:b.b]
-        else:
-            for dst, src in b.copies:
-                self.staging[dst] = self.grads[src]
-            send = self.staging[b.a:b.b]
-        req = self.comm.Ireduce_scatter(send, self.grad_shard[b.recv], b.counts)
-        self.requests.append(req)
-        self.pending.append(req)
+        self.requests.append(self._request(self.buckets[k]))
         self.next = k - 1
+
+    def _request(self, b: GroupPlan):
+        """Bucket b's non-blocking reduce-scatter (its pieces staged first in a non-identity order)."""
+        if self.staging is None:
+            return self.comm.Ireduce_scatter(self.grads[b.a:b.b], self.grad_shard[b.recv], b.counts)
+        for dst, src in b.copies:
+            self.staging[dst] = self.grads[src]
+        return self.comm.Ireduce_scatter(self.staging[b.a:b.b], self.grad_shard[b.recv], b.counts)
 
     def finish(self, losses: list[float], flags: Flags) -> GradStats:
         """Start what is left (bucket 0, any the backward did not complete), wait for all, then the small allreduce."""

@@ -34,8 +34,7 @@ class Canonical:
         """Collective over the model-parallel group: (k, full.padded) canonical rows from every
         part's (k, n) rows."""
         k = rows.shape[0]
-        mine = np.zeros((k, self.width), dtype=DTYPE)
-        mine[:, :rows.shape[1]] = rows
+        mine = np.pad(rows, ((0, 0), (0, self.width - rows.shape[1])))
         parts = np.empty((self.grid.mp.size, k, self.width), dtype=DTYPE)
         self.grid.mp.Allgather(parts, "checkpoint: allgather of the model-parallel parts", send=mine)
         full = np.zeros((k, self.full.padded), dtype=DTYPE)
@@ -62,9 +61,7 @@ class Canonical:
         for row in shard.rows():
             got = np.empty((g.world.size, row.size), dtype=DTYPE)
             g.world.Allgather(got, "checkpoint: allgather of the stored shards", send=np.ascontiguousarray(row))
-            mine = np.zeros(sl.padded, dtype=DTYPE)
-            mine[:sl.n_params] = got.reshape(-1)[idx]
-            out.append(mine[lo:hi].copy())
+            out.append(np.pad(got.reshape(-1)[idx], (0, sl.padded - sl.n_params))[lo:hi].copy())
         return ShardState(*out, t=shard.t)
 
     def whole(self, params: np.ndarray) -> np.ndarray:

@@ -111,12 +111,9 @@ class CanonicalCheck:
 def canonical_index(grid, cfg, layout, groups) -> np.ndarray:
     """Per element of this rank's ZeRO shard of its part: its index in the canonical vector, -1 for the padding and
     for a whole parameter on a tensor-parallel rank > 0 (tp rank 0 counts it)."""
+    from capstone.parallel import tensor
     idx = np.full(layout.padded, -1, dtype=np.int64)
-    if grid.mp.size > 1:
-        from capstone.parallel import tensor
-        at, owned = tensor.positions(cfg, grid.tp.size, grid.tp.rank, groups)
-        idx[:layout.n_params] = np.where(owned, at, -1)
-    else:
-        idx[:layout.n_params] = np.arange(layout.n_params)
+    at, owned = tensor.positions(cfg, grid.tp.size, grid.tp.rank, groups)   # 1 rank: 0, 1, 2, ..., all owned
+    idx[:layout.n_params] = np.where(owned, at, -1)
     lo, hi = layout.shard_range(grid.dp.rank)
     return idx[lo:hi]

@@ -35,6 +35,7 @@ import math
 import numpy as np
 
 from capstone.data.heldout import HeldOut
+from capstone.model.exact import tree
 from capstone.parallel.reduce import Flags, GradReducer, GradStats
 
 FIXED_CHUNK = 1 << 14   # values per chunk of the gradient norm's (and param_norm's) sum of squares
@@ -44,22 +45,15 @@ EVAL_ROWS = 4          # held-out rows per evaluation block
 # ---- the fixed trees ---------------------------------------------------------------------------
 
 def tree_rows(rows: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """Sum rows[0..K-1] (K x S) into `out` in the fixed tree of pairs over row indices: at stride
-    1, 2, 4, ... row i += row i+stride for i a multiple of 2*stride. Overwrites `rows`."""
-    k = len(rows)
-    stride = 1
-    while stride < k:
-        for i in range(0, k - stride, 2 * stride):
-            np.add(rows[i], rows[i + stride], out=rows[i])
-        stride *= 2
-    out[...] = rows[0]
+    """Sum rows[0..K-1] (K x S) into `out` in the fixed tree of pairs over row indices (capstone.model.exact.tree:
+    at stride 1, 2, 4, ... row i += row i+stride for i a multiple of 2*stride). Overwrites `rows`."""
+    out[...] = tree(list(rows))
     return out
 
 
 def tree_sum(values) -> float:
-    """The same tree as `tree_rows` over a sequence of float64 scalars."""
-    v = np.array([float(x) for x in values], dtype=np.float64)
-    return float(tree_rows(v[:, None], np.empty(1))[0]) if len(v) else 0.0
+    """The same tree over a sequence of float64 scalars."""
+    return float(tree([np.float64(x) for x in values] or [0.0]))
 
 
 def sumsq(values: np.ndarray) -> float:

@@ -78,11 +78,9 @@ class Grid:
         """The part of the model (pp_rank * tp + tp_rank) that world rank `rank` holds."""
         return rank // (self.cp_size * self.tp.size) % self.pp.size * self.tp.size + rank % self.tp.size
 
-    def replica_ranks(self, of: int | None = None) -> list[int]:
-        """The world ranks of world rank `of`'s replica (its dp and cp coordinates; None: this rank's),
-        in part order."""
-        per, tp, cp = self.world.size // self.replicas, self.tp.size, self.cp_size
-        me = self.world.rank if of is None else of
+    def replica_ranks(self) -> list[int]:
+        """The world ranks of this rank's replica (its dp and cp coordinates), in part order."""
+        per, tp, cp, me = self.world.size // self.replicas, self.tp.size, self.cp_size, self.world.rank
         return [r for r in range(self.world.size) if r // per == me // per and r // tp % cp == me // tp % cp]
 
     @property
@@ -97,7 +95,6 @@ class Grid:
         return placement.describe(list(self.hosts), self.pp.size * self.cp_size, self.tp.size)
 
     def describe(self) -> dict:
-        pp, tp, cp = self.pp.size, self.tp.size, self.cp_size
-        return {"dp": self.replicas, "pp": pp, "cp": cp, "tp": tp,
+        return {"dp": self.replicas, "pp": self.pp.size, "cp": self.cp_size, "tp": self.tp.size,
                 "order": "rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank",
                 "tp_group": "tp consecutive ranks", "dp_group": "ranks with equal pp_rank and tp_rank (dp x cp)"}

@@ -28,8 +28,7 @@ def describe(hosts: list[str], pp: int, tp: int) -> str:
     for host in dict.fromkeys(hosts):
         ranks = [r for r, h in enumerate(hosts) if h == host]
         groups: dict[tuple[int, int], list[int]] = {}
-        for r in ranks:
-            d, p, t = position(r, pp, tp)
+        for d, p, t in (position(r, pp, tp) for r in ranks):
             groups.setdefault((d, p), []).append(t)
         where = " ".join(f"[dp{d} pp{p} tp{_span(ts)}]" for (d, p), ts in groups.items())
         parts.append(f"{host}: ranks {_span(ranks)} = {where}")

@@ -51,8 +51,7 @@ class PostValidated:
         """ZeroAdam.apply's result: the update taken ahead when it is that update, else apply's own."""
         taken, self.taken = self.taken, None
         if taken is None or taken[0] != lr or taken[1] is not self.state or 0 < self.clip < norm:
-            if taken is not None:
-                self.made["redone"] += 1
+            self.made["redone"] += taken is not None   # taken ahead, and not the update
             return super().apply(grad_shard, lr, norm)
         old = self.state
         self.state, self.spare = self.spare, old if self.before is None else self.before

@@ -5,7 +5,7 @@ backward makes none: a gather started before a block computes would otherwise st
 when the block is done. This thread tests the requests it is given (MPI_THREAD_MULTIPLE; NumPy
 releases the GIL in its loops and BLAS) and marks each done, with the time it completed; only this
 thread touches a request once it is submitted. The main thread waits on the mark, under the run's
-deadline (`wait`), and learns how much of the collective it had to wait for (exposed) and how
+deadline (`Ticket.wait`), and learns how much of the collective it had to wait for (exposed) and how
 much ran behind its compute (hidden).
 """
 
@@ -24,6 +24,16 @@ class Ticket:
         self.request, self.buffers = request, buffers    # buffers stay alive until completion
         self.started, self.completed = time.perf_counter(), None
         self.done = threading.Event()
+
+    def wait(self, comm, what: str, kind: str, op: str, nbytes: int) -> None:
+        """Wait for completion (ending the job at `comm`'s deadline); counted on `comm` under `kind`, with
+        the seconds waited (exposed) and the rest of the collective's time (hidden behind compute)."""
+        t0 = time.perf_counter()
+        while not self.done.wait(0.01):
+            if time.perf_counter() - t0 >= comm.deadline.seconds:
+                expire(comm.deadline, what, time.perf_counter() - t0)
+        waited = time.perf_counter() - t0
+        comm.count(kind, op, nbytes, waited, 1, max(0.0, self.completed - self.started - waited))
 
 
 class Progress:
@@ -50,18 +60,7 @@ class Progress:
             with self.cv:
                 for t in finished:
                     self.pending.remove(t)
-            for t in finished:
-                t.completed = now
-                t.done.set()
+                    t.completed = now
+                    t.done.set()
             if not finished:
                 time.sleep(POLL_S)
-
-    @staticmethod
-    def wait(ticket: Ticket, deadline, what: str) -> float:
-        """Wait for `ticket` (ending the job at the deadline); returns the seconds waited."""
-        t0 = time.perf_counter()
-        limit = deadline.seconds
-        while not ticket.done.wait(0.01):
-            if time.perf_counter() - t0 >= limit:
-                expire(deadline, what, time.perf_counter() - t0)
-        return time.perf_counter() - t0

@@ -16,9 +16,8 @@ class Sequential:
         self.model.seam.step(True)
         losses = []
         for j, (x, y) in enumerate(batches):
-            fresh = j == 0 or not self.reducer.accumulates
             self.reducer.before_backward(j)
-            losses.append(self.model.micro_batch(x, y, self.scale, fresh))
+            losses.append(self.model.micro_batch(x, y, self.scale, j == 0 or not self.reducer.accumulates))
             self.hooks.gradients(step, j, self.model.grads)
             self.reducer.after_backward(j)
         self.model.seam.step(False)

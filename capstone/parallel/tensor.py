@@ -23,17 +23,9 @@ from capstone.model.params import Layout, group_of, init_params, is_split, param
 def _slice(a: np.ndarray, name: str, K: int, t: int) -> np.ndarray:
     """Tensor-parallel rank t's part of the whole array a of parameter `name` (params.TP_PLAN)."""
     split = tp_split(name)
-    if split == "rows":
-        n = a.shape[0] // K
-        return a[t * n:(t + 1) * n]
-    if split == "columns":
-        n = a.shape[-1] // K
-        return a[..., t * n:(t + 1) * n]
-    if split == "heads":                                                    # heads t*H/K.. of q, k, v
-        C = a.shape[-1] // 3
-        n = C // K
-        return a[..., np.concatenate([j * C + t * n + np.arange(n) for j in range(3)])]
-    return a
+    if split == "heads":                                    # heads t*H/K.. of each of q, k, v
+        return a.reshape(*a.shape[:-1], 3, K, -1)[..., t, :].reshape(*a.shape[:-1], -1)
+    return a if split is None else np.split(a, K, axis=0 if split == "rows" else -1)[t]
 
 
 def positions(cfg, K: int, t: int, groups: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:

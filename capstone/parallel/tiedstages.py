@@ -37,9 +37,8 @@ class Link:
 
     def refresh(self) -> None:
         """Collective over the first and last stages: the last stage's copy of wte set to the first's."""
-        n = self.shape[0] * self.shape[1]
         if self.first:
-            wte = self.seam.weights("embed", True)[:n]
+            wte = self.seam.weights("embed", True)[:self.shape[0] * self.shape[1]]
             self.pp.wait(self.pp.Isend(wte, self.pp.size - 1, WTE_TAG), "send of wte to the last pipeline stage",
                          "tied_send", "p2p", wte.nbytes)
             self.seam.release("embed")

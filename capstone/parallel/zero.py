@@ -52,48 +52,45 @@ class ZeroAdam:
         return clip or norm
 
     def update(self, grad_shard: np.ndarray, lr: float, grad_scale: float, old: ShardState, new: ShardState) -> None:
-        """AdamW of step old.t + 1 from `old` into `new` (may be `old`), the gradient scaled by `grad_scale`."""
+        """AdamW of step old.t + 1 from `old` into `new` (may be `old`), the gradient scaled by `grad_scale`,
+        a cache-sized chunk at a time through the scratch rows (the whole-array expressions' bits)."""
         new.t = old.t + 1
         b1, b2 = self.beta1, self.beta2
-        k = (np.float32(grad_scale), np.float32(b1), np.float32(1 - b1), np.float32(b2), np.float32(1 - b2),
-             np.float32(1.0 / np.sqrt(1 - b2 ** new.t)), np.float32(self.eps), np.float32(lr * self.weight_decay),
-             np.float32(lr / (1 - b1 ** new.t)))
+        scale, b1, one_b1, b2, one_b2, bias2, eps, decay, step = map(np.float32, (
+            grad_scale, b1, 1 - b1, b2, 1 - b2, 1.0 / np.sqrt(1 - b2 ** new.t), self.eps, lr * self.weight_decay,
+            lr / (1 - b1 ** new.t)))
         for lo in range(0, old.master.size, ADAM_CHUNK):
-            self._adam_chunk(grad_shard, slice(lo, lo + ADAM_CHUNK), old, new, *k)
+            c = slice(lo, lo + ADAM_CHUNK)
+            g, m, v, master = grad_shard[c], new.m[c], new.v[c], new.master[c]
+            t1, t2 = self._scratch[0][:g.size], self._scratch[1][:g.size]
+            if scale != 1.0:
+                g *= scale
+            np.multiply(old.m[c], b1, out=m)               # m = b1 m + (1 - b1) g
+            np.multiply(g, one_b1, out=t1)
+            m += t1
+            np.multiply(old.v[c], b2, out=v)               # v = b2 v + (1 - b2) g^2
+            np.multiply(g, g, out=t1)
+            t1 *= one_b2
+            v += t1
+            np.sqrt(v, out=t1)                             # denom = sqrt(v) / sqrt(1 - b2^t) + eps
+            t1 *= bias2
+            t1 += eps
+            src = old.master[c]
+            if self.no_decay is not None:                  # decoupled weight decay, not on biases and LayerNorm
+                np.multiply(src, decay, out=t2)
+                for z in self.no_decay[lo // ADAM_CHUNK]:
+                    t2[z] = 0.0
+                np.subtract(src, t2, out=master)
+                src = master
+            np.divide(m, t1, out=t2)                       # master -= lr / (1 - b1^t) * m / denom
+            t2 *= step
+            np.subtract(src, t2, out=master)
 
     def revert(self) -> None:
         """Collective: call on all ranks. Undo the last `apply` bit for bit (once: a second call keeps that state)."""
         if self.revertible:
             self.state, self.before, self.revertible = self.before, self.state, False
         self._publish()
-
-    def _adam_chunk(self, grad_shard, c: slice, old: ShardState, new: ShardState,
-                    scale, b1, one_b1, b2, one_b2, bias2, eps, decay, step) -> None:
-        """AdamW on elements c from `old` into `new` via cache-sized scratch (the whole-array expressions' bits)."""
-        g, m, v, master = grad_shard[c], new.m[c], new.v[c], new.master[c]
-        t1, t2 = self._scratch[0][:g.size], self._scratch[1][:g.size]
-        if scale != 1.0:
-            g *= scale
-        np.multiply(old.m[c], b1, out=m)               # m = b1 m + (1 - b1) g
-        np.multiply(g, one_b1, out=t1)
-        m += t1
-        np.multiply(old.v[c], b2, out=v)               # v = b2 v + (1 - b2) g^2
-        np.multiply(g, g, out=t1)
-        t1 *= one_b2
-        v += t1
-        np.sqrt(v, out=t1)                             # denom = sqrt(v) / sqrt(1 - b2^t) + eps
-        t1 *= bias2
-        t1 += eps
-        src = old.master[c]
-        if self.no_decay is not None:                  # decoupled weight decay, not on biases and LayerNorm
-            np.multiply(src, decay, out=t2)
-            for z in self.no_decay[c.start // ADAM_CHUNK]:
-                t2[z] = 0.0
-            np.subtract(src, t2, out=master)
-            src = master
-        np.divide(m, t1, out=t2)                       # master -= lr / (1 - b1^t) * m / denom
-        t2 *= step
-        np.subtract(src, t2, out=master)
 
     def finite(self) -> bool:
         return self.state.finite()   # no NaN or infinity in this rank's master, m or v

@@ -16,8 +16,9 @@ world size) and rebuilds the whole state from the shards on load.
 
 import numpy as np
 
+from capstone.model.fingerprint import sum_squares
 from capstone.model.params import Layout
-from capstone.parallel.buckets import BucketReducer
+from capstone.parallel.buckets import BucketReducer, GroupPlan
 from capstone.parallel.reduce import Flags, GradStats
 from capstone.parallel.zero import ZeroAdam
 from capstone.step.state import ShardState
@@ -34,18 +35,12 @@ class AllreduceReducer(BucketReducer):
         self.grad_shard = grads
         self.lo, self.hi = layout.shard_range(grid.dp.rank)
 
-    def _start(self, k: int) -> None:
-        b = self.buckets[k]
-        req = self.comm.Iallreduce(self.grads[b.a:b.b])
-        self.requests.append(req)
-        self.pending.append(req)
-        self.next = k - 1
+    def _request(self, b: GroupPlan):
+        return self.comm.Iallreduce(self.grads[b.a:b.b])
 
-    def stats(self, loss: float, flags: Flags, sumsq: float | None = None) -> GradStats:
+    def stats(self, loss: float, flags: Flags) -> GradStats:
         """The norm over this rank's shard of the (replicated) sum: each element counted once."""
-        from capstone.model.fingerprint import sum_squares
-        mine = sum_squares(self.grads[self.lo:self.hi], self.norm_weight) if sumsq is None else sumsq
-        return super().stats(loss, flags, mine)
+        return super().stats(loss, flags, sum_squares(self.grads[self.lo:self.hi], self.norm_weight))
 
     def nbytes(self) -> int:
         return 0     # in place: the flat buffer is the reduced gradient

@@ -14,32 +14,20 @@ temporaries added to it (so each element is the sum over micro-batches of the su
 the same numbers as ZeRO-1 summing micro-batches first, to float32 rounding).
 """
 
-import collections
-
 import numpy as np
 
 from capstone.model.params import DTYPE, Layout
+from capstone.parallel.buckets import GroupPlan
 from capstone.parallel.progress import Progress
 from capstone.parallel.reduce import Flags, GradReducer, GradStats
 
 
-class GroupPlan:
-    """Where a parameter group's gradient goes: its range, the counts per rank, this rank's slice."""
-
-    def __init__(self, a: int, b: int, layout: Layout, rank: int):
-        self.a, self.b = a, b
-        pieces = [(max(a, lo), min(b, hi)) for lo, hi in map(layout.shard_range, range(layout.world))]
-        self.counts = [max(0, hi - lo) for lo, hi in pieces]
-        lo = layout.shard_range(rank)[0]
-        self.recv = slice(max(a, lo) - lo, max(a, lo) - lo + self.counts[rank])
-
-
-class GroupBucket:
-    """Consecutive groups reduced together: their range, names, and the staging buffer filling up."""
+class GroupBucket(GroupPlan):
+    """Consecutive groups reduced together: their range's plan, names, and the staging buffer filling up."""
 
     def __init__(self, names: list[str], ranges: dict, layout: Layout, rank: int):
+        super().__init__(min(ranges[n][0] for n in names), max(ranges[n][1] for n in names), layout, rank)
         self.names, self.ranges = names, ranges
-        self.plan = GroupPlan(min(ranges[n][0] for n in names), max(ranges[n][1] for n in names), layout, rank)
         self.staging, self.arrived = None, 0
 
     def add(self, name: str, g: np.ndarray):
@@ -47,9 +35,9 @@ class GroupBucket:
         if len(self.names) == 1:
             return g.reshape(-1)
         if self.staging is None:
-            self.staging = np.empty(self.plan.b - self.plan.a, dtype=DTYPE)
+            self.staging = np.empty(self.b - self.a, dtype=DTYPE)
         a, b = self.ranges[name]
-        self.staging[a - self.plan.a:b - self.plan.a] = g.reshape(-1)
+        self.staging[a - self.a:b - self.a] = g.reshape(-1)
         self.arrived += 1
         if self.arrived < len(self.names):
             return None
@@ -77,7 +65,7 @@ class ShardedGradReducer(GradReducer):
         super().__init__(grid, layout, None, loss_weight)
         self.buckets, self.progress = buckets(layout, bucket_floats, grid.dp.rank), progress
         self.bucket_of = {name: bucket for bucket in self.buckets for name in bucket.names}
-        self.inflight: collections.deque = collections.deque()   # (ticket, send, into, plan, first)
+        self.inflight: list = []   # (ticket, send, into, bucket, first): the reduction in flight, if any
         self.first, self.peak_inflight = True, 0
 
     def start(self, micro_batches: int) -> None:
@@ -90,31 +78,29 @@ class ShardedGradReducer(GradReducer):
         send = bucket.add(name, g)
         if send is None:
             return
-        plan = bucket.plan
-        into = self.grad_shard[plan.recv] if self.first else np.empty(plan.recv.stop - plan.recv.start, DTYPE)
+        into = self.grad_shard[bucket.recv] if self.first else np.empty(bucket.recv.stop - bucket.recv.start, DTYPE)
         held = send.nbytes + (0 if self.first else into.nbytes)
         self.peak_inflight = max(self.peak_inflight, held + sum(i[1].nbytes + (not i[4]) * i[2].nbytes
                                                                 for i in self.inflight))
-        self._drain(keep=0)
-        request = self.dp.Ireduce_scatter(np.ascontiguousarray(send, dtype=DTYPE), into, plan.counts)
-        self.inflight.append((self.progress.submit(request, send, into), send, into, plan, self.first))
+        self._drain()
+        request = self.dp.Ireduce_scatter(np.ascontiguousarray(send, dtype=DTYPE), into, bucket.counts)
+        self.inflight.append((self.progress.submit(request, send, into), send, into, bucket, self.first))
 
-    def _drain(self, keep: int) -> None:
-        """Finish the reductions in flight, oldest first, until `keep` remain."""
-        while len(self.inflight) > keep:
-            ticket, send, into, plan, first = self.inflight.popleft()
-            waited = Progress.wait(ticket, self.dp.deadline, "reduce-scatter of a gradient bucket (ZeRO-2)")
-            self.dp.count("reduce_scatter", "reduce_scatterv", send.nbytes, waited, 1,
-                          max(0.0, ticket.completed - ticket.started - waited))
+    def _drain(self) -> None:
+        """Finish the reductions in flight, oldest first."""
+        for ticket, send, into, bucket, first in self.inflight:
+            ticket.wait(self.dp, "reduce-scatter of a gradient bucket (ZeRO-2)", "reduce_scatter", "reduce_scatterv",
+                        send.nbytes)
             if not first:
-                np.add(self.grad_shard[plan.recv], into, out=self.grad_shard[plan.recv])
+                np.add(self.grad_shard[bucket.recv], into, out=self.grad_shard[bucket.recv])
+        self.inflight = []
 
     def after_backward(self, micro: int) -> None:
         self.first = False
 
     def finish(self, losses: list[float], flags: Flags) -> GradStats:
         """Wait for the reduction still in flight, then the step's small allreduce."""
-        self._drain(keep=0)
+        self._drain()
         self.dp.hooks.gradients(self.dp.hooks.step, 0, self.grad_shard)   # --inject-nan (a test seam)
         return self.stats(sum(losses), flags)
 
@@ -127,6 +113,6 @@ class ShardedGradReducer(GradReducer):
         one after the other in a step of `micro_batches` (the last of a micro-batch is still in
         flight when the next one's first is sent; after the first micro-batch, each with its
         temporary of the shard)."""
-        sent = [4 * (b.plan.b - b.plan.a) + (j > 0) * 4 * b.plan.counts[self.dp.rank]
+        sent = [4 * (b.b - b.a) + (j > 0) * 4 * b.counts[self.dp.rank]
                 for j in range(micro_batches) for b in self.buckets]
         return self.grad_shard.nbytes + max([sent[0]] + [x + y for x, y in zip(sent, sent[1:])])

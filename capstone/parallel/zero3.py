@@ -20,10 +20,10 @@ from capstone.data.heldout import HeldOut
 from capstone.model.fingerprint import sum_squares, word_sum
 from capstone.model.params import DTYPE, Layout
 from capstone.model.seam import Sinks
+from capstone.parallel.buckets import GroupPlan
 from capstone.parallel.progress import Progress
 from capstone.parallel.replicas import ReplicaCheck
 from capstone.parallel.zero import ZeroAdam
-from capstone.parallel.zero2 import GroupPlan
 
 
 class ShardedAdam(ZeroAdam):
@@ -52,10 +52,6 @@ class Gatherer:
         self.order, self.out = list(names), Sinks(None if grads is None else layout.groups(grads), on_landed)
         self.keep, self.holding = keep, False
         self.live, self.peak, self.digests = {}, 0, {}
-
-    def reset(self) -> None:
-        """A new step: the fingerprints start again (`peak` is the run's)."""
-        self.digests = {}
 
     def gathered_peak(self) -> int:
         return self.peak
@@ -98,9 +94,8 @@ class Gatherer:
     def _wait(self, name: str) -> np.ndarray:
         full, ticket = self.live[name]
         if ticket is not None:
-            waited = Progress.wait(ticket, self.dp.deadline, f"allgather of the parameters of {name} (ZeRO-3)")
-            self.dp.count("allgather_params", "allgatherv", full.nbytes, waited, 1,
-                          max(0.0, ticket.completed - ticket.started - waited))
+            ticket.wait(self.dp, f"allgather of the parameters of {name} (ZeRO-3)", "allgather_params", "allgatherv",
+                        full.nbytes)
             self.live[name] = (full, None)
         return full
 
@@ -129,8 +124,10 @@ class Gatherer:
         return full
 
     def digest(self) -> str:
-        """16 hex digits of the groups gathered this step (the same on every rank of the group)."""
+        """16 hex digits of the groups gathered this step (the same on every rank of the group); the
+        fingerprints start again for the next step (`peak` is the run's)."""
         text = ",".join(f"{g}:{self.digests[g]:x}" for g in sorted(self.digests))
+        self.digests = {}
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -149,7 +146,6 @@ class ShardedReplicaCheck(ReplicaCheck):
     def check(self, step: int, params: np.ndarray, strong: bool) -> tuple[float, str]:
         """Collective over the world: (whole-model parameter norm, digest of the gathered groups)."""
         digest = self.gatherer.digest()
-        self.gatherer.reset()
         mine = np.array([sum_squares(params, self.weight), 0.0])
         mine[1:].view(np.uint64)[0] = int(digest, 16)
         every = np.empty((self.world.size, 2))
@@ -169,10 +165,6 @@ class GatheredHeldOut(HeldOut):
         self.spare = data.val_batch(0, batch_size, 0, dp)
 
     def loss_share(self) -> float:
-        share = 0.0
-        for x, y in self.batches:
-            if len(x):
-                share += self.loss(x, y, self.scale)
-            else:
-                self.loss(*self.spare, self.scale)   # not counted: the gathers of the ranks with rows
-        return share * self.weight
+        """The spare forward's loss is not counted: it makes the gathers of the ranks with rows."""
+        losses = [self.loss(*(batch if len(batch[0]) else self.spare), self.scale) for batch in self.batches]
+        return sum(loss for loss, (x, _) in zip(losses, self.batches) if len(x)) * self.weight
