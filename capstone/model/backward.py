@@ -31,7 +31,7 @@ class Pass:
 
 def _embed_mask(ps: Pass, a, T: int):
     """The embedding's dropout mask applied to a (B*T, C) (no dropout: a itself)."""
-    return a if ps.masks is None else a * ps.masks.channels(-1, "embed", T, a.shape[1])
+    return a if ps.masks is None else a * ps.cp.order(ps.masks.channels(-1, "embed", T, a.shape[1]))
 
 
 def _embedding_fwd(start, ps: Pass, idx, shapes):

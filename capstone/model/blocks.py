@@ -71,7 +71,12 @@ class Alone:
         return buf
 
     # the layers' arithmetic, one GEMM or sum each (capstone.model.exact.Exact: --deterministic's, cut canonically)
-    exact, mm, row, share_buffer = False, staticmethod(K._mm), staticmethod(_row_parallel), staticmethod(np.empty_like)
+    mm, row, share_buffer = staticmethod(K._mm), staticmethod(_row_parallel), staticmethod(np.empty_like)
+    order = staticmethod(lambda a: a)                                          # rows in sample order: as they come
+
+    def embed_in(self, wte, wpe, idx):
+        """The token and position embeddings of idx (B, T) at this part's positions: (B*T, C)."""
+        return K._embed_fwd(wte, wpe, idx, self.positions(idx.shape[1]))[0]
     dense, bias, ln, embed = map(staticmethod, (_dense_grads, _bias_grad, _ln_grads, _embedding_grads))
     col = staticmethod(lambda x, w, b, split: K._linear_fwd(x, w, b)[0])      # a column-parallel (or whole) layer
     row_back = staticmethod(lambda g, w: K._mm(g, w.T))                        # a row-parallel layer's input gradient
@@ -116,7 +121,7 @@ def _ln_back(g, saved, w, put, i: int, cp):
 
 def embedding_forward(w, idx, shapes, cp=WHOLE):
     """w = [wte (V, C), wpe (>=T, C)], idx (B, T) at cp's positions -> (B*T, C), nothing saved."""
-    return K._embed_fwd(*unpack(w, shapes), idx, cp.positions(idx.shape[1]))
+    return cp.embed_in(*unpack(w, shapes), idx), None
 
 
 def embedding_backward(g, w, idx, shapes, put, cp=WHOLE, tie=None) -> None:
@@ -132,7 +137,7 @@ def block_forward(x, w, T, H, shapes, tp, cp=WHOLE, masks=None, layer: int = 0):
     drop = m1 = m2 = None
     if masks is not None:
         drop = masks.drop(layer, T, H, getattr(tp, "rank", 0) * H)
-        m1, m2 = (masks.channels(layer, site, T, x.shape[1]) for site in ("attn_out", "mlp_out"))
+        m1, m2 = (cp.order(masks.channels(layer, site, T, x.shape[1])) for site in ("attn_out", "mlp_out"))
     a, s_ln1 = K._ln_fwd(x, ln1w, ln1b)
     qkv = cp.col(a, aw, ab, "heads")                                            # (B*T, 3C/tp)
     y, s_att = cp.attention(qkv, T, H, drop)                                    # (B*T, C/tp)
@@ -201,7 +206,7 @@ def head_loss_backward(g, saved, w, targets, shapes, put, free: bool, scale=1.0,
     z_in, s_ln, probs = saved
     if free:
         saved.clear()
-    gz = K._xent_grad_inplace(probs if free else probs.copy(), targets, g * scale)   # over the softmax if owned
+    gz = K._xent_grad_inplace(probs if free else probs.copy(), cp.order(targets), g * scale)   # over it if owned
     del probs
     if wte is None:
         lnw, _, hw, *_ = unpack(w, shapes)

@@ -8,8 +8,10 @@ The plan's split count S (`--det-split`, capstone.plan) fixes two canonical cuts
   fixed tree over the piece index, a tensor-parallel rank of tp holding P/tp pieces (its subtree) and the ranks'
   subtrees added in the same tree after one allgather. A column-parallel output and every weight
   gradient are computed piece by piece, so the GEMMs have the same shapes also at tp 1.
-- *Chunks.* Each sequence is S chunks of n = T/S positions. Every GEMM over tokens runs per chunk
-  tile of one sample (n rows), and every sum over tokens (each weight gradient, LayerNorm's and the
+- *Chunks.* Each sequence is S chunks of n = T/S positions. The activations' rows are chunk-major
+  (`Exact.order`: the embedding makes them so, and the targets and dropout's masks are put in that
+  order), so every GEMM over tokens runs on one chunk's rows of every sample (B*n rows, a view),
+  and every sum over tokens (each weight gradient, LayerNorm's and the
   biases' gradients, the embeddings' scatter-add, the loss) is taken per chunk of the micro-batch
   and added in the chunk tree: chunks q and S-1-q first (a *pair*), then the stride tree over the
   pair index. Context-parallel rank c of k holds the pairs [c S/2k, (c+1) S/2k) (its ring chunks
@@ -57,17 +59,12 @@ class Exact(Alone):
     """The blocks' arithmetic in S pieces and S chunks (see the module), over tensor-parallel group `tp`
     and the context-parallel `ring` (capstone.model.ring.Ring; None: the sequence whole)."""
 
-    exact = True
-
     def __init__(self, S: int, T: int, heads: int, tp, ring=None):
         k, c = (1, 0) if ring is None else (ring.k, ring.c)
         self.S, self.n, self.tp, self.ring, self.k, self.P = S, T // S, tp, ring, k, math.gcd(S, heads) // tp.size
         self.held = held(S, k, c)                                              # its chunks, in row order
         self.L, at, m = len(self.held), {q: i for i, q in enumerate(self.held)}, S // (2 * k)
         self.pairs = [(at[p], at[S - 1 - p]) for p in range(c * m, (c + 1) * m)]   # this rank's pairs, in order
-
-    def positions(self, t: int):
-        return None if self.ring is None else self.ring.positions(t)
 
     # ---- the two cuts -------------------------------------------------------------------------
 
@@ -93,13 +90,24 @@ class Exact(Alone):
         n = width // self.P
         return [slice(s * n, (s + 1) * n) for s in range(self.P)]
 
+    def order(self, a: np.ndarray, back: bool = False) -> np.ndarray:
+        """Rows (or a vector) in sample order (B, t) -> this arithmetic's order: chunk-major (L, B, n), so that
+        local chunk l's rows of every sample are one contiguous GEMM tile of B*n rows (`chunks`); `back`: undone."""
+        lead = (self.L, -1) if back else (-1, self.L)
+        return _c(a.reshape(*lead, self.n, *a.shape[1:]).swapaxes(0, 1)).reshape(a.shape)
+
     def chunks(self, x: np.ndarray) -> np.ndarray:
-        """(B*t, C) -> (L, B*n, C), contiguous: local chunk l's rows of every sample (a GEMM tile: B*n rows)."""
-        return _c(x.reshape(-1, self.L, self.n, x.shape[-1]).transpose(1, 0, 2, 3)).reshape(self.L, -1, x.shape[-1])
+        """(B*t, C) in chunk-major order -> (L, B*n, C), a view."""
+        return x.reshape(self.L, -1, x.shape[-1])
 
     def rows(self, y: np.ndarray) -> np.ndarray:
         """`chunks`' inverse: (L, B*n, N) -> (B*t, N)."""
-        return _c(y.reshape(self.L, -1, self.n, y.shape[-1]).transpose(1, 0, 2, 3)).reshape(-1, y.shape[-1])
+        return y.reshape(-1, y.shape[-1])
+
+    def embed_in(self, wte, wpe, idx):
+        """The embeddings of idx (B, t), in chunk-major order: (B*t, C)."""
+        pos = np.array([np.arange(q * self.n, (q + 1) * self.n) for q in self.held])[:, None]   # (L, 1, n)
+        return (wte[self.order(idx.reshape(-1)).reshape(self.L, -1, self.n)] + wpe[pos]).reshape(-1, wte.shape[1])
 
     def mm(self, x, w):
         """x @ w per chunk tile: (B*t, Cin) -> (B*t, Cout)."""
@@ -118,16 +126,14 @@ class Exact(Alone):
         return out
 
     def row(self, x, w, b, tp):
-        xs = self.chunks(x)
-        y = self.rows(self.across(tree([K._mm(xs[..., r], w[r]) for r in self.pieces(x.shape[1], "rows")])))
+        y = self.rows(self.across(tree([K._mm(self.chunks(x)[..., r], w[r]) for r in self.pieces(x.shape[1], "rows")])))
         if b is not None:
             y += b
         return y
 
     def col_back(self, g, x, w, put, i: int, split, tp):
         put(self.dense, i, x, g, split)
-        gs = self.chunks(g)
-        parts = [K._mm(gs[..., c], _c(w[:, c].T)) for c in self.pieces(w.shape[1], split)]
+        parts = [K._mm(self.chunks(g)[..., c], _c(w[:, c].T)) for c in self.pieces(w.shape[1], split)]
         return self.rows(self.across(tree(parts)))
 
     def row_back(self, g, w):
@@ -149,26 +155,22 @@ class Exact(Alone):
         for a, c in cuts:
             prod = K._mm(xs[..., a].transpose(0, 2, 1), gs[..., c])      # (L, piece of Cin, piece of Cout)
             d[i][a, c] = self.tsum(lambda l: prod[l])
-        self.bias(d, i + 1, g, gs)
+        self.bias(d, i + 1, g)
 
-    def bias(self, d, i, g, gs=None):
+    def bias(self, d, i, g):
         if len(d) > i and d[i] is not None:
-            sums = K._add(self.chunks(g) if gs is None else gs, axis=1)
+            sums = K._add(self.chunks(g), axis=1)
             d[i][...] = self.tsum(lambda l: sums[l])
 
     def ln(self, d, i, g, xhat):
-        gs = self.chunks(g)
-        sums = K._add(gs * self.chunks(xhat), axis=1)
+        sums = K._add(self.chunks(g) * self.chunks(xhat), axis=1)
         d[i][...] = self.tsum(lambda l: sums[l])
-        self.bias(d, i + 1, g, gs)
+        self.bias(d, i + 1, g)
 
     def xent(self, z, targets, scale):
         """(the chunk tree of each chunk's float32 loss sum as float64 times scale, softmax)."""
-        zs = z - K._max(z, axis=1, keepdims=True)
-        e = np.exp(zs)
-        s = K._add(e, axis=1, keepdims=True)
-        rows = self.chunks((np.log(s[:, 0]) - zs[np.arange(z.shape[0]), targets])[:, None])
-        e /= s
+        rows, e = K._xent_rows(z, self.order(targets))
+        rows = self.chunks(rows[:, None])
         return self.tsum(lambda l: np.float64(K._add(rows[l, :, 0])) * scale), e
 
     def share_buffer(self, wte):
@@ -221,7 +223,7 @@ class Exact(Alone):
 
     def attention(self, qkv, t: int, h: int, drop=None):
         from capstone.model.ring import merge
-        q, k, v = K._split_heads(qkv, t, h)
+        q, k, v = K._split_heads(self.order(qkv, back=True), t, h)                     # in sample order from here
         bsz, _, _, d = q.shape
         qs, kv, acc = q * (1.0 / math.sqrt(d)), self._kv(k, v), {}
         for _, rows, _, keys, mask, keep in self._tiles(drop):
@@ -233,11 +235,11 @@ class Exact(Alone):
         yh = np.concatenate([o / s for o, _, s in parts], axis=2)
         lse = np.concatenate([m + np.log(s) for _, m, s in parts], axis=2)
         y = _c(yh.transpose(0, 2, 1, 3)).reshape(bsz * t, -1)
-        return y, (lse, y, drop)
+        return self.order(y), (lse, y, drop)
 
     def attention_back(self, g, saved, argnums, qkv, t: int, h: int):
-        lse, y, drop = saved
-        q, k, v = K._split_heads(qkv, t, h)
+        (lse, y, drop), g = saved, self.order(g, back=True)
+        q, k, v = K._split_heads(self.order(qkv, back=True), t, h)
         bsz, _, _, d = q.shape
         qs, kv, n = q * (1.0 / math.sqrt(d)), self._kv(k, v), self.n
         gy = K._heads(g, bsz, t, h)
@@ -262,7 +264,7 @@ class Exact(Alone):
         gqkv = np.empty((bsz, t, 3, h, d), dtype=np.result_type(qkv, g))
         gqkv[:, :, 0] = (gq * (1.0 / math.sqrt(d))).transpose(0, 2, 1, 3)
         gqkv[:, :, 1:] = dkv.transpose(2, 0, 4, 1, 3, 5).reshape(bsz, t, 2, h, d)
-        return {0: gqkv.reshape(qkv.shape)}
+        return {0: self.order(gqkv.reshape(qkv.shape))}
 
     def _home(self, sub: np.ndarray) -> np.ndarray:
         """(L, 2, B, H, n, D): this rank's key chunks' gradients, the ranks' subtrees `sub` (S, ...) sent to each

@@ -223,14 +223,20 @@ def _attention_bwd(g, saved, argnums, qkv, T, H):
     return {0: gqkv.reshape(qkv.shape)}
 
 
-def _xent_fwd(z, targets):
-    """Sum over rows of -log softmax(z)[target]: z (N, V), targets (N,) ints -> scalar; saves softmax."""
+def _xent_rows(z, targets):
+    """Each row's -log softmax(z)[target]: z (N, V), targets (N,) ints -> (N,); and the softmax."""
     zs = z - _max(z, axis=1, keepdims=True)
     e = np.exp(zs)
     s = _add(e, axis=1, keepdims=True)                           # (N, 1)
-    loss = (np.log(s[:, 0]) - zs[np.arange(z.shape[0]), targets]).sum()
+    rows = np.log(s[:, 0]) - zs[np.arange(z.shape[0]), targets]
     e /= s
-    return loss, e
+    return rows, e
+
+
+def _xent_fwd(z, targets):
+    """Sum over rows of -log softmax(z)[target] -> scalar; saves softmax."""
+    rows, e = _xent_rows(z, targets)
+    return rows.sum(), e
 
 
 def _xent_grad_inplace(probs, targets, g):
