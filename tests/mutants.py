@@ -319,6 +319,12 @@ MUTANTS = [
            "leaves[0] = np.add(leaves[0], leaves[i + stride], out=leaves[0] if np.ndim(leaves[0]) else None)",
            ("tests/test_same_bits.py::test_every_layout_has_the_one_rank_runs_bits[dp2-tp2-zero0]",),
            "--deterministic: the pieces' and chunks' tree a running sum, so tp 2's subtrees are another association"),
+    Mutant("det/targets-not-in-chunk-order", "capstone/model/blocks.py",
+           "probs if free else probs.copy(), cp.order(targets), g * scale)",
+           "probs if free else probs.copy(), targets, g * scale)",
+           ("tests/test_same_bits.py::test_the_cut_arithmetic_is_the_models_gradient",),
+           "--deterministic: the head's backward reads the targets in sample order while its rows are chunk-major "
+           "(the same wrong gradient on every layout: only the plain arithmetic tells)"),
     Mutant("deadline/start-up-without-the-floor", "capstone/collective/deadline.py",
            "return self.explicit if self.step is not None else max(self.explicit, floor_s())",
            "return self.explicit",

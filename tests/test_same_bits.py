@@ -111,3 +111,28 @@ def test_a_checkpoint_from_before_resumes_and_says_its_fingerprints_are_of_the_o
     assert res.returncode == 0, res.stdout + res.stderr        # a load verifies the logical digests or fails
     assert "fingerprints of the older kind" in res.stdout + res.stderr
     assert summary(out)["status"] == "completed"
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_the_cut_arithmetic_is_the_models_gradient(tie):
+    """In process, one rank: Exact's loss and every gradient equal the plain arithmetic's to float32 rounding
+    (the same maths, summed in another order), with a tied head too; the bits are Exact's own."""
+    import numpy as np
+    from capstone.config import ModelConfig
+    from capstone.model.blocks import ALONE, WHOLE
+    from capstone.model.exact import Exact
+    from capstone.model.gpt import Model
+    from capstone.model.params import Layout, init_params
+    from capstone.model.seam import Resident
+    cfg = ModelConfig(n_layers=2, tie_embeddings=tie, head_bias=not tie)
+    layout = Layout.for_model(cfg, 1)
+    params, rng = init_params(layout, cfg, 0), np.random.default_rng(1)
+    x, y = (rng.integers(0, cfg.vocab_size, (3, cfg.seq_len)) for _ in range(2))
+    got = {}
+    for name, arith in (("plain", WHOLE), ("cut", Exact(4, cfg.seq_len, cfg.n_heads, ALONE))):
+        grads = layout.zeros()
+        model = Model(cfg, layout, Resident.over(layout, params, grads), ALONE, False, arith)
+        got[name] = (model.micro_batch(x, y, 1.0 / x.size, fresh=True), grads)
+    assert got["cut"][0] == pytest.approx(got["plain"][0], rel=1e-6)
+    assert np.allclose(got["cut"][1], got["plain"][1], rtol=1e-4, atol=1e-7)
+    assert not np.array_equal(got["cut"][1], got["plain"][1])      # another order of the sums: other bits
