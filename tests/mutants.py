@@ -451,7 +451,7 @@ MUTANTS = [
     Mutant("det/zero3-param-norm-of-a-shards-shard", "capstone/modes.py",
            "slice(None) if plan.zero.shards_params else slice(*layout.shard_range(grid.dp.rank))",
            "slice(*layout.shard_range(grid.dp.rank))",
-           ("tests/test_same_bits.py::test_every_layout_has_the_one_rank_runs_bits[pp2-tp2-zero3]",),
+           ("tests/test_same_bits.py::test_every_layout_has_the_one_rank_runs_bits[cp2-zero3-reshard-step]",),
            "--deterministic at ZeRO-3: param_norm and the fingerprint of a slice of the rank's shard, as if it held "
            "the whole part"),
     Mutant("reshard/step-gathered-weights-kept-across-the-update", "capstone/parallel/zero3.py",
