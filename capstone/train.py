@@ -135,9 +135,9 @@ def train(run: Run) -> int:
                 rows.append(log.step(r))
                 run.hooks.step_done(r.step)
                 fit.step_done(r.step, r.due.stop)
-            if r.due.abandon or r.due.stop:
+            if r.due.abandon or r.due.stop:   # (an abandoned step is not run.state.step: save_on_stop took it back)
                 status = "preempted"
-                report.stopped(run, r.step, stop.reason())
+                report.stopped(run, run.state.step, stop.reason())
                 break
     log.close()
     return finish(run, status, rows, start_step, time.perf_counter() - t_start)
