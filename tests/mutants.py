@@ -615,9 +615,10 @@ MUTANTS = [
            "a block's attention-dropout mask drawn at the keys' positions of the rank's own chunks, not of the "
            "rank that sent them: every block after the first hop masked with another block's mask"),
     Mutant("cp/dropout-mask-not-in-the-score-gradient", "capstone/model/ring.py",
-           "            if keep is not None:\n                ds *= keep\n", "",
+           "    if keep is not None:\n        ds *= keep\n", "",
            ("mpi: tests/mpi/test_ring.py::test_ring_attention_with_dropout_equals_whole_attention_with_the_same_mask",),
-           "the ring's backward takes the probabilities' gradient without the dropout mask (dP = gy v^T, not D gy v^T)"),
+           "the ring's (and --deterministic's) tile backward takes the probabilities' gradient without the dropout mask "
+           "(dP = gy v^T, not D gy v^T)"),
     Mutant("cp/dropout-channels-at-local-positions", "capstone/model/dropout.py",
            "        pos = np.arange(t, dtype=np.uint64) if pos is None else pos.astype(np.uint64)\n",
            "        pos = np.arange(t, dtype=np.uint64)\n",

@@ -32,6 +32,7 @@ import numpy as np
 
 from capstone.model import kernels as K
 from capstone.model.blocks import Alone
+from capstone.model.ring import merge, tile_back
 
 
 def tree(leaves: list):
@@ -222,7 +223,6 @@ class Exact(Alone):
                     yield l, rows, b, keys, K.causal_mask(n)[r:e, :e] if b == a else None, keep
 
     def attention(self, qkv, t: int, h: int, drop=None):
-        from capstone.model.ring import merge
         q, k, v = K._split_heads(self.order(qkv, back=True), t, h)                     # in sample order from here
         bsz, _, _, d = q.shape
         qs, kv, acc = q * (1.0 / math.sqrt(d)), self._kv(k, v), {}
@@ -250,16 +250,11 @@ class Exact(Alone):
             s = K._mm(qs[:, :, rows], kv[0][:, :, keys].swapaxes(-1, -2))
             if mask is not None:
                 s += mask
-            p = np.exp(s - lse[:, :, rows])
-            width = keys.stop - keys.start
-            parts[b, l, 1][..., :width, :] += K._mm((p if keep is None else p * keep).swapaxes(-1, -2), gy[:, :, rows])
-            ds = K._mm(gy[:, :, rows], kv[1][:, :, keys].swapaxes(-1, -2))
-            if keep is not None:
-                ds *= keep
-            ds -= dot[:, :, rows]
-            ds *= p
-            gq[:, :, rows] += K._mm(ds, kv[0][:, :, keys])
-            parts[b, l, 0][..., :width, :] += K._mm(ds.swapaxes(-1, -2), qs[:, :, rows])
+            dq, dk, dv = tile_back(s, lse[:, :, rows], qs[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
+                                   gy[:, :, rows], dot[:, :, rows], keep)
+            gq[:, :, rows] += dq
+            parts[b, l, 0][..., :dk.shape[-2], :] += dk                          # a diagonal tile: its keys' rows
+            parts[b, l, 1][..., :dv.shape[-2], :] += dv
         dkv = self._home(np.stack([self.tsum(lambda l, b=b: parts[b, l]) for b in range(self.S)]))
         gqkv = np.empty((bsz, t, 3, h, d), dtype=np.result_type(qkv, g))
         gqkv[:, :, 0] = (gq * (1.0 / math.sqrt(d))).transpose(0, 2, 1, 3)

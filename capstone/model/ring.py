@@ -64,6 +64,20 @@ def merge(acc, s, v, keep=None):
     return [o * a + block[0] * b, top, lo * a + block[2] * b]
 
 
+def tile_back(s, lse, q, k, v, gy, dot, keep=None):
+    """One tile's backward from its scores s (.., q, keys) and its queries' log-sum-exp, gy and gy . y: (d queries,
+    d keys, d values), the probabilities again from the log-sum-exp. With dropout's `keep` (D, P the undropped
+    probabilities, y = (D P) v): dv = (D P)^T gy and ds = P (D (gy v^T) - gy . y)."""
+    p = np.exp(s - lse)
+    dv = K._mm((p if keep is None else p * keep).swapaxes(-1, -2), gy)
+    ds = K._mm(gy, v.swapaxes(-1, -2))
+    if keep is not None:
+        ds *= keep
+    ds -= dot
+    ds *= p
+    return K._mm(ds, k), K._mm(ds.swapaxes(-1, -2), q), dv
+
+
 class Ring(Alone):
     """The cp group's attention and positions, handed to the blocks through the model's `Pass`
     (capstone.model.backward): the sequence's part on this rank is chunks `chunks(rank, size)`."""
@@ -175,15 +189,11 @@ class Ring(Alone):
         gy, dot, lse, gq = rows
         dkv = np.zeros(kv.shape, dtype=kv.dtype)
         for qi, ki, s in self._tiles(qs, kv, src, n):
-            p, keep = np.exp(s - lse[:, :, qi]), self._keep(drop, src, 2 * n, qi, ki)
-            dkv[1][:, :, ki] += K._mm((p if keep is None else p * keep).swapaxes(-1, -2), gy[:, :, qi])
-            ds = K._mm(gy[:, :, qi], kv[1][:, :, ki].swapaxes(-1, -2))
-            if keep is not None:
-                ds *= keep
-            ds -= dot[:, :, qi]
-            ds *= p
-            gq[:, :, qi] += K._mm(ds, kv[0][:, :, ki])
-            dkv[0][:, :, ki] += K._mm(ds.swapaxes(-1, -2), qs[:, :, qi])
+            dq, dk, dv = tile_back(s, lse[:, :, qi], qs[:, :, qi], kv[0][:, :, ki], kv[1][:, :, ki], gy[:, :, qi],
+                                   dot[:, :, qi], self._keep(drop, src, 2 * n, qi, ki))
+            gq[:, :, qi] += dq
+            dkv[0][:, :, ki] += dk
+            dkv[1][:, :, ki] += dv
         return dkv
 
 
