@@ -136,3 +136,23 @@ def test_the_cut_arithmetic_is_the_models_gradient(tie):
     assert got["cut"][0] == pytest.approx(got["plain"][0], rel=1e-6)
     assert np.allclose(got["cut"][1], got["plain"][1], rtol=1e-4, atol=1e-7)
     assert not np.array_equal(got["cut"][1], got["plain"][1])      # another order of the sums: other bits
+
+
+@pytest.mark.parametrize("flags, reason", [
+    (("--det-split", "3"), "--det-split must be a power of two"),
+    (("--det-split", "2", "--cp", "2"), "2 x --cp 2 one that divides the chunks"),
+    (("--det-split", "4", "--seq-len", "6"), "--det-split 4 must divide --seq-len 6")])
+def test_a_split_that_does_not_cut_the_layout_is_refused_at_start(flags, reason, tmp_path):
+    """The plan's refusal (capstone/plan.py): exit 2 on every rank, the reason once, nothing written."""
+    res = mpirun(2, "--out", tmp_path / "run", "--deterministic", "--steps", "2", *flags)
+    assert res.returncode == 2 and (res.stdout + res.stderr).count(reason) == 1, res.stdout + res.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_the_default_split_is_the_least_that_fits(tmp_path):
+    """Without --det-split: 4, or what the layout and model need (6 positions: 2; --cp 4: 8), kept by checkpoints."""
+    from test_kept_modes import started
+    for name, flags, split in (("six", ("--seq-len", "6"), 2), ("cp4", ("--cp", "4", "--seq-len", "32"), 8)):
+        res = mpirun(4 if name == "cp4" else 2, "--out", tmp_path / name, "--deterministic", "--steps", "1", *flags)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert started(tmp_path / name)[-1]["modes"]["det_split"] == split
