@@ -221,6 +221,9 @@ def _layout_flags(p) -> None:
                         "checkpoint's)")
     g.add_argument("--det-split", type=int, default=argparse.SUPPRESS, metavar="S",
                    help="--deterministic's S chunks per sequence and pieces per contraction (default: 4 or what fits)")
+    g.add_argument("--precision", choices=("fp32", "bf16"), default=argparse.SUPPRESS,
+                   help="bf16: bfloat16 working parameters, kept activations and gradient messages over a float32 "
+                        "master, m and v (docs/precision.md; default: fp32; on --resume: the checkpoint's)")
     g.add_argument("--pp-layers", type=usage.counts, default=argparse.SUPPRESS, metavar="N,N,...",
                    help="blocks per pipeline stage, e.g. 3,3,2 (default: balanced, the first stages taking one "
                         "more when K does not divide the blocks; fewer on the last stage eases a heavy LM head; "

@@ -12,6 +12,7 @@ from capstone.plan import Plan
 from capstone.data.heldout import HeldOut
 from capstone.model.blocks import WHOLE
 from capstone.model.gpt import Model
+from capstone.model import precision
 from capstone.model.params import Layout, init_params
 from capstone.model.seam import Resident, Weights
 from capstone.config import ModelConfig, TrainConfig
@@ -64,8 +65,9 @@ def make(grid: Grid, plan: Plan, mcfg: ModelConfig, tcfg: TrainConfig, data, hoo
     if not zero.shards_optimizer:      # plain data parallelism: the whole state replicated (capstone.parallel.zero0)
         from capstone.parallel import zero0
         view = zero0.ReplicatedView(grid.dp, layout, view)
-        reducer = zero0.Allgathered(reducer) if plan.deterministic else reducer
-    seam = _seam(grid, layout, params, reducer, plan)
+        reducer = zero0.Allgathered(reducer) if plan.deterministic or plan.precision == "bf16" else reducer
+    prec = precision.of(plan.precision)    # bf16: the layers read bfloat16 weights (capstone.model.precision)
+    seam = _seam(grid, layout, prec.working(params), reducer, plan)
     link = masks = None
     arith = ring or WHOLE         # the layers' arithmetic (--deterministic's: cut canonically, capstone.model.exact)
     if plan.deterministic:
@@ -77,7 +79,7 @@ def make(grid: Grid, plan: Plan, mcfg: ModelConfig, tcfg: TrainConfig, data, hoo
     if mcfg.dropout:              # each micro-batch's masks (capstone.model.dropout): the sample's index is its
         from capstone.model import dropout   # replica's (a cp ring's ranks share samples)
         masks = dropout.Draws(mcfg.dropout, tcfg.seed, grid.replica, grid.replicas, ring)
-    model = Model(mcfg, layout, seam, grid.tp, plan.recompute, arith, masks, link)
+    model = Model(mcfg, layout, seam, grid.tp, plan.recompute, arith, masks, link, prec)
     adam = ZeroAdam
     if zero.shards_params:        # the parameters are a shard too
         from capstone.parallel.zero3 import ShardedAdam as adam
@@ -86,8 +88,8 @@ def make(grid: Grid, plan: Plan, mcfg: ModelConfig, tcfg: TrainConfig, data, hoo
     if plan.post_validates:       # the update taken before the step's checks (capstone.parallel.postvalidation)
         from capstone.parallel.postvalidation import post_validated
         adam = post_validated(adam)
-    opt = adam(grid.dp, layout, model.params, (tcfg.beta1, tcfg.beta2), tcfg.eps, tcfg.weight_decay, tcfg.clip,
-               undo=plan.guard_undo)
+    opt = adam(grid.dp, layout, params, (tcfg.beta1, tcfg.beta2), tcfg.eps, tcfg.weight_decay, tcfg.clip,
+               undo=plan.guard_undo, prec=prec, working=model.params)
     if plan.post_validates:
         reducer.ahead = lambda grad: opt.take_ahead(grad, hooks.learning_rate(hooks.step, tcfg.lr_at(hooks.step)))
     schedule = Sequential(model, reducer, hooks, scale)
@@ -133,22 +135,26 @@ def _reducer(grid: Grid, layout: Layout, plan: Plan, tcfg: TrainConfig, sums=Non
     """The gradient reduction of the run's modes, with the flat gradient buffer it reduces from
     (`grads`): fixed-order sums (--deterministic), ZeRO-1's buckets, or (ZeRO-2/3: no buffer) each
     group's gradient reduce-scattered as it is made (capstone.parallel.zero2)."""
-    zero = plan.zero
+    zero, bf16 = plan.zero, plan.precision == "bf16"
     if plan.deterministic:   # fixed-order sums (capstone.parallel.deterministic)
         from capstone.parallel import deterministic as det
         if grid.world.rank == 0:
             _deterministic_notes(plan)
         grads = None if zero.shards_grads else layout.zeros()   # ZeRO-2/3: each group's exchanged as made
+        # float32 messages also with bf16: a cp rank's is a subtree of a block's chunk sum (docs/precision.md)
         return det.DeterministicReducer(grid, layout, grads, tcfg.grad_accum, sums)
     floats = plan.bucket_floats(layout.padded)
-    if zero.stage == 1 or plan.whole_grad:   # the whole gradient, reduce-scattered once a step
+    if bf16 and not zero.shards_grads or plan.whole_grad:   # bfloat16 pieces (ZeRO-0: then allgathered)
+        from capstone.parallel.bf16sum import BucketPieces
+        return (BucketPieces if bf16 else BucketReducer)(grid, layout, layout.zeros(), floats, _loss_weight(grid))
+    if zero.stage == 1:   # the whole gradient, reduce-scattered once a step
         return BucketReducer(grid, layout, layout.zeros(), floats, _loss_weight(grid))
     if not zero.shards_optimizer:      # the same buckets, allreduced (capstone.parallel.zero0)
         from capstone.parallel.zero0 import AllreduceReducer
         return AllreduceReducer(grid, layout, layout.zeros(), floats, _loss_weight(grid))
     from capstone.parallel.progress import Progress
     from capstone.parallel.zero2 import ShardedGradReducer
-    return ShardedGradReducer(grid, layout, floats, Progress(), _loss_weight(grid))
+    return ShardedGradReducer(grid, layout, floats, Progress(), _loss_weight(grid), bf16)
 
 
 def _deterministic_notes(plan: Plan) -> None:

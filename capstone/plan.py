@@ -32,10 +32,11 @@ from capstone.config import ConfigError, problems_error
 # the layout flags, with their defaults (every one has no argparse default, so a resume tells given from not)
 DEFAULTS = {"tp": 1, "pp": 1, "cp": 1, "zero_stage": 1, "reshard": "micro-batch", "recompute": False, "overlap": True,
             "bucket_mb": 1.0, "guard_undo": True, "ckpt_async": True, "pp_schedule": None, "pp_layers": None,
-            "det_split": None}
+            "det_split": None, "precision": "fp32"}
 # those a checkpoint keeps (its `modes`); not kept: the bucket size and overlap (tuning of the exchange's
 # messages), cp (any --cp resumes: the samples are the same), and the checkpoint's own write mode
-KEPT = ("zero_stage", "reshard", "recompute", "tp", "pp", "pp_schedule", "pp_layers", "guard_undo", "det_split")
+KEPT = ("zero_stage", "reshard", "recompute", "tp", "pp", "pp_schedule", "pp_layers", "guard_undo", "det_split",
+        "precision")
 _CHECKS = (("tp", lambda v: v >= 1, "must be >= 1 (1: no tensor parallelism)"),
            ("pp", lambda v: v >= 1, "must be >= 1 (1: no pipeline)"),
            ("cp", lambda v: v >= 1, "must be >= 1 (1: no context parallelism)"),
@@ -88,6 +89,7 @@ class Plan:
     pp_schedule: str | None = None    # the pipeline's order of forwards and backwards (None: 1f1b)
     pp_layers: tuple[int, ...] | None = None   # blocks per pipeline stage (None: balanced)
     det_split: int = 4                # --deterministic's pieces and chunks (capstone.model.exact)
+    precision: str = "fp32"           # bf16: bfloat16 working parameters, activations, messages (model.precision)
     stages: tuple = (None,)           # each pipeline stage's parameter groups ((None,): one stage, the whole model)
 
     @property

@@ -109,6 +109,11 @@ class Comm:
         self._run(lambda: self.mpi.Ialltoallv([send, send_spec], [recv, recv_spec]), what, "alltoall", "alltoallv",
                   sum(send_spec[0]) * send.itemsize)
 
+    def Ialltoallv(self, send: np.ndarray, send_spec: tuple, recv: np.ndarray, recv_spec: tuple):
+        """Start `Alltoallv` (a gradient's pieces: the reduce-scatter's hook point); wait for the request."""
+        self.hooks.at("reduce_scatter")
+        return self.mpi.Ialltoallv([send, send_spec], [recv, recv_spec])
+
     def Allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int], what: str) -> None:
         """Every rank's `send` (counts[r] values from rank r) into `recv`, in rank order."""
         self.wait(self.mpi.Iallgatherv(send, [recv, counts]), what)

@@ -62,7 +62,9 @@ class Masks:
         key = mix(mix(mix(self.seed * GOLD + self.step) ^ (layer + 1) * GOLD) ^ SITES.index(site))
         base = mix_array(np.uint64(key) ^ (self.samples * np.uint64(GOLD)))
         h = mix_array(base[:, None] ^ inner[None, :])
-        return np.where((h >> np.uint64(40)) >= self.threshold, self.scale, np.float32(0))
+        mask = np.where((h >> np.uint64(40)) >= self.threshold, self.scale, np.float32(0))
+        mask.flags.writeable = False      # an input, kept as it is (--precision bf16 narrows only activations)
+        return mask
 
     def channels(self, layer: int, site: str, t: int, C: int) -> np.ndarray:
         """(B*t, C): element (global position u of this rank's row, channel c) of each sample, id u C + c."""

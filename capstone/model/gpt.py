@@ -12,6 +12,7 @@ from capstone.config import ModelConfig
 from capstone.model.backward import Pass, block, differentiate, embedding, head_loss
 from capstone.model.blocks import ALONE, WHOLE, head_logits
 from capstone.model.params import Layout, group_shapes
+from capstone.model.precision import FP32, Precision
 from capstone.model.seam import MaskSource, Resident, TieSource, Weights
 
 
@@ -65,8 +66,9 @@ class Model:
     """This rank's part of MiniGPT: the groups of `layout` (in order) over `seam` (see the module)."""
 
     def __init__(self, cfg: ModelConfig, layout: Layout, seam: Weights, tp=ALONE, recompute: bool = False, cp=WHOLE,
-                 masks: MaskSource | None = None, tie: TieSource | None = None):
+                 masks: MaskSource | None = None, tie: TieSource | None = None, prec: Precision = FP32):
         self.cfg, self.layout, self.seam, self.tp, self.recompute, self.cp = cfg, layout, seam, tp, recompute, cp
+        self.prec = prec                                           # what the layers keep (capstone.model.precision)
         self.masks = masks                                         # dropout's (None: no dropout)
         self.tie = tied_source(cfg, tp) if tie is None else tie    # None: an untied head
         self.names = tuple(layout.group_ranges())
@@ -94,7 +96,7 @@ class Model:
     def _pass(self, train: bool, fresh: bool = False, B: int = 0, later=None) -> Pass:
         masks = self.masks.next(B) if train and self.masks is not None else None
         tie = None if self.tie is None else self.tie.for_pass()
-        return Pass(self.seam, self.tp, fresh, self.recompute, train, self.cp, masks, tie, later)
+        return Pass(self.seam, self.tp, fresh, self.recompute, train, self.cp, masks, tie, later, self.prec)
 
     def forward(self, x, y, scale: float, start=0.0, fresh: bool = False, later=None):
         """(output, backward): this part's scaled summed loss (without the head: its hidden states) and the function

@@ -171,7 +171,10 @@ FP32 = Precision("fp32", 4, 4, 12)
 # The ZeRO paper (Rajbhandari et al. 2020, section 3.1): mixed-precision Adam, fp16 parameters and
 # gradients (2 + 2 bytes) and K = 12 bytes of fp32 master parameters, momentum and variance.
 MIXED = Precision("mixed", 2, 2, 12)
-PRECISIONS = {p.name: p for p in (FP32, MIXED)}
+# --precision bf16: bfloat16 working parameters, a float32 gradient (micro-batches accumulate in float32 and the
+# exchange stays one per step: docs/precision.md), the fp32 master, m and v
+BF16 = Precision("bf16", 2, 4, 12)
+PRECISIONS = {p.name: p for p in (FP32, MIXED, BF16)}
 STAGES = {0: "nothing (DDP)", 1: "optimizer state", 2: "optimizer state, grads", 3: "optimizer, grads, params"}
 
 

@@ -25,7 +25,7 @@ ranks: 12P/N without tensor or pipeline parallelism), allocated once (capstone.c
 import resource
 from dataclasses import asdict, dataclass
 
-from capstone.observe.accounting import zero_row
+from capstone.observe.accounting import PRECISIONS, zero_row
 from capstone.step.state import ROWS
 
 FIELDS = ("params", "gathered", "grads", "reduce", "optimizer", "guard", "snapshot")
@@ -66,8 +66,9 @@ def states(plan, padded: int, reduce, gathered: int, snapshot_shard: int) -> Mod
     model: the stage's row (capstone.observe.accounting), the guard's copy, the checkpoint's snapshot
     (`snapshot_shard`: its shard's elements); `reduce(grads)` and `gathered` are the transient terms of
     the reducer and seam (the run's objects, or the preflight's estimate before they exist)."""
-    row = zero_row(plan.zero.stage, padded, plan.zero_group)
-    grads = zero_row(1, padded, plan.zero_group).grads_bytes if plan.whole_grad else row.grads_bytes
+    prec = PRECISIONS[plan.precision]
+    row = zero_row(plan.zero.stage, padded, plan.zero_group, prec)
+    grads = zero_row(1, padded, plan.zero_group, prec).grads_bytes if plan.whole_grad else row.grads_bytes
     return ModelStates(row.params_bytes, gathered, grads, reduce(grads), row.optimizer_bytes,
                        row.optimizer_bytes * (plan.guard_undo + plan.post_validates),
                        4 * len(ROWS) * snapshot_shard if plan.ckpt_async else 0)

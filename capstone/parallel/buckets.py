@@ -56,6 +56,7 @@ class BucketReducer(GradReducer):
     """Sum `grads` over dp into `grad_shard`, bucket by bucket (`bucket_floats` >= the buffer: one, after backward)."""
 
     tree, op = True, "reduce_scatter"     # sums in recursive-halving order (a power-of-2 world); the collective
+    wire = 4                              # bytes a value on the wire (capstone.parallel.bf16sum: 2)
 
     def __init__(self, grid, layout: Layout, grads, bucket_floats: int, loss_weight: float = 1.0):
         super().__init__(grid, layout, grads, loss_weight)
@@ -119,9 +120,13 @@ class BucketReducer(GradReducer):
         n = len(self.buckets)
         what = f"{self.op.replace('_', '-')} of the gradient" + (
             f" ({n} buckets, {self.overlapped} started during backward)" if n > 1 else "")
-        self.comm.wait(self.requests, what, self.op, self.op, self.grads.nbytes)
+        self.comm.wait(self.requests, what, self.op, self.op, self.grads.size * self.wire)
+        self.received()
         self._reset()
         return self.stats(sum(losses), flags)
+
+    def received(self) -> None:
+        """The requests are done (the sums are MPI's: nothing left to do)."""
 
     def nbytes(self) -> int:
         return self.grad_shard.nbytes + (0 if self.staging is None else self.staging.nbytes)

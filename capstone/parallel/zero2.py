@@ -17,6 +17,7 @@ the same numbers as ZeRO-1 summing micro-batches first, to float32 rounding).
 import numpy as np
 
 from capstone.model.params import DTYPE, Layout
+from capstone.parallel.bf16sum import Pieces
 from capstone.parallel.buckets import GroupPlan
 from capstone.parallel.progress import Progress
 from capstone.parallel.reduce import Flags, GradReducer, GradStats
@@ -61,8 +62,10 @@ class ShardedGradReducer(GradReducer):
 
     accumulates = False   # nothing accumulates in a flat buffer: there is none
 
-    def __init__(self, grid, layout: Layout, bucket_floats: int, progress: Progress, loss_weight: float = 1.0):
+    def __init__(self, grid, layout: Layout, bucket_floats: int, progress: Progress, loss_weight: float = 1.0,
+                 bf16: bool = False):
         super().__init__(grid, layout, None, loss_weight)
+        self.bf16 = bf16          # the pieces in bfloat16, summed in float32 here (capstone.parallel.bf16sum)
         self.buckets, self.progress = buckets(layout, bucket_floats, grid.dp.rank), progress
         self.bucket_of = {name: bucket for bucket in self.buckets for name in bucket.names}
         self.inflight: list = []   # (ticket, send, into, bucket, first): the reduction in flight, if any
@@ -78,22 +81,33 @@ class ShardedGradReducer(GradReducer):
         send = bucket.add(name, g)
         if send is None:
             return
-        into = self.grad_shard[bucket.recv] if self.first else np.empty(bucket.recv.stop - bucket.recv.start, DTYPE)
-        held = send.nbytes + (0 if self.first else into.nbytes)
-        self.peak_inflight = max(self.peak_inflight, held + sum(i[1].nbytes + (not i[4]) * i[2].nbytes
-                                                                for i in self.inflight))
+        held = self._held(bucket, 0 if self.first else 1)
+        self.peak_inflight = max(self.peak_inflight, held + sum(i[5] for i in self.inflight))
         self._drain()
-        request = self.dp.Ireduce_scatter(np.ascontiguousarray(send, dtype=DTYPE), into, bucket.counts)
-        self.inflight.append((self.progress.submit(request, send, into), send, into, bucket, self.first))
+        if self.bf16:
+            into = Pieces(self.dp, send, bucket.counts)
+            request = into.request
+        else:
+            into = self.grad_shard[bucket.recv] if self.first else np.empty(bucket.recv.stop - bucket.recv.start, DTYPE)
+            request = self.dp.Ireduce_scatter(np.ascontiguousarray(send, dtype=DTYPE), into, bucket.counts)
+        self.inflight.append((self.progress.submit(request, send, into), send, into, bucket, self.first, held))
 
     def _drain(self) -> None:
         """Finish the reductions in flight, oldest first."""
-        for ticket, send, into, bucket, first in self.inflight:
+        for ticket, send, into, bucket, first, _ in self.inflight:
             ticket.wait(self.dp, "reduce-scatter of a gradient bucket (ZeRO-2)", "reduce_scatter", "reduce_scatterv",
-                        send.nbytes)
-            if not first:
+                        send.size * (2 if self.bf16 else 4))
+            if self.bf16:
+                into.sum_into(self.grad_shard[bucket.recv], add=not first)
+            elif not first:
                 np.add(self.grad_shard[bucket.recv], into, out=self.grad_shard[bucket.recv])
         self.inflight = []
+
+    def _held(self, b: GroupBucket, micro: int) -> int:
+        """Bytes a bucket's reduction holds: its gradient, and after the first micro-batch its temporary of the
+        shard (bf16: its pieces, sent and received, instead)."""
+        n = b.counts[self.dp.rank]
+        return 4 * (b.b - b.a) + (2 * (b.b - b.a) + 2 * self.dp.size * n if self.bf16 else (micro > 0) * 4 * n)
 
     def after_backward(self, micro: int) -> None:
         self.first = False
@@ -113,6 +127,5 @@ class ShardedGradReducer(GradReducer):
         one after the other in a step of `micro_batches` (the last of a micro-batch is still in
         flight when the next one's first is sent; after the first micro-batch, each with its
         temporary of the shard)."""
-        sent = [4 * (b.b - b.a) + (j > 0) * 4 * b.counts[self.dp.rank]
-                for j in range(micro_batches) for b in self.buckets]
+        sent = [self._held(b, j) for j in range(micro_batches) for b in self.buckets]
         return self.grad_shard.nbytes + max([sent[0]] + [x + y for x, y in zip(sent, sent[1:])])

@@ -19,6 +19,7 @@ import numpy as np
 from capstone.data.heldout import HeldOut
 from capstone.model.fingerprint import sum_squares, word_sum
 from capstone.model.params import DTYPE, Layout
+from capstone.model.precision import values
 from capstone.model.seam import Sinks
 from capstone.parallel.buckets import GroupPlan
 from capstone.parallel.progress import Progress
@@ -36,7 +37,7 @@ class ShardedAdam(ZeroAdam):
         return params.copy()
 
     def _publish(self) -> None:
-        self.params[...] = self.state.master
+        self.prec.publish(self.state.master, self.params)
 
 
 class Gatherer:
@@ -59,7 +60,7 @@ class Gatherer:
     def gathered_bound(self) -> int:
         """The formula for `peak`: the largest two consecutive groups (one computing, the next in
         flight), or (`keep`) every group of this rank's part of the model."""
-        sizes = [4 * (self.plans[g].b - self.plans[g].a) for g in self.order]
+        sizes = [self.params.itemsize * (self.plans[g].b - self.plans[g].a) for g in self.order]   # bf16: 2
         if self.keep:
             return sum(sizes)
         bound = max([sizes[0]] + [x + y for x, y in zip(sizes, sizes[1:])])
@@ -69,7 +70,7 @@ class Gatherer:
 
     def _start(self, name: str) -> None:
         plan = self.plans[name]
-        full = np.empty(plan.b - plan.a, dtype=DTYPE)
+        full = np.empty(plan.b - plan.a, dtype=self.params.dtype)   # bf16: gathered as bfloat16
         mine = np.ascontiguousarray(self.params[plan.recv])
         if self.dp.size > 1:
             ticket = self.progress.submit(self.dp.Iallgatherv(mine, full, plan.counts), mine)
@@ -89,7 +90,7 @@ class Gatherer:
             self._start(self.order[i])
         if name not in self.digests:
             self.digests[name] = word_sum(full)
-        return full
+        return values(full)
 
     def _wait(self, name: str) -> np.ndarray:
         full, ticket = self.live[name]
@@ -119,9 +120,9 @@ class Gatherer:
 
     def whole(self) -> np.ndarray:
         """Collective over the data-parallel group: the whole flat parameter buffer (this slice's)."""
-        full = self.layout.zeros()
+        full = np.zeros(self.layout.padded, dtype=self.params.dtype)
         self.dp.Allgather(full, "allgather of the parameter shards", send=self.params)
-        return full
+        return values(full)
 
     def digest(self) -> str:
         """16 hex digits of the groups gathered this step (the same on every rank of the group); the
