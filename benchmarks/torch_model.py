@@ -8,7 +8,8 @@ directory the bench owns:
   {"cmd": "init", "cfg": {...}, "B": 8, "entries": [[name, shape, offset], ...], "dir": DIR, "opt": {...}}
       builds the model from DIR/params.f32 (capstone's flat buffer: the same initial values) and the
       batch from DIR/x.i64, DIR/y.i64 (B, T); AdamW with capstone's hyperparameters and decay groups
-  {"cmd": "grads"}  forward+backward only; writes DIR/grads.f32 in capstone's flat layout, replies the loss
+  {"cmd": "grads"}  forward+backward only; writes DIR/grads.f32 in capstone's flat layout, replies the loss;
+                    {"cmd": "grads", "autocast": "bf16"}: under torch.autocast("cpu", torch.bfloat16)
   {"cmd": "step"}   one timed training step (zero_grad, forward, backward, clip, AdamW); replies ms and loss
   {"cmd": "params"} writes DIR/params_out.f32 in capstone's flat layout
   {"cmd": "profile", "n": N}  N training steps under torch.profiler; replies ms per step (self CPU
@@ -148,7 +149,8 @@ def main() -> None:
             reply = {"torch": torch.__version__, "threads": torch.get_num_threads()}
         elif cmd == "grads":
             opt.zero_grad(set_to_none=True)
-            loss = model.loss(idx, tgt, 1.0 / idx.numel())
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=msg.get("autocast") == "bf16"):
+                loss = model.loss(idx, tgt, 1.0 / idx.numel())
             loss.backward()
             model.flat(grads=True).tofile(os.path.join(d, "grads.f32"))
             reply = {"loss": float(loss.detach())}

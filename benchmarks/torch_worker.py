@@ -46,8 +46,9 @@ class TorchWorker:
             raise RuntimeError(f"the torch worker exited ({self.proc.wait()})")
         return json.loads(line)
 
-    def grads(self) -> tuple[float, np.ndarray]:
-        loss = self.ask(cmd="grads")["loss"]
+    def grads(self, autocast: str | None = None) -> tuple[float, np.ndarray]:
+        """(loss, flat gradient) at the batch; `autocast` "bf16": under torch's CPU bfloat16 autocast."""
+        loss = self.ask(cmd="grads", autocast=autocast)["loss"]
         return loss, np.fromfile(os.path.join(self.dir, "grads.f32"), dtype=np.float32)
 
     def close(self) -> None:

@@ -53,6 +53,7 @@ AXES = {
     "ckpt_async": (True, False),   # checkpoints written in the background (False: --no-ckpt-async)
     "cp": (1, 2, 4),          # context parallelism: each sequence split over cp ranks (at --seq-len CP_SEQ_LEN)
     "bias": (True, False),    # False: --no-bias (nanoGPT's bias=False)
+    "precision": ("fp32", "bf16"),   # --precision bf16: bfloat16 working parameters, activations and messages
 }
 
 
@@ -75,6 +76,7 @@ class Row:
     ckpt_async: bool = True
     cp: int = 1
     bias: bool = True
+    precision: str = "fp32"
     long: bool = False     # at --seq-len CP_SEQ_LEN without cp (a cp row's reference, or its resume at cp 1)
 
     @property
@@ -98,6 +100,7 @@ class Row:
                 + ("" if self.reshard == "micro-batch" else f"-reshard-{self.reshard}")
                 + ("" if self.undo else "-no-undo") + ("-tie" if self.tie else "") + ("-dropout" if self.dropout else "")
                 + ("" if self.ckpt_async else "-sync-ckpt") + ("" if self.cp == 1 else f"-cp{self.cp}") + ("" if self.bias else "-no-bias")
+                + ("" if self.precision == "fp32" else f"-{self.precision}")
                 + (f"-stop{STOP_AT}-resume-{self.resumed_on()}" if self.resume else ""))
 
     def flags(self) -> list:
@@ -110,6 +113,7 @@ class Row:
         flags += [] if self.undo else ["--no-guard-undo"]
         flags += ["--tie-embeddings"] if self.tie else []
         flags += [] if self.bias else ["--no-bias"]
+        flags += ["--precision", self.precision]
         flags += ["--dropout", DROPOUT] if self.dropout else []
         flags += ["--lr", OPTION_LR] if self.tie or self.dropout or self.seq_len else []
         flags += [] if self.ckpt_async else ["--no-ckpt-async"]
@@ -153,7 +157,7 @@ def det_partner(row: Row) -> Row | None:
             overlap = not row.overlap
             return Row(other * parts, row.tp, blocks // other, overlap, True, row.inject, False, row.zero,
                        not row.recompute, row.pp, row.reshard, row.undo, row.tie, row.dropout, row.ckpt_async,
-                       row.cp, row.bias, row.long)
+                       row.cp, row.bias, row.precision, row.long)
     return None
 
 
@@ -264,7 +268,7 @@ def pairs(seed: int = 25) -> list[Row]:
 
 NAME = re.compile(r"n(\d+)-tp(\d+)-acc(\d+)-(overlap|no-overlap)-(det|default)-(clean|nan|spike)-zero(\d)(-recompute)?"
                   r"(?:-pp(\d)-(1f1b|afab|zb-h1))?(?:-reshard-(step))?(-no-undo)?(-tie)?(-dropout)?(-sync-ckpt)?(?:-cp(\d))?(-no-bias)?"
-                  r"(-stop\d+-resume-.*)?")
+                  r"(-bf16)?(-stop\d+-resume-.*)?")
 
 
 def named(names) -> list[Row]:
@@ -275,10 +279,11 @@ def named(names) -> list[Row]:
         m = NAME.fullmatch(name)
         if not m:
             raise ValueError(f"{name!r} is not the name of a row of the composition matrix")
-        w, tp, acc, ov, det, inj, zero, rec, k, sched, resh, noundo, tie, drop, sync, cp, nobias, res = m.groups()
+        w, tp, acc, ov, det, inj, zero, rec, k, sched, resh, noundo, tie, drop, sync, cp, nobias, bf16, res = m.groups()
         row = Row(int(w), int(tp), int(acc), ov == "overlap", det == "det", inj, res is not None, int(zero),
                   rec is not None, "off" if k is None else f"{k}:{sched}", resh or "micro-batch", noundo is None,
-                  tie is not None, drop is not None, sync is None, int(cp or 1), nobias is None)
+                  tie is not None, drop is not None, sync is None, int(cp or 1), nobias is None,
+                  "fp32" if bf16 is None else "bf16")
         if row.name != name or any(getattr(row, a) not in v for a, v in AXES.items()):
             raise ValueError(f"{name!r} is not the name of a row of the composition matrix")
         rows.append(row)

@@ -52,10 +52,10 @@ def write_dir(path, cfg: ModelConfig, params, prefixed: bool = True, **config) -
 
 def write_gpt2_vocab(directory, vocab_size: int) -> None:
     """vocab.json + merges.txt of a BPE trained on TEXT, with GPT-2's <|endoftext|> as its last entry."""
-    from capstone.data.tokenizer import _library
+    from capstone.data.tokenizer import library
     spec = json.loads(train_bpe(TEXT, vocab_size - 1).json)
     spec["model"]["vocab"]["<|endoftext|>"] = len(spec["model"]["vocab"])
-    _library().Tokenizer.from_str(json.dumps(spec)).model.save(str(directory))
+    library().Tokenizer.from_str(json.dumps(spec)).model.save(str(directory))
 
 
 def test_gpt2s_special_token_is_one_id_unless_turned_off(tmp_path):
@@ -213,7 +213,7 @@ def test_a_gpt2_directory_s_vocabulary_refusals_name_its_tokenizer(tmp_path):
     one without a tokenizer says so, and one with half of it names the missing file (was: "trained on the
     synthetic corpus" and --vocab-from <the source run's dataset directory>)."""
     from capstone.gpt2 import finetune
-    from capstone.data.tokenizer import _library
+    from capstone.data.tokenizer import library
     cfg = ModelConfig(vocab_size=300, seq_len=8, d_model=16, n_heads=2, n_layers=1, head_bias=False)
     model = str(tmp_path / "m")
     write_dir(model, cfg, init_params(Layout.for_model(cfg, 1), cfg, 1))
@@ -221,7 +221,7 @@ def test_a_gpt2_directory_s_vocabulary_refusals_name_its_tokenizer(tmp_path):
     with pytest.raises(ConfigError, match="holds no tokenizer") as exc:
         finetune.check_vocabulary(finetune.read(model), char, "data/x")
     assert f"--tokenizer-from {model}" in str(exc.value) and "synthetic corpus" in str(exc.value)
-    _library().Tokenizer.from_str(train_bpe(TEXT, 300).json).model.save(model)       # vocab.json, merges.txt
+    library().Tokenizer.from_str(train_bpe(TEXT, 300).json).model.save(model)       # vocab.json, merges.txt
     source = finetune.read(model)
     for data, words in ((char, "the vocabularies differ"), ({}, "this run on the synthetic corpus")):
         with pytest.raises(ConfigError, match=words) as exc:
