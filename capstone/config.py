@@ -60,9 +60,8 @@ class ModelConfig:
                  f"{self.dropout!r}; GPT-2 trained with --dropout 0.1.")
         if not _require.failed:   # the checks between fields, once each field is valid
             hint = max(h for h in range(1, self.n_heads + 1) if self.d_model % h == 0)
-            _require(self.d_model % self.n_heads == 0,
-                     f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}): each head gets "
-                     f"d_model/n_heads channels. Choose e.g. --d-model "
+            _require(self.d_model % self.n_heads == 0, f"d_model ({self.d_model}) must be divisible by n_heads "
+                     f"({self.n_heads}): each head gets d_model/n_heads channels. Choose e.g. --d-model "
                      f"{self.n_heads * max(1, self.d_model // self.n_heads)} or --n-heads {hint}.")
             _require(self.vocab_size >= 2, f"vocab_size must be at least 2, got {self.vocab_size}.")
             _require(self.vocab_size <= 2**31 - 1, f"vocab_size {self.vocab_size} does not fit int32 token ids.")
@@ -146,11 +145,10 @@ class TrainConfig:
         _require(0 <= self.loss_tol_rel < 1, f"loss_tol_rel must be in [0, 1), got {self.loss_tol_rel}.")
         if not _require.failed:   # the checks between fields, once each field is valid
             _require(0 <= self.min_lr <= self.lr, f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}.")
-            _require(self.warmup_steps <= self.steps,
-                     f"warmup_steps {self.warmup_steps} is longer than steps {self.steps}: the learning rate would "
-                     f"still be rising at the last step and never reach its peak lr {self.lr}. Pass --warmup-steps "
-                     f"{self.steps} or fewer (a tenth of the run is common: --warmup-steps "
-                     f"{max(1, self.steps // 10)}), or more --steps.")
+            _require(self.warmup_steps <= self.steps, f"warmup_steps {self.warmup_steps} is longer than steps "
+                     f"{self.steps}: the learning rate would still be rising at the last step and never reach its "
+                     f"peak lr {self.lr}. Pass --warmup-steps {self.steps} or fewer (a tenth of the run is common: "
+                     f"--warmup-steps {max(1, self.steps // 10)}), or more --steps.")
         _require.done()
 
 

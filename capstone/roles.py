@@ -1,6 +1,5 @@
-"""What one training run holds (`Run`, built by capstone.run from its plan), and the roles of its parts as Protocols.
-
-How it works: docs/design.md, "Inside the step", roles.py."""
+"""What one training run holds (`Run`, built by capstone.run from its plan), and the roles of its parts as Protocols
+(docs/design.md, "Inside the step", roles.py)."""
 
 from __future__ import annotations
 

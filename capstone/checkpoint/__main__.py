@@ -23,10 +23,9 @@ import sys
 
 import numpy as np
 
-from capstone.flags import paths
 from capstone.checkpoint import integrity, kept
 from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError, CheckpointUsageError
-from capstone.checkpoint.serial import checks, load_all
+from capstone.checkpoint.serial import checks, find, load_all
 from capstone.flags.pipe import run_tool
 from capstone.step.state import ROWS
 
@@ -92,8 +91,7 @@ def inspect_or_verify(args, path: str) -> int:
 def seal(path: str) -> int:
     """Write the digest file of a checkpoint that has none, once `verify --unsealed` passed in a
     child process (parsing unverified bytes may crash it; this process stays clean)."""
-    found = integrity.problem(path)
-    if found is None:
+    if (found := integrity.problem(path)) is None:
         print(f"{path}: already sealed: its digest file {path}{DIGEST_SUFFIX} matches")
         return 0
     if found[0] != "unsealed":
@@ -123,8 +121,7 @@ def main(argv=None) -> int:
                         "file can crash this process; seal runs it in a child process)")
     args = p.parse_args(argv)
     try:   # a mistyped path, a model's weights, a dataset: a usage mistake (exit 2), as for sample and export
-        paths.refuse("checkpoint", args.target, CheckpointUsageError)
-        path = integrity.resolve(args.target)
+        path = find(args.target, "checkpoint", CheckpointUsageError)
     except CheckpointError as exc:   # also a directory without checkpoints (2); a bad `latest` is 1
         return failed(args, str(exc), 2 if isinstance(exc, CheckpointUsageError) else 1)
     return seal(path) if args.command == "seal" else inspect_or_verify(args, path)

@@ -1,6 +1,5 @@
-"""When a step must save a checkpoint and evaluate, decided once per step from the agreed flags.
-
-How it works: docs/design.md, "Inside the step", checkpoint/cadence.py."""
+"""When a step must save a checkpoint and evaluate, decided once per step from the agreed flags
+(docs/design.md, "Inside the step", checkpoint/cadence.py)."""
 
 import time
 from dataclasses import dataclass

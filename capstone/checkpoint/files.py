@@ -71,16 +71,13 @@ def free_bytes(directory: str) -> int | None:
 def lacking_space(directory: str, need: int) -> int | None:
     """The free bytes in `directory` if fewer than `need`, else None (also when unknown, or
     when CAPSTONE_CHECK_SPACE=0)."""
-    if os.environ.get("CAPSTONE_CHECK_SPACE", "1") == "0":
-        return None
-    free = free_bytes(directory)
+    free = free_bytes(directory) if os.environ.get("CAPSTONE_CHECK_SPACE", "1") != "0" else None
     return free if free is not None and free < need else None
 
 
 def space_error(directory: str, step: int, need: int) -> str | None:
     """Rank 0, before a save: the refusal when checkpoint `step` (about `need` bytes) cannot fit."""
-    free = lacking_space(directory, need)
-    return None if free is None else (
+    return None if (free := lacking_space(directory, need)) is None else (
         f"not enough space for checkpoint step {step} in {directory}: it needs about {need / MIB:.1f} MiB and "
         f"{free / MIB:.1f} MiB is free. Nothing was written; the previous checkpoint and 'latest' are "
         f"untouched. Free space there (delete checkpoints you do not need), then continue with --resume latest.")
@@ -145,8 +142,7 @@ def read_pointer(directory: str) -> str | None:
 
 def step_of(path: str) -> int:
     """The step in a checkpoint's file name (0 if it is not one)."""
-    m = NAME_RE.match(os.path.basename(path))
-    return int(m.group(1)) if m else 0
+    return int(m.group(1)) if (m := NAME_RE.match(os.path.basename(path))) else 0
 
 
 def set_aside_leftovers(directory: str) -> list[str]:
@@ -164,8 +160,12 @@ def set_aside_leftovers(directory: str) -> list[str]:
 
 
 def _remove_leftovers(directory: str) -> list[str]:
-    """Remove the partial files and the orphan digest files in `directory`; the names of the partial files."""
-    found = [n for n in sorted(os.listdir(directory)) if ".h5.partial-" in n or _orphan_digest(directory, n)]
+    """Remove the partial files and the orphan digest files in `directory` (the digest file of a complete
+    checkpoint that is not there: a save killed between writing the digest file and renaming the checkpoint
+    into place); the names of the partial files."""
+    names = sorted(os.listdir(directory))
+    found = [n for n in names if ".h5.partial-" in n or (stem := n.removesuffix(DIGEST_SUFFIX)) != n
+             and NAME_RE.match(stem) and not os.path.exists(os.path.join(directory, stem))]
     for name in found:
         os.remove(os.path.join(directory, name))
     return [n for n in found if not n.endswith(DIGEST_SUFFIX)]
@@ -195,14 +195,6 @@ def retain(directory: str, keep_last: int, protect=()) -> list[str]:
             if os.path.exists(path + DIGEST_SUFFIX):
                 os.remove(path + DIGEST_SUFFIX)
     return removed
-
-
-def _orphan_digest(directory: str, name: str) -> bool:
-    """`name` is the digest file of a complete checkpoint that is not there (a save killed between
-    writing the digest file and renaming the checkpoint into place)."""
-    stem = name[:-len(DIGEST_SUFFIX)]
-    return name.endswith(DIGEST_SUFFIX) and bool(NAME_RE.match(stem)) and \
-        not os.path.exists(os.path.join(directory, stem))
 
 
 def quarantine(path: str, why: str = "corrupt") -> str:

@@ -33,23 +33,21 @@ NEXT = {
     "corrupt": "Do not use it: resume from another checkpoint (--resume auto falls back to the newest one "
                "that verifies and moves this one aside), or restore a good copy.",
 }
+
+
 def file_sha256(path: str) -> str:
     """sha256 of the file's bytes, read in chunks. Cached in this process per unchanged file (same
     inode, size, mtime and ctime), but only for a file last changed over 2 s before it was read,
     since a change within the clock's granularity would leave its times the same."""
     st = os.stat(path)
     if time.time() - max(st.st_mtime, st.st_ctime) > 2:
-        return _settled_sha256(os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    return _sha256(path)
+        return _sha256(os.path.abspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return _sha256.__wrapped__(path)   # not settled: hashed, not cached
 
 
 @functools.lru_cache(maxsize=256)
-def _settled_sha256(path: str, *identity) -> str:
-    """`_sha256` of a settled file, once per identity (a rewritten file has another)."""
-    return _sha256(path)
-
-
-def _sha256(path: str) -> str:
+def _sha256(path: str, *identity) -> str:
+    """sha256 of the file's bytes; cached once per `identity` of a settled file (a rewritten file has another)."""
     with open(path, "rb", buffering=0) as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -78,8 +76,7 @@ def recorded(path: str) -> tuple[int, str] | None:
             raw = f.read(4096)
     except FileNotFoundError:
         return None
-    m = DIGEST_RE.fullmatch(raw.decode("utf-8", "replace"))
-    if not m:
+    if not (m := DIGEST_RE.fullmatch(raw.decode("utf-8", "replace"))):
         raise ValueError(f"its digest file {path}{DIGEST_SUFFIX} is malformed")
     return int(m.group(1)), m.group(2)
 
@@ -88,10 +85,8 @@ def problem(path: str) -> tuple[str, str] | None:
     """None if `path` is a file whose bytes match its digest file, else (kind, reason) with kind
     "missing" (no such file), "foreign" (no digest file and not HDF5: not a checkpoint at all), "unsealed"
     (no digest file) or "corrupt". Never parses HDF5."""
-    if not os.path.exists(path):
-        return "missing", "it does not exist"
     if not os.path.isfile(path):
-        return "missing", "it is not a regular file"
+        return "missing", "it is not a regular file" if os.path.exists(path) else "it does not exist"
     try:
         want = recorded(path)
         if want is None and not _is_hdf5(path):
@@ -99,8 +94,7 @@ def problem(path: str) -> tuple[str, str] | None:
         if want is None:
             return "unsealed", (f"it has no digest file {os.path.basename(path)}{DIGEST_SUFFIX} (written by a "
                                 f"capstone older than digest files, or copied without it)")
-        size = os.path.getsize(path)
-        if size != want[0]:
+        if (size := os.path.getsize(path)) != want[0]:
             return "corrupt", f"it is {size} bytes but was written as {want[0]} bytes (truncated or overwritten)"
         digest = file_sha256(path)
     except (OSError, ValueError) as exc:
@@ -120,15 +114,13 @@ def message(path: str, kind: str, reason: str) -> str:
     return f"not a valid checkpoint: {path}: {reason}. {NEXT[kind].format(path=path)}"
 
 
-def check_file(path: str) -> str:
+def check_file(path: str) -> None:
     """Raise CheckpointError ("not a valid checkpoint: FILE: reason. what to do") unless the bytes
-    of `path` match its digest file. Call before any HDF5 parsing. Returns `path`."""
-    found = problem(path)
-    if found and found[0] == "corrupt":
+    of `path` match its digest file. Call before any HDF5 parsing."""
+    if (found := problem(path)) and found[0] == "corrupt":
         raise CorruptCheckpoint(message(path, *found), found[1])
     if found:
         raise (CheckpointUsageError if found[0] in ("missing", "foreign") else CheckpointError)(message(path, *found))
-    return path
 
 
 def resolve(target: str) -> str:

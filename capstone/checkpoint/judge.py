@@ -23,8 +23,7 @@ def verdict(run, meta: dict) -> tuple[str | None, float | None]:
     if meta.get("judged", True):
         return None, None
     held, finite = run.heldout.after_update(run.opt.finite(), True)
-    reason = run.guard.update_verdict(held, finite)
-    if reason is None:
+    if (reason := run.guard.update_verdict(held, finite)) is None:
         run.guard.state.last_eval, run.guard.state.pending = held, False
     return reason, held
 

@@ -56,18 +56,13 @@ def read_error(path: str, exc: BaseException, where: str = "") -> CheckpointErro
     return corrupt(path, f"it cannot be read{where} ({type(exc).__name__}: {text})")
 
 
-def _plain(value):
-    return value.item() if isinstance(value, np.generic) else value
-
-
 def read_meta(f, path: str) -> dict:
     """Check the format marker, the metadata digest and every attribute outside the shard
     datasets against it; return the metadata (serial or collective)."""
     if f.attrs.get("format") != FORMAT:
         raise CheckpointError(f"not a valid checkpoint: {path} is an HDF5 file but not a capstone checkpoint (no "
                               f"format={FORMAT!r} attribute); pass a ckpt-*.h5 file written by capstone.")
-    ds = f.get("meta_json")
-    if not isinstance(ds, h5py.Dataset) or ds.ndim != 1 or ds.dtype != np.uint8:
+    if not isinstance(ds := f.get("meta_json"), h5py.Dataset) or ds.ndim != 1 or ds.dtype != np.uint8:
         raise corrupt(path, "dataset /meta_json is missing or malformed: the file is incomplete or damaged")
     raw = ds[...]
     stored = f.attrs.get("meta_sha256")
@@ -79,23 +74,20 @@ def read_meta(f, path: str) -> dict:
         raise CheckpointError(f"{path}: format_version {meta.get('format_version')} with rows {meta.get('rows')} "
                               f"is not what this capstone reads (version {VERSION}, rows {list(ROWS)}); "
                               f"resume it with the capstone version that wrote it.")
-    _check_root(f, path, meta)
-    _check_layout(path, meta)
-    return meta
-
-
-def _check_root(f, path: str, meta: dict) -> None:
-    """The root attributes are exactly the header copies and meta_sha256; nothing else has any."""
-    _check_attrs(path, f.attrs, {**root_attributes(meta), "meta_sha256": f.attrs.get("meta_sha256")}, "root ")
+    # the root attributes are exactly the header copies and meta_sha256; no other object outside the shards has any
+    _check_attrs(path, f.attrs, {**root_attributes(meta), "meta_sha256": stored}, "root ")
     for name in ("meta_json", "shards"):
         if name in f and len(f[name].attrs):
             raise corrupt(path, f"/{name} has attributes {sorted(f[name].attrs)}, which a checkpoint never has")
+    _check_layout(path, meta)
+    return meta
 
 
 def _check_attrs(path: str, attrs, want: dict, prefix: str = "", suffix: str = "") -> None:
     """An HDF5 object's attributes are exactly `want` (what the verified /meta_json says)."""
     for key in sorted(set(want) | set(attrs)):
-        stored = _plain(attrs.get(key))
+        stored = attrs.get(key)
+        stored = stored.item() if isinstance(stored, np.generic) else stored   # a numpy scalar as a plain value
         if stored != want.get(key):
             raise corrupt(path, f"{prefix}attribute {key}={stored!r}{suffix} disagrees with the verified /meta_json "
                                 f"({want.get(key)!r}); the file was modified")
@@ -114,12 +106,10 @@ def _check_layout(path: str, meta: dict) -> None:
 
 def checked_dataset(f, path: str, meta: dict, name: str, reader: str) -> h5py.Dataset:
     """The shard dataset `name`, its shape, dtype and attributes checked against /meta_json."""
-    info = meta["datasets"].get(name)
-    if info is None or name not in f:
+    if (info := meta["datasets"].get(name)) is None or name not in f:
         raise corrupt(path, f"dataset /{name} is missing (needed by {reader}): the file is incomplete")
-    ds = f[name]
     want = (len(ROWS), info["length"])
-    if not isinstance(ds, h5py.Dataset) or ds.shape != want or ds.dtype != np.dtype("<f4"):
+    if not isinstance(ds := f[name], h5py.Dataset) or ds.shape != want or ds.dtype != np.dtype("<f4"):
         got = f"{ds.shape} {ds.dtype}" if isinstance(ds, h5py.Dataset) else "not a dataset"
         raise corrupt(path, f"/{name} is {got}, expected a float32 dataset of shape {want} (read by {reader})")
     _check_attrs(path, ds.attrs, {key: info.get(key) for key in DATASET_KEYS}, suffix=f" of /{name}")

@@ -24,8 +24,7 @@ it is loaded (capstone.checkpoint.judge).
 import os
 import sys
 
-from capstone.flags import paths
-from capstone.checkpoint import CheckpointError, CorruptCheckpoint, files, integrity, rundir, verify_contents
+from capstone.checkpoint import CheckpointError, CorruptCheckpoint, files, integrity, rundir, serial, verify_contents
 from capstone.collective.agree import agreed
 from capstone.config import ConfigError
 
@@ -112,9 +111,8 @@ def _fall_back(ckpt_dir: str, path: str, bad: list) -> dict:
 
 
 def _explicit(want: str, ckpt_dir: str, pointed: str | None, complete: list) -> dict:
-    paths.refuse("--resume", want)   # ConfigError for a path that is no run directory or checkpoint
     try:
-        path = integrity.resolve(want)
+        path = serial.find(want, "--resume")   # ConfigError for a path that is no run directory or checkpoint
     except CheckpointError as exc:
         return {"error": f"--resume {want}: {exc}"}
     if not os.path.exists(path):   # a `latest` that names a file no longer there
@@ -133,8 +131,7 @@ def _explicit(want: str, ckpt_dir: str, pointed: str | None, complete: list) -> 
 def _decided(want: str | None, ckpt_dir: str) -> dict:
     """Rank 0: `_plan`'s plan, or its error raised (CheckpointError for an invalid checkpoint)."""
     try:
-        plan = _plan(want, ckpt_dir)
-        if "error" in plan:
+        if "error" in (plan := _plan(want, ckpt_dir)):
             raise (CheckpointError if plan.get("invalid") else ConfigError)(plan["error"])
         plan["leftovers"] = files.set_aside_leftovers(ckpt_dir)   # a killed save's partial file: never a checkpoint
     except OSError as exc:  # e.g. no permission to set a corrupt file aside

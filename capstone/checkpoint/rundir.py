@@ -77,8 +77,7 @@ def logged_run_id(log: str) -> str | None:
 def foreign(want: str, path: str, out: str) -> str | None:
     """Why checkpoint `path` (from `--resume want`) must not be resumed into OUT (None: it may): OUT
     holds another run. Rank 0."""
-    here = occupant(out)
-    if here is None:
+    if (here := occupant(out)) is None:
         return None
     mine = checkpoint_run_id(path)
     inside = os.path.realpath(path).startswith(os.path.realpath(out) + os.sep)

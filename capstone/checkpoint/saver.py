@@ -10,7 +10,6 @@ invariant (d) can check it reloads byte-equal. File format and I/O are `capstone
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,7 +20,7 @@ from capstone.step.hooks import NONE
 from capstone.step.state import RunState, ShardState
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RunIdentity:
     """The configs of a run; a checkpoint resumes only into the same model and data stream."""
 
@@ -65,7 +64,6 @@ class Checkpointer:
         self.cadence, self.view, self.hooks = cadence, view or AsIs(), hooks
         self.writer = writer   # capstone.checkpoint.background.Writer: saves written behind training (None: sync)
         self.buffer = background.Snapshot(layout.shard) if writer is not None else None
-        self.keep_last = identity.train.keep_last
         self.manifests: list[dict] = []
         self.snapshot: np.ndarray | None = None   # (rows, shard) of the first save, for invariant (d)
         self.provenance: dict | None = None       # capstone.observe.provenance.collect, set by run.start
@@ -87,14 +85,14 @@ class Checkpointer:
         protect += [self.last_judged] if self.last_judged and not judged else []
         if self.writer is None:
             man = self._written(checkpoint.save(self.comm, self.directory, state.step, stored, self.layout, extra,
-                                                self.keep_last, protect, self.hooks), judged)
+                                                self.identity.train.keep_last, protect, self.hooks), judged)
             self.snapshot = np.stack(stored.rows()) if self.snapshot is None else self.snapshot
         else:   # the snapshot: the rows and the run state copied now, written by the thread
             rows, extra, t, step = self.buffer.take(stored), json.loads(json.dumps(extra)), int(stored.t), state.step
             self.snapshot = rows.copy() if self.snapshot is None else self.snapshot
             self.writer.start(lambda: self._written(checkpoint.write(
-                self.writer.comm, self.directory, step, rows, t, self.layout, extra, self.keep_last, protect,
-                self.hooks), judged), self.hooks, step)
+                self.writer.comm, self.directory, step, rows, t, self.layout, extra, self.identity.train.keep_last,
+                protect, self.hooks), judged), self.hooks, step)
             man = {"path": os.path.join(self.directory, files.final_name(step)), "step": step}
         self.last_judged = man["path"] if judged else self.last_judged
         self.cadence.saved()

@@ -19,11 +19,11 @@ from capstone.model.params import Layout
 from capstone.step.state import ROWS
 
 
-def find(target: str, flag: str = "sample") -> str:
+def find(target: str, flag: str, error=ConfigError) -> str:
     """The checkpoint file `target` names (`integrity.resolve`: itself, or the one a run directory's
-    `latest` names), once `flag` takes what it is (capstone.flags.paths): ConfigError for a path that names no
+    `latest` names), once `flag` takes what it is (capstone.flags.paths): `error` for a path that names no
     checkpoint, CheckpointError for a `latest` that names no checkpoint file."""
-    paths.refuse(flag, target)
+    paths.refuse(flag, target, error)
     return integrity.resolve(target)
 
 

@@ -1,6 +1,5 @@
-"""No collective waits forever: a deadline on non-blocking requests, a watchdog on blocking calls.
-
-How it works: docs/design.md, "Inside the step", collective/deadline.py."""
+"""No collective waits forever: a deadline on non-blocking requests, a watchdog on blocking calls
+(docs/design.md, "Inside the step", collective/deadline.py)."""
 
 import contextlib
 import os
@@ -32,7 +31,7 @@ class Deadline:
         self.step: int | None = None     # the step being run (None: start-up or the end of the run)
         self.longest_step = 0.0          # seconds, between consecutive begin_step calls
         self._step_start: float | None = None
-        self.record: str | None = None   # where a timeout is recorded (JSON), if set
+        self.record: str | None = None   # where a timeout is recorded (JSON: scripts/slurm/step.sh reads it), if set
         self.spin_s = spin_s             # how long a wait spins before it sleeps (see dedicated_cores)
         self.watchdog = Watchdog()       # the watchdog process, started on its first use (`guard`)
         self.on_expire = None            # what else a timeout does (summary.json: capstone.observe.outcome.recorded)
@@ -43,7 +42,6 @@ class Deadline:
         self.explicit = float(seconds)
 
     def record_to(self, path: str) -> None:
-        """On expiry, also write what timed out to `path` (scripts/slurm/step.sh reads it)."""
         self.record = path
 
     @property

@@ -89,12 +89,6 @@ class Meta:
         """The character vocabulary (empty for a BPE dataset)."""
         return getattr(self.tokenizer, "chars", ())
 
-    def encode(self, text: str):
-        try:
-            return self.tokenizer.encode(text)
-        except ValueError as exc:
-            raise ValueError(f"{exc} (dataset {self.directory})") from None
-
     def decode(self, ids) -> str:
         return self.tokenizer.decode(ids)
 
@@ -169,31 +163,26 @@ def _tokenizer(directory: str, path: str, meta: dict):
     return _chars(path, entry["chars"], size)
 
 
-def _read(directory: str, path: str, flag: str) -> dict:
-    paths.refuse(flag, directory, DatasetError)   # a dataset, or one a prepare is (or was) writing
-    try:
-        meta = strict_json(pathlib.Path(path).read_bytes().decode("utf-8"))
-    except FileNotFoundError:   # an interrupted prepare: re-creating it there is right
-        raise invalid(path, "missing (an interrupted prepare leaves no meta.json)") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise invalid(path, f"unreadable or not strict JSON ({exc})") from None
-    _check(isinstance(meta, dict), path, "the top level must be a JSON object")
-    _check(type(meta.get("version")) is int and isinstance(meta.get("format"), str)
-           and (meta["format"], meta["version"]) in {(FORMAT, VERSION), (FORMAT_V1, VERSION_V1)}, path,
-           f"format {meta.get('format')!r} version {meta.get('version')!r} is not one this code reads "
-           f"({FORMAT!r} {VERSION} or {FORMAT_V1!r} {VERSION_V1})")
-    keys = _KEYS[meta["version"]]
-    _check(set(meta) == keys, path, f"keys must be exactly {sorted(keys)}; missing {sorted(keys - set(meta))}, "
-                                    f"unknown {sorted(set(meta) - keys)}")
-    _check(meta["dtype"] == DTYPE_NAME, path, f"dtype must be {DTYPE_NAME!r}, got {meta['dtype']!r}")
-    return meta
-
-
 def load_meta(directory: str, flag: str = "--data") -> Meta:
     """Read and strictly check DIR/meta.json (format, version, keys, types); DatasetError if anything is off.
     `flag`: the option that named DIR, for the messages (--data, prepare's --vocab-from)."""
     path = os.path.join(directory, META_FILE)
-    raw = _read(directory, path, flag)
+    paths.refuse(flag, directory, DatasetError)   # a dataset, or one a prepare is (or was) writing
+    try:
+        raw = strict_json(pathlib.Path(path).read_bytes().decode("utf-8"))
+    except FileNotFoundError:   # an interrupted prepare: re-creating it there is right
+        raise invalid(path, "missing (an interrupted prepare leaves no meta.json)") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise invalid(path, f"unreadable or not strict JSON ({exc})") from None
+    _check(isinstance(raw, dict), path, "the top level must be a JSON object")
+    _check(type(raw.get("version")) is int and isinstance(raw.get("format"), str)
+           and (raw["format"], raw["version"]) in {(FORMAT, VERSION), (FORMAT_V1, VERSION_V1)}, path,
+           f"format {raw.get('format')!r} version {raw.get('version')!r} is not one this code reads "
+           f"({FORMAT!r} {VERSION} or {FORMAT_V1!r} {VERSION_V1})")
+    keys = _KEYS[raw["version"]]
+    _check(set(raw) == keys, path, f"keys must be exactly {sorted(keys)}; missing {sorted(keys - set(raw))}, "
+                                   f"unknown {sorted(set(raw) - keys)}")
+    _check(raw["dtype"] == DTYPE_NAME, path, f"dtype must be {DTYPE_NAME!r}, got {raw['dtype']!r}")
     tokenizer = _tokenizer(directory, path, raw)
     splits = raw["splits"]
     _check(isinstance(splits, dict) and set(splits) == set(SPLITS), path, "splits must have exactly train and val")

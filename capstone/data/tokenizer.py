@@ -41,9 +41,6 @@ def library():
     return tokenizers
 
 
-_library = library
-
-
 @dataclass(frozen=True)
 class CharTokenizer:
     """One token per character; token id i is chars[i] (chars sorted by code point)."""
@@ -86,7 +83,7 @@ class BPETokenizer:
     @functools.cached_property
     def _tok(self):
         try:
-            return _library().Tokenizer.from_str(self.json)
+            return library().Tokenizer.from_str(self.json)
         except Exception as exc:    # the library raises its own exception types
             raise TokenizerError(f"the BPE tokenizer JSON cannot be loaded ({exc}); prepare the dataset "
                                  f"again with --tokenizer bpe.") from None
@@ -122,9 +119,8 @@ def bpe_vocab_size(text: str) -> int:
     try:
         spec = json.loads(text)
         vocab = spec["model"]["vocab"]
-        added = spec.get("added_tokens") or []
         if spec["model"].get("type") != "BPE" or not isinstance(vocab, dict) or \
-                any(vocab.get(t["content"]) != t["id"] for t in added):
+                any(vocab.get(t["content"]) != t["id"] for t in spec.get("added_tokens") or []):
             raise ValueError
     except (ValueError, KeyError, TypeError, AttributeError):
         raise ValueError("not the JSON of a byte-level BPE tokenizer whose added tokens are in its vocabulary") \
@@ -132,18 +128,17 @@ def bpe_vocab_size(text: str) -> int:
     return len(vocab)
 
 
-def check_bpe_options(vocab_size: int | None) -> None:
-    """Refuse a BPE vocabulary size out of range, or a missing library, before any work is done."""
+def check_bpe_options(vocab_size: int | None):
+    """Refuse a BPE vocabulary size out of range, or a missing library, before any work is done; the library."""
     if vocab_size is not None and not BYTE_ALPHABET <= vocab_size <= MAX_VOCAB:
         raise TokenizerError(f"--vocab-size {vocab_size}: a byte-level BPE needs {BYTE_ALPHABET} ids for the bytes "
                              f"and uint16 ids allow at most {MAX_VOCAB}; pass e.g. --vocab-size 512.")
-    _library()
+    return library()
 
 
 def train_bpe(text: str, vocab_size: int) -> BPETokenizer:
     """A byte-level BPE (GPT-2 pre-tokenization, every byte in the alphabet) trained on `text`; deterministic."""
-    check_bpe_options(vocab_size)
-    lib = _library()
+    lib = check_bpe_options(vocab_size)
     tok = lib.Tokenizer(lib.models.BPE())
     tok.pre_tokenizer = lib.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = lib.decoders.ByteLevel()
@@ -157,7 +152,7 @@ def from_gpt2_files(vocab: str, merges: str, special: bool = True) -> BPETokeniz
     """GPT-2's byte-level BPE from its vocab.json and merges.txt (capstone.gpt2.hf): the same ids as
     transformers' GPT2Tokenizer, its special tokens matched in the text as one id each (`special_tokens`;
     False: every text is ordinary bytes, <|endoftext|> 11 tokens of it)."""
-    lib = _library()
+    lib = library()
     try:
         tok = lib.Tokenizer(lib.models.BPE.from_file(vocab, merges))
     except Exception as exc:    # the library's own exception types

@@ -14,6 +14,7 @@ import os
 import numpy as np
 
 from capstone.config import ConfigError
+from capstone.data.synthetic import Windows
 from capstone.data.dataset import DatasetError, Split, _check, identity, invalid, load_meta  # noqa: F401 (re-exported)
 
 DTYPE = np.dtype("<u2")         # uint16, little-endian
@@ -33,7 +34,7 @@ def _memmap(split: Split) -> np.memmap:
     return np.memmap(split.path, dtype=DTYPE, mode="r", shape=(split.tokens,))
 
 
-class TokenData:
+class TokenData(Windows):
     """Training and validation batches from a prepared dataset, like DataStream (same indexing)."""
 
     def __init__(self, directory: str, seq_len: int, batch_size: int, seed: int):
@@ -74,36 +75,13 @@ class TokenData:
         return identity(self.meta)
 
     def encode(self, text: str) -> np.ndarray:
-        return self.meta.encode(text)
+        try:
+            return self.meta.tokenizer.encode(text)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (dataset {self.meta.directory})") from None
 
     def decode(self, ids) -> str:
         return self.meta.decode(ids)
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        if epoch not in self._perms:
-            if len(self._perms) >= 2:   # a batch spans at most a few epochs; keep the cache small
-                self._perms.pop(next(iter(self._perms)))
-            self._perms[epoch] = np.random.default_rng([self.seed, 0xDA7A, epoch]).permutation(self.n_windows)
-        return self._perms[epoch]
-
-    def _windows(self, tokens: np.memmap, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        windows = tokens[starts[:, None] + np.arange(self.T + 1)].astype(np.int32)   # (count, T+1), reads only these
-        return windows[:, :-1], windows[:, 1:]
-
-    def samples(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """Inputs and targets (count, T) int32 for global training samples [first, first+count)."""
-        if first < 0 or count < 0:
-            raise ValueError(f"first and count must be >= 0, got {first} and {count}")
-        epochs, within = np.divmod(np.arange(first, first + count, dtype=np.int64), self.n_windows)
-        windows = np.empty(count, dtype=np.int64)
-        for epoch in np.unique(epochs).tolist():
-            sel = epochs == epoch
-            windows[sel] = self._perm(epoch)[within[sel]]
-        return self._windows(self.train, windows * self.T)
-
-    def micro_batch(self, cursor: int, micro: int, rank: int, world: int):
-        """Rank `rank`'s micro-batch `micro` of the step whose first global sample is `cursor`."""
-        return self.samples(cursor + (micro * world + rank) * self.B, self.B)
 
     def val_batch(self, k: int, count: int, rank: int = 0, world: int = 1) -> tuple[np.ndarray, np.ndarray]:
         """Rows rank, rank+world, ... of validation batch k: windows k*count .. (k+1)*count-1 of a fixed

@@ -99,16 +99,13 @@ def generate(params: np.ndarray, cfg: ModelConfig, prompt: list[int], tokens: in
     kv = KVCache(layout.views(params), cfg)
     step = (lambda: kv.forward(seq[-T:], last=True)[-1]) if cache else \
         (lambda: full_logits(layout.groups(params), np.array([seq[-T:]], dtype=np.int32), cfg)[-1])
-    z = step()
-    for i in range(tokens):
+    for _ in range(tokens):
+        if cache and 0 < kv.n < T:   # the newest id joins the cache
+            z = kv.forward(seq[-1:])[-1]
+        else:   # the first id, or the window moved on: the whole window again
+            kv.reset()
+            z = step()
         seq.append(pick(z, temperature, top_k, rng, top_p, limit))
         if on_token is not None:
             on_token(seq)
-        if i + 1 == tokens:
-            break
-        if cache and kv.n < T:
-            z = kv.forward(seq[-1:])[-1]
-        else:
-            kv.reset()
-            z = step()
     return seq[len(prompt):]

@@ -35,15 +35,6 @@ class Vocab:
     source: str
 
 
-def data_candidates(trained: str, ckpt: str) -> list[str]:
-    """Where the training run's data path may be: as given, then relative to the run dir's ancestors (an
-    absolute path: only itself, which os.path.join keeps)."""
-    folder = os.path.dirname(os.path.abspath(ckpt))
-    run_dir = os.path.dirname(folder) if os.path.basename(folder) == "checkpoints" else folder
-    base = pathlib.Path(run_dir).parent
-    return list(dict.fromkeys([trained] + [os.path.join(b, trained) for b in (base, *base.parents)]))
-
-
 def _short(value) -> str:
     text = str(value)
     return text[:16] + "..." if len(text) > 24 else text
@@ -71,8 +62,7 @@ def differences(recorded: dict, found: dict) -> list[str]:
     return out
 
 
-def _from_dataset(meta: dict, data: str, ckpt: str, recorded: dict) -> Vocab:
-    trained = (meta.get("train_config") or {}).get("data") or "?"
+def _from_dataset(trained: str, data: str, ckpt: str, recorded: dict) -> Vocab:
     try:
         ds = load_meta(data)
     except ConfigError as exc:
@@ -85,9 +75,13 @@ def _from_dataset(meta: dict, data: str, ckpt: str, recorded: dict) -> Vocab:
     return Vocab(ds.tokenizer, f"{ds.tokenizer.kind} vocabulary of {data}")
 
 
-def _find_data(meta: dict, ckpt: str) -> str:
-    trained = (meta.get("train_config") or {}).get("data") or ""
-    found = [d for d in data_candidates(trained, ckpt) if paths.kind(d) is paths.Kind.DATASET]
+def _find_data(trained: str, ckpt: str) -> str:
+    """The training run's prepared data: its data path `trained` as given, else relative to the run dir's
+    ancestors (an absolute path: only itself, which os.path.join keeps)."""
+    folder = os.path.dirname(os.path.abspath(ckpt))
+    base = pathlib.Path(os.path.dirname(folder) if os.path.basename(folder) == "checkpoints" else folder).parent
+    candidates = dict.fromkeys([trained] + [os.path.join(b, trained) for b in (base, *base.parents)])
+    found = [d for d in candidates if paths.kind(d) is paths.Kind.DATASET]
     if not found:
         raise SampleError(2, f"{ckpt} was trained on the prepared data {trained!r} (relative to the training run's "
                              f"working directory) before checkpoints carried their vocabulary, and no {META_FILE} is "
@@ -106,7 +100,8 @@ def load_vocab(meta: dict, cfg: ModelConfig, data: str | None, ckpt: str) -> Voc
                                  f"(--prompt-ids), or sample a checkpoint trained with --data.")
         return None
     if data is not None or "tokenizer" not in recorded:
-        vocab = _from_dataset(meta, data or _find_data(meta, ckpt), ckpt, recorded)
+        trained = (meta.get("train_config") or {}).get("data")   # the training run's --data
+        vocab = _from_dataset(trained or "?", data or _find_data(trained or "", ckpt), ckpt, recorded)
     else:
         try:
             tok = from_description(recorded["tokenizer"])

@@ -137,7 +137,7 @@ def block_forward(x, w, T, H, shapes, tp, cp=WHOLE, masks=None, layer: int = 0):
     drop = m1 = m2 = None
     if masks is not None:
         drop = masks.drop(layer, T, H, getattr(tp, "rank", 0) * H)
-        m1, m2 = (_fixed(cp.order(masks.channels(layer, site, T, x.shape[1]))) for site in ("attn_out", "mlp_out"))
+        m1, m2 = (cp.order(masks.channels(layer, site, T, x.shape[1])) for site in ("attn_out", "mlp_out"))
     a, s_ln1 = K._ln_fwd(x, ln1w, ln1b)
     qkv = cp.col(a, aw, ab, "heads")                                            # (B*T, 3C/tp)
     y, s_att = cp.attention(qkv, T, H, drop)                                    # (B*T, C/tp)
@@ -146,12 +146,6 @@ def block_forward(x, w, T, H, shapes, tp, cp=WHOLE, masks=None, layer: int = 0):
     u = cp.col(m, fw, fb, "columns")                                            # (B*T, 4C/tp)
     h, t = K._gelu_fwd(u)
     return x1 + _dropped(cp.row(h, mw, mb, tp), m2), [a, s_ln1, qkv, s_att, y, m, s_ln2, h, (u, t), m1, m2]
-
-
-def _fixed(mask):
-    """Dropout's mask, read-only: an input kept as it is (--precision bf16 narrows activations: model.precision)."""
-    mask.flags.writeable = False
-    return mask
 
 
 def _dropped(a, mask):

@@ -1,6 +1,5 @@
-"""Hand-written VJPs for MiniGPT's ops: autograd primitives over plain NumPy.
-
-How it works: docs/design.md, "Inside the step", model/kernels.py."""
+"""Hand-written VJPs for MiniGPT's ops: autograd primitives over plain NumPy
+(docs/design.md, "Inside the step", model/kernels.py)."""
 
 import functools
 import math
@@ -159,8 +158,6 @@ def _gelu_grad(g, u, tp, out=None):
         np.multiply(d, g[r], out=out[r])
     return out
 
-
-# ---- causal multi-head attention on the fused qkv buffer, in causal blocks (docs/design.md) -------
 
 def _split_heads(qkv, T, H):
     """qkv (B*T, 3C) -> q, k, v views of shape (B, H, T, D)."""

@@ -1,6 +1,5 @@
-"""The flat parameter buffer: one contiguous, padded float32 vector whose views are the model's arrays.
-
-How it works: docs/design.md, "Inside the step", model/params.py."""
+"""The flat parameter buffer: one contiguous, padded float32 vector whose views are the model's arrays
+(docs/design.md, "Inside the step", model/params.py)."""
 
 import functools
 import json
@@ -14,8 +13,6 @@ from capstone.config import ModelConfig
 
 DTYPE = np.float32
 
-
-# The tensor-parallel plan: how each block parameter is split over the tp ranks (docs/design.md).
 TP_PLAN = MappingProxyType({"attn.c_attn.w": "heads", "attn.c_attn.b": "heads", "attn.c_proj.w": "rows",
                             "mlp.c_fc.w": "columns", "mlp.c_fc.b": "columns", "mlp.c_proj.w": "rows"})
 
@@ -32,9 +29,8 @@ def is_split(name: str) -> bool:
 
 
 def param_shapes(cfg: ModelConfig, tp: int = 1, absent: bool = False) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every parameter, in buffer order; weights are (in, out) so y = x @ w + b.
-    With tensor parallelism over `tp` ranks, a rank's shapes: TP_PLAN's rows or columns divided by tp.
-    --no-bias: no biases but lm_head.b; `absent` lists them with shape None (blocks unpack by position)."""
+    """(name, shape) of every parameter in buffer order, weights (in, out); on one of `tp` ranks, TP_PLAN's splits
+    divided by tp. --no-bias: no biases but lm_head.b, with shape None if `absent` (blocks unpack by position)."""
     V, T, C = cfg.vocab_size, cfg.seq_len, cfg.d_model
     shapes = [("wte", (V, C)), ("wpe", (T, C))]
     for i in range(cfg.n_layers):
@@ -81,8 +77,7 @@ class Layout:
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, world: int, tp: int = 1, groups: tuple | None = None) -> "Layout":
-        """The layout of a (tensor-parallel rank's part of the) model, padded for `world` ranks;
-        `groups`: only these parameter groups (a pipeline stage's), named as in the whole model."""
+        """The layout of (a tp rank's part of) the model padded for `world` ranks; `groups`: only these (a stage's)."""
         if world < 1:
             raise ValueError(f"world size must be >= 1, got {world}")
         entries, offset = [], 0

@@ -6,8 +6,6 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from capstone.model.precision import values
-
 
 class Weights(Protocol):
     """The seam (see the module)."""
@@ -80,7 +78,7 @@ class Resident:
         return cls(layout.groups(params), None if grads is None else layout.groups(grads), on_landed, params, grads)
 
     def weights(self, group: str, backward: bool = False) -> np.ndarray:
-        return values(self.groups[group])    # bf16 working weights: widened for the layer (capstone.model.precision)
+        return self.groups[group]
 
     def release(self, group: str) -> None:
         """Nothing to drop: the weights stay."""
@@ -95,8 +93,8 @@ class Resident:
         """Nothing to hold or drop."""
 
     def whole(self) -> np.ndarray:
-        """The flat parameter buffer's values (this rank's slice of the model under tensor parallelism)."""
-        return values(self.params)
+        """The flat parameter buffer (this rank's slice of the model under tensor parallelism)."""
+        return self.params
 
     def gathered_peak(self) -> int:
         """Bytes of gathered weights held at once (and its bound): none, they are resident."""

@@ -8,8 +8,7 @@ import dataclasses
 import os
 import time
 
-from capstone.checkpoint import best, files
-from capstone.checkpoint.files import CheckpointError
+from capstone.checkpoint import CheckpointError, best, files
 from capstone.step.guard import DivergenceError
 from capstone.observe.jsonout import write_json
 from capstone.observe.runlog import logged_rows
@@ -70,15 +69,11 @@ def basics(run, status: str, start_step: int, wall: float) -> dict:
 
 def ended(run, status: str, reason: str, start_step: int, started: float, extra: dict | None = None) -> dict:
     """summary.json of a run that ended with `status` ("diverged", "timeout") before finishing: what
-    it did up to there and why it stopped; no invariant was checked."""
+    it did up to there (`last_step`: the newest row of metrics.jsonl, None: none yet) and why it stopped;
+    no invariant was checked."""
+    rows = logged_rows(os.path.join(run.out, "metrics.jsonl"))
     return {**basics(run, status, start_step, time.perf_counter() - started), "reason": reason,
-            "last_step": last_row(run.out), "invariants": None, **(extra or {})}
-
-
-def last_row(out: str) -> dict | None:
-    """The newest step row of OUT/metrics.jsonl (None: none yet)."""
-    rows = logged_rows(os.path.join(out, "metrics.jsonl"))
-    return rows[-1] if rows else None
+            "last_step": rows[-1] if rows else None, "invariants": None, **(extra or {})}
 
 
 def stopped(run, step: int, why: str | None) -> None:

@@ -39,28 +39,23 @@ def _version(module: str) -> str | None:
     from importlib import metadata
     with contextlib.suppress(metadata.PackageNotFoundError):
         return metadata.version(module)
-    try:
+    with contextlib.suppress(Exception):   # an absent or broken package is recorded as null
         return getattr(__import__(module), "__version__", None)
-    except Exception:  # noqa: BLE001 - an absent or broken package is recorded as null
-        return None
+    return None
 
 
 def local() -> dict:
     """This process's record (without the other ranks' hosts)."""
     versions = {name: _version(name) for name in ("numpy", "mpi4py", "h5py", "autograd")}
     versions["python"] = platform.python_version()
-    try:
+    versions.update(dict.fromkeys(("mpi_library", "mpi_standard", "hdf5", "h5py_mpi")))   # null unless found
+    with contextlib.suppress(Exception):
         from mpi4py import MPI
-        versions["mpi_library"] = MPI.Get_library_version().replace("\0", "").strip().splitlines()[0]
-        versions["mpi_standard"] = "%d.%d" % MPI.Get_version()
-    except Exception:  # noqa: BLE001
-        versions["mpi_library"] = versions["mpi_standard"] = None
-    try:
+        versions["mpi_library"], versions["mpi_standard"] = (
+            MPI.Get_library_version().replace("\0", "").strip().splitlines()[0], "%d.%d" % MPI.Get_version())
+    with contextlib.suppress(Exception):
         import h5py
-        versions["hdf5"] = h5py.version.hdf5_version
-        versions["h5py_mpi"] = bool(h5py.get_config().mpi)
-    except Exception:  # noqa: BLE001
-        versions["hdf5"] = versions["h5py_mpi"] = None
+        versions["hdf5"], versions["h5py_mpi"] = h5py.version.hdf5_version, bool(h5py.get_config().mpi)
     return {"argv": list(sys.argv), "orig_argv": list(getattr(sys, "orig_argv", sys.argv)),
             "executable": sys.executable, "cwd": os.getcwd(), "git": git_info(), "versions": versions,
             "platform": platform.platform()}

@@ -29,19 +29,18 @@ class Run:
 
 def parse_lines(text: str) -> tuple[list[dict], int]:
     """The JSON objects of a metrics.jsonl text and the number of lines that were not one."""
-    records, bad = [], 0
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            obj = None
-        if isinstance(obj, dict):
-            records.append(obj)
-        else:
-            bad += 1
-    return records, bad
+    parsed = [json_object(line) for line in text.splitlines() if line.strip()]
+    records = [obj for obj in parsed if obj is not None]
+    return records, len(parsed) - len(records)
+
+
+def json_object(line: str) -> dict | None:
+    """The JSON object a line holds, else None (a partial line, or JSON that is no object)."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 def step_rows(records: list[dict]) -> list[dict]:
@@ -110,9 +109,8 @@ def clip_level(run: Run) -> float | None:
     """train_config.clip of the latest start row that carries one (the segment still writing rows),
     else of summary.json; None if clipping is off or the run does not say."""
     configs = [(run.summary or {}).get("train_config")] + [s.get("train_config") for s in run.starts]
-    clips = [number(cfg.get("clip")) for cfg in reversed(configs) if isinstance(cfg, dict)]
-    clip = next((c for c in clips if c is not None), None)   # the newest that says
-    return clip if clip is not None and clip > 0 else None
+    clips = [c for cfg in reversed(configs) if isinstance(cfg, dict) and (c := number(cfg.get("clip"))) is not None]
+    return clips[0] if clips and clips[0] > 0 else None   # the newest that says
 
 
 def memory_rows(run: Run) -> list[dict]:

@@ -5,6 +5,7 @@ torch.utils.tensorboard; with neither, the run stops before its first step with 
 the install command, before anything is written. metrics.jsonl stays the record; this is a view of the same numbers.
 """
 
+import contextlib
 import importlib
 
 from capstone.collective.agree import agreed
@@ -21,10 +22,8 @@ SCALARS = {"loss": "train/loss", "eval_loss": "eval/loss", "grad_norm": "train/g
 def writer_class():
     """SummaryWriter of tensorboardX or torch.utils.tensorboard, or None."""
     for module in ("tensorboardX", "torch.utils.tensorboard"):
-        try:
+        with contextlib.suppress(ImportError):
             return importlib.import_module(module).SummaryWriter
-        except ImportError:
-            pass
     return None
 
 

@@ -1,6 +1,5 @@
-"""The gradient reduction: one interface, the modes' implementations.
-
-How it works: docs/design.md, "Inside the step", parallel/reduce.py."""
+"""The gradient reduction: one interface, the modes' implementations
+(docs/design.md, "Inside the step", parallel/reduce.py)."""
 
 import math
 from dataclasses import astuple, dataclass
@@ -13,8 +12,7 @@ from capstone.model.params import DTYPE, Layout
 
 @dataclass(frozen=True)
 class Flags:
-    """What the ranks agree on at every step (set on any rank): a stop request, rank 0's wall clock,
-    a checkpoint write still running in the background (capstone.checkpoint.background)."""
+    """What the ranks agree on at each step (set on any rank): a stop, rank 0's clock, a background checkpoint write."""
 
     stop: bool = False
     clock_due: bool = False

@@ -1,6 +1,5 @@
-"""Invariant (b) at every step: the replicas of each part of the model hold the same parameters.
-
-How it works: docs/design.md, "Inside the step", parallel/replicas.py."""
+"""Invariant (b) at every step: the replicas of each part of the model hold the same parameters
+(docs/design.md, "Inside the step", parallel/replicas.py)."""
 
 import math
 

@@ -1,6 +1,5 @@
-"""How a step's micro-batches go through forward and backward: `Sequential`, each in turn on this rank's model.
-
-How it works: docs/design.md, "Inside the step", parallel/schedules.py."""
+"""How a step's micro-batches go through forward and backward: `Sequential`, each in turn on this rank's model
+(docs/design.md, "Inside the step", parallel/schedules.py)."""
 
 
 class Sequential:

@@ -196,23 +196,26 @@ def requeue(reason: str, switches: Switches, env) -> bool:
     return False
 
 
-def resume_hint(run_dir: str, switches: Switches, env) -> str:
-    if env.get("SLURM_JOB_ID") or not switches.plain:
-        return f"CAPSTONE_RUN_DIR={run_dir} sbatch <this script> [same flags]"
-    return f"rerun the same mpirun command with --resume auto (run directory {run_dir})"
+def resume(run_dir: str, said: str, switches: Switches, env, advice: str = "") -> bool:
+    """Requeue the job to resume from the last checkpoint (True if Slurm took it), else say how to resume;
+    `said` starts both lines, `advice` ends the requeue's."""
+    latest = os.path.join(run_dir, "checkpoints", "latest")
+    if requeue(said + "requeueing job {job} (restart {restart}) to resume from " + latest + advice, switches, env):
+        return True
+    hint = (f"CAPSTONE_RUN_DIR={run_dir} sbatch <this script> [same flags]" if env.get("SLURM_JOB_ID")
+            or not switches.plain else f"rerun the same mpirun command with --resume auto (run directory {run_dir})")
+    log(f"{said}to resume: {hint}")
+    return False
 
 
 def after_timeout(run_dir: str, record: str, switches: Switches, env) -> None:
     """The step ended after a collective timeout: requeue to resume from the last checkpoint (exit 0), or say how."""
     log(f"the job step ended after a collective timeout: {_read(record)}")
-    latest = os.path.join(run_dir, "checkpoints", "latest")
-    if not os.path.exists(latest):
+    if not os.path.exists(os.path.join(run_dir, "checkpoints", "latest")):
         log("no checkpoint to resume from; not requeueing")
-        return
-    if requeue("requeueing job {job} (restart {restart}) to resume from " + latest + "; if a node is faulty, "
-               "drain it (scontrol update nodename=NODE state=drain reason=...)", switches, env):
+    elif resume(run_dir, "", switches, env, "; if a node is faulty, drain it (scontrol update nodename=NODE "
+                "state=drain reason=...)"):
         sys.exit(0)
-    log(f"to resume: {resume_hint(run_dir, switches, env)}")
 
 
 def run(run_dir: str, command: list[str], env, early: list) -> int:
@@ -241,11 +244,8 @@ def run(run_dir: str, command: list[str], env, early: list) -> int:
         after_timeout(run_dir, record, switches, env)
     status = ending.settle(run_dir, step.started, rc, "the job step")
     log(f"summary status: {status or '<no summary.json>'}")
-    if rc == 0 and status == "preempted":
-        latest = os.path.join(run_dir, "checkpoints", "latest")
-        if requeue("checkpointed; requeueing job {job} (restart {restart}) to resume from " + latest, switches, env):
-            return 0   # Slurm ends this run and queues the job again; the next run resumes
-        log(f"checkpointed; to resume: {resume_hint(run_dir, switches, env)}")
+    if rc == 0 and status == "preempted":   # requeued: Slurm ends this run and queues the job again; the next resumes
+        resume(run_dir, "checkpointed; ", switches, env)
         return 0
     if rc == 0 and step.signalled and status != "completed":
         log(f"warning: signalled, exit status 0, but summary status is '{status or 'none'}'")

@@ -75,19 +75,15 @@ def available_bytes() -> tuple[int | None, str]:
 
 def _cgroup_room() -> int | None:
     """limit - usage of this process's memory cgroup (v2 or v1), None when unlimited or unknown."""
-    try:
+    with contextlib.suppress(OSError):
         lines = pathlib.Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for _, controllers, path in (line.strip().split(":", 2) for line in lines if line.count(":") >= 2):
-        for directory, limit_file, usage_file in _cgroup_files(controllers, path):
-            try:
-                limit = pathlib.Path(directory, limit_file).read_text().strip()
-                usage = int(pathlib.Path(directory, usage_file).read_text())
-            except (OSError, ValueError):
-                continue
-            if limit.isdigit() and int(limit) < 1 << 60:   # "max" or a huge number: unlimited
-                return int(limit) - usage
+        for _, controllers, path in (line.strip().split(":", 2) for line in lines if line.count(":") >= 2):
+            for directory, limit_file, usage_file in _cgroup_files(controllers, path):
+                with contextlib.suppress(OSError, ValueError):   # this one unreadable: the next
+                    limit = pathlib.Path(directory, limit_file).read_text().strip()
+                    usage = int(pathlib.Path(directory, usage_file).read_text())
+                    if limit.isdigit() and int(limit) < 1 << 60:   # "max" or a huge number: unlimited
+                        return int(limit) - usage
     return None
 
 
@@ -143,11 +139,10 @@ def ranks_needed(mcfg, tcfg, plan, cap: int) -> str:
     def sharded(dp: int):
         return plan.on(dp * parts, zero=Zero(3), recompute=True, reshard="micro-batch")
     sizes = [d for d in range(1, 4097) if tcfg.global_batch % (d * tcfg.grad_accum) == 0 or not tcfg.global_batch]
-    fits = [None] * len(sizes)   # a rank's bytes shrink as the replicas grow: the first that fits, by bisection
 
     def need(i: int) -> int:
-        fits[i] = fits[i] if fits[i] is not None else sum(estimate(mcfg, tcfg, sharded(sizes[i])))
-        return fits[i]
+        return sum(estimate(mcfg, tcfg, sharded(sizes[i])))
+    # a rank's bytes shrink as the replicas grow: the first that fits, by bisection
     i = bisect.bisect_left(range(len(sizes)), True, key=lambda i: need(i) <= cap)
     if i < len(sizes):
         return (f"at {cap / MIB:.0f} MiB per rank it needs {sizes[i] * parts} ranks (--zero-stage 3 --recompute, data "
@@ -206,14 +201,11 @@ def claim(comm, out: str, ckpt_dir: str, ckpt_bytes: int) -> Claim:
     """Collective. Create, lock and check the run directory; ConfigError on every rank if any
     check fails (after undoing what was created). Rank 0's Claim holds the lock."""
     done = Claim()
-
-    def attempt() -> None:
-        try:
-            _claim(done, out, ckpt_dir, ckpt_bytes)
-        except ConfigError:
-            done.undo()
-            raise
-    agreed(comm, attempt, errors=(ConfigError,))
+    try:
+        agreed(comm, lambda: _claim(done, out, ckpt_dir, ckpt_bytes), errors=(ConfigError,))
+    except ConfigError:
+        done.undo()   # rank 0's: what it created (the other ranks' Claim is empty)
+        raise
     return done
 
 

@@ -77,10 +77,8 @@ def _just_resumed() -> bool:
 
 
 def _rank() -> int:
-    for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
+    ranks = (os.environ.get(name, "") for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"))
+    return next((int(rank) for rank in ranks if rank.isdigit()), 0)
 
 
 def _request(signum, frame) -> None:

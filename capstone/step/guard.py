@@ -1,6 +1,5 @@
-"""Divergence guard: decide, from globally agreed numbers, whether a step is kept.
-
-How it works: docs/design.md, "Inside the step", guard.py."""
+"""Divergence guard: decide, from globally agreed numbers, whether a step is kept
+(docs/design.md, "Inside the step", guard.py)."""
 
 import math
 from dataclasses import dataclass

@@ -1,6 +1,4 @@
-"""The one test seam: named points of a run where a test may act on it.
-
-How it works: docs/design.md, "Inside the step", hooks.py."""
+"""The one test seam: named points of a run where a test may act on it (docs/design.md, "Inside the step", hooks.py)."""
 
 
 class Hooks:

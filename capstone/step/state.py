@@ -69,9 +69,8 @@ class RunState:
     @classmethod
     def from_json(cls, data: dict) -> "RunState":
         return cls(step=int(data["step"]), cursor=int(data["data_cursor"]), eval_start=data["eval_start"],
-                   best_eval=data["best_eval"], rollbacks=list(data["rollbacks"]),
-                   guard=GuardState(**data["guard"]), best_step=data.get("best_step"),
-                   run_id=data.get("run_id"))
+                   best_eval=data["best_eval"], rollbacks=list(data["rollbacks"]), guard=GuardState(**data["guard"]),
+                   best_step=data.get("best_step"), run_id=data.get("run_id"))
 
     def accepted(self, step: int, loss: float, eval_loss: float | None) -> None:
         self.losses.append((step, loss, eval_loss))

@@ -8,6 +8,9 @@
 #   make_run_dir DIR                     -> exits 2 (with the reason) if the job must not use DIR
 # Environment: CAPSTONE_REQUEUE, CAPSTONE_MAX_REQUEUES, CAPSTONE_ABORT_GRACE, CAPSTONE_SIGNAL_SETTLE
 # (capstone/runtime/job.py says each; a bad value: exit 2 before the step starts).
+# Sourcing it puts the repository (two levels above this file) first on PYTHONPATH, for the job and the ranks.
+
+export PYTHONPATH="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)${PYTHONPATH:+:$PYTHONPATH}"
 
 run_step() {
   local run_dir="$1" python="$2"; shift 2
