@@ -4,8 +4,9 @@
 
 needs torch, transformers and safetensors (no capstone): loads HF_DIR with
 `GPT2LMHeadModel.from_pretrained` (the loading info: missing, unexpected and mismatched keys),
-computes the logits of INPUTS' `ids` in float32 and prints, as JSON, those keys and the largest
-absolute difference from INPUTS' `logits` (capstone's, float32). Offline: nothing is fetched.
+computes the logits of INPUTS' `ids` in float32 (a bfloat16 model widened to it) and prints, as
+JSON, those keys and the largest absolute difference from INPUTS' `logits` (capstone's, float32).
+Offline: nothing is fetched.
 """
 
 import json
@@ -22,7 +23,7 @@ from transformers import GPT2LMHeadModel  # noqa: E402
 
 def main(model_dir, inputs_path):
     transformers.logging.set_verbosity_error()
-    model, info = GPT2LMHeadModel.from_pretrained(model_dir, output_loading_info=True)
+    model, info = GPT2LMHeadModel.from_pretrained(model_dir, output_loading_info=True, dtype=torch.float32)
     inputs = load_file(inputs_path)
     with torch.no_grad():
         got = model.eval()(inputs["ids"].long()).logits.double()

@@ -3,6 +3,7 @@
   python -m benchmarks.memory table   [--preset large] [--ranks 4] [--steps 4] [--repeats 1] [-- FLAGS]
   python -m benchmarks.memory policies --preset medium [--ranks 4] [-- FLAGS]   (default FLAGS: --pp 2 --grad-accum 4)
   python -m benchmarks.memory largest [--ranks 4] [--limit-mib 1024] [-- FLAGS]
+  python -m benchmarks.memory precision --preset medium|large [--ranks 4] [--repeats 2] [-- FLAGS]
   python -m benchmarks.memory worker  (under mpirun: one setting, prints JSON)
 
 `table`: per setting, model-state bytes per rank as the run holds them (capstone.observe.memory)
@@ -14,7 +15,10 @@ without tracemalloc, settings interleaved). `largest`: per setting, the most lay
 launching real runs (the guard's undo state and everything else a run holds included). `policies`:
 the table for ZeRO-1, 2 and 3 under a pipeline with each --reshard policy (per micro-batch: a
 gather and a reduce-scatter for each micro-batch; per step: one of each per step, the stage's
-gathered parameters and whole gradient kept through it).
+gathered parameters and whole gradient kept through it). `precision`: each ZeRO stage in fp32 and in
+--precision bf16: the model states per kind as held (and whether they are the stage's formula), the
+activations the forward passes keep, the bytes each rank sends per step (the collectives table's ring
+figures), and the step time, the two precisions' timed launches alternated.
 docs/performance.md shows the output and says which stage to choose.
 """
 
@@ -63,22 +67,33 @@ def worker(argv: list[str]) -> int:
         activations = max(activations, tracemalloc.get_traced_memory()[1] - start) if trace else 0
         return finish(*args)
     run.reducer.finish = after_backward
+    kept, forward = 0, run.model.forward
+
+    def kept_after(*args, **kwargs):   # what a forward pass keeps for its backward: held once it returns
+        nonlocal kept
+        out = forward(*args, **kwargs)
+        kept = max(kept, tracemalloc.get_traced_memory()[0] - start) if trace else 0
+        return out
+    run.model.forward = kept_after
+    from capstone.observe.accounting import step_comm
     for s in range(1, steps + 1):
         if trace:
             tracemalloc.reset_peak()
             start = tracemalloc.get_traced_memory()[0]
         r = train.train_step(run, s)
         times.append(r.ms["step"])
+        wire = sum(e["sent_bytes_per_rank"] for e in step_comm(r.traffic).values())
         if trace:
             peak = max(peak, tracemalloc.get_traced_memory()[1])
     held, want = memory.measured(run), memory.formula(run)
     mine = {"states": held.total, "formula": want.total, "rows": held.row(), "formula_rows": want.row(),
             "traced_peak": peak, "activations": activations, "rss_peak": _status_kib("VmHWM") * 1024, "step_ms": statistics.median(times[1:] or times),
-            "n_params": run.n_params}
+            "n_params": run.n_params, "kept": kept, "wire": wire}
     every = world.allgather_json(mine)
     if world.rank == 0:
         print("RESULT " + json.dumps({k: max(e[k] for e in every) for k in ("states", "formula", "traced_peak",
-                                                                            "activations", "rss_peak", "step_ms")}
+                                                                            "activations", "rss_peak", "step_ms",
+                                                                            "kept", "wire")}
                                      | {"rows": every[0]["rows"], "formula_rows": every[0]["formula_rows"],
                                         "n_params": every[0]["n_params"],
                                         "per_rank": [{k: e[k] for k in ("states", "traced_peak", "activations",
@@ -133,6 +148,31 @@ def policies(args) -> None:
     table(args, POLICIES, kept=True)
 
 
+def precision(args) -> None:
+    """fp32 against --precision bf16 at each ZeRO stage (see the module)."""
+    base, keys = ["--preset", args.preset, "--steps", args.steps, *args.extra], [(s, p) for s in range(4)
+                                                                                 for p in ("fp32", "bf16")]
+    flags = {k: ["--zero-stage", str(k[0]), "--precision", k[1]] for k in keys}
+    traced = {k: launch(args.ranks, [*base, "--steps", 3, *flags[k]], trace=True) for k in keys}
+    times: dict = {k: [] for k in keys}
+    for rep in range(args.repeats):
+        for k in keys if rep % 2 == 0 else keys[::-1]:
+            times[k].append(launch(args.ranks, [*base, *flags[k]])["step_ms"])
+    print(f"{args.preset} on {args.ranks} ranks ({' '.join(map(str, args.extra)) or 'preset flags'}), "
+          f"{traced[keys[0]]['n_params']} parameters; MiB per rank (max over ranks), MB sent per rank and step")
+    print(f"{'stage':<6}{'':<5} {'params':>7} {'grads':>7} {'optim':>7} {'reduce':>7} {'= formula':>9} "
+          f"{'kept act':>9} {'x fp32':>7} {'wire MB':>8} {'x fp32':>7} {'step ms':>8} {'x fp32':>7}")
+    for stage, prec in keys:
+        t, f, ms = traced[stage, prec], traced[stage, "fp32"], statistics.median(times[stage, prec])
+        r = t["rows"]
+        print(f"{stage:<6}{prec:<5} {r['params_bytes'] / MIB:>7.2f} {r['grads_bytes'] / MIB:>7.2f} "
+              f"{r['optimizer_bytes'] / MIB:>7.2f} {r['reduce_bytes'] / MIB:>7.2f} {str(t['rows'] == t['formula_rows']):>9} "
+              f"{t['kept'] / MIB:>9.1f} {t['kept'] / f['kept']:>7.2f} {t['wire'] / 1e6:>8.2f} {t['wire'] / f['wire']:>7.2f} "
+              f"{ms:>8.0f} {ms / statistics.median(times[stage, 'fp32']):>7.3f}")
+    print("kept act: bytes allocated and still held when a micro-batch's forward pass returns (tracemalloc); "
+          "wire: the step's collectives as the collectives table counts them (ring figures, per rank)")
+
+
 def largest(args) -> None:
     """Per setting, the most layers at d512 within the limit (doubling, then bisection)."""
     base = ["--preset", "large", "--steps", 2, *args.extra]
@@ -172,7 +212,7 @@ def main(argv=None) -> int:
         return worker(argv[1:])
     p = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("what", choices=("table", "policies", "largest"))
+    p.add_argument("what", choices=("table", "policies", "largest", "precision"))
     p.add_argument("--preset", default="large", help="table, policies: the model and batch")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--steps", type=int, default=4, help="table: timed steps per launch (the first is not timed)")
@@ -180,7 +220,7 @@ def main(argv=None) -> int:
     p.add_argument("--limit-mib", type=int, default=1024, help="largest: peak RSS per rank")
     args, extra = p.parse_known_args(argv)   # the rest: more training flags (after --)
     args.extra = [a for a in extra if a != "--"]
-    {"table": table, "policies": policies, "largest": largest}[args.what](args)
+    {"table": table, "policies": policies, "largest": largest, "precision": precision}[args.what](args)
     return 0
 
 

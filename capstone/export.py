@@ -23,6 +23,7 @@ from capstone.flags import paths
 from capstone.checkpoint.files import write_atomic
 from capstone.config import ModelConfig
 from capstone.model.params import Layout
+from capstone.model.precision import narrow
 from capstone.flags.pipe import fail, run_tool
 from capstone.gpt2 import tensors
 from capstone.gpt2.vocab import SampleError
@@ -64,11 +65,11 @@ def write_bytes(data: bytes, out: str) -> None:
         raise SampleError(2, f"cannot write {out} ({exc}); check the path, its permissions and free space.") from None
 
 
-def hf_config(cfg: ModelConfig) -> dict:
+def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict:
     """config.json of GPT2LMHeadModel, as `save_pretrained` writes it (no dropout; no GPT-2 special tokens,
     which lie outside this vocabulary)."""
     gpt2 = {k: v for k, v in tensors.gpt2_config(cfg).items() if k != "lm_head_bias"}   # the fields GPT-2 has
-    return {**gpt2, "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.0, "bos_token_id": None, "dtype": "float32",
+    return {**gpt2, "architectures": ["GPT2LMHeadModel"], "attn_pdrop": 0.0, "bos_token_id": None, "dtype": dtype,
             "embd_pdrop": 0.0, "eos_token_id": None, "initializer_range": 0.02, "reorder_and_upcast_attn": False,
             "resid_pdrop": 0.0, "scale_attn_by_inverse_layer_idx": False, "use_cache": True}
 
@@ -82,14 +83,16 @@ def write_hf(views: dict[str, np.ndarray], cfg: ModelConfig, md: dict, out: str,
                              "GPT2LMHeadModel.from_pretrained would drop it and its logits would differ by it. Export "
                              "a model trained with --no-head-bias, or drop --format hf: the default safetensors file "
                              "keeps the bias (docs/export.md shows a PyTorch module that loads it).")
-    named = tensors.named_tensors({**views, **tensors.absent_biases(cfg)})
+    bits = next(iter(views.values())).dtype              # float32, or bfloat16's (uint16): zero is 0 in both
+    named = tensors.named_tensors({**views, **{k: z.astype(bits) for k, z in tensors.absent_biases(cfg).items()}})
     md = {"capstone_format": md.pop("format"), **md, tensors.DIGEST_KEY: tensors.tensor_digest(named), "format": "pt"}
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as exc:
         raise SampleError(2, f"cannot create {out} ({exc}); check the path and its permissions.") from None
     write_bytes(save(named, metadata=md), os.path.join(out, HF_FILES[1]))
-    write_bytes((json.dumps(hf_config(cfg), indent=2, sort_keys=True) + "\n").encode(), os.path.join(out, HF_FILES[0]))
+    dtype = "bfloat16" if bits == np.uint16 else "float32"
+    write_bytes((json.dumps(hf_config(cfg, dtype), indent=2, sort_keys=True) + "\n").encode(), os.path.join(out, HF_FILES[0]))
     return named
 
 
@@ -120,21 +123,24 @@ def _load(target: str):
     return path, meta, cfg, Layout.for_model(cfg, 1).views(params)
 
 
-def export(target: str, out: str, fmt: str = "safetensors", force: bool = False) -> dict:
+def export(target: str, out: str, fmt: str = "safetensors", force: bool = False, dtype: str = "float32") -> dict:
     """Write the checkpoint `target` (a run directory or ckpt file) to `out` (a file, or for fmt "hf" a
-    directory); returns a summary."""
+    directory), its tensors float32 or (`dtype` "bfloat16") rounded to bfloat16; returns a summary."""
     check_out(out, fmt, force)
-    st = tensors.library()
+    tensors.library()
     path, meta, cfg, views = _load(target)
+    if dtype == "bfloat16":   # the float32 master rounded to nearest even, as a bf16 run's working weights
+        views = {name: narrow(a) for name, a in views.items()}
+    save = tensors.save
     if fmt == "hf":
         md = tensors.metadata(meta, cfg, path, head_bias=False)
-        named = write_hf(views, cfg, dict(md), out, st.save)
+        named = write_hf(views, cfg, dict(md), out, save)
         tokenizer = write_tokenizer(md.get("tokenizer"), cfg, out)
         size = sum(os.path.getsize(os.path.join(out, n)) for n in HF_FILES + tuple(tokenizer))
     else:
         named = tensors.named_tensors(views)
         md = {**tensors.metadata(meta, cfg, path, "lm_head.b" in views), tensors.DIGEST_KEY: tensors.tensor_digest(named)}
-        write_bytes(st.save(named, metadata=md), out)
+        write_bytes(save(named, metadata=md), out)
         size = os.path.getsize(out)
     return {"checkpoint": path, "step": meta["step"], "tensors": len(named),
             "parameters": int(sum(a.size for a in named.values())), "bytes": size,
@@ -152,10 +158,13 @@ def main(argv=None) -> int:
     p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
                    help="safetensors: one file, GPT-2 names, capstone's head bias included (docs/export.md); hf: a "
                         "directory GPT2LMHeadModel.from_pretrained loads (a model trained without a head bias)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the tensors' type: float32 (the checkpoint's master weights as they are) or bfloat16 (rounded "
+                        "to nearest even: half the bytes; --init-from and transformers read both)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     args = p.parse_args(argv)
     try:
-        s = export(args.target, args.out, args.format, args.force)
+        s = export(args.target, args.out, args.format, args.force, args.dtype)
     except SampleError as exc:
         return fail(exc, exc.code)
     print(f"wrote {args.out}: {s['tensors']} tensors, {s['parameters']} parameters, {s['bytes']} bytes, from "

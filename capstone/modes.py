@@ -67,7 +67,7 @@ def make(grid: Grid, plan: Plan, mcfg: ModelConfig, tcfg: TrainConfig, data, hoo
         view = zero0.ReplicatedView(grid.dp, layout, view)
         reducer = zero0.Allgathered(reducer) if plan.deterministic or plan.precision == "bf16" else reducer
     prec = precision.of(plan.precision)    # bf16: the layers read bfloat16 weights (capstone.model.precision)
-    seam = _seam(grid, layout, prec.working(params), reducer, plan)
+    seam = _seam(grid, layout, params if prec is None else prec.working(params), reducer, plan)
     link = masks = None
     arith = ring or WHOLE         # the layers' arithmetic (--deterministic's: cut canonically, capstone.model.exact)
     if plan.deterministic:
@@ -144,10 +144,10 @@ def _reducer(grid: Grid, layout: Layout, plan: Plan, tcfg: TrainConfig, sums=Non
         # float32 messages also with bf16: a cp rank's is a subtree of a block's chunk sum (docs/precision.md)
         return det.DeterministicReducer(grid, layout, grads, tcfg.grad_accum, sums)
     floats = plan.bucket_floats(layout.padded)
-    if bf16 and not zero.shards_grads or plan.whole_grad:   # bfloat16 pieces (ZeRO-0: then allgathered)
-        from capstone.parallel.bf16sum import BucketPieces
-        return (BucketPieces if bf16 else BucketReducer)(grid, layout, layout.zeros(), floats, _loss_weight(grid))
-    if zero.stage == 1:   # the whole gradient, reduce-scattered once a step
+    if zero.stage == 1 or plan.whole_grad or bf16 and zero.stage == 0:   # the whole gradient, once a step
+        if bf16:   # in bfloat16 pieces, summed by their owners (capstone.parallel.bf16sum; ZeRO-0: then allgathered)
+            from capstone.parallel.bf16sum import BucketPieces
+            return BucketPieces(grid, layout, layout.zeros(), floats, _loss_weight(grid))
         return BucketReducer(grid, layout, layout.zeros(), floats, _loss_weight(grid))
     if not zero.shards_optimizer:      # the same buckets, allreduced (capstone.parallel.zero0)
         from capstone.parallel.zero0 import AllreduceReducer
@@ -178,7 +178,8 @@ def _seam(grid: Grid, layout: Layout, params, reducer: GradReducer, plan: Plan) 
         progress = getattr(reducer, "progress", None) or Progress()   # ZeRO-2's thread, else one of its own
         return Gatherer(grid.dp, layout, params, tuple(layout.group_ranges()), progress, reducer.landed, reducer.grads,
                         keep=plan.reshard == "step")
-    return Resident.over(layout, params, reducer.grads, reducer.landed)
+    resident = Resident if plan.precision == "fp32" else precision.Widened
+    return resident.over(layout, params, reducer.grads, reducer.landed)
 
 
 def _replicas(grid: Grid, layout: Layout, seam: Weights, plan: Plan, sums=None) -> Replicas:

@@ -302,3 +302,38 @@ def test_pins_agree_everywhere():
         assert f"- {name}={version}\n" in read["environment.yml"], pin
     versions = " ".join(p.split("==")[1] for p in sorted(pins, reverse=True))
     assert f"^pins: {versions}$" in read["scripts/check-bare-debian"]
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "hf"])
+def test_a_bfloat16_export_is_the_rounded_weights_and_both_readers_take_it(run, tmp_path, fmt):
+    """Issue 51: `--dtype bfloat16` writes BF16 tensors, each the float32 master rounded to nearest even (half the
+    bytes); --init-from reads them back widened, and transformers loads the directory with capstone's logits of
+    those weights."""
+    from capstone.gpt2 import finetune
+    from capstone.model.precision import narrow, widen
+    out = str(tmp_path / ("model.safetensors" if fmt == "safetensors" else "hf"))
+    ckpt = os.path.join(run, "checkpoints", "ckpt-00000003.h5")
+    meta, cfg, params = load_checkpoint(ckpt)
+    if fmt == "hf":         # a model without the head bias, as test_format_hf_loads_in_transformers_... builds it
+        layout = Layout.for_model(cfg, 1)
+        views = {n: narrow(a) for n, a in layout.views(params.copy()).items() if n != "lm_head.b"}
+        export.write_hf(views, cfg, gpt2_tensors.metadata(meta, cfg, ckpt, head_bias=False), out, gpt2_tensors.save)
+        assert json.load(open(os.path.join(out, "config.json")))["dtype"] == "bfloat16"
+        rounded = layout.zeros()
+        for name, view in layout.views(rounded).items():
+            view[...] = widen(views[name]) if name in views else 0.0
+        ids = np.random.default_rng(3).integers(0, cfg.vocab_size, (2, cfg.seq_len)).astype(np.int32)
+        want = logits(layout.groups(rounded), ids, cfg).reshape(2, cfg.seq_len, -1)
+        r = hf_logits(torch_python(), out, ids, want, tmp_path)
+        assert r["missing"] == [] and r["unexpected"] == [] and r["max_abs_diff"] < 1e-5, r
+        return
+    assert export.main([run, "--out", out, "--dtype", "bfloat16"]) == 0
+    meta_, stored = gpt2_tensors.load(out)
+    with open(out, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {"BF16"}
+    views = Layout.for_model(cfg, 1).views(params)
+    assert np.array_equal(stored["transformer.h.0.mlp.c_fc.weight"], narrow(views["h0.mlp.c_fc.w"]))
+    source = finetune.read(out)
+    assert np.array_equal(source.params, widen(narrow(params[:source.params.size])))
+    assert os.path.getsize(out) < 0.6 * params.nbytes

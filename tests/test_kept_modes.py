@@ -41,7 +41,7 @@ def test_a_resume_without_mode_flags_keeps_the_checkpoints_modes(tmp_path):
     rank cannot hold, falls back to pp 1 with the reason on the changed-settings line."""
     out = tmp_path / "run"
     modes = {"zero_stage": 3, "reshard": "step", "recompute": True, "tp": 1, "pp": 2, "pp_schedule": "afab",
-             "pp_layers": [3, 1], "guard_undo": True, "det_split": 4}
+             "pp_layers": [3, 1], "guard_undo": True, "det_split": 4, "precision": "fp32"}
     res = mpirun(2, "--out", out, *SMALL, "--zero-stage", 3, "--reshard", "step", "--recompute", "--pp", 2,
                  "--pp-schedule", "afab",
                  "--pp-layers", "3,1", "--grad-accum", 2, "--stop-after", 2)
@@ -73,7 +73,7 @@ def test_mode_flags_given_win_and_every_change_is_listed(tmp_path):
     assert stage_and_grid(out) == ({1}, 1, 2)
     assert started(out)[-1]["modes"] == {"zero_stage": 1, "reshard": "micro-batch", "recompute": False, "tp": 1,
                                          "pp": 2, "pp_schedule": None, "pp_layers": None, "guard_undo": True,
-                                         "det_split": 4}
+                                         "det_split": 4, "precision": "fp32"}
     line = changed_line(res)
     for change in ("zero_stage: 2 -> 1", "reshard: step -> micro-batch", "recompute: True -> False", "pp: 1 -> 2",
                    "steps: 6 -> 4",

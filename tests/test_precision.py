@@ -11,8 +11,7 @@ from conftest import mpirun, step_rows, summary
 from capstone.config import ModelConfig
 from capstone.model.gpt import Model, loss_and_grad
 from capstone.model.params import Layout, init_params
-from capstone.model.precision import BF16_RUN, narrow
-from capstone.model.seam import Resident
+from capstone.model.precision import Bf16, Widened, narrow
 
 RUN = ("--steps", "20", "--global-batch", "8", "--n-layers", "2", "--eval-every", "5", "--inject-nan", "7", "--quiet")
 
@@ -43,7 +42,7 @@ def test_bf16_is_pytorchs_bf16_autocast_at_one_step(layers, width):
         torch_loss, torch_grad = twin.grads(autocast="bf16")
     finally:
         twin.close()
-    model = Model(cfg, layout, Resident.over(layout, narrow(params), layout.zeros()), prec=BF16_RUN)
+    model = Model(cfg, layout, Widened.over(layout, narrow(params), layout.zeros()), prec=Bf16())
     loss = model.micro_batch(x, y, scale, fresh=True)
     fp32_loss, fp32_grad = loss_and_grad(layout, params, x, y, cfg, scale)
     assert abs(loss - torch_loss) <= 1e-4 * torch_loss, (loss, torch_loss)

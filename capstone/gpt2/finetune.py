@@ -19,7 +19,6 @@ settings in effect that differ from the preset's.
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,10 +28,10 @@ from capstone.collective.agree import agreed
 from capstone.config import ConfigError, ModelConfig, TrainConfig
 from capstone.data.tokenizer import difference, from_description
 from capstone.model.params import Layout
+from capstone.model.precision import values
 from capstone.flags.presets import COSINE, fit_warmup
 from capstone.step.state import ShardState
 
-MODEL_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 # what a fine-tuning run takes from its source run: the optimizer, the schedule, the cadence, the evaluation
 INHERITED = ("lr", "lr_schedule", "warmup_steps", "min_lr", "clip", "beta1", "beta2", "eps", "weight_decay",
              "eval_every", "eval_batches", "eval_batch_size", "ckpt_every", "ckpt_every_minutes", "keep_last")
@@ -42,7 +41,7 @@ FINETUNE_DEFAULTS = {"lr": 3e-4, **COSINE, "warmup_steps": 30, "min_lr": 3e-5, "
 FINETUNE_STEPS = 300
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Source:
     """The weights a run starts from, and what they were trained on."""
 
@@ -132,22 +131,19 @@ def refuse_unjudged(target: str, meta: dict, path: str | None = None) -> None:
 
 def _read_export(path: str) -> Source:
     """An export's tensors back into the flat layout (lm_head.weight transposed back to (in, out))."""
-    from capstone.gpt2.tensors import DIGEST_KEY, FORMAT, check_digest, gpt2_name, library, tensor_digest
+    from capstone.gpt2.tensors import DIGEST_KEY, FORMAT, check_digest, gpt2_name, library, load, tensor_digest
     from capstone.gpt2.vocab import SampleError
     try:
         library()   # the library, or the install command
     except SampleError as exc:
         raise ConfigError(f"--init-from {path}: {exc}") from None
-    from safetensors import safe_open
     try:
-        with safe_open(path, framework="numpy") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != FORMAT:
-                raise ConfigError(f"--init-from {path}: not a capstone export (format {meta.get('format')!r}); "
-                                  f"pass a file `python -m capstone.export` wrote.")
-            refuse_unjudged(path, meta)
-            cfg = ModelConfig(**json.loads(meta["capstone_model_config"]))
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        meta, tensors = load(path)
+        if meta.get("format") != FORMAT:
+            raise ConfigError(f"--init-from {path}: not a capstone export (format {meta.get('format')!r}); "
+                              f"pass a file `python -m capstone.export` wrote.")
+        refuse_unjudged(path, meta)
+        cfg = ModelConfig(**json.loads(meta["capstone_model_config"]))
     except ConfigError:
         raise
     except Exception as exc:   # noqa: BLE001 - safetensors' own SafetensorError, a bad header, bad JSON
@@ -158,7 +154,7 @@ def _read_export(path: str) -> Source:
     flat = layout.zeros()
     for name, view in layout.views(flat).items():
         got = tensors.pop(gpt2_name(name), None)
-        got = got.T if name == "lm_head.w" and got is not None else got
+        got = None if got is None else values(got).T if name == "lm_head.w" else values(got)   # bf16: widened
         if got is None or got.shape != view.shape:
             raise CheckpointError(f"--init-from {path}: tensor {gpt2_name(name)} is "
                                   f"{'missing' if got is None else got.shape}, the model {cfg} needs {view.shape}.")
@@ -219,7 +215,7 @@ def model_for(settings, source: Source) -> ModelConfig:
     """The source's model config; ConfigError if a flag (or --preset) asks for another."""
     want = dataclasses.asdict(source.model)
     differ = [f"{flag(k, settings.explicit[k])} (it has {flag(k, want[k]) if isinstance(want[k], bool) else want[k]})"
-              for k in MODEL_KEYS if k in settings.explicit and settings.explicit[k] != want[k] and k != "dropout"]
+              for k in want if k in settings.explicit and settings.explicit[k] != want[k] and k != "dropout"]
     if differ:
         raise ConfigError(f"--init-from {source.path}: the model comes from it, but {', '.join(differ)} asks for "
                           f"another. Drop those flags (and a --preset that sets them): a fine-tuned model keeps "

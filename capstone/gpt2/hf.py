@@ -11,6 +11,7 @@ shorter than n_positions keeps the first rows of the position table, as nanoGPT'
 Imported only when such a directory is used.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -20,8 +21,9 @@ import numpy as np
 from capstone.flags import paths
 from capstone.checkpoint import CheckpointError
 from capstone.config import ConfigError, ModelConfig
-from capstone.gpt2.tensors import BLOCK, DIGEST_KEY, LAYER_NORM_EPS, TOP, check_digest, digest_update
+from capstone.gpt2.tensors import BLOCK, DIGEST_KEY, LAYER_NORM_EPS, TOP, check_digest, digest_update, load
 from capstone.model.params import Layout
+from capstone.model.precision import values
 
 FILES = paths.HF_FILES
 TOKENIZER_FILES = ("vocab.json", "merges.txt")
@@ -74,21 +76,26 @@ def capstone_name(name: str) -> str:
 
 def read_weights(path: str, cfg: ModelConfig, digest: str | None = None) -> np.ndarray:
     """The flat 1-rank parameters of model `cfg` from DIR/model.safetensors (wpe cropped to cfg.seq_len;
-    a tied model's lm_head.weight, if stored, must be wte); ConfigError for missing or extra tensors,
-    CheckpointError if the tensors' sha256 is not `digest` (capstone's export records it; None: unchecked)."""
-    from safetensors import safe_open
+    a tied model's lm_head.weight, if stored, must be wte; lm_head transposed); ConfigError for missing or extra
+    tensors or another shape, CheckpointError if the tensors' sha256 is not `digest` (capstone's export records it;
+    None: unchecked)."""
     layout = Layout.for_model(cfg, 1)
     flat = layout.zeros()
     views, seen, h = layout.views(flat), set(), hashlib.sha256()
-    with safe_open(os.path.join(path, FILES[1]), framework="numpy") as f:
-        for key in sorted(f.keys()):
-            tensor = f.get_tensor(key)
-            digest_update(h, key, tensor)
-            name = capstone_name(key)
-            if not name or name == "lm_head.w" and cfg.tie_embeddings:
-                continue      # a buffer, or the tied head's copy of wte (save_pretrained may keep it)
-            place(path, key, name, tensor, views, cfg)
-            seen.add(name)
+    for key, tensor in sorted(load(os.path.join(path, FILES[1]))[1].items()):
+        digest_update(h, key, tensor)
+        name = capstone_name(key)
+        if not name or name == "lm_head.w" and cfg.tie_embeddings:
+            continue      # a buffer, or the tied head's copy of wte (save_pretrained may keep it)
+        if name not in views:
+            raise ConfigError(f"--init-from {path}: tensor {key} is not part of a GPT-2 of this config.")
+        got = values(tensor).astype(np.float32)     # a bfloat16 model's bits widened
+        got = got.T if name == "lm_head.w" else got[:cfg.seq_len] if name == "wpe" else got
+        if got.shape != views[name].shape:
+            raise ConfigError(f"--init-from {path}: tensor {key} has shape {got.shape}, the config's model "
+                              f"needs {views[name].shape}.")
+        views[name][...] = got
+        seen.add(name)
     check_digest(path, digest, h.hexdigest())
     if missing := sorted(set(views) - seen):
         raise ConfigError(f"--init-from {path}: model.safetensors lacks {', '.join(missing[:4])}"
@@ -96,19 +103,6 @@ def read_weights(path: str, cfg: ModelConfig, digest: str | None = None) -> np.n
                           f"disagree (n_layer, n_embd, ... changed in config.json?). Restore config.json to the "
                           f"model's own settings, or export (or download) the model again.")
     return flat[:layout.n_params].copy()
-
-
-def place(path: str, key: str, name: str, tensor: np.ndarray, views: dict, cfg: ModelConfig) -> None:
-    """GPT-2 tensor `key` into capstone's parameter `name` (lm_head transposed, wpe cropped); ConfigError if
-    the config's model has no such parameter or another shape."""
-    if name not in views:
-        raise ConfigError(f"--init-from {path}: tensor {key} is not part of a GPT-2 of this config.")
-    got = tensor.astype(np.float32)
-    got = got.T if name == "lm_head.w" else got[:cfg.seq_len] if name == "wpe" else got
-    if got.shape != views[name].shape:
-        raise ConfigError(f"--init-from {path}: tensor {key} has shape {got.shape}, the config's model "
-                          f"needs {views[name].shape}.")
-    views[name][...] = got
 
 
 def read(path: str, seq_len: int | None = None):
@@ -149,10 +143,9 @@ def exported_meta(path: str) -> dict:
 
 def exported(path: str) -> bool:
     """Whether DIR/model.safetensors is capstone's `export --format hf` (False if it is absent or unreadable)."""
-    try:
+    with contextlib.suppress(Exception):   # absent, or safetensors' own SafetensorError: not an export here
         return "capstone_format" in exported_meta(path)
-    except Exception:   # noqa: BLE001 - absent, or safetensors' own SafetensorError: not an export here
-        return False
+    return False
 
 
 def gpt2_tokenizer(path: str, special: bool = True):

@@ -19,6 +19,8 @@ from capstone.model.params import param_shapes
 SAFETENSORS_PIN = "safetensors==0.8.0"
 FORMAT = "capstone-gpt2"
 DIGEST_KEY = "tensor_sha256"     # metadata: sha256 of the tensors (`tensor_digest`), verified by --init-from
+NUMPY = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8", "I32": "<i4", "I16": "<i2", "I8": "i1",
+         "U8": "u1", "BOOL": "?"}    # safetensors' dtypes as NumPy reads them (BF16: its bits)
 LAYER_NORM_EPS = 1e-5            # capstone.model.kernels._ln_fwd
 BLOCK = {f"{module}.{short}": f"{module}.{full}"   # a block's parameters: ln_1.w -> ln_1.weight, ...
          for module in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj")
@@ -36,10 +38,29 @@ def gpt2_name(name: str) -> str:
 
 
 def named_tensors(views: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """GPT-2 name -> contiguous float32 array, for the layout's entries (`Layout.views`); lm_head.weight
-    transposed to (vocab, d_model)."""
-    return {gpt2_name(n): np.ascontiguousarray(a.T if n == "lm_head.w" else a, dtype=np.float32)
-            for n, a in views.items()}
+    """GPT-2 name -> contiguous array (float32, or bfloat16's bits), for the layout's entries (`Layout.views`);
+    lm_head.weight transposed to (vocab, d_model)."""
+    return {gpt2_name(n): np.ascontiguousarray(a.T if n == "lm_head.w" else a) for n, a in views.items()}
+
+
+def save(named: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
+    """The safetensors file of `named`: float32 arrays as F32, uint16 ones as BF16 (bfloat16's bits: an export's
+    --dtype bfloat16, capstone.model.precision)."""
+    from safetensors import TensorSpec, serialize
+    kind = {"float32": "float32", "uint16": "bfloat16"}
+    return bytes(serialize({k: TensorSpec(dtype=kind[a.dtype.name], shape=a.shape, data_ptr=a.ctypes.data,
+                                          data_len=a.nbytes) for k, a in named.items()}, metadata=metadata))
+
+
+def load(path: str) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    """(metadata, name -> array) of a safetensors file, a BF16 tensor as its bits (uint16: precision.values widens
+    it; NumPy has no bfloat16); exceptions of safetensors' own for a damaged file."""
+    from safetensors import deserialize, safe_open
+    with safe_open(path, framework="numpy") as f:
+        meta = f.metadata() or {}
+    with open(path, "rb") as f:
+        flat = deserialize(f.read())
+    return meta, {name: np.frombuffer(t["data"], dtype=NUMPY[t["dtype"]]).reshape(t["shape"]) for name, t in flat}
 
 
 def digest_update(h, name: str, a: np.ndarray) -> None:

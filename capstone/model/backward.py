@@ -11,7 +11,6 @@ from autograd.extend import vspace
 
 from capstone.model import blocks
 from capstone.model import kernels as K
-from capstone.model.precision import FP32, Precision
 from capstone.model.seam import Weights
 
 
@@ -28,7 +27,7 @@ class Pass:
     masks: object = None          # this micro-batch's dropout masks (None: no dropout)
     tie: object = None            # this pass's tied wte (None: the head has a matrix of its own)
     later: object = None          # a split backward's weight gradients, kept for its W pass (parallel.pipeline.Later)
-    prec: Precision = FP32        # what the layers keep for the backward pass (capstone.model.precision)
+    prec: object = None           # --precision bf16: activations kept narrowed (capstone.model.precision.Bf16)
 
 
 def _embed_mask(ps: Pass, a, T: int):
@@ -72,14 +71,14 @@ def _block_fwd(x, ps: Pass, name: str, T: int, H: int, shapes):
     out, saved = blocks.block_forward(x, ps.seam.weights(name, False), T, H, shapes, ps.tp, ps.cp, ps.masks,
                                       int(name[1:]))
     ps.seam.release(name)
-    return out, ps.prec.keep(saved) if ps.train and not ps.recompute else None
+    return out, _kept(ps, saved) if ps.train and not ps.recompute else None
 
 
 def _block_bwd(g, saved, argnums, x, ps: Pass, name: str, T: int, H: int, shapes):
     w = ps.seam.weights(name, True)
     if saved is None:     # recomputation: the activations again, from the block's input (the same masks), as kept
-        saved = ps.prec.keep(blocks.block_forward(x, w, T, H, shapes, ps.tp, ps.cp, ps.masks, int(name[1:]))[1])
-    saved = ps.prec.unkept(saved)
+        saved = _kept(ps, blocks.block_forward(x, w, T, H, shapes, ps.tp, ps.cp, ps.masks, int(name[1:]))[1])
+    saved = _kept(ps, saved, back=True)
     gw, put = _grads(ps, name, shapes)
     gx = blocks.block_backward(g, saved, x, w, T, H, shapes, ps.tp, put, free=True, cp=ps.cp)
     _landed(ps, name, gw)
@@ -90,11 +89,11 @@ def _head_fwd(x, ps: Pass, targets, shapes, scale):
     loss, saved = blocks.head_loss_forward(x, ps.seam.weights("head", False), targets, shapes, scale,
                                            None if ps.tie is None else ps.tie.wte(ps.seam), ps.cp)
     _release(ps, "head")
-    return loss, ps.prec.keep(saved) if ps.train else None
+    return loss, _kept(ps, saved) if ps.train else None
 
 
 def _head_bwd(g, saved, argnums, x, ps: Pass, targets, shapes, scale):
-    (gw, put), w, saved = _grads(ps, "head", shapes), ps.seam.weights("head", True), ps.prec.unkept(saved)
+    (gw, put), w, saved = _grads(ps, "head", shapes), ps.seam.weights("head", True), _kept(ps, saved, True)
     wte = None if ps.tie is None else ps.tie.wte(ps.seam)
     gwte = None if wte is None else ps.cp.share_buffer(wte)
     gx = blocks.head_loss_backward(g, saved, w, targets, shapes, put, True, scale, wte, gwte, ps.cp)
@@ -102,6 +101,11 @@ def _head_bwd(g, saved, argnums, x, ps: Pass, targets, shapes, scale):
         ps.tie.made(gwte)       # the head's share of wte's gradient, for the embedding's backward
     _landed(ps, "head", gw)
     return {0: gx}
+
+
+def _kept(ps: Pass, saved, back: bool = False):
+    """What a layer keeps for its backward pass (bf16: narrowed); `back`: what it kept, as float32 again."""
+    return saved if ps.prec is None else (ps.prec.unkept if back else ps.prec.keep)(saved)
 
 
 def _release(ps: Pass, name: str) -> None:

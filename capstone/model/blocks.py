@@ -1,7 +1,5 @@
-"""The model's three fused parts as pairs of forward and backward functions over one flat group.
-
-How it works: docs/design.md, "Inside the step", model/blocks.py.
-"""
+"""The model's three fused parts as pairs of forward and backward functions over one flat group
+(docs/design.md, "Inside the step", model/blocks.py)."""
 
 import functools
 import math
@@ -125,8 +123,7 @@ def embedding_forward(w, idx, shapes, cp=WHOLE):
 
 
 def embedding_backward(g, w, idx, shapes, put, cp=WHOLE, tie=None) -> None:
-    """The embedding's gradient `put` (it has no input to differentiate), wte's with a tied head's share added (`tie`'s,
-    capstone.model.tied, taken when it is computed)."""
+    """The embedding's gradient `put` (no input to differentiate), wte's with a tied head's share (`tie`) added."""
     put(cp.embed, g, unpack(w, shapes), idx, cp.positions(idx.shape[1]), tie)
 
 
@@ -154,10 +151,8 @@ def _dropped(a, mask):
 
 
 def block_backward(g, saved, x, w, T, H, shapes, tp, put, free: bool, cp=WHOLE):
-    """The block's input gradient; `put(op, *operands)` gets each of its weights' gradients as op(d, *operands), which
-    writes into the views d of the group's gradient (unpack), now or in a split backward's W pass
-    (capstone.model.backward). With `free` each activation is freed once used: the block's MLP activations are gone
-    before the attention's temporaries exist."""
+    """The block's input gradient; each weight's gradient goes to `put(op, *operands)` (docs/design.md). With `free`
+    each activation is freed once used: the MLP's are gone before the attention's temporaries exist."""
     a, s_ln1, qkv, s_att, y, m, s_ln2, h, s_fc, m1, m2 = saved
     if free:
         saved.clear()
@@ -201,8 +196,7 @@ def head_loss_forward(x, w, targets, shapes, scale=1.0, wte=None, cp=WHOLE):
 
 
 def head_loss_backward(g, saved, w, targets, shapes, put, free: bool, scale=1.0, wte=None, gwte=None, cp=WHOLE):
-    """The hidden states' gradient (`free`: as block_backward); the head's weights' `put`, a tied head's share of wte's
-    gradient written into gwte (cp.share_buffer)."""
+    """The hidden states' gradient (`free`: as block_backward); the head's weights' `put`; a tied head's share: gwte."""
     z_in, s_ln, probs = saved
     if free:
         saved.clear()

@@ -95,7 +95,9 @@ class Exact(Alone):
         """Rows (or a vector) in sample order (B, t) -> this arithmetic's order: chunk-major (L, B, n), so that
         local chunk l's rows of every sample are one contiguous GEMM tile of B*n rows (`chunks`); `back`: undone."""
         lead = (self.L, -1) if back else (-1, self.L)
-        return _c(a.reshape(*lead, self.n, *a.shape[1:]).swapaxes(0, 1)).reshape(a.shape)
+        out = _c(a.reshape(*lead, self.n, *a.shape[1:]).swapaxes(0, 1)).reshape(a.shape)
+        out.flags.writeable = a.flags.writeable      # dropout's masks stay read-only (capstone.model.precision)
+        return out
 
     def chunks(self, x: np.ndarray) -> np.ndarray:
         """(B*t, C) in chunk-major order -> (L, B*n, C), a view."""

@@ -6,8 +6,6 @@ import math
 
 import numpy as np
 
-from capstone.model.precision import values
-
 NORM_CHUNK = 1 << 16   # float64 copies of this many values stay in cache (a whole-buffer copy is 15x slower)
 
 
@@ -15,7 +13,9 @@ def sum_squares(flat: np.ndarray, weight: np.ndarray | None = None) -> float:
     """Sum of (weight *) squares of a vector in float64, converted chunk by chunk."""
     total = 0.0
     for c in range(0, flat.size, NORM_CHUNK):
-        x = values(flat[c:c + NORM_CHUNK]).astype(np.float64)     # bf16: its values (capstone.model.precision)
+        x = flat[c:c + NORM_CHUNK]
+        x = (x.astype(np.uint32) << 16).view(np.float32) if x.dtype == np.uint16 else x   # bf16: widened
+        x = x.astype(np.float64)
         total += float(np.dot(x if weight is None else x * weight[c:c + NORM_CHUNK], x))
     return total
 

@@ -12,7 +12,6 @@ from capstone.config import ModelConfig
 from capstone.model.backward import Pass, block, differentiate, embedding, head_loss
 from capstone.model.blocks import ALONE, WHOLE, head_logits
 from capstone.model.params import Layout, group_shapes
-from capstone.model.precision import FP32, Precision
 from capstone.model.seam import MaskSource, Resident, TieSource, Weights
 
 
@@ -66,9 +65,9 @@ class Model:
     """This rank's part of MiniGPT: the groups of `layout` (in order) over `seam` (see the module)."""
 
     def __init__(self, cfg: ModelConfig, layout: Layout, seam: Weights, tp=ALONE, recompute: bool = False, cp=WHOLE,
-                 masks: MaskSource | None = None, tie: TieSource | None = None, prec: Precision = FP32):
+                 masks: MaskSource | None = None, tie: TieSource | None = None, prec=None):
         self.cfg, self.layout, self.seam, self.tp, self.recompute, self.cp = cfg, layout, seam, tp, recompute, cp
-        self.prec = prec                                           # what the layers keep (capstone.model.precision)
+        self.prec = prec                                           # bf16's (capstone.model.precision; None: fp32)
         self.masks = masks                                         # dropout's (None: no dropout)
         self.tie = tied_source(cfg, tp) if tie is None else tie    # None: an untied head
         self.names = tuple(layout.group_ranges())

@@ -11,8 +11,10 @@ half into an infinity, which the guard would then miss).
 
 import numpy as np
 
+from capstone.model.seam import Resident
+
 BF16 = np.uint16       # the bits of a bfloat16
-CHUNK = 1 << 16        # values per pass of a narrowing: its temporaries stay in cache
+CHUNK = 1 << 18        # values per pass of a narrowing: its temporaries stay in cache (1 MiB)
 
 
 def narrow(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -28,8 +30,8 @@ def narrow(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         t += 0x7FFF
         t += a
         np.right_shift(t, 16, out=o[lo:lo + CHUNK], casting="unsafe")
-        nan = np.isnan(x.reshape(-1)[lo:lo + CHUNK])
-        if nan.any():              # a NaN stays a NaN: its upper half, made quiet
+        if np.isnan(np.min(x.reshape(-1)[lo:lo + CHUNK])):      # a NaN stays a NaN: its upper half, made quiet
+            nan = np.isnan(x.reshape(-1)[lo:lo + CHUNK])
             o[lo:lo + CHUNK][nan] = (a[nan] >> 16) | 0x40
     return out
 
@@ -67,51 +69,42 @@ def _narrowed(a):
     return Stored(narrow(a)) if big else a
 
 
-class Precision:
-    """--precision fp32: the working parameters are the float32 values, nothing is narrowed."""
-
-    name, dtype, itemsize = "fp32", np.float32, 4
-
-    def keep(self, saved):
-        """What a layer keeps for its backward pass."""
-        return saved
-
-    def unkept(self, saved):
-        """The kept activations back as float32 (a bf16 list is emptied: its arrays are freed as used)."""
-        return saved
-
-    def publish(self, master: np.ndarray, out: np.ndarray) -> None:
-        """The working parameters `out` from the float32 `master`."""
-        np.copyto(out, master)
-
-    def working(self, params: np.ndarray) -> np.ndarray:
-        """The working buffer of the initial float32 `params` (itself)."""
-        return params
-
-
-class Bf16(Precision):
-    """--precision bf16 (see the module)."""
+class Bf16:
+    """--precision bf16's transformation of the model (see the module); --precision fp32 has none (None)."""
 
     name, dtype, itemsize = "bf16", BF16, 2
 
-    def keep(self, saved):
+    @staticmethod
+    def keep(saved):
+        """What a layer keeps for its backward pass, its activations narrowed."""
         return _map(_narrowed, saved)
 
-    def unkept(self, saved):
+    @staticmethod
+    def unkept(saved):
+        """The kept activations back as float32; `saved` is emptied (its arrays freed as they are used)."""
         out = _map(lambda s: widen(s.bits) if isinstance(s, Stored) else s, saved)
         saved.clear()
         return out
 
-    def publish(self, master: np.ndarray, out: np.ndarray) -> None:
+    @staticmethod
+    def cast(out: np.ndarray, master: np.ndarray) -> None:
+        """The working parameters `out` from the float32 `master`, rounded (np.copyto's order: fp32's cast)."""
         narrow(master, out)
 
-    def working(self, params: np.ndarray) -> np.ndarray:
-        return narrow(params)
+    working = staticmethod(narrow)      # the working buffer of the initial float32 parameters
 
 
-FP32, BF16_RUN = Precision(), Bf16()
+class Widened(Resident):
+    """The seam of resident bfloat16 working weights (capstone.model.seam.Resident): a layer reads its group
+    widened to float32, a copy it drops when done."""
+
+    def weights(self, group: str, backward: bool = False) -> np.ndarray:
+        return widen(self.groups[group])
+
+    def whole(self) -> np.ndarray:
+        return widen(self.params)
 
 
-def of(name: str) -> Precision:
-    """The precision of --precision `name`."""
-    return BF16_RUN if name == "bf16" else FP32
+def of(name: str) -> Bf16 | None:
+    """The transformation of --precision `name` (None: fp32, none)."""
+    return Bf16() if name == "bf16" else None

@@ -1,6 +1,5 @@
-"""The seam between the model and the modes: where a parameter group's weights come from and its gradient goes.
-
-How it works: docs/design.md, "Inside the step", model/seam.py."""
+"""The seam between the model and the modes: where a parameter group's weights come from and its gradient goes
+(docs/design.md, "Inside the step", model/seam.py)."""
 
 from typing import Callable, Protocol
 
@@ -8,8 +7,6 @@ import numpy as np
 
 
 class Weights(Protocol):
-    """The seam (see the module)."""
-
     params: np.ndarray          # what the optimizer updates: the flat buffer (ZeRO-3: this rank's shard)
     grads: np.ndarray | None    # the flat gradient buffer (None: each group's gradient is handed on)
 
@@ -66,8 +63,7 @@ class Sinks:
 
 
 class Resident:
-    """Weights held whole on this rank: `groups` (name -> flat array); gradients land as `Sinks(sinks, on_landed)`;
-    `params`, `grads`: the flat buffers they view (None: none)."""
+    """Weights held whole on this rank (`groups`: name -> flat array, views of `params`), gradients into `Sinks`."""
 
     def __init__(self, groups: dict, sinks: dict | None = None, on_landed: Callable = ignore, params=None, grads=None):
         self.groups, self.out, self.params, self.grads = groups, Sinks(sinks, on_landed), params, grads

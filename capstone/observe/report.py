@@ -182,14 +182,12 @@ def memory_table(rows: list[dict]) -> str:
         return (f"{label:>8} " + " ".join(f"{v:>10.0f}" for v in vals) + f" {sum(vals):>11.0f}"
                 + (f" {rss / MIB:>13.1f}" if rss is not None else ""))
 
-    for r in rows:
-        lines.append(fmt(str(r["rank"]), [r.get(k, 0) for k in keys], r["peak_rss_bytes"]))
+    lines += [fmt(str(r["rank"]), [r.get(k, 0) for k in keys], r["peak_rss_bytes"]) for r in rows]
     for label, over in (("max", max), ("mean", lambda values: sum(values) / len(rows))):
         lines.append(fmt(label, [over([r.get(k, 0) for r in rows]) for k in keys],
                          over([r["peak_rss_bytes"] for r in rows])))
-    if "formula" in rows[0]:
-        lines.append(fmt(f"stage {rows[0]['stage']}", [max(r["formula"][k] for r in rows) for k in keys], None)
-                     + "  the formula (max over ranks; capstone.observe.memory)")
+    lines.append(fmt(f"stage {rows[0]['stage']}", [max(r["formula"][k] for r in rows) for k in keys], None)
+                 + "  the formula (max over ranks; capstone.observe.memory)")
     return "\n".join(lines)
 
 
@@ -267,7 +265,8 @@ class Summary:
 
     def what_if(self) -> dict:
         layout = self.run.model.layout
-        return accounting.what_if(layout.n_params, layout.padded, self.run.grid.dp.size, self.memory)
+        return accounting.what_if(layout.n_params, layout.padded, self.run.grid.dp.size, self.memory,
+                                  accounting.PRECISIONS[self.run.plan.precision])
 
 
 def final(summary: Summary, verified: dict | None, failed: list[str], rank: int) -> None:

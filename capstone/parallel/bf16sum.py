@@ -51,10 +51,12 @@ class BucketPieces(BucketReducer):
         self.peak = max(self.peak, sum(p.nbytes for p, _ in self.pieces))
         return pieces.request
 
-    def received(self) -> None:
+    def stats(self, loss: float, flags, sumsq=None):
+        """The requests are done: each bucket's pieces summed into the shard, then the step's numbers."""
         for pieces, b in self.pieces:
             pieces.sum_into(self.grad_shard[b.recv])
         self.pieces = []
+        return super().stats(loss, flags, sumsq)
 
     def nbytes(self) -> int:
         return self.grad_shard.nbytes + self.peak

@@ -121,12 +121,8 @@ class BucketReducer(GradReducer):
         what = f"{self.op.replace('_', '-')} of the gradient" + (
             f" ({n} buckets, {self.overlapped} started during backward)" if n > 1 else "")
         self.comm.wait(self.requests, what, self.op, self.op, self.grads.size * self.wire)
-        self.received()
         self._reset()
         return self.stats(sum(losses), flags)
-
-    def received(self) -> None:
-        """The requests are done (the sums are MPI's: nothing left to do)."""
 
     def nbytes(self) -> int:
         return self.grad_shard.nbytes + (0 if self.staging is None else self.staging.nbytes)

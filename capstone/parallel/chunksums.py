@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from capstone.model.fingerprint import word_sum
-from capstone.model.precision import values
+from capstone.model import precision
 from capstone.parallel.deterministic import FIXED_CHUNK, sumsq, tree_sum
 
 KIND = "sha256 of the canonical vector's 16384-value chunks' sha256s"   # the fingerprint's, recorded with a run
@@ -105,7 +105,7 @@ class CanonicalCheck:
 
     def check(self, step: int, params: np.ndarray, strong: bool) -> tuple[float, str]:
         self.inner.check(step, params, strong)
-        sq, digest = self.sums(values(params[self.shard]), digest="sha256" if strong else "words")
+        sq, digest = self.sums(precision.values(params[self.shard]), digest="sha256" if strong else "words")
         return math.sqrt(sq), digest
 
 

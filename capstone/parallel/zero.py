@@ -5,7 +5,6 @@ How it works: docs/design.md, "Inside the step", parallel/zero.py."""
 import numpy as np
 
 from capstone.model.params import DTYPE, Layout, no_decay_runs
-from capstone.model.precision import FP32, Precision
 from capstone.step.state import ROWS, ShardState
 
 ADAM_CHUNK = 1 << 16         # elements per pass of the update: the arrays of one pass stay in L2 (256 KiB each)
@@ -15,10 +14,10 @@ class ZeroAdam:
     """Adam(W) with ZeRO-1 sharding over `dp` (a Comm): this rank updates shard [lo, hi) of the flat `params`."""
 
     def __init__(self, dp, layout: Layout, params: np.ndarray, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                 clip: float = 0.0, undo: bool = True, replicate: bool = False, prec: Precision = FP32, working=None):
+                 clip: float = 0.0, undo: bool = True, replicate: bool = False, prec=None, working=None):
         """Collective: call on all ranks of `dp`. Broadcasts its rank 0's parameters (DDP-style, once). `working`:
-        the buffer the layers read (--precision bf16: bfloat16, made from the master after each update; None:
-        `params` itself)."""
+        the buffer the layers read (`prec`, --precision bf16's capstone.model.precision.Bf16: bfloat16 made from the
+        master after each update; None: `params` itself)."""
         if layout.world != dp.size:
             raise ValueError(f"layout is padded for {layout.world} ranks but the data-parallel group has {dp.size}")
         self.dp, self.layout, self.params = dp, layout, params
@@ -26,8 +25,9 @@ class ZeroAdam:
         self.beta1, self.beta2, self.eps = float(betas[0]), float(betas[1]), float(eps)
         self.weight_decay, self.clip = float(weight_decay), float(clip)   # clip: of the global gradient norm (0: off)
         master = self._adopt(params)
-        self.prec, self.params = prec, params if working is None else working
-        prec.publish(params, self.params)
+        self.params, self.cast = params if working is None else working, np.copyto if prec is None else prec.cast
+        if working is not None:
+            self.cast(working, params)
         self.state = ShardState(master, np.zeros_like(master), np.zeros_like(master))
         self.before = ShardState(*(np.zeros_like(master) for _ in ROWS)) if undo else None  # before the last apply
         self.revertible = False                                            # `before` may be restored
@@ -102,7 +102,7 @@ class ZeroAdam:
 
     def _publish(self) -> None:
         """Collective: call on all ranks. Copy the master shard into params (bf16: rounded) and allgather it."""
-        self.prec.publish(self.state.master, self.params[self.lo:self.hi])
+        self.cast(self.params[self.lo:self.hi], self.state.master)
         self.dp.Allgather(self.params, "allgather of the updated parameters", "allgather")
 
     def load_state(self, state: ShardState) -> None:

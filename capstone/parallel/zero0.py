@@ -72,7 +72,7 @@ class ReplicatedAdam(ZeroAdam):
         super().__init__(*args, replicate=True, **kwargs)
 
     def _publish(self) -> None:
-        self.prec.publish(self.state.master, self.params)
+        self.cast(self.params, self.state.master)
 
 
 class ReplicatedView:

@@ -37,7 +37,7 @@ class ShardedAdam(ZeroAdam):
         return params.copy()
 
     def _publish(self) -> None:
-        self.prec.publish(self.state.master, self.params)
+        self.cast(self.params, self.state.master)
 
 
 class Gatherer:
