@@ -49,6 +49,7 @@ TIMING = {
 HOSTS = {"test_multihost.py"}
 MODULE_GROUPS = {"test_cli_fixes.py", "test_clip_and_schedule.py", "test_deterministic.py", "test_export.py",
                  "test_finetune.py", "test_integrity.py", "test_kept_modes.py", "test_learning.py", "test_pipeline.py",
+                 "test_precision.py",
                  "test_reference_bits.py", "test_sample.py", "test_sample_legacy.py", "test_text_training.py",
                  "test_tp.py", "test_zero_stages.py"}
 ORDER = ["timing", "hosts", "test_trials.py", "test_finetune.py", "test_zero_stages.py", "test_learning.py",

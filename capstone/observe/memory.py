@@ -11,6 +11,9 @@ same parameters); the shard is P/N elements (`Layout.shard`).
     --reshard step (stages 2-3): grads 4P and reduce as stage 1 (the whole gradient accumulates
       through the step, reduce-scattered once); stage 3 gathered: every group of the rank's part
     --deterministic: reduce = the rows of every block's shard, 4P x grad_accum, and the shard
+    --precision bf16: params 2P (stage 3: 2P/N; stage 3's gathered groups 2 bytes a value), grads and optimizer
+      as fp32's; reduce (stages 0-1): the shard and every bucket's bfloat16 pieces, 2P sent and 2P received
+      (capstone.parallel.bf16sum); stages 2-3: a bucket's gradient and its pieces, the two largest in a row
 
 The transient terms (`gathered`, `reduce` at stages 2-3) are measured as their peak over the run;
 the formula's is the layout's (two consecutive groups or buckets), which the double-buffered
