@@ -8,7 +8,7 @@ checkpoint's kept modes on --resume. Everyone else reads the plan: the grid
 (capstone.parallel.grid), the modes (capstone.modes), the preflight, the memory table and the
 checkpoints' record of the modes (`Plan.kept`, capstone.checkpoint.kept).
 
-Every refusal of a layout is here, each said once: a flag's own value (`problems`, reported with
+Every refusal of a layout is here, each said once: a flag's own value (`CHECKS`, reported with
 the other bad flags when the command line is parsed) and a combination that does not fit the model
 or the world (`Plan.make`, exit 2 with the reason).
 
@@ -37,18 +37,13 @@ DEFAULTS = {"tp": 1, "pp": 1, "cp": 1, "zero_stage": 1, "reshard": "micro-batch"
 # messages), cp (any --cp resumes: the samples are the same), and the checkpoint's own write mode
 KEPT = ("zero_stage", "reshard", "recompute", "tp", "pp", "pp_schedule", "pp_layers", "guard_undo", "det_split",
         "precision")
-_CHECKS = (("tp", lambda v: v >= 1, "must be >= 1 (1: no tensor parallelism)"),
-           ("pp", lambda v: v >= 1, "must be >= 1 (1: no pipeline)"),
-           ("cp", lambda v: v >= 1, "must be >= 1 (1: no context parallelism)"),
-           ("bucket_mb", lambda v: v > 0, "must be > 0 MB (default 1.0; --no-overlap for one reduction)"),
-           ("det_split", lambda v: v >= 1 and v & (v - 1) == 0, "must be a power of two (--deterministic's pieces and "
-            "chunks: docs/deterministic.md)"))
-
-
-def problems(values: dict) -> list[str]:
-    """The layout flags' own checks among the parsed `values`, one sentence per bad flag."""
-    return [f"--{name.replace('_', '-')} {text}, got {values[name]!r}." for name, ok, text in _CHECKS
-            if values.get(name) is not None and not ok(values[name])]
+# the layout flags' own checks of their parsed values (capstone.flags.usage.checked: one sentence per bad flag)
+CHECKS = (("tp", lambda v: v >= 1, "must be >= 1 (1: no tensor parallelism)"),
+          ("pp", lambda v: v >= 1, "must be >= 1 (1: no pipeline)"),
+          ("cp", lambda v: v >= 1, "must be >= 1 (1: no context parallelism)"),
+          ("bucket_mb", lambda v: v > 0, "must be > 0 MB (default 1.0; --no-overlap for one reduction)"),
+          ("det_split", lambda v: v >= 1 and v & (v - 1) == 0, "must be a power of two (--deterministic's pieces and "
+           "chunks: docs/deterministic.md)"))
 
 
 @dataclass(frozen=True)
@@ -152,7 +147,6 @@ class Plan:
         {kept mode: why this run does not take the checkpoint's}); ConfigError with the reason if the
         layout does not fit the model or the world."""
         values, why = _layered(given, saved, world)
-        values = {**DEFAULTS, **values}
         values["det_split"] = values["det_split"] or least_split(values, model)
         problems = list(_refusals(world, values, model, train.deterministic))
         if problems:
@@ -163,10 +157,10 @@ class Plan:
 
 
 def _layered(given: dict, saved: dict | None, world: int) -> tuple[dict, dict]:
-    """The given flags over the checkpoint's kept modes, a kept grid axis that the world cannot hold
-    back at 1, a kept mode about another at its default where that one no longer applies; and why."""
+    """The given flags over the defaults and the checkpoint's kept modes, a kept grid axis that the world
+    cannot hold back at 1, a kept mode about another at its default where that one no longer applies; and why."""
     if not saved:
-        return dict(given), {}
+        return {**DEFAULTS, **given}, {}
     take = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in KEPT and k not in given}
     values = {**DEFAULTS, **take, **given}
     tps = (values["tp"],) if "tp" in given else (values["tp"], 1)
@@ -230,8 +224,7 @@ def least_split(v: dict, model) -> int:
     """--det-split's default: 4, or the least power of two that fits the layout and the model (`_split_refusals`)."""
     if not all(isinstance(v[k], int) and v[k] >= 1 for k in ("tp", "cp")):
         return 4                                             # a bad --tp or --cp: its own refusal says why
-    fits = [s for s in (4, 2, 1, 8, 16, 32, 64) if not list(_split_refusals({**v, "det_split": s}, model))]
-    return fits[0] if fits else 4
+    return next((s for s in (4, 2, 1, 8, 16, 32, 64) if not any(_split_refusals({**v, "det_split": s}, model))), 4)
 
 
 def _split_refusals(v: dict, model):

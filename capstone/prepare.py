@@ -100,12 +100,12 @@ def reuse(tok: CharTokenizer | BPETokenizer, text: str, n_train: int, source: st
 def build(texts: list[Text], kind: str, vocab_size: int | None, vocab_from: str | None = None,
           given: BPETokenizer | None = None) -> Dataset:
     """Split the text by characters, then tokenize each split (a BPE is trained on the train split only;
-    with `vocab_from`, a dataset directory, its tokenizer is used instead; `given`: this tokenizer)."""
+    `given`: this tokenizer instead, e.g. that of the dataset directory `vocab_from`, named in refusals)."""
     text = "".join(t.text for t in texts)
     n_val = split_text(text)
     n_train = len(text) - n_val
-    if vocab_from is not None or given is not None:
-        tok = given or load_meta(vocab_from, "--vocab-from").tokenizer
+    if given is not None:
+        tok = given
         train, val = reuse(tok, text, n_train, vocab_from)
     elif kind == "char":
         tok, ids = char_tokenizer(text)
@@ -201,12 +201,12 @@ def prepare(inputs: list[str], out: str, members: str | None = None, tokenizer: 
                            f"is the text's distinct characters. Drop --vocab-size, or add --tokenizer bpe.")
     if tokenizer == "bpe":
         check_bpe_options(vocab_size)   # before any download
-    if vocab_from is not None:
-        tokenizer = load_meta(vocab_from, "--vocab-from").tokenizer.kind   # a bad directory: its DatasetError, before reading
-    given = None
+    # a bad --vocab-from directory: its DatasetError, before reading
+    given = None if vocab_from is None else load_meta(vocab_from, "--vocab-from").tokenizer
     if tokenizer_from is not None:
         from capstone.gpt2.hf import gpt2_tokenizer
-        given, tokenizer = gpt2_tokenizer(tokenizer_from, special), "bpe"
+        given = gpt2_tokenizer(tokenizer_from, special)
+    tokenizer = tokenizer if given is None else given.kind
     texts = read_inputs(inputs, members)
     data = build(texts, tokenizer, vocab_size, vocab_from, given)
     files = data.files()

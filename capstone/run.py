@@ -56,16 +56,16 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
     try:  # a failed start leaves nothing behind that it created
         path, saved, settings, source = _starting_point(world, settings, os.path.join(out, "checkpoints"))
         plan, why = Plan.make(model=settings.model, train=settings.train, world=world.size, given=settings.layout,
-                              saved=saved.get("modes") if path is not None else None)   # the checkpoint's modes
+                              saved=saved.get("modes"))   # the checkpoint's modes ({} on a fresh start)
         _check_memory(world, settings, plan)
         run = build(world, settings, out, hooks, plan)
-        if path is None and opts.init_from:
+        if source is not None:   # --init-from on a fresh start
             run.init_from = source.describe()
             source.install(run)
         for line in settings.notes if path is None else ():
             report.say(line, world.rank)
         run.state.run_id = _agreed(world, lambda: (rundir.occupant(out) or {}).get("run_id") or rundir.new_id())
-        start(run, path, saved["train_config"] if path is not None else None, why if path is not None else None)
+        start(run, path, saved.get("train_config"), why)
         if world.rank == 0 and claim.lock is not None:
             claim.lock.label(run_id=run.state.run_id)
     except (ConfigError, checkpoint.CheckpointError) as exc:
@@ -86,10 +86,9 @@ def _claimed(world: Comm, settings: Settings):
     if note:
         report.say(note, world.rank)
     check_parallel_io(world)
-    settings = _checked(world, settings)             # a bad layout: ConfigError, nothing written
+    settings, plan = _checked(world, settings)       # a bad layout: ConfigError, nothing written
     if opts.resume is None and not opts.init_from:   # a fresh model's memory is known: said before the disk's space
-        _check_memory(world, settings, Plan.make(model=settings.model, train=settings.train, world=world.size,
-                                                 given=settings.layout)[0])
+        _check_memory(world, settings, plan)
     if opts.tensorboard:
         from capstone.observe.tensorboard import check_writer
         check_writer(world)
@@ -130,16 +129,17 @@ def _check_memory(world: Comm, settings: Settings, plan: Plan) -> None:
     preflight.check_memory(world, settings.model, batched, plan)
 
 
-def _checked(world: Comm, settings: Settings) -> Settings:
-    """`settings` if the flags make a layout the product runs (capstone.plan), else ConfigError; resuming,
-    the flags' error waits (`deferred`): the checkpoint's modes may complete them (e.g. --pp-layers)."""
+def _checked(world: Comm, settings: Settings) -> tuple[Settings, Plan | None]:
+    """(`settings`, their plan) if the flags make a layout the product runs (capstone.plan), else ConfigError;
+    resuming, the flags' error waits (`deferred`, no plan): the checkpoint's modes may complete them (e.g.
+    --pp-layers)."""
     try:
-        Plan.make(model=settings.model, train=settings.train, world=world.size, given=settings.layout)
+        return settings, Plan.make(model=settings.model, train=settings.train, world=world.size,
+                                   given=settings.layout)[0]
     except ConfigError as exc:
         if settings.opts.resume is None:
             raise
-        return dataclasses.replace(settings, deferred=settings.deferred or str(exc))
-    return settings
+        return dataclasses.replace(settings, deferred=settings.deferred or str(exc)), None
 
 
 def _out_dir(opts: RunOptions) -> tuple[str, str | None]:

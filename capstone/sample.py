@@ -139,8 +139,7 @@ class Stream:
 
     def _write(self, text: str) -> None:
         if text.startswith(self.printed) and len(text) > len(self.printed):
-            sys.stdout.write(text[len(self.printed):])
-            sys.stdout.flush()
+            print(text[len(self.printed):], end="", flush=True)
             self.printed = text
 
     def show(self, seq: list[int]) -> None:
@@ -149,8 +148,7 @@ class Stream:
 
     def finish(self, end: str) -> None:
         self._write(self.text(self.seq))
-        sys.stdout.write(end)
-        sys.stdout.flush()
+        print(end=end, flush=True)
 
 
 def run(args) -> int:

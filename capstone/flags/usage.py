@@ -3,7 +3,8 @@
 `unknown` turns argparse's leftovers into sentences that say what to pass instead: the flag with
 dashes for underscores, nanoGPT's (and Hugging Face Trainer's) names for capstone's settings
 (`--max-iters` -> `--steps`), or the closest flag there is. `option_problems` checks the run
-options that no config dataclass validates; `as_flag` names a config field's problem by its flag.
+options that no config dataclass validates (`checked`: a table of checks, the plan's too); `as_flag`
+names a config field's problem by its flag.
 """
 
 import argparse
@@ -30,10 +31,9 @@ NOT_HERE = {"--compile": "NumPy has nothing to compile",
 
 
 def _one(flag: str, value: str | None, known: list[str]) -> str:
-    name = flag.split("=", 1)[0]
+    name, eq, after = flag.partition("=")
     dashed = "--" + name.lstrip("-").replace("_", "-")
-    value = flag.split("=", 1)[1] if "=" in flag else value
-    given = f"{flag}{'' if value is None or '=' in flag else ' ' + value}"
+    value, given = (after, flag) if eq else (value, flag if value is None else f"{flag} {value}")
     if dashed == "--init-from" and value == "resume":
         return f"{given}: nanoGPT's init_from=resume is --resume latest here (--init-from starts a new run)."
     if dashed in known:
@@ -71,14 +71,18 @@ def as_flag(problem: str, fields: set[str]) -> str:
     return f"--{head.replace('_', '-')}{sep}{rest}" if head in fields else problem
 
 
+def checked(values: dict, checks) -> list[str]:
+    """A sentence for each flag among the parsed `values` that fails its row (name, ok, text) of `checks`."""
+    return [f"--{name.replace('_', '-')} {text}, got {values[name]!r}." for name, ok, text in checks
+            if values.get(name) is not None and not ok(values[name])]
+
+
 def option_problems(values: dict) -> list[str]:
     """The run options' own checks (the configs and the plan check theirs), one sentence per bad flag."""
-    checks = (("stop_after", lambda v: v >= 0, "must be >= 0 (0: off)"),
-              ("sleep_per_step", lambda v: v >= 0, "must be >= 0 seconds"),
-              ("log_every", lambda v: v >= 0, "must be >= 0 (0: automatic, 1: every step)"),
-              ("collective_timeout", lambda v: v >= 0, "must be >= 0 seconds (0: automatic)"))
-    problems = [f"--{name.replace('_', '-')} {text}, got {values[name]!r}." for name, ok, text in checks
-                if name in values and values[name] is not None and not ok(values[name])]
+    problems = checked(values, (("stop_after", lambda v: v >= 0, "must be >= 0 (0: off)"),
+                                ("sleep_per_step", lambda v: v >= 0, "must be >= 0 seconds"),
+                                ("log_every", lambda v: v >= 0, "must be >= 0 (0: automatic, 1: every step)"),
+                                ("collective_timeout", lambda v: v >= 0, "must be >= 0 seconds (0: automatic)")))
     if values.get("out") == "":
         problems.append("--out is empty (an unset shell variable?): pass the run directory, or leave --out out for a "
                         "new runs/run-<time>.")

@@ -32,11 +32,8 @@ SITES = ("embed", "attention", "attn_out", "mlp_out")   # a mask's site: its ind
 
 
 def mix(z: int) -> int:
-    """SplitMix64's finaliser of a Python integer (mod 2^64)."""
-    z &= M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
-    return z ^ (z >> 31)
+    """SplitMix64's finaliser of a Python integer (mod 2^64): `mix_array`'s of one value."""
+    return int(mix_array(np.array([z & M64], dtype=np.uint64))[0])
 
 
 def mix_array(z: np.ndarray) -> np.ndarray:

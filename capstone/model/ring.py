@@ -84,28 +84,25 @@ class Ring(Alone):
 
     def __init__(self, cp):
         self.cp, self.k, self.c = cp, cp.size, cp.rank
-        self.mine = chunks(self.c, self.k)
+        self.prev, self.next = (self.c - 1) % self.k, (self.c + 1) % self.k     # the ring's neighbours
         self.computed = 0     # query-key chunk blocks computed so far (forward), for the tests
 
     def part(self, a: np.ndarray) -> np.ndarray:
         """This rank's rows of a (B, T) array of whole sequences: (B, 2n)."""
-        n = a.shape[1] // (2 * self.k)
-        return np.concatenate([a[:, i * n:(i + 1) * n] for i in self.mine], axis=1)
+        return a[:, self.positions(a.shape[1] // self.k)]
 
     def positions(self, t: int, c: int | None = None) -> np.ndarray:
         """The real positions of the t = 2n rows of cp rank c (None: this rank)."""
         n = t // 2
         return np.concatenate([np.arange(i * n, (i + 1) * n) for i in chunks(self.c if c is None else c, self.k)])
 
-    def _keep(self, drop, src: int, t: int, qi: slice, ki: slice):
-        """A tile's dropout mask (None: no dropout): `drop` at its queries' and keys' real positions."""
-        return None if drop is None else drop(self.positions(t)[qi], self.positions(t, src)[ki])
-
-    def _tiles(self, qs, kv, src: int, n: int):
-        """(query rows, key rows, scores) of the tiles of the causal blocks between this rank's chunks
+    def _tiles(self, qs, kv, src: int, t: int, drop):
+        """(query rows, key rows, scores, dropout mask) of the tiles of the causal blocks between this rank's chunks
         and src's (whose keys and values are kv), TILE query rows at a time; on a diagonal block only
-        the keys up to the tile's last row, masked above the diagonal."""
-        for i, a in enumerate(self.mine):
+        the keys up to the tile's last row, masked above the diagonal. The mask (None: no dropout): `drop` at the
+        tile's queries' and keys' real positions."""
+        n = t // 2
+        for i, a in enumerate(chunks(self.c, self.k)):
             for j, b in enumerate(chunks(src, self.k)):
                 for r in range(0, n, TILE) if b <= a else ():
                     e = min(n, r + TILE)
@@ -113,33 +110,29 @@ class Ring(Alone):
                     s = K._mm(qs[:, :, qi], kv[0][:, :, ki].swapaxes(-1, -2))
                     if a == b:
                         s += K.causal_mask(n)[r:e, :e]
-                    yield qi, ki, s
+                    yield qi, ki, s, None if drop is None else drop(self.positions(t)[qi], self.positions(t, src)[ki])
 
-    def _shift(self, send: np.ndarray, hop: int, way: int = 1):
-        """Start sending `send` to the next rank (`way` -1: the previous) and receiving its like from
-        the previous one (the next)."""
+    def _shift(self, send: np.ndarray, hop: int):
+        """Start sending `send` to the next rank and receiving its like from the previous one."""
         got = np.empty(send.shape, dtype=send.dtype)
-        nxt, prev = (self.c + way) % self.k, (self.c - way) % self.k
-        return got, [self.cp.Irecv(got, prev, TAG + hop), self.cp.Isend(send, nxt, TAG + hop)]
+        return got, [self.cp.Irecv(got, self.prev, TAG + hop), self.cp.Isend(send, self.next, TAG + hop)]
 
-    def _wait(self, requests, nbytes: int, what: str, hop: int) -> None:
+    def _wait(self, recv, send, nbytes: int, what: str, hop: int) -> None:
         """Wait for a shift's receive, then its send, each named by its peer: a stopped rank stalls
         the receive of the rank after it and, past MPI's eager size, the send of the rank before."""
-        recv, send = requests
         name = f"context-parallel ring attention: {what} of hop {hop}"
-        self.cp.wait(recv, f"{name} from cp rank {(self.c - 1) % self.k}", "cp_ring", "p2p", nbytes)
-        self.cp.wait(send, f"{name} to cp rank {(self.c + 1) % self.k}", "cp_ring", "p2p")
+        self.cp.wait(recv, f"{name} from cp rank {self.prev}", "cp_ring", "p2p", nbytes)
+        self.cp.wait(send, f"{name} to cp rank {self.next}", "cp_ring", "p2p")
 
     def _hops(self, kv):
         """(hop, the rank whose keys and values these are, kv) round the ring: each hop's are sent on, and the
         next hop's received, while the caller computes with them."""
-        for hop in range(self.k):
-            if hop < self.k - 1:
-                nxt, reqs = self._shift(kv, hop)
+        for hop in range(self.k - 1):
+            nxt, reqs = self._shift(kv, hop)
             yield hop, (self.c - hop) % self.k, kv
-            if hop < self.k - 1:
-                self._wait(reqs, kv.nbytes, "keys and values", hop)
-                kv = nxt
+            self._wait(*reqs, kv.nbytes, "keys and values", hop)
+            kv = nxt
+        yield self.k - 1, self.next, kv      # the last hop's: nothing to send on
 
     def attention(self, qkv, t: int, h: int, drop=None):
         """Causal softmax attention of this rank's rows over the whole sequence: qkv (B*t, 3C) ->
@@ -150,8 +143,8 @@ class Ring(Alone):
         qs, kv, n = q * (1.0 / math.sqrt(d)), np.ascontiguousarray(np.stack([k, v])), t // 2
         acc: dict = {}
         for _, src, kv in self._hops(kv):
-            for qi, ki, s in self._tiles(qs, kv, src, n):
-                acc[qi.start] = merge(acc.get(qi.start), s, kv[1][:, :, ki], self._keep(drop, src, t, qi, ki))
+            for qi, ki, s, keep in self._tiles(qs, kv, src, t, drop):
+                acc[qi.start] = merge(acc.get(qi.start), s, kv[1][:, :, ki], keep)
                 self.computed += qi.start % n == 0          # a chunk block's first tile
         parts = [acc[start] for start in sorted(acc)]   # the tiles in row order
         yh = np.concatenate([o / l for o, _, l in parts], axis=2)                 # (B, H, t, D)
@@ -167,34 +160,27 @@ class Ring(Alone):
         lse, y, drop = saved
         q, k, v = K._split_heads(qkv, t, h)
         bsz, _, _, d = q.shape
-        qs, kv, n = q * (1.0 / math.sqrt(d)), np.ascontiguousarray(np.stack([k, v])), t // 2
+        qs, kv = q * (1.0 / math.sqrt(d)), np.ascontiguousarray(np.stack([k, v]))
         gy = K._heads(g, bsz, t, h)
         dot = K._rowdot(gy, K._heads(y, bsz, t, h))
         gq, got_req = np.zeros_like(qs), None
         for hop, src, kv in self._hops(kv):
-            dkv = self._block_grads(qs, kv, (gy, dot, lse, gq), src, n, drop)
+            dkv = np.zeros(kv.shape, dtype=kv.dtype)   # this rank's part of src's key and value gradients
+            for qi, ki, s, keep in self._tiles(qs, kv, src, t, drop):
+                dq, dk, dv = tile_back(s, lse[:, :, qi], qs[:, :, qi], kv[0][:, :, ki], kv[1][:, :, ki], gy[:, :, qi],
+                                       dot[:, :, qi], keep)
+                gq[:, :, qi] += dq
+                dkv[0][:, :, ki] += dk
+                dkv[1][:, :, ki] += dv
             if got_req is not None:     # the gradients of src's keys and values so far, from the ranks before
-                self._wait(got_req, dkv.nbytes, "key and value gradients", hop)
+                self._wait(*got_req, dkv.nbytes, "key and value gradients", hop)
                 dkv += got
             got, got_req = self._shift(dkv, self.k + hop)
-        self._wait(got_req, got.nbytes, "key and value gradients", self.k)   # this rank's own, home
+        self._wait(*got_req, got.nbytes, "key and value gradients", self.k)   # this rank's own, home
         gqkv = np.empty((bsz, t, 3, h, d), dtype=np.result_type(qkv, g))
         gqkv[:, :, 0] = (gq * (1.0 / math.sqrt(d))).transpose(0, 2, 1, 3)
         gqkv[:, :, 1:] = got.transpose(1, 3, 0, 2, 4)
         return {0: gqkv.reshape(qkv.shape)}
-
-    def _block_grads(self, qs, kv, rows, src: int, n: int, drop):
-        """This rank's part of src's key and value gradients (2, B, H, t, D); with rows = (gy, gy . y,
-        log-sum-exp, gq) of this rank's queries, gq gains the blocks'."""
-        gy, dot, lse, gq = rows
-        dkv = np.zeros(kv.shape, dtype=kv.dtype)
-        for qi, ki, s in self._tiles(qs, kv, src, n):
-            dq, dk, dv = tile_back(s, lse[:, :, qi], qs[:, :, qi], kv[0][:, :, ki], kv[1][:, :, ki], gy[:, :, qi],
-                                   dot[:, :, qi], self._keep(drop, src, 2 * n, qi, ki))
-            gq[:, :, qi] += dq
-            dkv[0][:, :, ki] += dk
-            dkv[1][:, :, ki] += dv
-        return dkv
 
 
 class Chunks:

@@ -33,11 +33,10 @@ class Canonical:
     def _assemble(self, rows: np.ndarray) -> np.ndarray:
         """Collective over the model-parallel group: (k, full.padded) canonical rows from every
         part's (k, n) rows."""
-        k = rows.shape[0]
         mine = np.pad(rows, ((0, 0), (0, self.width - rows.shape[1])))
-        parts = np.empty((self.grid.mp.size, k, self.width), dtype=DTYPE)
+        parts = np.empty((self.grid.mp.size, *mine.shape), dtype=DTYPE)
         self.grid.mp.Allgather(parts, "checkpoint: allgather of the model-parallel parts", send=mine)
-        full = np.zeros((k, self.full.padded), dtype=DTYPE)
+        full = np.zeros((len(rows), self.full.padded), dtype=DTYPE)
         for m in range(len(self.parts)):
             idx, owned = self._map(m)
             full[:, idx[owned]] = parts[m][:, :len(idx)][:, owned]

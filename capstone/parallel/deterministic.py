@@ -44,11 +44,10 @@ EVAL_ROWS = 4          # held-out rows per evaluation block
 
 # ---- the fixed trees ---------------------------------------------------------------------------
 
-def tree_rows(rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+def tree_rows(rows: np.ndarray, out: np.ndarray) -> None:
     """Sum rows[0..K-1] (K x S) into `out` in the fixed tree of pairs over row indices (capstone.model.exact.tree:
     at stride 1, 2, 4, ... row i += row i+stride for i a multiple of 2*stride). Overwrites `rows`."""
     out[...] = tree(list(rows))
-    return out
 
 
 def tree_sum(values) -> float:
@@ -97,12 +96,11 @@ class DeterministicReducer(GradReducer):
     def landed(self, name: str, grad: np.ndarray) -> None:
         """ZeRO-2/3: group `name`'s gradient of this micro-batch, each rank's piece of it to that
         rank (into the rows of block micro*world + q, where a flat buffer's exchange puts it)."""
-        if self.plans is None:
-            return
-        (send, send_at), (recv, recv_at) = self.plans[name]
-        self.dp.Alltoallv(np.ascontiguousarray(grad.reshape(-1)), (send, send_at),
-                          self.rows[self.micro * self.w:(self.micro + 1) * self.w], (recv, recv_at),
-                          f"deterministic exchange of the gradient of {name}")
+        if self.plans is not None:
+            send, recv = self.plans[name]   # (counts, displacements) each
+            self.dp.Alltoallv(np.ascontiguousarray(grad.reshape(-1)), send,
+                              self.rows[self.micro * self.w:(self.micro + 1) * self.w], recv,
+                              f"deterministic exchange of the gradient of {name}")
 
     def after_backward(self, micro: int) -> None:
         """Slice q of the flat gradient buffer to rank q (rows of block micro*world + q)."""
@@ -125,8 +123,7 @@ class DeterministicReducer(GradReducer):
         self.world.Allgather(every, "allgather of the micro-batch losses and norms", "allgather_stats", send=small)
         blocks = every[self.loss_ranks, :self.accum]   # (dp x cp, accum) of the loss-holding parts
         loss = tree_sum(blocks.T.reshape(-1))          # index j*world + q = block k (--cp: its part q % cp)
-        norm = math.sqrt(square)
-        return GradStats(loss, norm, Flags.any_rank(every[:, self.accum:-1].sum(axis=0)))
+        return GradStats(loss, math.sqrt(square), Flags.any_rank(every[:, self.accum:-1].sum(axis=0)))
 
 
 def group_plans(layout, rank: int) -> dict:
@@ -151,27 +148,21 @@ class HeldOutBlocks(HeldOut):
                  in_step: bool = False, cp: int = 1):
         # --cp: the k ranks of a ring evaluate the same blocks, each its part; parts tree-summed in order
         self.world, self.comm, self.rank, self.w, self.loss = world, dp, dp.rank // cp, dp.size // cp, loss
-        self.cp = cp
-        self.in_step = in_step   # the forward is a collective over dp (ZeRO-3's gathers): every rank runs as many
         self.weight = weight   # 1 on the parts whose loss is the replica's (capstone.data.heldout)
         self.scale = 1.0 / (batches * batch_size * seq_len)
         spans = [(k, a, min(a + EVAL_ROWS, batch_size)) for k in range(batches) for a in range(0, batch_size, EVAL_ROWS)]
-        self.n_blocks = len(spans)
+        self.per_rank, self.counted = -(-len(spans) // self.w), len(spans) * cp   # counted: the blocks' parts
         mine = spans[self.rank::self.w]
+        # in_step: the forward is a collective over dp (ZeRO-3's gathers), so every rank runs as many: a rank short
+        # of a block runs the first one again, its loss past the last block's index (not summed)
+        mine += spans[:1] * (self.per_rank - len(mine)) * in_step
         full = {k: data.val_batch(k, batch_size) for k in {k for k, _, _ in mine}}
         self.blocks = [(full[k][0][a:b].copy(), full[k][1][a:b].copy()) for k, a, b in mine]
-        self.per_rank = -(-self.n_blocks // self.w)
-        if in_step and len(self.blocks) < self.per_rank:   # a forward whose loss is not counted, for the gathers
-            k, a, b = spans[0]
-            self.spare = tuple(part[a:b].copy() for part in data.val_batch(k, batch_size))
 
     def loss_share(self) -> float:
         local = np.zeros(self.per_rank, dtype=np.float64)
-        for i, (x, y) in enumerate(self.blocks):
-            local[i] = self.loss(x, y, self.scale)
-        for _ in range(len(self.blocks), self.per_rank if self.in_step else 0):
-            self.loss(*self.spare, self.scale)   # the other ranks' last block: the same collectives
+        local[:len(self.blocks)] = [self.loss(x, y, self.scale) for x, y in self.blocks]
         every = np.empty((self.comm.size, self.per_rank), dtype=np.float64)
         self.comm.Allgather(every, "allgather of the held-out block losses", "allgather_eval", send=local)
-        total = tree_sum(every.T.reshape(-1)[:self.n_blocks * self.cp])   # index i*world + q = block b * cp + part
+        total = tree_sum(every.T.reshape(-1)[:self.counted])   # index i*world + q = block b * cp + part
         return total * self.weight if self.comm.rank == 0 else 0.0

@@ -34,8 +34,8 @@ class Grid:
     pp: Comm
     tp: Comm
     mp: Comm              # the pp x tp ranks of this replica (one whole model)
+    cp: Comm              # the context-parallel ring (capstone.model.ring)
     hosts: tuple = ()     # every rank's host name, by world rank (capstone.parallel.placement)
-    cp: Comm | None = None   # the context-parallel ring (None: cp 1, see `ring`)
 
     @classmethod
     def build(cls, world: Comm, plan: Plan | None = None) -> "Grid":
@@ -45,9 +45,8 @@ class Grid:
         hosts = tuple(world.allgather_json(socket.gethostname()))
         plan.check_placement(list(hosts))
         tp, pp, cp, dp = plan.tp, plan.pp, plan.cp, plan.zero_group   # dp: the dp x cp ranks of the same parameters
-        d, rest = divmod(world.rank, tp * pp * cp)
-        p, rest = divmod(rest, tp * cp)
-        c, t = divmod(rest, tp)
+        d, pc, t = placement.position(world.rank, pp * cp, tp)
+        p, c = divmod(pc, cp)
         d = d * cp + c                                   # the rank in the dp x cp group
 
         def axis(size: int, color: int, key: int, name: str) -> Comm:
@@ -57,12 +56,12 @@ class Grid:
                 return world.derived(MPI.COMM_SELF)
             return world.split(color, key, name)
         return cls(world, axis(dp, p * tp + t, d, "data parallel"), axis(pp, d * tp + t, p, "pipeline"),
-                   axis(tp, d * pp + p, t, "tensor parallel"), axis(tp * pp, d, p * tp + t, "model parallel"), hosts,
-                   axis(cp, (d // cp * pp + p) * tp + t, c, "context parallel"))
+                   axis(tp, d * pp + p, t, "tensor parallel"), axis(tp * pp, d, p * tp + t, "model parallel"),
+                   axis(cp, (d // cp * pp + p) * tp + t, c, "context parallel"), hosts)
 
     @property
     def cp_size(self) -> int:
-        return 1 if self.cp is None else self.cp.size
+        return self.cp.size
 
     @property
     def replicas(self) -> int:

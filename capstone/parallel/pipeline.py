@@ -46,6 +46,13 @@ def order(schedule: str, p: int, K: int, m: int) -> list[tuple[str, int]]:
     return seq + [("W", j) for j in held]
 
 
+def drain(pp, sends: list, what: str, kind: str) -> None:
+    """Wait for `sends`, the (request, buffer) pairs in flight on `pp` (under the deadline), and forget them."""
+    if sends:
+        pp.wait([r for r, _ in sends], what, kind, "p2p", sum(a.nbytes for _, a in sends))
+    sends.clear()
+
+
 class Later(list):
     """A split backward's weight gradients (zb-h1): B keeps each group's writes (`group`: its `put`, as in
     capstone.model.backward), W (`land`) makes them into the seam's buffer and lands each group, in B's order."""
@@ -74,7 +81,6 @@ class Pipeline:
         self.tie = tie
         self.pp, self.p, self.K = pp, pp.rank, pp.size
         self.sends, self.events = [], []          # (request, buffer) in flight; (kind, j, t0, t1)
-        self.split = schedule == "zb-h1"          # the backward as B and W (capstone.model.backward.weights_pass)
         self.span = (0.0, 0.0)   # the last step's forward_backward, perf_counter seconds
 
     def _recv(self, shape, peer: int, tag: int, what: str) -> np.ndarray:
@@ -89,10 +95,7 @@ class Pipeline:
 
     def drain(self) -> None:
         """Wait for this stage's sends (under the deadline)."""
-        if self.sends:
-            self.pp.wait([r for r, _ in self.sends], "pipeline sends to the neighbouring stages", "pipeline_send",
-                         "p2p", sum(a.nbytes for _, a in self.sends))
-        self.sends = []
+        drain(self.pp, self.sends, "pipeline sends to the neighbouring stages", "pipeline_send")
 
     def _received(self, x, tag: int, what: str):
         """The previous stage's activations for x's rows (stage 0: the scalar start of the pass)."""
@@ -102,7 +105,8 @@ class Pipeline:
         """Micro-batch j's forward on this stage; returns (its backward, the output's shape or the
         last stage's loss)."""
         x_in = self._received(x, 2 * j, f"micro-batch {j}'s activations")
-        t0, later = time.perf_counter(), Later() if self.split else None
+        # zb-h1: the backward split as B and W (capstone.model.backward.weights_pass), W's work kept in `later`
+        t0, later = time.perf_counter(), Later() if self.schedule == "zb-h1" else None
         out, backward = self.model.forward(x, y, self.scale, start=x_in, fresh=not self.reducer.accumulates,
                                            later=later)
         self.events.append(("F", j, t0, time.perf_counter()))
@@ -144,7 +148,7 @@ class Pipeline:
         for kind, j in order(self.schedule, self.p, self.K, m):
             if kind == "F":
                 pending[j], losses[j] = self.forward(j, *batches[j])
-            elif kind == "B" and self.split:
+            elif kind == "B" and self.schedule == "zb-h1":
                 pending[j] = self.backward(j, pending[j])
             else:    # a joined backward, or zb-h1's W pass: micro-batch j's gradient is complete
                 (self.weights if kind == "W" else self.backward)(j, pending.pop(j))

@@ -52,8 +52,7 @@ class Progress:
     def _run(self) -> None:
         while True:
             with self.cv:
-                while not self.pending:
-                    self.cv.wait()
+                self.cv.wait_for(lambda: self.pending)
                 tickets = list(self.pending)
             finished = [t for t in tickets if t.request.Test()]
             now = time.perf_counter()

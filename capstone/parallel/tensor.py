@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 from capstone.model.fingerprint import sum_squares
-from capstone.model.params import Layout, group_of, init_params, is_split, param_shapes, tp_split
+from capstone.model.params import Layout, group_of, init_params, is_split, tp_split
 
 
 def _slice(a: np.ndarray, name: str, K: int, t: int) -> np.ndarray:
@@ -32,13 +32,12 @@ def positions(cfg, K: int, t: int, groups: tuple | None = None) -> tuple[np.ndar
     """(idx, owned) for tensor-parallel rank t (of the parameter `groups` of a pipeline stage, None:
     all): idx[i] is the position in the 1-rank buffer of element i of the rank's buffer; owned[i]
     is False for whole (replicated) elements on t > 0."""
-    idx, owned, offset = [], [], 0
-    for name, shape in param_shapes(cfg):
+    idx, owned = [], []
+    for name, shape, offset in Layout.for_model(cfg, 1).entries:    # offsets in the 1-rank buffer
         if groups is None or group_of(name) in groups:
             part = _slice(np.arange(offset, offset + math.prod(shape), dtype=np.int64).reshape(shape), name, K, t)
             idx.append(part.ravel())
             owned.append(np.full(part.size, part.size < math.prod(shape) or t == 0))
-        offset += math.prod(shape)
     return np.concatenate(idx), np.concatenate(owned)
 
 
@@ -60,6 +59,5 @@ def norm_weight(layout: Layout, tp_rank: int, lo: int, hi: int) -> np.ndarray:
 def owned_sumsq(layout: Layout, params: np.ndarray, tp_rank: int) -> float:
     """The sum of squares of the parameters this rank counts for its replica: its split ones, and
     the whole ones on tp rank 0 only."""
-    views = layout.views(params)
-    return sum(sum_squares(views[name].reshape(-1)) for name, _, _ in layout.entries
+    return sum(sum_squares(view.reshape(-1)) for name, view in layout.views(params).items()
                if is_split(name) or tp_rank == 0)

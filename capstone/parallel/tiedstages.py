@@ -18,6 +18,7 @@ import numpy as np
 
 from capstone.model.params import DTYPE
 from capstone.model.tied import Tie
+from capstone.parallel.pipeline import drain
 
 WTE_TAG, SHARE_TAG = 30001, 30002   # wte to the last stage; the head's share of its gradient back
 
@@ -46,10 +47,6 @@ class Link:
             self.pp.wait(self.pp.Irecv(self.mirror, 0, WTE_TAG), "receive of wte from the first pipeline stage",
                          "tied_recv", "p2p", self.mirror.nbytes)
 
-    def send_share(self, grad: np.ndarray) -> None:
-        """The last stage: the head's share of wte's gradient to the first stage (waited for in `drain`)."""
-        self.sends.append((self.pp.Isend(grad, 0, SHARE_TAG), grad))
-
     def receive_share(self) -> np.ndarray:
         """The first stage: the last stage's share of wte's gradient of the same micro-batch."""
         buf = self.share_buffer(np.empty(self.shape, dtype=DTYPE))
@@ -60,10 +57,7 @@ class Link:
 
     def drain(self) -> None:
         """Wait for the shares sent (under the deadline)."""
-        if self.sends:
-            self.pp.wait([r for r, _ in self.sends], "send of the tied head's gradient of wte to the first stage",
-                         "tied_send", "p2p", sum(a.nbytes for _, a in self.sends))
-        self.sends = []
+        drain(self.pp, self.sends, "send of the tied head's gradient of wte to the first stage", "tied_send")
 
 
 class StageTie(Tie):
@@ -78,10 +72,9 @@ class StageTie(Tie):
         return self.link.mirror if self.link.last else super().wte(seam)
 
     def made(self, grad: np.ndarray) -> None:
-        if self.link.last:
-            self.link.send_share(grad)
-        else:
-            self.grad = grad
+        """The head's share of wte's gradient (the head is the last stage's) to the first stage (waited for in
+        `Link.drain`)."""
+        self.link.sends.append((self.link.pp.Isend(grad, 0, SHARE_TAG), grad))
 
     def share(self) -> np.ndarray | None:
         return self.link.receive_share() if self.link.first else super().share()
