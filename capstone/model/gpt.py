@@ -1,4 +1,4 @@
-"""MiniGPT in NumPy + autograd, float32 end to end (pre-LN GPT-2 blocks, GPT-2's dropout and tied head).
+"""MiniGPT in NumPy + autograd, float32 arithmetic (pre-LN GPT-2 blocks, GPT-2's dropout and tied head).
 
 Activations are 2-D (B*T, C). The embedding, L blocks and the head with the loss (capstone.model.blocks) are
 autograd nodes over flat parameter groups, run by the one driver (capstone.model.backward). `Model` is this rank's
