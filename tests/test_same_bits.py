@@ -156,3 +156,16 @@ def test_the_default_split_is_the_least_that_fits(tmp_path):
         res = mpirun(4 if name == "cp4" else 2, "--out", tmp_path / name, "--deterministic", "--steps", "1", *flags)
         assert res.returncode == 0, res.stdout + res.stderr
         assert started(tmp_path / name)[-1]["modes"]["det_split"] == split
+
+
+def test_bf16_has_the_same_bits_on_every_layout(tmp_path):
+    """Issue 51: with --precision bf16 too (conversions are elementwise, the sums keep their fixed order, the
+    gradient's messages stay float32): dropout and a tied head on cp 2 x tp 2 at ZeRO-2 and on pp 2 x tp 2 at
+    ZeRO-3 with recompute, against the 1-rank bf16 run; and the bits are not fp32's."""
+    bf16 = (*OPTIONS, "--precision", "bf16")
+    one = run(tmp_path, "one", 1, 4, options=bf16)
+    for name, flags in (("cp2-tp2", ("--cp", "2", "--tp", "2", "--zero-stage", "2")),
+                        ("pp2-tp2", ("--pp", "2", "--tp", "2", "--zero-stage", "3", "--recompute"))):
+        other = run(tmp_path, name, 4, 4, *flags, options=bf16)
+        assert table(other) == table(one) and final_digests(other) == final_digests(one), name
+    assert table(run(tmp_path, "fp32", 1, 4, options=OPTIONS))[-1]["loss"] != table(one)[-1]["loss"]
