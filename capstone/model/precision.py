@@ -72,8 +72,6 @@ def _narrowed(a):
 class Bf16:
     """--precision bf16's transformation of the model (see the module); --precision fp32 has none (None)."""
 
-    name, dtype, itemsize = "bf16", BF16, 2
-
     @staticmethod
     def keep(saved):
         """What a layer keeps for its backward pass, its activations narrowed."""
