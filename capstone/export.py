@@ -44,14 +44,13 @@ def check_out(out: str, fmt: str, force: bool) -> None:
     folder = os.path.dirname(os.path.abspath(out))
     if fmt == "safetensors" and not os.path.isdir(folder):   # --format hf makes its directory, parents too
         raise SampleError(2, f"--out {out}: the directory {folder} does not exist; create it first.")
-    flag = "export --out" + (" --format hf" if fmt == "hf" else "")
-    found = paths.refuse(flag, out, lambda said: SampleError(2, said))   # a directory for a file, or the reverse
+    # a directory for a file, or the reverse
+    found = paths.refuse(f"export --out{' --format hf' if fmt == 'hf' else ''}", out, lambda said: SampleError(2, said))
     if fmt == "hf" and suffix == ".safetensors" and found is paths.Kind.MISSING:
         raise SampleError(2, f"--out {out} names a file, but --format hf writes a directory (config.json, "
                              f"model.safetensors); pass a directory name such as {out[:-len(suffix)]}, or drop "
                              f"--format hf to write the one file.")
-    taken = found is not paths.Kind.MISSING if fmt == "safetensors" else found in MODEL_DIRECTORIES
-    if taken and not force:
+    if (found is not paths.Kind.MISSING if fmt == "safetensors" else found in MODEL_DIRECTORIES) and not force:
         raise SampleError(2, f"--out {out} already exists{' and holds a model' if fmt == 'hf' else ''}; it is not "
                              f"replaced without --force. Pass another --out, or --force to replace it.")
 
@@ -131,16 +130,15 @@ def export(target: str, out: str, fmt: str = "safetensors", force: bool = False,
     path, meta, cfg, views = _load(target)
     if dtype == "bfloat16":   # the float32 master rounded to nearest even, as a bf16 run's working weights
         views = {name: narrow(a) for name, a in views.items()}
-    save = tensors.save
     if fmt == "hf":
         md = tensors.metadata(meta, cfg, path, head_bias=False)
-        named = write_hf(views, cfg, dict(md), out, save)
+        named = write_hf(views, cfg, dict(md), out, tensors.save)
         tokenizer = write_tokenizer(md.get("tokenizer"), cfg, out)
         size = sum(os.path.getsize(os.path.join(out, n)) for n in HF_FILES + tuple(tokenizer))
     else:
         named = tensors.named_tensors(views)
         md = {**tensors.metadata(meta, cfg, path, "lm_head.b" in views), tensors.DIGEST_KEY: tensors.tensor_digest(named)}
-        write_bytes(save(named, metadata=md), out)
+        write_bytes(tensors.save(named, metadata=md), out)
         size = os.path.getsize(out)
     return {"checkpoint": path, "step": meta["step"], "tensors": len(named),
             "parameters": int(sum(a.size for a in named.values())), "bytes": size,

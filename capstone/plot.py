@@ -71,8 +71,7 @@ def fig_loss(runs: list[Run], x: str = "step"):
     return fig
 
 
-def _per_step(runs: list[Run], key: str, span: float, ylabel: str, title: str, label: str = "", size=(9, 4.8),
-              **style):
+def _per_step(runs: list[Run], key: str, span: float, ylabel: str, title: str, label: str = "", size=(9, 4.8), **style):
     """`key` of each step of each run, log scale when it spans more than `span` times; for grad_norm also
     the clip level where clipping is on."""
     fig, axes = _figure(size=size)

@@ -64,8 +64,7 @@ class Dataset:
 
 def char_tokenizer(text: str) -> tuple[CharTokenizer, np.ndarray]:
     """The sorted distinct characters of text and the uint16 id of every character."""
-    codes = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
-    uniq, ids = np.unique(codes, return_inverse=True)
+    uniq, ids = np.unique(np.frombuffer(text.encode("utf-32-le"), dtype="<u4"), return_inverse=True)
     if len(uniq) > MAX_VOCAB:
         raise PrepareError(f"the text has {len(uniq)} distinct characters, but uint16 token ids hold at most "
                            f"{MAX_VOCAB}; character-level tokens need a smaller alphabet: drop or map rare "
@@ -131,9 +130,8 @@ def write_dataset(out: str, files: dict[str, bytes]) -> None:
 
 
 def _describe(ident: dict, sources) -> str:
-    first = sources[0].name if sources else "?"
     return (f"digest {ident['digest'][:12]}: {ident['tokenizer']['kind']} tokens, vocab {ident['vocab_size']}, "
-            f"{len(sources)} source(s) from {first}")
+            f"{len(sources)} source(s) from {sources[0].name if sources else '?'}")
 
 
 def _holds_exactly(out: str, files: dict[str, bytes]) -> bool:

@@ -291,7 +291,7 @@ MUTANTS = [
            ("tests/test_tp.py::test_tp_grid_equals_the_one_rank_run", "tests/test_composition.py"),
            "--tp: the gradient norm (hence clipping) counts every replicated parameter once per TP rank"),
     Mutant("tp/param-norm-of-one-slice", "capstone/parallel/replicas.py",
-           "        if self.parts == 1:\n            return norm, digest\n", "        return norm, digest\n",
+           "norm if self.parts == 1 else math.sqrt(sum(every[self.mates, 1].tolist()))", "norm",
            ("tests/test_tp.py::test_tp_grid_equals_the_one_rank_run",), "--tp: the logged param_norm is one rank's slice, not the whole model's"),
     Mutant("tp/replica-check-of-one-slice-only", "capstone/parallel/replicas.py",
            "if any(x != g[0] for g in groups for x in g):", "if any(x != g[0] for g in groups[:1] for x in g):",

@@ -16,8 +16,7 @@ def make_corpus(seed: int, total_tokens: int, vocab_size: int = 64) -> np.ndarra
         raise ValueError(f"total_tokens must be >= 2, got {total_tokens}")
     rng = np.random.default_rng([seed, 0xC0])
     phrases = rng.integers(0, vocab_size, size=(PHRASES, PHRASE_LEN), dtype=np.int32)
-    n = -(-total_tokens // PHRASE_LEN)
-    return phrases[rng.integers(0, PHRASES, size=n)].reshape(-1)[:total_tokens]
+    return phrases[rng.integers(0, PHRASES, size=-(-total_tokens // PHRASE_LEN))].reshape(-1)[:total_tokens]
 
 
 class Windows:

@@ -87,9 +87,8 @@ def pick(logits: np.ndarray, temperature: float, top_k: int, rng: np.random.Gene
     return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), z.size - 1))
 
 
-def generate(params: np.ndarray, cfg: ModelConfig, prompt: list[int], tokens: int, temperature: float,
-             top_k: int, seed: int, cache: bool = True, top_p: float = 1.0, limit: int | None = None,
-             on_token=None) -> list[int]:
+def generate(params: np.ndarray, cfg: ModelConfig, prompt: list[int], tokens: int, temperature: float, top_k: int,
+             seed: int, cache: bool = True, top_p: float = 1.0, limit: int | None = None, on_token=None) -> list[int]:
     """`tokens` new ids after `prompt`, each from the last seq_len ids (with a KV cache until the window
     is full; after that every position shifts, so each step recomputes the window, as nanoGPT does).
     `params`: the flat 1-rank parameter buffer; `limit`: ids at or beyond it are never drawn;

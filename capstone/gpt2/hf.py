@@ -48,8 +48,7 @@ def model_config(hf: dict, seq_len: int | None, path: str) -> ModelConfig:
         (hf.get("add_cross_attention"), "add_cross_attention: capstone's blocks have no cross-attention"),
         (seq_len is not None and isinstance(n_positions, int) and seq_len > n_positions, f"--seq-len {seq_len} is "
          f"longer than its n_positions {n_positions}: the position table has no rows beyond it; pass --seq-len "
-         f"{n_positions} or less"),
-    ) if wrong]
+         f"{n_positions} or less")) if wrong]
     if problems:
         raise ConfigError(f"--init-from {path}: capstone cannot represent this GPT-2 model: " + "; ".join(problems)
                           + ". Only GPT-2's own architecture is read (docs/gpt2.md).")
@@ -70,8 +69,7 @@ def capstone_name(name: str) -> str:
     inverse = {v: k for k, v in BLOCK.items()}
     if len(parts) == 3 and parts[0] == "h" and parts[1].isdigit() and parts[2] in inverse:
         return f"h{parts[1]}.{inverse[parts[2]]}"
-    top = {v.removeprefix("transformer."): k for k, v in TOP.items()}
-    return top.get(name, name)       # unknown: reported by `read_weights`
+    return {v.removeprefix("transformer."): k for k, v in TOP.items()}.get(name, name)   # unknown: `read_weights` says
 
 
 def read_weights(path: str, cfg: ModelConfig, digest: str | None = None) -> np.ndarray:

@@ -20,25 +20,10 @@ def _bias_grad(d, i, g):
         K._add(g, axis=0, out=d[i])
 
 
-def _ln_grads(d, i, g, xhat):
-    """LayerNorm's dw = sum over rows of g * xhat into d[i], db = sum of g into d[i + 1]."""
-    d[i][...] = K._add(g * xhat, axis=(0,))
-    _bias_grad(d, i + 1, g)
-
-
 def _embedding_grads(d, g, w, idx, pos, tie):
     d[0][...], d[1][...] = K._embed_bwd(g, None, (0, 1), *w, idx, pos).values()
     if tie is not None and (share := tie.share()) is not None:   # a tied wte's gradient: the sum of its two uses
         d[0] += share
-
-
-def _row_parallel(x, w, b, tp):
-    """x @ w summed over the tensor-parallel ranks ("g"), then + b (if any): (B*T, Cin/tp) -> (B*T, C)."""
-    y = K._mm(x, w)
-    tp.Allreduce(y, "tensor-parallel allreduce of a block's output", "tp_allreduce")
-    if b is not None:
-        y += b
-    return y
 
 
 class Alone:
@@ -47,52 +32,68 @@ class Alone:
 
     size, k, positions = 1, 1, staticmethod(lambda T: None)   # the ranks splitting the block, the sequence
 
-    @staticmethod
-    def attention(qkv, T, H, drop=None):
+    def attention(self, qkv, T, H, drop=None):
         if drop is None:
             y, saved = K._attention_fwd(qkv, T, H)
         else:
             from capstone.model import dropout
-            pos = np.arange(T)
-            y, saved = dropout.attention_forward(qkv, T, H, drop(pos, pos))
+            y, saved = dropout.attention_forward(qkv, T, H, drop(np.arange(T), np.arange(T)))
         return y, (saved, drop is not None)
 
-    @staticmethod
-    def attention_back(g, saved, argnums, qkv, T, H):
+    def attention_back(self, g, saved, argnums, qkv, T, H):
         saved, dropped = saved
         if not dropped:
             return K._attention_bwd(g, saved, argnums, qkv, T, H)
         from capstone.model import dropout
         return {0: dropout.attention_backward(g, saved, qkv, T, H)}
 
-    def Allreduce(self, buf, what: str, kind: str = "") -> np.ndarray:
-        return buf
+    Allreduce = staticmethod(lambda buf, what, kind="": buf)     # the sum over one rank: buf as it is
 
     # the layers' arithmetic, one GEMM or sum each (capstone.model.exact.Exact: --deterministic's, cut canonically)
-    mm, row, share_buffer = staticmethod(K._mm), staticmethod(_row_parallel), staticmethod(np.empty_like)
+    mm, share_buffer = staticmethod(K._mm), staticmethod(np.empty_like)
     order = staticmethod(lambda a: a)                                          # rows in sample order: as they come
+    dense, bias, embed = map(staticmethod, (_dense_grads, _bias_grad, _embedding_grads))
+    out_pieces = staticmethod(lambda x, w, split: K._mm(x, w))   # x @ w, w's output columns cut as `split` (not here)
+
+    def in_pieces(self, x, w, split, tp, what: str):
+        """x @ w, its inner dimension cut as `split` (not here), summed over the tensor-parallel ranks `tp` (the
+        allreduce named `what`)."""
+        y = K._mm(x, w)
+        tp.Allreduce(y, what, "tp_allreduce")
+        return y
 
     def embed_in(self, wte, wpe, idx):
         """The token and position embeddings of idx (B, T) at this part's positions: (B*T, C)."""
         return K._embed_fwd(wte, wpe, idx, self.positions(idx.shape[1]))[0]
-    dense, bias, ln, embed = map(staticmethod, (_dense_grads, _bias_grad, _ln_grads, _embedding_grads))
-    col = staticmethod(lambda x, w, b, split: K._linear_fwd(x, w, b)[0])      # a column-parallel (or whole) layer
-    row_back = staticmethod(lambda g, w: K._mm(g, w.T))                        # a row-parallel layer's input gradient
+
+    def ln(self, d, i, g, xhat):
+        """LayerNorm's dw = sum over rows of g * xhat into d[i], db = sum of g into d[i + 1] (as `bias`'s)."""
+        self.bias(d, i, g * xhat)
+        self.bias(d, i + 1, g)
+
+    def col(self, x, w, b, split):
+        """A column-parallel (or whole) layer: x @ w + b (b None: no bias)."""
+        return K._biased(self.out_pieces(x, w, split), b)
+
+    def row(self, x, w, b, tp):
+        """A row-parallel layer: x @ w summed over the tensor-parallel ranks ("g"), then + b (None: no bias):
+        (B*T, Cin/tp) -> (B*T, C)."""
+        return K._biased(self.in_pieces(x, w, "rows", tp, "tensor-parallel allreduce of a block's output"), b)
 
     def col_back(self, g, x, w, put, i: int, split, tp):
         """A column-parallel layer's weights' gradients `put`; its input gradient g @ w^T, summed over `tp` ("f")."""
         put(self.dense, i, x, g, split)
-        gx = K._mm(g, w.T)
-        tp.Allreduce(gx, "tensor-parallel allreduce of a block's input gradient", "tp_allreduce")
-        return gx
+        return self.in_pieces(g, w.T, split, tp, "tensor-parallel allreduce of a block's input gradient")
 
-    @staticmethod
-    def xent(z, targets, scale):
+    def row_back(self, g, w):
+        """A row-parallel layer's input gradient g @ w^T."""
+        return self.out_pieces(g, w.T, "rows")
+
+    def xent(self, z, targets, scale):
         loss, probs = K._xent_fwd(z, targets)
         return loss * scale, probs
 
-    @staticmethod
-    def share(gz, z_in, gwte) -> None:
+    def share(self, gz, z_in, gwte) -> None:
         K._mm(gz.T, z_in, out=gwte)                                             # z = z_in @ wte.T: d wte = gz.T @ z_in
 
 
@@ -177,15 +178,10 @@ def block_backward(g, saved, x, w, T, H, shapes, tp, put, free: bool, cp=WHOLE):
 def head_logits(x, w, shapes, wte=None, cp=WHOLE):
     """Logits (B*T, V) of the final hidden states x (B*T, C): w = [ln_f.w, ln_f.b, lm_head.w(, lm_head.b)]; tied
     (--tie-embeddings, capstone.model.tied): w = [ln_f.w, ln_f.b(, lm_head.b)], the head wte.T, wte (V, C)."""
-    if wte is None:
-        lnw, lnb, hw, *hb = unpack(w, shapes)                                  # hb: [] with --no-head-bias
-    else:
-        (lnw, lnb, *hb), hw = unpack(w, shapes), wte.T
+    lnw, lnb, *rest = unpack(w, shapes)                          # rest: [lm_head.w (untied)] + [lm_head.b (if any)]
+    hw, hb = (rest[0], rest[1:]) if wte is None else (wte.T, rest)            # hb: [] with --no-head-bias
     z_in, s_ln = K._ln_fwd(x, lnw, lnb)
-    z = cp.mm(z_in, hw)
-    if hb:
-        z += hb[0]
-    return z, (z_in, s_ln)
+    return K._biased(cp.mm(z_in, hw), *hb), (z_in, s_ln)
 
 
 def head_loss_forward(x, w, targets, shapes, scale=1.0, wte=None, cp=WHOLE):
@@ -201,7 +197,6 @@ def head_loss_backward(g, saved, w, targets, shapes, put, free: bool, scale=1.0,
     if free:
         saved.clear()
     gz = K._xent_grad_inplace(probs if free else probs.copy(), cp.order(targets), g * scale)   # over it if owned
-    del probs
     if wte is None:
         lnw, _, hw, *_ = unpack(w, shapes)
         put(cp.dense, 2, z_in, gz)

@@ -51,8 +51,7 @@ class Masks:
 
     def __init__(self, p: float, seed: int, step: int, samples: np.ndarray, cp=None):
         self.seed, self.step, self.samples, self.cp = seed, step, samples.astype(np.uint64), cp
-        self.scale = np.float32(1.0 / (1.0 - p))
-        self.threshold = np.uint64(round(p * (1 << 24)))
+        self.scale, self.threshold = np.float32(1.0 / (1.0 - p)), np.uint64(round(p * (1 << 24)))
 
     def keep(self, layer: int, site: str, inner: np.ndarray) -> np.ndarray:
         """(B, inner.size) float32: 0 or 1/(1-p) for element ids `inner` (uint64) of each sample."""
@@ -110,8 +109,7 @@ def attention_forward(qkv, T, H, keep):
     s -= s.max(axis=-1, keepdims=True)
     p = np.exp(s)
     p /= p.sum(axis=-1, keepdims=True)
-    y = K._mm(p * keep, v)                                                    # (B, H, T, D)
-    return np.ascontiguousarray(y.transpose(0, 2, 1, 3)).reshape(B * T, -1), (p, keep)
+    return np.ascontiguousarray(K._mm(p * keep, v).transpose(0, 2, 1, 3)).reshape(B * T, -1), (p, keep)
 
 
 def attention_backward(g, saved, qkv, T, H):

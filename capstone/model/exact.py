@@ -32,17 +32,15 @@ import numpy as np
 
 from capstone.model import kernels as K
 from capstone.model.blocks import Alone
-from capstone.model.ring import merge, tile_back
+from capstone.model.ring import merge, merged, opened, qkv_grad, tile_back
 
 
 def tree(leaves: list):
     """The fixed tree over leaf indices: at stride 1, 2, 4, ... leaf i += leaf i+stride (i a multiple of 2 stride);
     an array leaf is added into in place (its buffer is overwritten), a scalar's sum is a new scalar."""
-    stride = 1
-    while stride < len(leaves):
+    for stride in (1 << j for j in range((len(leaves) - 1).bit_length())):      # 1, 2, 4, ... below len(leaves)
         for i in range(0, len(leaves) - stride, 2 * stride):
             leaves[i] = np.add(leaves[i], leaves[i + stride], out=leaves[i] if np.ndim(leaves[i]) else None)
-        stride *= 2
     return leaves[0]
 
 
@@ -52,8 +50,7 @@ def held(S: int, k: int, c: int) -> list[int]:
     return [*range(c * m, (c + 1) * m), *range((2 * k - 1 - c) * m, (2 * k - c) * m)]
 
 
-def _c(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a)
+_c = np.ascontiguousarray
 
 
 class Exact(Alone):
@@ -85,8 +82,7 @@ class Exact(Alone):
     def pieces(self, width: int, split: str) -> list:
         """This rank's S/tp pieces of a split dimension of `width` (heads: [q_s | k_s | v_s] of fused qkv)."""
         if split == "heads":
-            c = width // 3
-            n = c // self.P
+            c, n = width // 3, width // 3 // self.P
             return [np.concatenate([j * c + s * n + np.arange(n) for j in range(3)]) for s in range(self.P)]
         n = width // self.P
         return [slice(s * n, (s + 1) * n) for s in range(self.P)]
@@ -118,46 +114,29 @@ class Exact(Alone):
 
     # ---- the layers (capstone.model.blocks.Alone's interface) -----------------------------------
 
-    def col(self, x, w, b, split):
+    def out_pieces(self, x, w, split):
+        """x @ w per chunk tile, w's output columns piece by piece (`pieces` of `split`): (B*t, Cin) -> (B*t, Cout)."""
         xs = self.chunks(x)
         out = np.empty(xs.shape[:2] + (w.shape[1],), dtype=np.result_type(x, w))
         for cols in self.pieces(w.shape[1], split):
             out[..., cols] = K._mm(xs, _c(w[:, cols]))
-        out = self.rows(out)
-        if b is not None:
-            out += b
-        return out
+        return self.rows(out)
 
-    def row(self, x, w, b, tp):
-        y = self.rows(self.across(tree([K._mm(self.chunks(x)[..., r], w[r]) for r in self.pieces(x.shape[1], "rows")])))
-        if b is not None:
-            y += b
-        return y
-
-    def col_back(self, g, x, w, put, i: int, split, tp):
-        put(self.dense, i, x, g, split)
-        parts = [K._mm(self.chunks(g)[..., c], _c(w[:, c].T)) for c in self.pieces(w.shape[1], split)]
+    def in_pieces(self, x, w, split, tp, what: str):
+        """x @ w per chunk tile as the piece tree of its partial products over the `split` pieces of x's columns
+        (w's rows), added across the tensor-parallel ranks: (B*t, Cin/tp) -> (B*t, Cout)."""
+        parts = [K._mm(self.chunks(x)[..., r], _c(w[r])) for r in self.pieces(x.shape[1], split)]
         return self.rows(self.across(tree(parts)))
-
-    def row_back(self, g, w):
-        gs = self.chunks(g)
-        gx = np.empty(gs.shape[:2] + (w.shape[0],), dtype=np.result_type(g, w))
-        for r in self.pieces(w.shape[0], "rows"):
-            gx[..., r] = K._mm(gs, _c(w[r].T))
-        return self.rows(gx)
 
     def dense(self, d, i, x, g, split=None):
         """Weight gradient x^T g piece by piece, each the chunk tree of the chunks' GEMMs; the bias's likewise."""
-        xs, gs, every = self.chunks(x), self.chunks(g), slice(None)
-        if split is None:
-            cuts = [(every, every)]
-        elif split == "rows":
-            cuts = [(r, every) for r in self.pieces(x.shape[1], "rows")]
-        else:
-            cuts = [(every, c) for c in self.pieces(g.shape[1], split)]
-        for a, c in cuts:
-            prod = K._mm(xs[..., a].transpose(0, 2, 1), gs[..., c])      # (L, piece of Cin, piece of Cout)
-            d[i][a, c] = self.tsum(lambda l: prod[l])
+        xs, gs, every = self.chunks(x), self.chunks(g), [slice(None)]
+        ins = self.pieces(x.shape[1], "rows") if split == "rows" else every          # a row-parallel layer's
+        outs = every if split in (None, "rows") else self.pieces(g.shape[1], split)  # a column-parallel layer's
+        for a in ins:
+            for c in outs:
+                prod = K._mm(xs[..., a].transpose(0, 2, 1), gs[..., c])      # (L, piece of Cin, piece of Cout)
+                d[i][a, c] = self.tsum(lambda l: prod[l])
         self.bias(d, i + 1, g)
 
     def bias(self, d, i, g):
@@ -165,16 +144,10 @@ class Exact(Alone):
             sums = K._add(self.chunks(g), axis=1)
             d[i][...] = self.tsum(lambda l: sums[l])
 
-    def ln(self, d, i, g, xhat):
-        sums = K._add(self.chunks(g) * self.chunks(xhat), axis=1)
-        d[i][...] = self.tsum(lambda l: sums[l])
-        self.bias(d, i + 1, g)
-
     def xent(self, z, targets, scale):
         """(the chunk tree of each chunk's float32 loss sum as float64 times scale, softmax)."""
         rows, e = K._xent_rows(z, self.order(targets))
-        rows = self.chunks(rows[:, None])
-        return self.tsum(lambda l: np.float64(K._add(rows[l, :, 0])) * scale), e
+        return self.tsum(lambda l: np.float64(K._add(rows.reshape(self.L, -1)[l])) * scale), e
 
     def share_buffer(self, wte):
         return np.empty((self.L,) + wte.shape, dtype=wte.dtype)
@@ -187,10 +160,9 @@ class Exact(Alone):
         """wte's gradient: each chunk's scatter-add (and a tied head's share), in the chunk tree; wpe's per position."""
         share = None if tie is None else tie.share()
         B, n, gs = idx.shape[0], self.n, self.chunks(g)
-        ids = idx.reshape(B, self.L, n)
 
         def leaf(l):
-            out = K._embed_bwd(gs[l], None, (0,), *w, _c(ids[:, l]))[0]
+            out = K._embed_bwd(gs[l], None, (0,), *w, _c(idx.reshape(B, self.L, n)[:, l]))[0]
             return out if share is None else out + share[l]
         d[0][...] = self.tsum(leaf)
         d[1][...] = 0.0
@@ -199,9 +171,8 @@ class Exact(Alone):
 
     # ---- attention ----------------------------------------------------------------------------
 
-    def _kv(self, k, v) -> np.ndarray:
-        """(2, B, H, S n, D): every chunk's keys and values in chunk order (under --cp, allgathered)."""
-        kv = np.stack([k, v])
+    def _kv(self, kv) -> np.ndarray:
+        """(2, B, H, S n, D): every chunk's keys and values kv in chunk order (under --cp, allgathered)."""
         if self.ring is None:
             return kv
         every = np.empty((self.k,) + kv.shape, dtype=kv.dtype)
@@ -210,58 +181,38 @@ class Exact(Alone):
         n, at = self.n, {q: (r, l) for r in range(self.k) for l, q in enumerate(held(self.S, self.k, r))}
         return np.concatenate([every[r][..., l * n:(l + 1) * n, :] for r, l in map(at.get, range(self.S))], axis=3)
 
-    def _tiles(self, drop):
-        """(local query rows, key chunk b, key rows, causal mask or None, dropout keep or None) of every tile,
-        query chunk by chunk and within a tile key chunk by key chunk, in index order."""
+    def _tiles(self, qs, kv, drop):
+        """(local query chunk, its query rows, key rows, scores, dropout keep or None) of every tile,
+        query chunk by chunk and within a tile key chunk by key chunk, in index order (a diagonal tile masked)."""
         n = self.n
         for l, a in enumerate(self.held):
             for r in range(0, n, K.ATTN_BLOCK):
                 e = min(n, r + K.ATTN_BLOCK)
                 rows = slice(l * n + r, l * n + e)
                 for b in range(a + 1):
-                    keys = slice(b * n, b * n + e) if b == a else slice(b * n, (b + 1) * n)
-                    keep = None if drop is None else drop(np.arange(a * n + r, a * n + e), np.arange(keys.start,
-                                                                                                      keys.stop))
-                    yield l, rows, b, keys, K.causal_mask(n)[r:e, :e] if b == a else None, keep
+                    keys = slice(b * n, b * n + (e if b == a else n))
+                    s = K._mm(qs[:, :, rows], kv[0][:, :, keys].swapaxes(-1, -2))
+                    if b == a:
+                        s += K.causal_mask(n)[r:e, :e]
+                    yield l, rows, keys, s, None if drop is None else drop(np.arange(a * n + r, a * n + e),
+                                                                           np.arange(keys.start, keys.stop))
 
     def attention(self, qkv, t: int, h: int, drop=None):
-        q, k, v = K._split_heads(self.order(qkv, back=True), t, h)                     # in sample order from here
-        bsz, _, _, d = q.shape
-        qs, kv, acc = q * (1.0 / math.sqrt(d)), self._kv(k, v), {}
-        for _, rows, _, keys, mask, keep in self._tiles(drop):
-            s = K._mm(qs[:, :, rows], kv[0][:, :, keys].swapaxes(-1, -2))
-            if mask is not None:
-                s += mask
+        qs, kv = opened(self.order(qkv, back=True), t, h)                      # in sample order from here
+        kv, acc = self._kv(kv), {}
+        for _, rows, keys, s, keep in self._tiles(qs, kv, drop):
             acc[rows.start] = merge(acc.get(rows.start), s, kv[1][:, :, keys], keep)
-        parts = [acc[start] for start in sorted(acc)]
-        yh = np.concatenate([o / s for o, _, s in parts], axis=2)
-        lse = np.concatenate([m + np.log(s) for _, m, s in parts], axis=2)
-        y = _c(yh.transpose(0, 2, 1, 3)).reshape(bsz * t, -1)
+        y, lse = merged(acc)
         return self.order(y), (lse, y, drop)
 
     def attention_back(self, g, saved, argnums, qkv, t: int, h: int):
-        (lse, y, drop), g = saved, self.order(g, back=True)
-        q, k, v = K._split_heads(self.order(qkv, back=True), t, h)
-        bsz, _, _, d = q.shape
-        qs, kv, n = q * (1.0 / math.sqrt(d)), self._kv(k, v), self.n
-        gy = K._heads(g, bsz, t, h)
-        dot = K._rowdot(gy, K._heads(y, bsz, t, h))
-        gq = np.zeros_like(qs)
-        parts = np.zeros((self.S, self.L) + kv.shape[:3] + (n, d), dtype=kv.dtype)   # key chunk b, query chunk l
-        for l, rows, b, keys, mask, keep in self._tiles(drop):
-            s = K._mm(qs[:, :, rows], kv[0][:, :, keys].swapaxes(-1, -2))
-            if mask is not None:
-                s += mask
-            dq, dk, dv = tile_back(s, lse[:, :, rows], qs[:, :, rows], kv[0][:, :, keys], kv[1][:, :, keys],
-                                   gy[:, :, rows], dot[:, :, rows], keep)
-            gq[:, :, rows] += dq
-            parts[b, l, 0][..., :dk.shape[-2], :] += dk                          # a diagonal tile: its keys' rows
-            parts[b, l, 1][..., :dv.shape[-2], :] += dv
-        dkv = self._home(np.stack([self.tsum(lambda l, b=b: parts[b, l]) for b in range(self.S)]))
-        gqkv = np.empty((bsz, t, 3, h, d), dtype=np.result_type(qkv, g))
-        gqkv[:, :, 0] = (gq * (1.0 / math.sqrt(d))).transpose(0, 2, 1, 3)
-        gqkv[:, :, 1:] = dkv.transpose(2, 0, 4, 1, 3, 5).reshape(bsz, t, 2, h, d)
-        return {0: self.order(gqkv.reshape(qkv.shape))}
+        (lse, y, drop), g, (qs, kv) = saved, self.order(g, back=True), opened(self.order(qkv, back=True), t, h)
+        kv, (gy, dot), gq = self._kv(kv), K._against(g, y, t, h), np.zeros_like(qs)
+        parts, n = np.zeros((self.L,) + kv.shape, dtype=kv.dtype), self.n         # query chunk l's share, every key
+        for l, rows, keys, s, keep in self._tiles(qs, kv, drop):
+            tile_back(s, keep, rows, keys, qs, kv, lse, gy, dot, gq, parts[l][..., keys, :])
+        dkv = self._home(np.stack([self.tsum(lambda l, b=b: parts[l, ..., b * n:b * n + n, :]) for b in range(self.S)]))
+        return {0: self.order(qkv_grad(gq, dkv.transpose(2, 0, 4, 1, 3, 5), qkv, g))}
 
     def _home(self, sub: np.ndarray) -> np.ndarray:
         """(L, 2, B, H, n, D): this rank's key chunks' gradients, the ranks' subtrees `sub` (S, ...) sent to each

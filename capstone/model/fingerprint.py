@@ -13,9 +13,8 @@ def sum_squares(flat: np.ndarray, weight: np.ndarray | None = None) -> float:
     """Sum of (weight *) squares of a vector in float64, converted chunk by chunk."""
     total = 0.0
     for c in range(0, flat.size, NORM_CHUNK):
-        x = flat[c:c + NORM_CHUNK]
-        x = (x.astype(np.uint32) << 16).view(np.float32) if x.dtype == np.uint16 else x   # bf16: widened
-        x = x.astype(np.float64)
+        x = flat[c:c + NORM_CHUNK]                                                           # bf16: widened
+        x = ((x.astype(np.uint32) << 16).view(np.float32) if x.dtype == np.uint16 else x).astype(np.float64)
         total += float(np.dot(x if weight is None else x * weight[c:c + NORM_CHUNK], x))
     return total
 

@@ -38,20 +38,22 @@ def tied_source(cfg: ModelConfig, tp=ALONE):
     return tied.Tied(group_shapes(cfg, tp.size)["embed"][0])
 
 
+def _forward_only(groups: dict, cfg: ModelConfig, tp) -> Pass:
+    """A pass that keeps nothing over `groups` held whole (capstone.model.seam.Resident), with a tied head's tie."""
+    tie = tied_source(cfg, tp)
+    return Pass(Resident(groups), tp, train=False, tie=None if tie is None else tie.for_pass())
+
+
 def logits(groups: dict, idx, cfg: ModelConfig, tp=ALONE):
     """Next-token logits (B*T, V) for token ids idx (B, T), forward only."""
-    seam = Resident(groups)
-    x = hidden(Pass(seam, tp, train=False), cfg, tuple(groups), 0.0, idx)
-    tie = tied_source(cfg, tp)
-    wte = None if tie is None else tie.for_pass().wte(seam)
+    ps = _forward_only(groups, cfg, tp)
+    x, wte = hidden(ps, cfg, tuple(groups), 0.0, idx), None if ps.tie is None else ps.tie.wte(ps.seam)
     return head_logits(x, groups["head"], group_shapes(cfg, tp.size)["head"], wte)[0]
 
 
 def loss_sum(groups: dict, idx, targets, cfg: ModelConfig, scale=1.0, tp=ALONE) -> float:
     """scale * (sum over the B*T positions of the softmax cross-entropy), forward only."""
-    tie = tied_source(cfg, tp)
-    ps = Pass(Resident(groups), tp, train=False, tie=None if tie is None else tie.for_pass())
-    return float(run_layers(ps, cfg, tuple(groups), 0.0, idx, targets, scale))
+    return float(run_layers(_forward_only(groups, cfg, tp), cfg, tuple(groups), 0.0, idx, targets, scale))
 
 
 def loss_and_grad(layout: Layout, flat: np.ndarray, idx, targets, cfg: ModelConfig, scale: float, tp=ALONE):
@@ -67,8 +69,7 @@ class Model:
     def __init__(self, cfg: ModelConfig, layout: Layout, seam: Weights, tp=ALONE, recompute: bool = False, cp=WHOLE,
                  masks: MaskSource | None = None, tie: TieSource | None = None, prec=None):
         self.cfg, self.layout, self.seam, self.tp, self.recompute, self.cp = cfg, layout, seam, tp, recompute, cp
-        self.prec = prec                                           # bf16's (capstone.model.precision; None: fp32)
-        self.masks = masks                                         # dropout's (None: no dropout)
+        self.prec, self.masks = prec, masks      # bf16's (capstone.model.precision; None: fp32), dropout's (None: none)
         self.tie = tied_source(cfg, tp) if tie is None else tie    # None: an untied head
         self.names = tuple(layout.group_ranges())
 

@@ -24,8 +24,7 @@ def define(name, forward, backward):
         stash[0] = forward(*args, **kwargs)
         return stash[0][0]
 
-    raw.__name__ = raw.__qualname__ = name
-    raw.__doc__ = forward.__doc__
+    raw.__name__, raw.__qualname__, raw.__doc__ = name, name, forward.__doc__
     op = primitive(raw)
 
     def vjpmaker(argnums, ans, args, kwargs):  # autograd calls this right after `raw`, with its output
@@ -56,18 +55,16 @@ def _embed_fwd(wte, wpe, idx, pos=None):
 
 
 def _embed_bwd(g, _, argnums, wte, wpe, idx, pos=None):
-    B, T = idx.shape
     out = {}
     if 0 in argnums:  # scatter-add rows of g by token id: sort, then one reduceat (beats np.add.at)
-        ids = idx.reshape(-1)
-        order = np.argsort(ids, kind="stable")
-        sorted_ids = ids[order]
+        order = np.argsort(idx.reshape(-1), kind="stable")
+        sorted_ids = idx.reshape(-1)[order]
         starts = np.flatnonzero(np.concatenate(([True], sorted_ids[1:] != sorted_ids[:-1])))
         out[0] = np.zeros_like(wte)
         out[0][sorted_ids[starts]] = np.add.reduceat(g[order], starts, axis=0)
     if 1 in argnums:
         out[1] = np.zeros_like(wpe)
-        out[1][slice(T) if pos is None else pos] = np.add.reduce(g.reshape(B, T, -1), axis=0)
+        out[1][slice(idx.shape[1]) if pos is None else pos] = np.add.reduce(g.reshape(*idx.shape, -1), axis=0)
     return out
 
 
@@ -86,17 +83,14 @@ def _rowdot(a, b):
 
 def _ln_fwd(x, w, b, eps=1e-5):
     """LayerNorm over the last axis, in row blocks: x (..., C), w/b (C,) (b None: no bias); saves xhat and 1/std."""
-    inv_c = 1.0 / x.shape[-1]
+    inv_c, rstd = 1.0 / x.shape[-1], np.empty(x.shape[:-1] + (1,), dtype=x.dtype)
     xhat, y = np.empty_like(x), np.empty_like(x, dtype=np.result_type(x, w, *(() if b is None else (b,))))
-    rstd = np.empty(x.shape[:-1] + (1,), dtype=x.dtype)
     for r in _row_blocks(x):
         xh, xr, rs, yr = xhat[r], x[r], rstd[r], y[r]
         np.subtract(xr, _add(xr, axis=-1, keepdims=True) * inv_c, out=xh)
         np.divide(1.0, np.sqrt(_rowdot(xh, xh) * inv_c + eps), out=rs)
         xh *= rs
-        np.multiply(xh, w, out=yr)
-        if b is not None:
-            yr += b
+        _biased(np.multiply(xh, w, out=yr), b)
     return y, (xhat, rstd)
 
 
@@ -107,7 +101,7 @@ def _ln_bwd(g, saved, argnums, x, w, b, eps=1e-5):
     sums = {1: lambda: _add(g * xhat, axis=lead), 2: lambda: _add(g, axis=lead)}   # dw, db
     out = {i: sums[i]() for i in (1, 2) if i in argnums}
     if 0 in argnums:  # dx = rstd * (gxhat - mean(gxhat) - xhat * mean(gxhat * xhat)), gxhat = g * w
-        gx = np.empty_like(g, dtype=np.result_type(g, w))
+        out[0] = gx = np.empty_like(g, dtype=np.result_type(g, w))
         for r in _row_blocks(g):                        # row by row: in blocks from cache
             gr, xh = gx[r], xhat[r]
             np.multiply(g[r], w, out=gr)
@@ -115,16 +109,19 @@ def _ln_bwd(g, saved, argnums, x, w, b, eps=1e-5):
             gr -= _add(gr, axis=-1, keepdims=True) * inv_c
             gr -= xh * mean_gx
             gr *= rstd[r]
-        out[0] = gx
     return out
+
+
+def _biased(y, b=None):
+    """y + b, added into y in place (b None or not given: no bias); returns y."""
+    if b is not None:
+        y += b
+    return y
 
 
 def _linear_fwd(x, w, b):
     """y = x @ w + b: x (N, Cin), w (Cin, Cout), b (Cout,) or None -> (N, Cout)."""
-    y = _mm(x, w)
-    if b is not None:
-        y += b
-    return y, None
+    return _biased(_mm(x, w), b), None
 
 
 def _gelu_fwd(u):
@@ -169,6 +166,12 @@ def _heads(a, B, T, H):
     return a.reshape(B, T, H, -1).transpose(0, 2, 1, 3)
 
 
+def _against(g, y, T, H):
+    """The output's gradient g (B*T, C) as gy (B, H, T, D), and each row's gy . y (B, H, T, 1)."""
+    gy = _heads(g, len(g) // T, T, H)
+    return gy, _rowdot(gy, _heads(y, len(g) // T, T, H))
+
+
 def _query_blocks(T):
     """[(start, end)] of the query blocks: at T = n * ATTN_BLOCK, (n + 1) / 2n of the (T, T) work (5/8 at n = 4)."""
     step = ATTN_BLOCK if T >= 2 * ATTN_BLOCK else T
@@ -181,8 +184,7 @@ def _attention_fwd(qkv, T, H):
     B, _, _, D = q.shape
     qs = q * (1.0 / math.sqrt(D))                                # (B, H, T, D), contiguous
     y = np.empty((B, T, H, D), dtype=qs.dtype)
-    yh = y.transpose(0, 2, 1, 3)                                 # (B, H, T, D) view of the output
-    saved = []
+    yh, saved = y.transpose(0, 2, 1, 3), []                      # yh: (B, H, T, D) view of the output
     for s, e_ in _query_blocks(T):
         e = _mm(qs[:, :, s:e_], k[:, :, :e_].swapaxes(-1, -2))   # S: (B, H, e - s, e)
         e[..., s:] += causal_mask(e_ - s)
@@ -200,8 +202,7 @@ def _attention_bwd(g, saved, argnums, qkv, T, H):
     blocks, y = saved
     q, k, v = _split_heads(qkv, T, H)
     B, _, _, D = q.shape
-    gy = _heads(g, B, T, H)                                      # (B, H, T, D)
-    dot = _rowdot(gy, _heads(y, B, T, H))                        # gy_i . y_i: (B, H, T, 1)
+    gy, dot = _against(g, y, T, H)                               # (B, H, T, D), gy_i . y_i: (B, H, T, 1)
     gqkv = np.empty((B, T, 3, H, D), dtype=np.result_type(qkv, g))
     gq, gk, gv = (gqkv[:, :, i].transpose(0, 2, 1, 3) for i in range(3))  # (B, H, T, D) views
     for s, e_, e, r in reversed(blocks):                         # the last block sees every key: written first

@@ -113,9 +113,8 @@ class Layout:
     def group_ranges(self) -> dict[str, tuple[int, int]]:
         """[start, end) of each parameter group in the flat buffer, in order (`group_of`)."""
         ranges: dict[str, tuple[int, int]] = {}
-        for name, shape, off in self.entries:
-            start = ranges.get(group_of(name), (off, off))[0]
-            ranges[group_of(name)] = (start, off + math.prod(shape))
+        for name, shape, off in self.entries:       # a group's start: its first array's offset
+            ranges[group_of(name)] = (ranges.get(group_of(name), (off,))[0], off + math.prod(shape))
         return ranges
 
     def groups(self, flat: np.ndarray) -> dict[str, np.ndarray]:
@@ -137,9 +136,7 @@ def init_params(layout: Layout, cfg: ModelConfig, seed: int, part=None) -> np.nd
     unit LayerNorms; deterministic in `seed`); `part(name, whole)`: a rank's part of each array (parallel.tensor)."""
     flat = layout.zeros()
     views, rng = layout.views(flat), np.random.default_rng(seed)
-    for name, shape in param_shapes(cfg):
-        if name.endswith(".b"):
-            continue  # biases start at zero
+    for name, shape in [(n, s) for n, s in param_shapes(cfg) if not n.endswith(".b")]:   # biases start at zero
         std = 0.02 / math.sqrt(2 * cfg.n_layers) if name.endswith("c_proj.w") else 0.02
         unit = ".ln_" in name or name.startswith("ln_")
         whole = np.ones(shape, DTYPE) if unit else rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
@@ -155,7 +152,7 @@ def no_decay_runs(layout: Layout, lo: int, hi: int, chunk: int) -> list[list[sli
         a, b = max(off, lo), min(off + math.prod(shape), hi)
         if len(shape) >= 2 and a < b:
             decays[1 + a - lo:1 + b - lo] = 1
-    edges = np.flatnonzero(np.diff(decays))                   # starts and ends of the decaying runs, in turn
-    runs = np.concatenate(([0], edges, [hi - lo])).reshape(-1, 2).tolist()   # [start, end) of those between
+    # [start, end) of the runs without decay: 0, the decaying runs' edges (their starts and ends, in turn), hi - lo
+    runs = np.concatenate(([0], np.flatnonzero(np.diff(decays)), [hi - lo])).reshape(-1, 2).tolist()
     return [[slice(max(a, c) - c, min(b, d) - c) for a, b in runs if max(a, c) < min(b, d)]
             for c in range(0, hi - lo, chunk) for d in (min(c + chunk, hi - lo),)]

@@ -64,28 +64,24 @@ def _map(f, saved):
 def _narrowed(a):
     """Activations (float32 arrays of at least 2 axes, rows longer than 1, that the pass made: dropout's masks are
     read-only) narrowed; the rest as it is."""
-    big = isinstance(a, np.ndarray) and a.dtype == np.float32 and a.ndim >= 2 and a.shape[-1] > 1
-    big = big and a.flags.writeable
+    big = isinstance(a, np.ndarray) and a.dtype == np.float32 and a.ndim >= 2 and a.shape[-1] > 1 and a.flags.writeable
     return Stored(narrow(a)) if big else a
 
 
 class Bf16:
     """--precision bf16's transformation of the model (see the module); --precision fp32 has none (None)."""
 
-    @staticmethod
-    def keep(saved):
+    def keep(self, saved):
         """What a layer keeps for its backward pass, its activations narrowed."""
         return _map(_narrowed, saved)
 
-    @staticmethod
-    def unkept(saved):
+    def unkept(self, saved):
         """The kept activations back as float32; `saved` is emptied (its arrays freed as they are used)."""
         out = _map(lambda s: widen(s.bits) if isinstance(s, Stored) else s, saved)
         saved.clear()
         return out
 
-    @staticmethod
-    def cast(out: np.ndarray, master: np.ndarray) -> None:
+    def cast(self, out: np.ndarray, master: np.ndarray) -> None:
         """The working parameters `out` from the float32 `master`, rounded (np.copyto's order: fp32's cast)."""
         narrow(master, out)
 

@@ -64,18 +64,46 @@ def merge(acc, s, v, keep=None):
     return [o * a + block[0] * b, top, lo * a + block[2] * b]
 
 
-def tile_back(s, lse, q, k, v, gy, dot, keep=None):
-    """One tile's backward from its scores s (.., q, keys) and its queries' log-sum-exp, gy and gy . y: (d queries,
-    d keys, d values), the probabilities again from the log-sum-exp. With dropout's `keep` (D, P the undropped
-    probabilities, y = (D P) v): dv = (D P)^T gy and ds = P (D (gy v^T) - gy . y)."""
-    p = np.exp(s - lse)
-    dv = K._mm((p if keep is None else p * keep).swapaxes(-1, -2), gy)
-    ds = K._mm(gy, v.swapaxes(-1, -2))
+def opened(qkv, t: int, h: int):
+    """qkv (B*t, 3C) -> its queries scaled by 1/sqrt(D) (B, H, t, D), its keys and values stacked (2, B, H, t, D)."""
+    q, k, v = K._split_heads(qkv, t, h)
+    return q * (1.0 / math.sqrt(q.shape[-1])), np.stack([k, v])
+
+
+def merged(acc: dict):
+    """The output (B*t, C) and each query row's log-sum-exp (B, H, t, 1) of the tiles `merge`d into
+    acc (the start of a tile's query rows -> its [output, running max, sum of exponentials])."""
+    parts = [acc[start] for start in sorted(acc)]                          # the tiles in row order
+    yh = np.concatenate([o / l for o, _, l in parts], axis=2)             # (B, H, t, D)
+    lse = np.concatenate([m + np.log(l) for _, m, l in parts], axis=2)
+    return np.ascontiguousarray(yh.transpose(0, 2, 1, 3)).reshape(-1, yh.shape[1] * yh.shape[3]), lse
+
+
+def tile_back(s, keep, qi, ki, qs, kv, lse, gy, dot, gq, gkv) -> None:
+    """One tile's backward from its scores s (.., q, keys) at query rows qi and key rows ki of the scaled queries qs,
+    the keys and values kv, the rows' log-sum-exp, gy and gy . y (kernels' `_against`), the probabilities again
+    from the log-sum-exp: d queries added into gq's rows qi, d keys and d values into gkv (2, .., keys, D). With
+    dropout's `keep` (D, P the undropped probabilities, y = (D P) v): dv = (D P)^T gy and
+    ds = P (D (gy v^T) - gy . y)."""
+    p = np.exp(s - lse[:, :, qi])
+    dv = K._mm((p if keep is None else p * keep).swapaxes(-1, -2), gy[:, :, qi])
+    ds = K._mm(gy[:, :, qi], kv[1][:, :, ki].swapaxes(-1, -2))
     if keep is not None:
         ds *= keep
-    ds -= dot
+    ds -= dot[:, :, qi]
     ds *= p
-    return K._mm(ds, k), K._mm(ds.swapaxes(-1, -2), q), dv
+    gq[:, :, qi] += K._mm(ds, kv[0][:, :, ki])
+    gkv[0] += K._mm(ds.swapaxes(-1, -2), qs[:, :, qi])
+    gkv[1] += dv
+
+
+def qkv_grad(gq, gkv, qkv, g) -> np.ndarray:
+    """The gradient of qkv from the scaled queries' gq (B, H, t, D) and the keys' and values' gkv (B, t, 2, H, D)."""
+    bsz, h, t, d = gq.shape
+    gqkv = np.empty((bsz, t, 3, h, d), dtype=np.result_type(qkv, g))
+    gqkv[:, :, 0] = (gq * (1.0 / math.sqrt(d))).transpose(0, 2, 1, 3)
+    gqkv[:, :, 1:] = gkv.reshape(bsz, t, 2, h, d)
+    return gqkv.reshape(qkv.shape)
 
 
 class Ring(Alone):
@@ -138,18 +166,12 @@ class Ring(Alone):
         """Causal softmax attention of this rank's rows over the whole sequence: qkv (B*t, 3C) ->
         (B*t, C), saving (log-sum-exp, output, drop). `drop` (capstone.model.dropout.Masks.drop):
         the probabilities' dropout mask at (query positions, key positions), None: no dropout."""
-        q, k, v = K._split_heads(qkv, t, h)
-        bsz, _, _, d = q.shape
-        qs, kv, n = q * (1.0 / math.sqrt(d)), np.ascontiguousarray(np.stack([k, v])), t // 2
-        acc: dict = {}
-        for _, src, kv in self._hops(kv):
+        (qs, kv), acc = opened(qkv, t, h), {}
+        for _, src, kv in self._hops(np.ascontiguousarray(kv)):
             for qi, ki, s, keep in self._tiles(qs, kv, src, t, drop):
                 acc[qi.start] = merge(acc.get(qi.start), s, kv[1][:, :, ki], keep)
-                self.computed += qi.start % n == 0          # a chunk block's first tile
-        parts = [acc[start] for start in sorted(acc)]   # the tiles in row order
-        yh = np.concatenate([o / l for o, _, l in parts], axis=2)                 # (B, H, t, D)
-        lse = np.concatenate([m + np.log(l) for _, m, l in parts], axis=2)        # (B, H, t, 1)
-        y = np.ascontiguousarray(yh.transpose(0, 2, 1, 3)).reshape(bsz * t, -1)
+                self.computed += qi.start % (t // 2) == 0          # a chunk block's first tile
+        y, lse = merged(acc)
         return y, (lse, y, drop)
 
     def attention_back(self, g, saved, argnums, qkv, t: int, h: int):
@@ -157,30 +179,18 @@ class Ring(Alone):
         value gradients passed round the ring with the keys and values to their owner. With dropout
         (D the mask, P the undropped probabilities, y = (D P) v): dv = (D P)^T gy and
         ds = P (D (gy v^T) - gy . y), the row dot product with the dropped output as without it."""
-        lse, y, drop = saved
-        q, k, v = K._split_heads(qkv, t, h)
-        bsz, _, _, d = q.shape
-        qs, kv = q * (1.0 / math.sqrt(d)), np.ascontiguousarray(np.stack([k, v]))
-        gy = K._heads(g, bsz, t, h)
-        dot = K._rowdot(gy, K._heads(y, bsz, t, h))
-        gq, got_req = np.zeros_like(qs), None
-        for hop, src, kv in self._hops(kv):
+        (lse, y, drop), (qs, kv) = saved, opened(qkv, t, h)
+        (gy, dot), gq, got, got_req = K._against(g, y, t, h), np.zeros_like(qs), None, None
+        for hop, src, kv in self._hops(np.ascontiguousarray(kv)):
             dkv = np.zeros(kv.shape, dtype=kv.dtype)   # this rank's part of src's key and value gradients
             for qi, ki, s, keep in self._tiles(qs, kv, src, t, drop):
-                dq, dk, dv = tile_back(s, lse[:, :, qi], qs[:, :, qi], kv[0][:, :, ki], kv[1][:, :, ki], gy[:, :, qi],
-                                       dot[:, :, qi], keep)
-                gq[:, :, qi] += dq
-                dkv[0][:, :, ki] += dk
-                dkv[1][:, :, ki] += dv
+                tile_back(s, keep, qi, ki, qs, kv, lse, gy, dot, gq, dkv[:, :, :, ki])
             if got_req is not None:     # the gradients of src's keys and values so far, from the ranks before
                 self._wait(*got_req, dkv.nbytes, "key and value gradients", hop)
                 dkv += got
             got, got_req = self._shift(dkv, self.k + hop)
         self._wait(*got_req, got.nbytes, "key and value gradients", self.k)   # this rank's own, home
-        gqkv = np.empty((bsz, t, 3, h, d), dtype=np.result_type(qkv, g))
-        gqkv[:, :, 0] = (gq * (1.0 / math.sqrt(d))).transpose(0, 2, 1, 3)
-        gqkv[:, :, 1:] = got.transpose(1, 3, 0, 2, 4)
-        return {0: gqkv.reshape(qkv.shape)}
+        return {0: qkv_grad(gq, got.transpose(1, 3, 0, 2, 4), qkv, g)}
 
 
 class Chunks:

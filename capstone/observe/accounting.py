@@ -18,10 +18,9 @@ from capstone.flags.pipe import fail, run_tool
 # reduce_scatterv, allgatherv: with per-rank counts (ZeRO-2's groups, ZeRO-3's gathered groups): S is what they sum
 # to; alltoallv: --deterministic at ZeRO-2/3, a group's pieces (S: what one rank sends); p2p: a pipeline's messages
 # between neighbouring stages (S: their bytes).
-BUS_FACTORS = {"allreduce": lambda n: 2 * (n - 1) / n,
+BUS_FACTORS = {"allreduce": lambda n: 2 * (n - 1) / n, **dict.fromkeys(("broadcast", "p2p", "reduce"), lambda n: 1.0),
                **dict.fromkeys(("reduce_scatter", "allgather", "alltoall", "reduce_scatterv", "allgatherv",
-                                "alltoallv"), lambda n: (n - 1) / n),
-               **dict.fromkeys(("broadcast", "p2p", "reduce"), lambda n: 1.0)}
+                                "alltoallv"), lambda n: (n - 1) / n)}
 PER_RANK_COUNT = ("reduce_scatter", "allgather", "alltoall")  # ops whose buffer is n equal per-rank blocks
 
 
@@ -110,9 +109,8 @@ def step_comm(traffic: dict) -> dict:
     """The "comm" dict of a step row from the step's traffic (capstone.collective.comm.Traffic by kind):
     per kind of collective its op, S bytes summed over its calls, the bytes a ring sends per rank,
     the milliseconds spent waiting for it, the bandwidths, its calls and the ranks of its group."""
-    return {kind: {**comm_entry(Collective(t.op, t.bytes, 1, t.ranks, t.seconds)), "calls": t.calls,
-                   "ranks": t.ranks, **({"hidden_ms": 1e3 * t.hidden} if t.hidden else {})}
-            for kind, t in traffic.items()}
+    return {kind: {**comm_entry(Collective(t.op, t.bytes, 1, t.ranks, t.seconds)), "calls": t.calls, "ranks": t.ranks,
+                   **({"hidden_ms": 1e3 * t.hidden} if t.hidden else {})} for kind, t in traffic.items()}
 
 
 def comm_entry(c: Collective) -> dict:
@@ -132,11 +130,10 @@ def comm_summary(rows: list[dict], skip_first: bool = True) -> dict:
         last = [r["comm"][name] for r in rows if name in r["comm"]][-1]
         if times := [r["comm"][name]["ms"] for r in timed if name in r["comm"]]:
             entry = comm_entry(Collective(last["op"], last["bytes"], 1, last["ranks"], statistics.median(times) / 1e3))
-            entry["median_ms"] = entry.pop("ms")
-            out[name] = {**entry, "steps": sum(name in r["comm"] for r in rows), "timed_steps": len(times),
-                         "calls": last["calls"], "ranks": last["ranks"]}
-            hidden = [r["comm"][name].get("hidden_ms", 0.0) for r in timed if name in r["comm"]]
-            if any(hidden):   # a prefetched or progressed collective: the time it ran behind compute
+            out[name] = {"median_ms": entry.pop("ms"), **entry, "steps": sum(name in r["comm"] for r in rows),
+                         "timed_steps": len(times), "calls": last["calls"], "ranks": last["ranks"]}
+            # a prefetched or progressed collective: the time it ran behind compute
+            if any(hidden := [r["comm"][name].get("hidden_ms", 0.0) for r in timed if name in r["comm"]]):
                 out[name]["median_hidden_ms"] = statistics.median(hidden)
     return out
 
@@ -197,8 +194,7 @@ def zero_row(stage: int, n_params: int, world: int, precision: Precision = FP32)
     `world` ranks; a sharded rank holds ceil(n_params / world) elements (the project's padded shard)."""
     if stage not in STAGES or n_params < 0 or world < 1:
         raise ValueError(f"need stage in 0..3, n_params >= 0, world >= 1; got {stage}, {n_params}, {world}")
-    shard = -(-n_params // world)
-    held = lambda sharded: shard if sharded else n_params  # noqa: E731
+    held = lambda sharded: -(-n_params // world) if sharded else n_params  # noqa: E731
     return ZeroRow(stage, precision.param * held(stage >= 3), precision.grad * held(stage >= 2),
                    precision.optimizer * held(stage >= 1))
 
@@ -210,13 +206,11 @@ def zero_table(n_params: int, world: int, precision: Precision = FP32) -> list[Z
 
 def format_zero_table(rows: list[ZeroRow], n_params: int, world: int, precision: Precision = FP32) -> str:
     p = precision
-    lines = [f"ZeRO what-if, {precision.name} ({p.param}+{p.grad}+{p.optimizer} bytes per parameter): "
-             f"P={n_params} parameters on N={world} ranks, bytes per rank",
-             f"{'stage':<5} {'sharded':<26} {'params':>12} {'grads':>12} {'optimizer':>12} {'total':>12}"]
-    for r in rows:
-        lines.append(f"{r.stage:<5} {STAGES[r.stage]:<26} {r.params_bytes:>12} {r.grads_bytes:>12} "
-                     f"{r.optimizer_bytes:>12} {r.total_bytes:>12}")
-    return "\n".join(lines)
+    return "\n".join([f"ZeRO what-if, {p.name} ({p.param}+{p.grad}+{p.optimizer} bytes per parameter): P={n_params} "
+                      f"parameters on N={world} ranks, bytes per rank",
+                      f"{'stage':<5} {'sharded':<26} {'params':>12} {'grads':>12} {'optimizer':>12} {'total':>12}"]
+                     + [f"{r.stage:<5} {STAGES[r.stage]:<26} {r.params_bytes:>12} {r.grads_bytes:>12} "
+                        f"{r.optimizer_bytes:>12} {r.total_bytes:>12}" for r in rows])
 
 
 def what_if(n_params: int, padded: int, world: int, memory: list[dict], precision: Precision = FP32) -> dict:
@@ -228,18 +222,17 @@ def what_if(n_params: int, padded: int, world: int, memory: list[dict], precisio
     keys = ("params_bytes", "grads_bytes", "optimizer_bytes", "reduce_bytes", "gathered_bytes")
     measured = {k: max(m.get(k, 0) for m in memory) for k in keys} if memory else {}
     formula = {k: max(m["formula"].get(k, 0) for m in memory) for k in keys} if memory and "formula" in memory[0] else {}
+    stage = memory[0].get("stage", 1) if memory else 1
     return {"precision": p.name, "bytes_per_param": {"params": p.param, "grads": p.grad, "optimizer": p.optimizer},
-            "n_params": n_params, "P": padded, "world": world,
-            "stages": [{"stage": r.stage, "sharded": STAGES[r.stage], **asdict(r), "total_bytes": r.total_bytes}
-                       for r in zero_table(padded, world, precision)],
-            "measured": {"stage": memory[0].get("stage", 1) if memory else 1, **measured},
-            "formula": formula}
+            "n_params": n_params, "P": padded, "world": world, "measured": {"stage": stage, **measured},
+            "formula": formula, "stages": [{"stage": r.stage, "sharded": STAGES[r.stage], **asdict(r),
+                                            "total_bytes": r.total_bytes} for r in zero_table(padded, world, p)]}
 
 
 def format_what_if(w: dict) -> str:
     """The what-if table, and under it the running stage: measured (max over ranks) and its formula."""
-    text = format_zero_table(zero_table(w["P"], w["world"], PRECISIONS[w["precision"]]), w["P"], w["world"],
-                             PRECISIONS[w["precision"]])
+    precision = PRECISIONS[w["precision"]]
+    text = format_zero_table(zero_table(w["P"], w["world"], precision), w["P"], w["world"], precision)
     stage = w["measured"]["stage"]
     for label, m in (("measured (max over ranks)", w["measured"]), (f"formula of stage {stage}", w.get("formula"))):
         if m and "params_bytes" in m:

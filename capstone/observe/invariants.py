@@ -47,10 +47,9 @@ def loss_monotone(evals: list, tol: float, rel: float = 0.0, settle_until: int =
         if rise - allowed > worst:
             worst, at, worst_rise, allowed_at = rise - allowed, step, rise, allowed
     first, last = (evals[0][1], evals[-1][1]) if evals else (None, None)
-    decreased = len(evals) >= 2 and last < (first if fresh else start)
-    return {"ok": decreased and (at is None or worst <= 0), "tol": tol, "rel": rel, "settle_until": settle_until,
-            "max_increase": worst_rise, "allowed_there": allowed_at, "at_step": at, "first": first, "last": last,
-            "start": start, "fresh": fresh, "steps": len(evals) - 1}
+    return {"ok": len(evals) >= 2 and last < (first if fresh else start) and (at is None or worst <= 0), "tol": tol,
+            "rel": rel, "settle_until": settle_until, "max_increase": worst_rise, "allowed_there": allowed_at,
+            "at_step": at, "first": first, "last": last, "start": start, "fresh": fresh, "steps": len(evals) - 1}
 
 
 def moves(evals: list, tol: float, rel: float, settle_until: int, start: float, best: float | None) -> list:
@@ -136,11 +135,10 @@ def learns(evals: list, train: list, tol: float, rel: float = 0.0, settle_until:
     drop = None if lowest is None or start is None else start - lowest
     highest = max((h for _, h in evals[1:]), default=None)
     planned = len(evals) - 1 if planned is None else max(planned, len(evals) - 1)
-    learnt = {"ok": drop is not None and len(evals) >= 2 and drop >= MIN_DROP * abs(start),
-              "start": start, "best": lowest, "drop": drop, "min_drop": MIN_DROP, "highest": highest,
-              "planned": planned, "rolled_back": planned - (len(evals) - 1),
-              "damaged": planned > len(evals) - 1 or (highest is not None and start is not None
-                                                      and highest > start * (1 + SETTLE_MARGIN) + tol)}
+    learnt = {"ok": drop is not None and len(evals) >= 2 and drop >= MIN_DROP * abs(start), "start": start,
+              "best": lowest, "drop": drop, "min_drop": MIN_DROP, "highest": highest, "planned": planned,
+              "rolled_back": planned - (len(evals) - 1), "damaged": planned > len(evals) - 1 or (
+                  highest is not None and start is not None and highest > start * (1 + SETTLE_MARGIN) + tol)}
     jump = jumps(evals, tol, rel, settle_until, start, best) if evals else {"ok": True, "sigmas": 0.0, "at_step": None}
     rising = trend(train, tol, trend_settle, block)
     why = None if learnt["ok"] or not (jump["ok"] and rising["ok"]) else \
@@ -233,8 +231,7 @@ def optimizer_memory(per_rank_bytes: list[int], n_params: int, padded: int, worl
     With --tp, P and padded are a TP slice's and N is the DP group's size (`world`)."""
     world = len(per_rank_bytes) if world is None else world
     share = 1 if replicated else world
-    expected = 12 * padded // share
-    formula = 12 * n_params / share
+    expected, formula = 12 * padded // share, 12 * n_params / share
     worst = max(abs(b - expected) for b in per_rank_bytes)
     return {"ok": worst == 0 and expected - formula < 12 * (world if replicated else 1), "expected_bytes": expected,
             "formula_12P_over_N": formula, "padding_bytes_per_rank": expected - formula,
@@ -257,9 +254,8 @@ def memory(rows: list[dict], world: int) -> dict:
                            for c in checks]
     off = {f: max(abs(r[f + "_bytes"] - r["formula"][f + "_bytes"]) for r in rows) for f in FIELDS}
     totals = [(sum(r[f + "_bytes"] for f in FIELDS), sum(r["formula"][f + "_bytes"] for f in FIELDS)) for r in rows]
-    return {**result, "ok": result["ok"] and not any(off.values()), "stage": rows[0]["stage"],
-            "deviation_bytes": off, "measured_total_bytes": max(t[0] for t in totals),
-            "formula_total_bytes": max(t[1] for t in totals)}
+    return {**result, "ok": result["ok"] and not any(off.values()), "stage": rows[0]["stage"], "deviation_bytes": off,
+            "measured_total_bytes": max(t[0] for t in totals), "formula_total_bytes": max(t[1] for t in totals)}
 
 
 def resume_bytes(result: dict | None, nothing_to_save: bool = False) -> dict:

@@ -52,13 +52,12 @@ def metrics_row(r, tokens: int, tokens_total: int, repeat: bool = False) -> dict
     including this step, `repeat`: the step was logged before a resume). Phases as "<phase>_ms"
     (disjoint wall-clock parts of step_ms); "comm": each kind of collective of the step, its bytes
     and the time spent waiting for it (inside the phases)."""
-    return {"step": r.step, "loss": r.loss, "eval_loss": r.eval_loss, "accepted": r.rollback is None,
+    return {"step": r.step, "loss": r.loss, "eval_loss": r.eval_loss, "accepted": r.rollback is None, "lr": r.lr,
             "grad_norm": r.grad_norm, "grad_norm_clipped": r.grad_norm if r.grad_norm_clipped is None else r.grad_norm_clipped,
-            "lr": r.lr, "tokens": tokens, "tokens_total": tokens_total, "time": time.time(), "repeat": repeat,
-            "samples": list(r.samples), **{f"{k}_ms": v for k, v in r.ms.items()},
-            "comm": accounting.step_comm(r.traffic),
-            "tokens_per_s": tokens / max(r.ms["step"] / 1e3, 1e-9), "param_norm": r.param_norm,
-            "fingerprint": r.fingerprint, "events": r.events}
+            "tokens": tokens, "tokens_total": tokens_total, "time": time.time(), "repeat": repeat, "events": r.events,
+            "samples": list(r.samples), **{f"{k}_ms": v for k, v in r.ms.items()}, "param_norm": r.param_norm,
+            "tokens_per_s": tokens / max(r.ms["step"] / 1e3, 1e-9), "comm": accounting.step_comm(r.traffic),
+            "fingerprint": r.fingerprint}
 
 
 class StepLog:
@@ -256,11 +255,10 @@ class Summary:
     final_fingerprint: tuple
 
     def to_json(self) -> dict:
-        return {**outcome.basics(self.run, self.status, self.start_step, self.wall),
+        return {**outcome.basics(self.run, self.status, self.start_step, self.wall), "zero_what_if": self.what_if(),
                 "padded": self.run.model.layout.padded, "last_step": self.rows[-1] if self.rows else None,
                 "invariants": self.invariants, "memory": {"per_rank": self.memory, **aggregate(self.memory)},
                 "final_param_fingerprint": self.final_fingerprint, "comm": accounting.comm_summary(self.rows),
-                "zero_what_if": self.what_if(),
                 **({"post_validation": self.run.opt.counts} if self.run.plan.post_validates else {})}
 
     def what_if(self) -> dict:

@@ -36,11 +36,10 @@ def parse_lines(text: str) -> tuple[list[dict], int]:
 
 def json_object(line: str) -> dict | None:
     """The JSON object a line holds, else None (a partial line, or JSON that is no object)."""
-    try:
+    with contextlib.suppress(json.JSONDecodeError):
         obj = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return obj if isinstance(obj, dict) else None
+        return obj if isinstance(obj, dict) else None
+    return None
 
 
 def step_rows(records: list[dict]) -> list[dict]:
@@ -57,22 +56,18 @@ def step_rows(records: list[dict]) -> list[dict]:
 
 def logged_rows(path: str) -> list[dict]:
     """The step rows (`step_rows`) of the metrics.jsonl `path`; none if there is no such file."""
-    try:
-        with open(path) as f:
-            return step_rows(parse_lines(f.read())[0])
-    except OSError:
-        return []
+    with contextlib.suppress(OSError), open(path) as f:
+        return step_rows(parse_lines(f.read())[0])
+    return []
 
 
 def number(value) -> float | None:
     """A finite float from a metrics value, else None (null, missing, "nan"/"inf" strings, booleans)."""
-    if isinstance(value, bool) or value is None:
-        return None
-    try:
+    with contextlib.suppress(TypeError, ValueError):
         x = float(value)
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
+        if math.isfinite(x) and not isinstance(value, bool):
+            return x
+    return None
 
 
 def series(rows: list[dict], key: str, x: str = "step", accepted_only: bool = False) -> tuple[list, list]:

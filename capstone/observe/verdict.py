@@ -24,24 +24,21 @@ def memory_text(c: dict) -> str:
     parts = c.get("parts", [c])   # a pipeline stage's part of the model has its own P
     return (f"optimizer bytes per rank {sorted(set(c['measured_bytes']))} = 12*P/N " +
             ", ".join(f"{x['formula_12P_over_N']:.1f} + padding {x['padding_bytes_per_rank']:.1f}" for x in parts) +
-            (" (each pipeline stage's)" if len(parts) > 1 else "") +
-            f"; model states {c['measured_total_bytes']} bytes per rank (max) = the ZeRO stage-{c['stage']} "
-            f"formula {c['formula_total_bytes']}")
+            (" (each pipeline stage's)" if len(parts) > 1 else "") + f"; model states {c['measured_total_bytes']} "
+            f"bytes per rank (max) = the ZeRO stage-{c['stage']} formula {c['formula_total_bytes']}")
 
 
 def describe(results: dict, world: int) -> list[str]:
     """One line per invariant with its measured values."""
     a, b, c, d = (results[k] for k in ("a_loss_monotone", "b_params_identical", "c_memory", "d_resume_bytes"))
     mark = {True: "ok    ", False: "FAILED"}
-    return [
-        *describe_learning(a, mark[a["ok"]]),
-        f"(b) {mark[b['ok']]} parameter fingerprint identical on all {world} ranks at {b['steps_checked'] - b['n_mismatches']}"
-        f"/{b['steps_checked']} steps" if b.get("judged", True) else
-        "(b) not judged: the launch stopped before its first step, so there were no parameters to compare",
-        f"(c) {mark[c['ok']]} {memory_text(c)}",
-        f"(d) {mark[d['ok']]} " + (f"{d['path']}: {d['mismatched_bytes']} bytes differ from the in-memory snapshot"
-                                   if "path" in d else d["reason"]),
-    ]
+    return [*describe_learning(a, mark[a["ok"]]),
+            f"(b) {mark[b['ok']]} parameter fingerprint identical on all {world} ranks at "
+            f"{b['steps_checked'] - b['n_mismatches']}/{b['steps_checked']} steps" if b.get("judged", True) else
+            "(b) not judged: the launch stopped before its first step, so there were no parameters to compare",
+            f"(c) {mark[c['ok']]} {memory_text(c)}", f"(d) {mark[d['ok']]} " + (
+                f"{d['path']}: {d['mismatched_bytes']} bytes differ from the in-memory snapshot" if "path" in d
+                else d["reason"])]
 
 
 def learning_failures(a: dict) -> list[str]:
@@ -73,9 +70,9 @@ def _learnt_hint(a: dict) -> str:
     update that damaged the model, or a jump or rising training loss, asks for less; else more."""
     learnt = a["learnt"]
     if learnt.get("damaged"):
-        how = f"the guard rolled back {learnt['rolled_back']} of the {learnt['planned']} steps due for evaluation" \
-            if learnt["rolled_back"] else f"the held-out loss rose to {learnt['highest']:.5f}, more than 5% above " \
-                                          f"its start"
+        how = (f"the guard rolled back {learnt['rolled_back']} of the {learnt['planned']} steps due for evaluation"
+               if learnt["rolled_back"] else f"the held-out loss rose to {learnt['highest']:.5f}, more than 5% above "
+               "its start")
         return (f"Updates damaged the model: {how}. Lower --lr (fine-tuning takes a fraction of the original's), "
                 f"warm up (--warmup-steps), or set --clip.")
     if not (a["jump"]["ok"] and a["trend"]["ok"]):

@@ -29,10 +29,7 @@ class Pieces:
         total, piece = widen(self.recv[0]), np.empty(self.recv.shape[1], dtype=np.float32)
         for bits in self.recv[1:]:
             total += widen(bits, out=piece)
-        if add:
-            into += total
-        else:
-            into[...] = total
+        into[...] = into + total if add else total
 
 
 class BucketPieces(BucketReducer):
@@ -42,8 +39,7 @@ class BucketPieces(BucketReducer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.pieces: list = []
-        self.peak = 0
+        self.pieces, self.peak = [], 0   # the buckets' pieces in flight (with their plans); the most bytes they held
 
     def _request(self, b: GroupPlan):
         pieces = Pieces(self.comm, self.grads[b.a:b.b], b.counts)

@@ -41,8 +41,7 @@ class GroupPlan:
 def plan(layout: Layout, bucket_floats: int, rank: int = 0, order: list[int] | None = None) -> list[GroupPlan]:
     """Buckets in flat order (bucket 0 starts at 0), filled from the end: whole parameters, each at least
     `bucket_floats` long except bucket 0 (the remainder). The padding goes with the last parameter."""
-    entries = sorted(layout.entries, key=lambda e: e[2])
-    bounds, end, params = [], layout.padded, []
+    entries, bounds, end, params = sorted(layout.entries, key=lambda e: e[2]), [], layout.padded, []
     for i in range(len(entries) - 1, -1, -1):
         params.append(i)
         start = entries[i][2]
@@ -55,8 +54,9 @@ def plan(layout: Layout, bucket_floats: int, rank: int = 0, order: list[int] | N
 class BucketReducer(GradReducer):
     """Sum `grads` over dp into `grad_shard`, bucket by bucket (`bucket_floats` >= the buffer: one, after backward)."""
 
-    tree, op = True, "reduce_scatter"     # sums in recursive-halving order (a power-of-2 world); the collective
-    wire = 4                              # bytes a value on the wire (capstone.parallel.bf16sum: 2)
+    # tree: sums in recursive-halving order (a power-of-2 world); op: the collective; wire: bytes a value on the
+    # wire (capstone.parallel.bf16sum: 2)
+    tree, op, wire = True, "reduce_scatter", 4
 
     def __init__(self, grid, layout: Layout, grads, bucket_floats: int, loss_weight: float = 1.0):
         super().__init__(grid, layout, grads, loss_weight)
@@ -73,17 +73,14 @@ class BucketReducer(GradReducer):
         self._reset()
 
     def _reset(self) -> None:
-        self.seen = [0] * len(self.bucket_of)
-        self.missing = [len(b.params) for b in self.buckets]
-        self.next = len(self.buckets) - 1        # the next bucket to start (they start highest first)
-        self.requests: list = []
-        self.tested = 0                          # requests[:tested] have completed
+        self.seen, self.missing = [0] * len(self.bucket_of), [len(b.params) for b in self.buckets]
+        # next: the bucket to start (they start highest first); requests[:tested] have completed
+        self.next, self.requests, self.tested = len(self.buckets) - 1, [], 0
 
     def start(self, micro_batches: int) -> None:
         """Before a step's micro-batches: start buckets from the backward pass as they become ready (if several)."""
         self._reset()
-        self.micro_batches, self.overlapped = int(micro_batches), 0
-        self.watching = len(self.buckets) > 1
+        self.micro_batches, self.overlapped, self.watching = int(micro_batches), 0, len(self.buckets) > 1
 
     def landed(self, name: str, sink: np.ndarray) -> None:
         """The gradients in `sink` (group `name`'s slice of the buffer) are final for this micro-batch."""

@@ -12,6 +12,7 @@ import numpy as np
 
 from capstone.model.params import DTYPE, Layout
 from capstone.parallel import tensor
+from capstone.parallel.grid import allgathered
 from capstone.step.state import ShardState
 
 
@@ -34,8 +35,7 @@ class Canonical:
         """Collective over the model-parallel group: (k, full.padded) canonical rows from every
         part's (k, n) rows."""
         mine = np.pad(rows, ((0, 0), (0, self.width - rows.shape[1])))
-        parts = np.empty((self.grid.mp.size, *mine.shape), dtype=DTYPE)
-        self.grid.mp.Allgather(parts, "checkpoint: allgather of the model-parallel parts", send=mine)
+        parts = allgathered(self.grid.mp, mine, "checkpoint: allgather of the model-parallel parts")
         full = np.zeros((len(rows), self.full.padded), dtype=DTYPE)
         for m in range(len(self.parts)):
             idx, owned = self._map(m)
@@ -45,11 +45,9 @@ class Canonical:
     def to_stored(self, shard: ShardState) -> ShardState:
         """Collective. This rank's world shard of the full master/m/v (one at a time: a third of the memory)."""
         g, n = self.grid, self.layout.n_params
-        lo, hi = self.full.shard_range(g.world.rank)
-        out = []
+        (lo, hi), out = self.full.shard_range(g.world.rank), []
         for row in shard.rows():
-            got = np.empty((g.dp.size, row.size), dtype=DTYPE)
-            g.dp.Allgather(got, "checkpoint: allgather of the optimizer shards", send=np.ascontiguousarray(row))
+            got = allgathered(g.dp, row, "checkpoint: allgather of the optimizer shards")
             out.append(self._assemble(got.reshape(1, -1)[:, :n])[0, lo:hi].copy())
         return ShardState(*out, t=shard.t)
 
@@ -58,8 +56,7 @@ class Canonical:
         g, sl = self.grid, self.layout
         idx, (lo, hi), out = self._map(g.mp.rank)[0], sl.shard_range(g.dp.rank), []
         for row in shard.rows():
-            got = np.empty((g.world.size, row.size), dtype=DTYPE)
-            g.world.Allgather(got, "checkpoint: allgather of the stored shards", send=np.ascontiguousarray(row))
+            got = allgathered(g.world, row, "checkpoint: allgather of the stored shards")
             out.append(np.pad(got.reshape(-1)[idx], (0, sl.padded - sl.n_params))[lo:hi].copy())
         return ShardState(*out, t=shard.t)
 

@@ -22,8 +22,7 @@ import numpy as np
 from capstone.model.fingerprint import word_sum
 from capstone.model import precision
 from capstone.parallel.deterministic import FIXED_CHUNK, sumsq, tree_sum
-
-KIND = "sha256 of the canonical vector's 16384-value chunks' sha256s"   # the fingerprint's, recorded with a run
+from capstone.parallel.grid import allgathered
 
 
 def whole(vector: np.ndarray) -> tuple[float, str]:
@@ -42,11 +41,9 @@ class ChunkSums:
         self.world, w, me = world, world.size, world.rank
         held = np.flatnonzero(idx >= 0)
         owner = (idx[held] // FIXED_CHUNK) % w
-        order = np.lexsort((idx[held], owner))
-        take, counts = held[order], np.bincount(owner, minlength=w)
-        every = np.empty((w, w), dtype=np.int64)             # every[r, o]: values rank r sends to chunk owner o
-        world.Allgather(every, "deterministic norms: counts of the canonical chunks' values", "chunk_sums",
-                        send=counts.astype(np.int64))
+        take, counts = held[np.lexsort((idx[held], owner))], np.bincount(owner, minlength=w).astype(np.int64)
+        # every[r, o]: values rank r sends to chunk owner o
+        every = allgathered(world, counts, "deterministic norms: counts of the canonical chunks' values", "chunk_sums")
         self.block = int(every.max())                        # one Alltoall of equal blocks, padded to the largest
         self.src = np.zeros(w * self.block, dtype=np.int64)  # send position -> value (padding: any, never read)
         self.src[np.concatenate([o * self.block + np.arange(c, dtype=np.int64) for o, c in enumerate(counts)])] = take
@@ -58,11 +55,9 @@ class ChunkSums:
         base = np.zeros(self.n_chunks, dtype=np.int64)
         base[mine] = self.starts[:-1]
         place = base[where // FIXED_CHUNK] + where % FIXED_CHUNK
-        covered = np.zeros(int(self.starts[-1]), dtype=bool)
-        covered[place] = True
-        if len(place) != len(covered) or not covered.all():
+        if not (np.bincount(place, minlength=int(self.starts[-1])) == 1).all():   # each position exactly once
             raise RuntimeError("deterministic norms: the parts do not cover the canonical vector once")
-        self.gather = np.empty(len(covered), dtype=np.int64)   # this rank's chunks, in order <- received position
+        self.gather = np.empty(len(place), dtype=np.int64)   # this rank's chunks, in order <- received position
         self.gather[place] = recv_at
 
     def _exchange(self, values: np.ndarray, what: str) -> np.ndarray:
@@ -83,8 +78,7 @@ class ChunkSums:
                 mine[i, 1:].view(np.uint8)[:] = np.frombuffer(hashlib.sha256(whole[a:b].tobytes()).digest(), np.uint8)
             elif digest:
                 mine[i, 1:2].view(np.uint64)[0] = word_sum(whole[a:b])   # chunks of even length: the same words
-        every = np.empty((self.world.size,) + mine.shape)
-        self.world.Allgather(every, "allgather of the canonical chunks' sums", "allgather_stats", send=mine)
+        every = allgathered(self.world, mine, "allgather of the canonical chunks' sums", "allgather_stats")
         rows = [every[c % self.world.size, c // self.world.size] for c in range(self.n_chunks)]
         total = tree_sum(r[0] for r in rows)
         if digest == "sha256":
@@ -116,5 +110,4 @@ def canonical_index(grid, cfg, layout, groups) -> np.ndarray:
     idx = np.full(layout.padded, -1, dtype=np.int64)
     at, owned = tensor.positions(cfg, grid.tp.size, grid.tp.rank, groups)   # 1 rank: 0, 1, 2, ..., all owned
     idx[:layout.n_params] = np.where(owned, at, -1)
-    lo, hi = layout.shard_range(grid.dp.rank)
-    return idx[lo:hi]
+    return idx[slice(*layout.shard_range(grid.dp.rank))]

@@ -36,6 +36,7 @@ import numpy as np
 
 from capstone.data.heldout import HeldOut
 from capstone.model.exact import tree
+from capstone.parallel.grid import allgathered
 from capstone.parallel.reduce import Flags, GradReducer, GradStats
 
 FIXED_CHUNK = 1 << 14   # values per chunk of the gradient norm's (and param_norm's) sum of squares
@@ -76,10 +77,9 @@ class DeterministicReducer(GradReducer):
         self.accum, self.w = grad_accum, grid.dp.size
         # a replica's parts (pipeline stage p, tensor-parallel rank t: part p * tp + t), the ranks of the
         # part whose losses are the replica's (the last stage's t = 0) in dp x cp order, replica 0's ranks
-        loss_part = (grid.pp.size - 1) * grid.tp.size
-        self.loss_ranks = [r for r in range(grid.world.size) if grid.part(r) == loss_part]
-        # row k = j*world + q: rank q's block j, this rank's shard of it (block k of the step)
-        self.rows = np.zeros((grad_accum * self.w, layout.shard), dtype=np.float32)   # padding stays 0
+        self.loss_ranks = [r for r in range(grid.world.size) if grid.part(r) == (grid.pp.size - 1) * grid.tp.size]
+        # rows[j, q]: rank q's block j, this rank's shard of it (block k = j*world + q of the step)
+        self.rows = np.zeros((grad_accum, self.w, layout.shard), dtype=np.float32)   # padding stays 0
 
     def nbytes(self) -> int:
         """Bytes this mode holds besides the flat buffer: the received rows (grad_accum x the
@@ -98,31 +98,28 @@ class DeterministicReducer(GradReducer):
         rank (into the rows of block micro*world + q, where a flat buffer's exchange puts it)."""
         if self.plans is not None:
             send, recv = self.plans[name]   # (counts, displacements) each
-            self.dp.Alltoallv(np.ascontiguousarray(grad.reshape(-1)), send,
-                              self.rows[self.micro * self.w:(self.micro + 1) * self.w], recv,
+            self.dp.Alltoallv(np.ascontiguousarray(grad.reshape(-1)), send, self.rows[self.micro], recv,
                               f"deterministic exchange of the gradient of {name}")
 
     def after_backward(self, micro: int) -> None:
         """Slice q of the flat gradient buffer to rank q (rows of block micro*world + q)."""
         if self.plans is None:
-            self.dp.Alltoall(self.grads, self.rows[micro * self.w:(micro + 1) * self.w],
-                             "deterministic exchange of a micro-batch's gradient", "alltoall")
+            self.dp.Alltoall(self.grads, self.rows[micro], "deterministic exchange of a micro-batch's gradient")
 
     def finish(self, losses: list[float], flags: Flags) -> GradStats:
         """Collective: the owner's tree over the received rows; one allgather over the world of each
         rank's block losses, flags and its part's sum of squares (a replicated parameter counted on
         tensor-parallel rank 0 only); the loss tree over blocks and the norm's over parts, in fixed
         orders (the parts of a replica do not depend on the data-parallel layout)."""
-        tree_rows(self.rows, self.grad_shard)   # padding columns: sums of zeros
+        tree_rows(self.rows.reshape(-1, self.layout.shard), self.grad_shard)   # row k = j*world + q; padding: zeros
         if self.plans is not None:   # --inject-nan (a test seam), where no flat buffer is
             self.dp.hooks.gradients(self.dp.hooks.step, 0, self.grad_shard)
         square = self.chunks(self.grad_shard)[0]
         small = np.array([*losses, *flags.counts(), square], dtype=np.float64)
         self.agreeing()
-        every = np.empty((self.world.size, len(small)), dtype=np.float64)
-        self.world.Allgather(every, "allgather of the micro-batch losses and norms", "allgather_stats", send=small)
-        blocks = every[self.loss_ranks, :self.accum]   # (dp x cp, accum) of the loss-holding parts
-        loss = tree_sum(blocks.T.reshape(-1))          # index j*world + q = block k (--cp: its part q % cp)
+        every = allgathered(self.world, small, "allgather of the micro-batch losses and norms", "allgather_stats")
+        # (dp x cp, accum) of the loss-holding parts; index j*world + q = block k (--cp: its part q % cp)
+        loss = tree_sum(every[self.loss_ranks, :self.accum].T.reshape(-1))
         return GradStats(loss, math.sqrt(square), Flags.any_rank(every[:, self.accum:-1].sum(axis=0)))
 
 
@@ -148,8 +145,8 @@ class HeldOutBlocks(HeldOut):
                  in_step: bool = False, cp: int = 1):
         # --cp: the k ranks of a ring evaluate the same blocks, each its part; parts tree-summed in order
         self.world, self.comm, self.rank, self.w, self.loss = world, dp, dp.rank // cp, dp.size // cp, loss
-        self.weight = weight   # 1 on the parts whose loss is the replica's (capstone.data.heldout)
-        self.scale = 1.0 / (batches * batch_size * seq_len)
+        # weight: 1 on the parts whose loss is the replica's (capstone.data.heldout)
+        self.weight, self.scale = weight, 1.0 / (batches * batch_size * seq_len)
         spans = [(k, a, min(a + EVAL_ROWS, batch_size)) for k in range(batches) for a in range(0, batch_size, EVAL_ROWS)]
         self.per_rank, self.counted = -(-len(spans) // self.w), len(spans) * cp   # counted: the blocks' parts
         mine = spans[self.rank::self.w]
@@ -162,7 +159,6 @@ class HeldOutBlocks(HeldOut):
     def loss_share(self) -> float:
         local = np.zeros(self.per_rank, dtype=np.float64)
         local[:len(self.blocks)] = [self.loss(x, y, self.scale) for x, y in self.blocks]
-        every = np.empty((self.comm.size, self.per_rank), dtype=np.float64)
-        self.comm.Allgather(every, "allgather of the held-out block losses", "allgather_eval", send=local)
-        total = tree_sum(every.T.reshape(-1)[:self.counted])   # index i*world + q = block b * cp + part
-        return total * self.weight if self.comm.rank == 0 else 0.0
+        every = allgathered(self.comm, local, "allgather of the held-out block losses", "allgather_eval")
+        # index i*world + q = block b * cp + part
+        return tree_sum(every.T.reshape(-1)[:self.counted]) * self.weight if self.comm.rank == 0 else 0.0

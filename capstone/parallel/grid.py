@@ -18,6 +18,7 @@ builds no communicator at all. The `Grid` is built once and passed in; nothing i
 import socket
 from dataclasses import dataclass
 
+import numpy as np
 from mpi4py import MPI
 
 from capstone.collective.comm import Comm
@@ -41,8 +42,7 @@ class Grid:
     def build(cls, world: Comm, plan: Plan | None = None) -> "Grid":
         """Collective: call on all ranks of `world`. The grid of `plan` (made on this world; None: plain
         data parallelism). ConfigError on every rank if the launcher split a tensor-parallel group over hosts."""
-        plan = plan or Plan(world=world.size)
-        hosts = tuple(world.allgather_json(socket.gethostname()))
+        plan, hosts = plan or Plan(world=world.size), tuple(world.allgather_json(socket.gethostname()))
         plan.check_placement(list(hosts))
         tp, pp, cp, dp = plan.tp, plan.pp, plan.cp, plan.zero_group   # dp: the dp x cp ranks of the same parameters
         d, pc, t = placement.position(world.rank, pp * cp, tp)
@@ -50,10 +50,8 @@ class Grid:
         d = d * cp + c                                   # the rank in the dp x cp group
 
         def axis(size: int, color: int, key: int, name: str) -> Comm:
-            if size == world.size:
-                return world
-            if size == 1:
-                return world.derived(MPI.COMM_SELF)
+            if size in (1, world.size):   # the world itself, or this rank alone
+                return world if size == world.size else world.derived(MPI.COMM_SELF)
             return world.split(color, key, name)
         return cls(world, axis(dp, p * tp + t, d, "data parallel"), axis(pp, d * tp + t, p, "pipeline"),
                    axis(tp, d * pp + p, t, "tensor parallel"), axis(tp * pp, d, p * tp + t, "model parallel"),
@@ -77,6 +75,15 @@ class Grid:
         """The part of the model (pp_rank * tp + tp_rank) that world rank `rank` holds."""
         return rank // (self.cp_size * self.tp.size) % self.pp.size * self.tp.size + rank % self.tp.size
 
+    def norm_weight(self, layout) -> np.ndarray | None:
+        """Per element of this rank's data-parallel shard of `layout`: its weight in a norm (tensor parallelism:
+        ones, and zeros where tp rank 0 counts a whole parameter alone: capstone.parallel.tensor.norm_weight); None:
+        every element counts."""
+        if self.tp.size == 1:
+            return None
+        from capstone.parallel import tensor
+        return tensor.norm_weight(layout, self.tp.rank, *layout.shard_range(self.dp.rank))
+
     def replica_ranks(self) -> list[int]:
         """The world ranks of this rank's replica (its dp and cp coordinates), in part order."""
         per, tp, cp, me = self.world.size // self.replicas, self.tp.size, self.cp_size, self.world.rank
@@ -97,3 +104,10 @@ class Grid:
         return {"dp": self.replicas, "pp": self.pp.size, "cp": self.cp_size, "tp": self.tp.size,
                 "order": "rank = ((dp_rank * pp + pp_rank) * cp + cp_rank) * tp + tp_rank",
                 "tp_group": "tp consecutive ranks", "dp_group": "ranks with equal pp_rank and tp_rank (dp x cp)"}
+
+
+def allgathered(comm: Comm, mine: np.ndarray, what: str, kind: str | None = None) -> np.ndarray:
+    """Collective over `comm`: every rank's `mine` (of one shape and dtype on every rank), stacked in rank order."""
+    every = np.empty((comm.size, *mine.shape), dtype=mine.dtype)
+    comm.Allgather(every, what, kind, send=np.ascontiguousarray(mine))
+    return every

@@ -78,10 +78,9 @@ class Pipeline:
     def __init__(self, model, reducer, hooks, scale: float, schedule: str, pp, tie=None):
         """`tie`: a tied head's wte on the first and last stages (capstone.parallel.tiedstages.Link)."""
         self.model, self.reducer, self.hooks, self.scale, self.schedule = model, reducer, hooks, scale, schedule
-        self.tie = tie
-        self.pp, self.p, self.K = pp, pp.rank, pp.size
-        self.sends, self.events = [], []          # (request, buffer) in flight; (kind, j, t0, t1)
-        self.span = (0.0, 0.0)   # the last step's forward_backward, perf_counter seconds
+        self.pp, self.p, self.K, self.tie = pp, pp.rank, pp.size, tie
+        # sends: (request, buffer) in flight; events: (kind, j, t0, t1); span: the last step's forward_backward
+        self.sends, self.events, self.span = [], [], (0.0, 0.0)
 
     def _recv(self, shape, peer: int, tag: int, what: str) -> np.ndarray:
         buf = np.empty(shape, dtype=DTYPE)

@@ -22,8 +22,7 @@ class Ticket:
 
     def __init__(self, request, buffers):
         self.request, self.buffers = request, buffers    # buffers stay alive until completion
-        self.started, self.completed = time.perf_counter(), None
-        self.done = threading.Event()
+        self.started, self.completed, self.done = time.perf_counter(), None, threading.Event()
 
     def wait(self, comm, what: str, kind: str, op: str, nbytes: int) -> None:
         """Wait for completion (ending the job at `comm`'s deadline); counted on `comm` under `kind`, with
@@ -54,8 +53,7 @@ class Progress:
             with self.cv:
                 self.cv.wait_for(lambda: self.pending)
                 tickets = list(self.pending)
-            finished = [t for t in tickets if t.request.Test()]
-            now = time.perf_counter()
+            finished, now = [t for t in tickets if t.request.Test()], time.perf_counter()
             with self.cv:
                 for t in finished:
                     self.pending.remove(t)

@@ -49,12 +49,8 @@ class GradReducer:
         if grads is not None and (grads.dtype != DTYPE or grads.shape != (layout.padded,) or not grads.flags.c_contiguous):
             raise ValueError(f"grads must be a contiguous float32 buffer of length {layout.padded}")
         self.world, self.dp, self.layout, self.grads = grid.world, grid.dp, layout, grads
-        lo, hi = layout.shard_range(grid.dp.rank)
-        self.grad_shard = np.zeros(hi - lo, dtype=DTYPE)
-        self.norm_weight, self.loss_weight = None, loss_weight   # None: every element counts in the norm
-        if grid.tp.size > 1:                                      # tensor parallelism: ones and zeros
-            from capstone.parallel import tensor
-            self.norm_weight = tensor.norm_weight(layout, grid.tp.rank, lo, hi)
+        self.grad_shard = np.zeros(layout.shard, dtype=DTYPE)
+        self.norm_weight, self.loss_weight = grid.norm_weight(layout), loss_weight
 
     def start(self, micro_batches: int) -> None:
         """Before the step's first forward pass."""

@@ -12,10 +12,9 @@ class ReplicaCheck:
     """(b)'s record: how many steps were checked and the ones where replicas differed."""
 
     def __init__(self, grid, layout):
-        self.world, self.tp_rank = grid.world, grid.tp.rank
-        self.parts = grid.mp.size                      # ranks per replica
+        # parts: the ranks of a replica (its model-parallel group)
+        self.world, self.tp_rank, self.layout, self.parts = grid.world, grid.tp.rank, layout, grid.mp.size
         self.part_of, self.mates = [grid.part(r) for r in range(grid.world.size)], grid.replica_ranks()
-        self.layout = layout
         self.checked, self.mismatches = 0, []
 
     def check(self, step: int, params, strong: bool) -> tuple[float, str]:
@@ -30,9 +29,7 @@ class ReplicaCheck:
         every = np.empty((self.world.size, 3))
         self.world.Allgather(every, "allgather of the parameter fingerprints", "allgather_checks", send=mine)
         self.record(step, [[float(e[0]), f"{int(e[2:].view(np.uint64)[0]):016x}"] for e in every])
-        if self.parts == 1:
-            return norm, digest
-        return math.sqrt(sum(every[self.mates, 1].tolist())), digest
+        return (norm if self.parts == 1 else math.sqrt(sum(every[self.mates, 1].tolist()))), digest
 
     def record(self, step: int, every: list) -> None:
         """`every`: one value per world rank; ranks holding the same part (`Grid.part`) must agree."""

@@ -30,8 +30,7 @@ class Link:
     def __init__(self, seam, pp, shape: tuple, share_buffer=np.empty_like):
         self.seam, self.pp, self.shape, self.share_buffer = seam, pp, shape, share_buffer   # the share's (per chunk)
         self.first, self.last = pp.rank == 0, pp.rank == pp.size - 1
-        self.mirror = np.empty(shape, dtype=DTYPE) if self.last else None
-        self.sends = []
+        self.mirror, self.sends = np.empty(shape, dtype=DTYPE) if self.last else None, []
 
     def for_pass(self) -> Tie:
         return StageTie(self.shape, self)
@@ -50,9 +49,8 @@ class Link:
     def receive_share(self) -> np.ndarray:
         """The first stage: the last stage's share of wte's gradient of the same micro-batch."""
         buf = self.share_buffer(np.empty(self.shape, dtype=DTYPE))
-        self.pp.wait(self.pp.Irecv(buf, self.pp.size - 1, SHARE_TAG),
-                     "receive of the tied head's gradient of wte from the last pipeline stage", "tied_recv", "p2p",
-                     buf.nbytes)
+        self.pp.wait(self.pp.Irecv(buf, self.pp.size - 1, SHARE_TAG), "receive of the tied head's gradient of wte "
+                     "from the last pipeline stage", "tied_recv", "p2p", buf.nbytes)
         return buf
 
     def drain(self) -> None:

@@ -29,8 +29,8 @@ class ZeroAdam:
         if working is not None:
             self.cast(working, params)
         self.state = ShardState(master, np.zeros_like(master), np.zeros_like(master))
-        self.before = ShardState(*(np.zeros_like(master) for _ in ROWS)) if undo else None  # before the last apply
-        self.revertible = False                                            # `before` may be restored
+        # before: the state before the last apply; revertible: `before` may be restored
+        self.before, self.revertible = ShardState(*(np.zeros_like(master) for _ in ROWS)) if undo else None, False
         self.no_decay = no_decay_runs(layout, self.lo, self.hi, ADAM_CHUNK) if weight_decay > 0 else None
         self._scratch = np.empty((2, ADAM_CHUNK), dtype=np.float32)
 
@@ -49,8 +49,8 @@ class ZeroAdam:
         """Collective: call on all ranks. Adam on the local shard with the reduced gradient shard (scaled by
         clip / norm when the whole gradient's `norm` exceeds `clip`), then allgather the shard into `params`;
         returns the norm after clipping."""
-        clip = self.clip if 0 < self.clip < norm else 0.0
-        old, new = self.state, self.before or self.state     # no `before`: in place
+        # no `before`: in place
+        clip, old, new = self.clip if 0 < self.clip < norm else 0.0, self.state, self.before or self.state
         self.update(grad_shard, lr, clip / norm if clip else 1.0, old, new)
         self.state, self.before, self.revertible = new, old if self.before else None, self.before is not None
         self._publish()
@@ -59,8 +59,7 @@ class ZeroAdam:
     def update(self, grad_shard: np.ndarray, lr: float, grad_scale: float, old: ShardState, new: ShardState) -> None:
         """AdamW of step old.t + 1 from `old` into `new` (may be `old`), the gradient scaled by `grad_scale`,
         a cache-sized chunk at a time through the scratch rows (the whole-array expressions' bits)."""
-        new.t = old.t + 1
-        b1, b2 = self.beta1, self.beta2
+        new.t, b1, b2 = old.t + 1, self.beta1, self.beta2
         scale, b1, one_b1, b2, one_b2, bias2, eps, decay, step = map(np.float32, (
             grad_scale, b1, 1 - b1, b2, 1 - b2, 1.0 / np.sqrt(1 - b2 ** new.t), self.eps, lr * self.weight_decay,
             lr / (1 - b1 ** new.t)))

@@ -14,11 +14,10 @@ data-parallel shard of the replicated state (the file is stage 1's, so it resume
 world size) and rebuilds the whole state from the shards on load.
 """
 
-import numpy as np
-
 from capstone.model.fingerprint import sum_squares
 from capstone.model.params import Layout
 from capstone.parallel.buckets import BucketReducer, GroupPlan
+from capstone.parallel.grid import allgathered
 from capstone.parallel.reduce import Flags, GradStats
 from capstone.parallel.zero import ZeroAdam
 from capstone.step.state import ShardState
@@ -32,8 +31,7 @@ class AllreduceReducer(BucketReducer):
 
     def __init__(self, grid, layout: Layout, grads, bucket_floats: int, loss_weight: float = 1.0):
         super().__init__(grid, layout, grads, bucket_floats, loss_weight)
-        self.grad_shard = grads
-        self.lo, self.hi = layout.shard_range(grid.dp.rank)
+        self.grad_shard, (self.lo, self.hi) = grads, layout.shard_range(grid.dp.rank)
 
     def _request(self, b: GroupPlan):
         return self.comm.Iallreduce(self.grads[b.a:b.b])
@@ -80,8 +78,7 @@ class ReplicatedView:
     model-parallel view, None: as is); on load, the shards allgathered into the whole state."""
 
     def __init__(self, dp, layout: Layout, inner=None):
-        self.dp, self.layout, self.inner = dp, layout, inner
-        self.lo, self.hi = layout.shard_range(dp.rank)
+        self.dp, self.layout, self.inner, (self.lo, self.hi) = dp, layout, inner, layout.shard_range(dp.rank)
 
     def to_stored(self, state: ShardState) -> ShardState:
         """Collective. This rank's shard, as stage 1 stores it."""
@@ -91,10 +88,8 @@ class ReplicatedView:
     def from_stored(self, stored: ShardState) -> ShardState:
         """Collective. The whole state from every rank's shard."""
         shard = stored if self.inner is None else self.inner.from_stored(stored)
-        rows = [np.empty(self.layout.padded, dtype=a.dtype) for a in shard.rows()]
-        for row, part in zip(rows, shard.rows()):
-            self.dp.Allgather(row, "checkpoint: allgather of the optimizer shards", send=np.ascontiguousarray(part))
-        return ShardState(*rows, t=shard.t)
+        return ShardState(*(allgathered(self.dp, a, "checkpoint: allgather of the optimizer shards").reshape(-1)
+                            for a in shard.rows()), t=shard.t)
 
     def whole(self, params):
         return params if self.inner is None else self.inner.whole(params)

@@ -28,8 +28,7 @@ class GroupBucket(GroupPlan):
 
     def __init__(self, names: list[str], ranges: dict, layout: Layout, rank: int):
         super().__init__(min(ranges[n][0] for n in names), max(ranges[n][1] for n in names), layout, rank)
-        self.names, self.ranges = names, ranges
-        self.staging, self.arrived = None, 0
+        self.names, self.ranges, self.staging, self.arrived = names, ranges, None, 0
 
     def add(self, name: str, g: np.ndarray):
         """Stage group `name`'s gradient; returns the bucket's whole gradient once every group is in."""
@@ -65,11 +64,11 @@ class ShardedGradReducer(GradReducer):
     def __init__(self, grid, layout: Layout, bucket_floats: int, progress: Progress, loss_weight: float = 1.0,
                  bf16: bool = False):
         super().__init__(grid, layout, None, loss_weight)
-        self.bf16 = bf16          # the pieces in bfloat16, summed in float32 here (capstone.parallel.bf16sum)
-        self.buckets, self.progress = buckets(layout, bucket_floats, grid.dp.rank), progress
+        # bf16: the pieces in bfloat16, summed in float32 here (capstone.parallel.bf16sum)
+        self.bf16, self.buckets, self.progress = bf16, buckets(layout, bucket_floats, grid.dp.rank), progress
         self.bucket_of = {name: bucket for bucket in self.buckets for name in bucket.names}
-        self.inflight: list = []   # (ticket, send, into, bucket, first): the reduction in flight, if any
-        self.first, self.peak_inflight = True, 0
+        # inflight: (ticket, send, into, bucket, first, held) of the reduction in flight, if any
+        self.inflight, self.first, self.peak_inflight = [], True, 0
 
     def start(self, micro_batches: int) -> None:
         self.first = True

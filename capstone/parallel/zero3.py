@@ -23,6 +23,7 @@ from capstone.model.precision import values
 from capstone.model.seam import Sinks
 from capstone.parallel.buckets import GroupPlan
 from capstone.parallel.progress import Progress
+from capstone.parallel.grid import allgathered
 from capstone.parallel.replicas import ReplicaCheck
 from capstone.parallel.zero import ZeroAdam
 
@@ -51,8 +52,7 @@ class Gatherer:
         self.dp, self.layout, self.params, self.progress, self.grads = dp, layout, shard, progress, grads
         self.plans = {g: GroupPlan(a, b, layout, dp.rank) for g, (a, b) in layout.group_ranges().items()}
         self.order, self.out = list(names), Sinks(None if grads is None else layout.groups(grads), on_landed)
-        self.keep, self.holding = keep, False
-        self.live, self.peak, self.digests = {}, 0, {}
+        self.keep, self.holding, self.live, self.peak, self.digests = keep, False, {}, 0, {}
 
     def gathered_peak(self) -> int:
         return self.peak
@@ -70,8 +70,8 @@ class Gatherer:
 
     def _start(self, name: str) -> None:
         plan = self.plans[name]
-        full = np.empty(plan.b - plan.a, dtype=self.params.dtype)   # bf16: gathered as bfloat16
-        mine = np.ascontiguousarray(self.params[plan.recv])
+        # bf16: gathered as bfloat16
+        full, mine = np.empty(plan.b - plan.a, dtype=self.params.dtype), np.ascontiguousarray(self.params[plan.recv])
         if self.dp.size > 1:
             ticket = self.progress.submit(self.dp.Iallgatherv(mine, full, plan.counts), mine)
         else:
@@ -84,8 +84,7 @@ class Gatherer:
         (the next in the forward order, or in the backward's reverse order)."""
         if name not in self.live:
             self._start(name)
-        full = self._wait(name)
-        i = self.order.index(name) + (-1 if backward else 1)
+        full, i = self._wait(name), self.order.index(name) + (-1 if backward else 1)
         if 0 <= i < len(self.order) and self.order[i] not in self.live:
             self._start(self.order[i])
         if name not in self.digests:
@@ -127,8 +126,7 @@ class Gatherer:
     def digest(self) -> str:
         """16 hex digits of the groups gathered this step (the same on every rank of the group); the
         fingerprints start again for the next step (`peak` is the run's)."""
-        text = ",".join(f"{g}:{self.digests[g]:x}" for g in sorted(self.digests))
-        self.digests = {}
+        text, self.digests = ",".join(f"{g}:{self.digests[g]:x}" for g in sorted(self.digests)), {}
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -139,18 +137,13 @@ class ShardedReplicaCheck(ReplicaCheck):
 
     def __init__(self, grid, layout: Layout, gatherer: Gatherer):
         super().__init__(grid, layout)
-        self.gatherer, self.weight = gatherer, None
-        if grid.tp.size > 1:
-            from capstone.parallel import tensor
-            self.weight = tensor.norm_weight(layout, grid.tp.rank, *layout.shard_range(grid.dp.rank))
+        self.gatherer, self.weight = gatherer, grid.norm_weight(layout)
 
     def check(self, step: int, params: np.ndarray, strong: bool) -> tuple[float, str]:
         """Collective over the world: (whole-model parameter norm, digest of the gathered groups)."""
-        digest = self.gatherer.digest()
-        mine = np.array([sum_squares(params, self.weight), 0.0])
+        digest, mine = self.gatherer.digest(), np.array([sum_squares(params, self.weight), 0.0])
         mine[1:].view(np.uint64)[0] = int(digest, 16)
-        every = np.empty((self.world.size, 2))
-        self.world.Allgather(every, "allgather of the gathered groups' fingerprints", "allgather_checks", send=mine)
+        every = allgathered(self.world, mine, "allgather of the gathered groups' fingerprints", "allgather_checks")
         self.record(step, [f"{int(e[1:].view(np.uint64)[0]):016x}" for e in every])
         return float(np.sqrt(np.add.reduce(every[:, 0]))), digest
 
