@@ -110,11 +110,11 @@ def _starting_point(world: Comm, settings: Settings, ckpt_dir: str):
     model, a fresh run on prepared data the data's vocabulary."""
     opts, saved, source = settings.opts, {}, None
     say = functools.partial(report.say, rank=world.rank)   # the memory tier first: nothing of the disk read for it
-    path = recover.newest(world, os.path.dirname(ckpt_dir), say) if opts.resume == "auto" else None
-    path = path or resume.resolve(world, opts.resume, ckpt_dir)
+    memory = recover.newest(world, os.path.dirname(ckpt_dir), say, settings.train.memory_tier > 0) if (
+        opts.resume == "auto") else None
+    path = memory or resume.resolve(world, opts.resume, ckpt_dir)
     if path is not None:
-        memory = isinstance(path, recover.Found)
-        saved = path.meta if memory else _agreed(world, lambda: checkpoint.read_meta_file(path))
+        saved = memory.meta if memory else _agreed(world, lambda: checkpoint.read_meta_file(path))
         check_preset(settings.preset, settings.explicit, saved["model_config"], saved["train_config"], path)
         _check_same_data(world, settings, saved, path)
         if opts.init_from:

@@ -513,3 +513,22 @@ def test_a_flipped_byte_in_memory_takes_the_next_source(fresh, tier_reference, t
     assert step, p.stdout
     assert f"own-rank-0 of step {step[1]} on h1 fails its CRC-32: rejected; taking the next source" in p.stdout
     assert inspect(out / "checkpoints" / "ckpt-00000024.h5")["logical_sha256"] == tier_reference
+
+
+def test_two_nodes_lost_at_once_fall_back_to_the_disk_and_say_so(fresh, tier_reference, tmp_path):
+    """Issue 50: both hosts die at once (every process, every byte of their memory): no copy of any shard is
+    left, so --resume auto on the hosts back up says so and resumes from the disk checkpoint (step 10)."""
+    out, log = tmp_path / "both", tmp_path / "both.log"
+    job = fresh.start("h1:2,h2:2", train(out, *TIER, "--sleep-per-step", 0.2, "--ckpt-every", 10), log)
+    wait_step(out, 12, job, log)
+    fresh.kill("h2")
+    fresh.kill("h1")
+    job.wait(timeout=60)
+    fresh.heal("h1")
+    fresh.heal("h2")
+    p = fresh.mpirun("h1:2,h2:2", train(out, *TIER, "--ckpt-every", 10, "--resume", "auto"), timeout=300)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert ("note: memory tier: the nodes of this launch hold no whole step of this run newer than the disk's (step 10):"
+            " resuming from the disk") in p.stdout, p.stdout
+    assert summary(out)["start_step"] == 10
+    assert inspect(out / "checkpoints" / "ckpt-00000024.h5")["logical_sha256"] == tier_reference

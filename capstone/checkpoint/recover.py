@@ -93,10 +93,10 @@ def candidates(entries: list[tuple[int, dict]]) -> dict:
             for key, by_rank in steps.items()}
 
 
-def newest(comm, out: str, say) -> Found | None:
+def newest(comm, out: str, say, expected: bool) -> Found | None:
     """Collective: the newest step in the memory tier of the run in `out` that is newer than its newest disk
     checkpoint (by `latest`'s name: nothing of the disk is read) and verifies; None (said when the tier had
-    newer steps) if there is none."""
+    newer steps, or the run keeps one: `expected`) if there is none."""
     def disk() -> tuple[str | None, int]:
         log, pointer = os.path.join(out, rundir.METRICS), os.path.join(out, "checkpoints", files.POINTER)
         with contextlib.suppress(OSError, ValueError):
@@ -116,8 +116,9 @@ def newest(comm, out: str, say) -> Found | None:
             say(f"resuming from node memory: step {step} of {world} ranks ({', '.join(summary(found.sources))}); "
                 f"the newest disk checkpoint is step {on_disk}")
             return found
-    if newer:
-        say(f"note: memory tier: no step newer than the disk's (step {on_disk}) verifies: resuming from the disk")
+    if (newer or expected) and run_id:
+        say(f"note: memory tier: the nodes of this launch hold no whole step of this run newer than the disk's "
+            f"(step {on_disk}): resuming from the disk")
     return None
 
 
