@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
            ("seed", "seed of the initial parameters and of the data order"), ("steps", "optimizer steps of the run"),
            ("batch_size", "sequences per rank per micro-batch"),
            ("global_batch", "sequences per step over all ranks (0: batch-size x grad-accum x ranks)"),
-           ("grad_accum", "micro-batches summed per optimizer step"), ("lr", "peak learning rate"),
+           ("grad_accum", "micro-batches summed per optimizer step (0: --global-batch / (replicas x --batch-size))"),
+           ("lr", "peak learning rate"),
            ("warmup_steps", "linear warmup steps"), ("min_lr", "final learning rate of the cosine schedule"),
            ("beta1", "Adam beta1"), ("beta2", "Adam beta2"), ("eps", "Adam epsilon"),
            ("weight_decay", "decoupled (AdamW) weight decay of matrices"),
@@ -126,8 +127,13 @@ def build_parser() -> argparse.ArgumentParser:
     _flags(g, ("ckpt_every", "checkpoint every K steps (0: off)"),
            ("ckpt_every_minutes", "also checkpoint after this many minutes of wall clock (0: off)"),
            ("keep_last", "keep the newest K checkpoints and the run's first (0: all)"),
+
            ("spike_factor", "roll back when a loss exceeds this factor times the last accepted one"),
            ("max_rollbacks", "stop with an error after this many triggers without an accepted update"))
+    g.add_argument("--memory-tier", type=int, nargs="?", const=1, metavar="K",
+                   help="keep every K-th step (K 1 if not given) in the nodes' memory with a copy on another node; "
+                        "--resume auto takes the newest step the nodes hold when it is newer than the disk's "
+                        "(docs/running.md; default: 0, off)")
     g.add_argument("--no-guard-undo", dest="guard_undo", action="store_false",
                    help="do not keep the optimizer state from before each update (12 bytes per parameter / N): the "
                         "guard still skips a bad batch (non-finite or spiking loss or norm) but cannot undo an update; "

@@ -94,6 +94,7 @@ class TrainConfig:
     eval_batch_size: int = 32
     ckpt_every: int = 10
     ckpt_every_minutes: float = 30.0
+    memory_tier: int = 0           # every K-th step in the nodes' memory, a copy on another node (checkpoint.tier)
     keep_last: int = 3
     spike_factor: float = 2.0
     max_rollbacks: int = 3
@@ -101,6 +102,18 @@ class TrainConfig:
     loss_tol_rel: float = 0.05
     deterministic: bool = False    # fixed-order reductions: bit-identical for any ranks x grad_accum (capstone.parallel.deterministic)
     keep_best: bool = False        # also checkpoint each new best held-out loss (capstone.checkpoint.best)
+
+    def for_replicas(self, replicas: int) -> "TrainConfig":
+        """These settings with grad_accum 0 (from the global batch, keeping batch_size: a resume onto fewer ranks
+        accumulates more) made the number of micro-batches on `replicas` data-parallel replicas."""
+        accum = self.global_batch // (replicas * self.batch_size)
+        if self.grad_accum:
+            return self
+        if accum < 1 or accum * replicas * self.batch_size != self.global_batch:
+            raise ConfigError(f"--grad-accum 0: the global batch {self.global_batch} is not a multiple of {replicas} "
+                              f"data-parallel replicas x --batch-size {self.batch_size}; pass a --batch-size or a "
+                              f"--global-batch that makes it one, or --grad-accum N.")
+        return dataclasses.replace(self, grad_accum=accum)
 
     def batch_for(self, world: int) -> int:
         """Sequences per rank per micro-batch on `world` ranks (from global_batch when it is set)."""
@@ -119,13 +132,14 @@ class TrainConfig:
 
     def __post_init__(self):
         _require = _Checks()
-        for name in ("steps", "batch_size", "grad_accum", "max_rollbacks", "eval_every", "eval_batches",
+        for name in ("steps", "batch_size", "max_rollbacks", "eval_every", "eval_batches",
                      "eval_batch_size"):
             _require(isinstance(value := getattr(self, name), int) and value >= 1,
                      f"{name} must be a positive integer, got {value!r}; pass e.g. --{name.replace('_', '-')} 1.")
         _require(isinstance(self.corpus_tokens, int) and self.corpus_tokens >= 2,
                  f"corpus_tokens must be an integer >= 2, got {self.corpus_tokens!r}; the default is {1 << 18}.")
-        for name in ("warmup_steps", "ckpt_every", "keep_last", "seed", "corpus_seed", "global_batch"):
+        for name in ("warmup_steps", "ckpt_every", "keep_last", "seed", "corpus_seed", "global_batch", "grad_accum",
+                     "memory_tier"):
             _require(isinstance(value := getattr(self, name), int) and value >= 0,
                      f"{name} must be an integer >= 0, got {value!r}{'' if 'seed' in name else ' (0: off)'}.")
         for f in dataclasses.fields(self):
@@ -144,6 +158,8 @@ class TrainConfig:
         _require(self.loss_tol >= 0, f"loss_tol must be >= 0, got {self.loss_tol}.")
         _require(0 <= self.loss_tol_rel < 1, f"loss_tol_rel must be in [0, 1), got {self.loss_tol_rel}.")
         if not _require.failed:   # the checks between fields, once each field is valid
+            _require(self.grad_accum or self.global_batch, "grad_accum 0 derives the accumulation from the global "
+                     "batch: pass --global-batch G with it (G / (replicas x --batch-size) micro-batches a step).")
             _require(0 <= self.min_lr <= self.lr, f"min_lr must be in [0, lr={self.lr}], got {self.min_lr}.")
             _require(self.warmup_steps <= self.steps, f"warmup_steps {self.warmup_steps} is longer than steps "
                      f"{self.steps}: the learning rate would still be rising at the last step and never reach its "

@@ -12,11 +12,12 @@ What a run holds, and who owns each piece, is `capstone.roles.Run`.
 """
 
 import dataclasses
+import functools
 import os
 import time
 
 from capstone import checkpoint, modes
-from capstone.checkpoint import background, files, judge, kept, resume, rundir
+from capstone.checkpoint import background, files, judge, kept, recover, resume, rundir, tier
 from capstone.checkpoint.cadence import Cadence
 from capstone.checkpoint.saver import Checkpointer, RunIdentity
 from capstone.cli import Settings
@@ -66,6 +67,9 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
             report.say(line, world.rank)
         run.state.run_id = _agreed(world, lambda: (rundir.occupant(out) or {}).get("run_id") or rundir.new_id())
         start(run, path, saved.get("train_config"), why)
+        if run.tcfg.memory_tier:
+            run.ckpt.tier = tier.MemoryTier(world, run.state.run_id, run.tcfg.memory_tier, run.ckpt.layout.shard,
+                                            run.state.step, functools.partial(report.say, rank=world.rank))
         if world.rank == 0 and claim.lock is not None:
             claim.lock.label(run_id=run.state.run_id)
     except (ConfigError, checkpoint.CheckpointError) as exc:
@@ -105,9 +109,12 @@ def _starting_point(world: Comm, settings: Settings, ckpt_dir: str):
     a resume takes the checkpoint's settings under the explicit flags, a fine-tuning run its source's
     model, a fresh run on prepared data the data's vocabulary."""
     opts, saved, source = settings.opts, {}, None
-    path = resume.resolve(world, opts.resume, ckpt_dir)
+    say = functools.partial(report.say, rank=world.rank)   # the memory tier first: nothing of the disk read for it
+    memory = recover.newest(world, os.path.dirname(ckpt_dir), say, settings.train.memory_tier > 0) if (
+        opts.resume == "auto") else None
+    path = memory or resume.resolve(world, opts.resume, ckpt_dir)
     if path is not None:
-        saved = _agreed(world, lambda: checkpoint.read_meta_file(path))
+        saved = memory.meta if memory else _agreed(world, lambda: checkpoint.read_meta_file(path))
         check_preset(settings.preset, settings.explicit, saved["model_config"], saved["train_config"], path)
         _check_same_data(world, settings, saved, path)
         if opts.init_from:
@@ -125,7 +132,8 @@ def _starting_point(world: Comm, settings: Settings, ckpt_dir: str):
 
 def _check_memory(world: Comm, settings: Settings, plan: Plan) -> None:
     """Collective: ConfigError on every rank if a step of `plan` does not fit some node's memory."""
-    batched = dataclasses.replace(settings.train, batch_size=settings.train.batch_for(plan.replicas))
+    train = settings.train.for_replicas(plan.replicas)
+    batched = dataclasses.replace(train, batch_size=train.batch_for(plan.replicas))
     preflight.check_memory(world, settings.model, batched, plan)
 
 
@@ -188,7 +196,7 @@ def build(world: Comm, settings: Settings, out: str, hooks: Hooks | None = None,
     mcfg, tcfg, opts = settings.model, settings.train, settings.opts
     if plan is None:
         plan = Plan.make(model=mcfg, train=tcfg, world=world.size, given=settings.layout)[0]
-    hooks = _hooks(world, opts) if hooks is None else hooks
+    hooks, tcfg = _hooks(world, opts) if hooks is None else hooks, tcfg.for_replicas(plan.replicas)
     world.deadline.set_timeout(opts.collective_timeout)
     world.deadline.record_to(os.path.join(out, TIMEOUT_RECORD))   # for the batch script's watchdog
     grid = Grid.build(world, plan)
@@ -266,6 +274,7 @@ def _resume(run: Run, path: str, saved: dict, why: dict) -> None:
             break
         path = judge.fall_back(run, path, reason, held)
     state.run_id = state.run_id or run.state.run_id   # a checkpoint from before run ids: this one from now on
+    path = str(path)   # a recover.Found: "node memory (step S)"
     run.state, run.resumed_from = state, path
     run.ckpt.last_judged = path if os.path.dirname(os.path.abspath(path)) == os.path.abspath(run.ckpt.directory) else None
     run.init_from = (meta.get("provenance") or {}).get("init_from")

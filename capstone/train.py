@@ -131,6 +131,7 @@ def train(run: Run) -> int:
             else:
                 if r.due.checkpoint:
                     r.events.append({"event": "checkpoint", "path": run.ckpt.save(run.state, run.opt.state)["path"]})
+                run.ckpt.remember(run.state, run.opt.state)   # --memory-tier: the step in the nodes' memory
                 best.keep(run, r)   # --keep-best
                 rows.append(log.step(r))
                 run.hooks.step_done(r.step)
@@ -140,6 +141,7 @@ def train(run: Run) -> int:
                 report.stopped(run, run.state.step, stop.reason())
                 break
     log.close()
+    run.ckpt.forget()   # a run that ends here (the last step, a stop) has its last state on disk
     return finish(run, status, rows, start_step, time.perf_counter() - t_start)
 
 

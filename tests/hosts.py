@@ -110,8 +110,8 @@ class Hosts:
         """Every link up and no process on any host: the state each test starts from."""
         self.stop_jobs()
         for h in self.names:
-            self.script("heal", h)
-            self.script("kill", h)
+            self.script("kill", h)   # a dead host (no process, empty memory, off the network) ...
+            self.script("heal", h)   # ... back up
 
     # ---- launching ----------------------------------------------------------------------------
     def mpirun_command(self, hosts: str, cmd: list, extra=()) -> list[str]:

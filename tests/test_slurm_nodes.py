@@ -313,6 +313,41 @@ def test_a_lost_node_requeues_the_job_and_it_resumes_on_the_node_left(cluster, t
     assert summary["final_param_fingerprint"] == read_json(alone / "summary.json")["final_param_fingerprint"]
 
 
+def test_a_lost_node_relaunches_inside_the_allocation_from_the_memory_of_the_node_left(cluster, tmp_path, jobs):
+    """Issue 50: capstone.sbatch submitted with `--no-kill` and CAPSTONE_MAX_RELAUNCHES=2, 2 nodes x 2 tasks,
+    --deterministic with the memory tier every step: h2 dies (processes, memory, link) at step 8; the job
+    relaunches its step inside the allocation with `srun --exclude=h2`, on h1's 2 ranks, from h1's memory (the
+    lost ranks' shards from their copies there), without a requeue, and ends with the bits of the same run
+    left alone (2 ranks on one host, plain mpirun)."""
+    cluster.ensure(2)
+    flags = ["--steps", 24, "--ckpt-every", 100, "--sleep-per-step", 0.3, "--global-batch", 8, "--batch-size", 2,
+             "--grad-accum", 0, "--deterministic", "--memory-tier", "--collective-timeout", 10]
+    env = cluster.env(CAPSTONE_ROOT=str(ROOT), CAPSTONE_TASKS_PER_NODE="2", CAPSTONE_MAX_RELAUNCHES="2")
+    (tmp_path / "runs").mkdir()
+    try:
+        jid = run(["sbatch", "--parsable", "--no-kill", "--nodes=2", "--ntasks-per-node=2", SBATCH_SCRIPT, *flags], env,
+                  cwd=tmp_path).stdout.strip()
+        jobs.append(jid)
+        run_dir, out = tmp_path / "runs" / f"slurm-{jid}", tmp_path / "runs" / f"slurm-{jid}.out"
+        wait_until("8 steps", lambda: step_lines(run_dir) >= 8, 120, diagnose=lambda: tail(out))
+        run(["bash", HOSTS, "kill", "h2"], {**env, "CAPSTONE_HOSTS_PREFIX": PREFIX})
+        t0 = time.monotonic()
+        info = wait_finished(jid, env, 300, out, restarts=0)
+        summary = completed(jid, info, run_dir, out, time.monotonic() - t0, "h2 killed, relaunched on h1")
+    finally:
+        cluster.ensure(2, repair=True)
+    text = out.read_text()
+    assert "relaunch 1 of at most 2" in text and "--exclude=h2" in text, tail(out)
+    assert re.search(r"resuming from node memory: step \d+ of 4 ranks \(ranks 0-1: own on h1, ranks 2-3: copy on "
+                     r"h1\)", text), tail(out)
+    assert int(info["Restarts"]) == 0 and summary["provenance"]["hosts"] == ["h1", "h1"], summary["provenance"]
+    assert summary["resumed_from"].startswith("node memory") and summary["start_step"] >= 7, summary
+    alone = tmp_path / "alone"
+    res = mpirun(2, "--out", alone, *flags[:4], *flags[6:-3])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert final_digests(run_dir) == final_digests(alone)
+
+
 @pytest.mark.parametrize("per_node,launcher", [("two", "srun"), ("2", "mpirun")])
 def test_tasks_per_node_switch_refuses_bad_input(tmp_path, per_node, launcher):
     """capstone.sbatch's CAPSTONE_TASKS_PER_NODE: not a number, or with mpirun (which takes its slots

@@ -36,8 +36,10 @@ def fall_back(run, path: str, reason: str, held: float) -> str:
            f"(held-out loss {held:.5g}, the last judged one {last if last is None else f'{last:.5g}'})")
 
     def decide() -> str:
-        directory, step = os.path.dirname(path), files.step_of(path)
-        mine = os.path.abspath(directory) == os.path.abspath(run.ckpt.directory)
+        memory = not isinstance(path, str)   # a state of the memory tier (capstone.checkpoint.recover.Found)
+        directory = run.ckpt.directory if memory else os.path.dirname(path)
+        step = path.step + 1 if memory else files.step_of(path)
+        mine = not memory and os.path.abspath(directory) == os.path.abspath(run.ckpt.directory)
         try:
             older = [p for s, p in files.complete_checkpoints(directory) if s < step]
             aside = f"; set aside as {os.path.basename(files.quarantine(path, 'rejected'))}" if mine else ""

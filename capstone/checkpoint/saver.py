@@ -14,7 +14,7 @@ import os
 import numpy as np
 
 from capstone import checkpoint
-from capstone.checkpoint import background, files
+from capstone.checkpoint import background, files, recover
 from capstone.config import ModelConfig, TrainConfig
 from capstone.step.hooks import NONE
 from capstone.step.state import RunState, ShardState
@@ -68,6 +68,7 @@ class Checkpointer:
         self.snapshot: np.ndarray | None = None   # (rows, shard) of the first save, for invariant (d)
         self.provenance: dict | None = None       # capstone.observe.provenance.collect, set by run.start
         self.last_judged: str | None = None       # the newest checkpoint of this run the guard judged
+        self.tier = None   # capstone.checkpoint.tier.MemoryTier with --memory-tier (set when the run starts)
 
     def extra(self, state: RunState) -> dict:
         """The run's metadata a checkpoint of `state` holds."""
@@ -98,6 +99,17 @@ class Checkpointer:
         self.cadence.saved()
         return {**man, "judged": judged}
 
+    def remember(self, state: RunState, shard: ShardState) -> None:
+        """Collective. Keep `state` in the nodes' memory (every K-th step of --memory-tier K; else nothing)."""
+        if self.tier is not None:
+            stored = self.view.to_stored(shard)
+            self.tier.keep(state.step, stored.rows(), int(stored.t), {**self.extra(state), "judged": False})
+
+    def forget(self) -> None:
+        """Collective, at the end of a run whose last state is on disk: the memory tier's copies completed, removed."""
+        if self.tier is not None:
+            self.tier.close()
+
     def save_best(self, state: RunState, shard: ShardState, directory: str) -> dict:
         """Collective. Write `state` (a new best held-out loss) into `directory`, a folder of its own
         that keeps only it, synchronously (capstone.checkpoint.best); returns its manifest."""
@@ -126,9 +138,11 @@ class Checkpointer:
         return path is not None and os.path.abspath(path) == os.path.abspath(
             os.path.join(self.directory, files.final_name(step)))
 
-    def load(self, path: str) -> tuple[ShardState, RunState, dict]:
-        """Collective. Load `path` (any world size or grid), refusing another model or data stream."""
-        stored, meta = checkpoint.load(self.comm, path, self.layout, self.identity.must_match())
+    def load(self, path) -> tuple[ShardState, RunState, dict]:
+        """Collective. Load `path` (any world size or grid; a recover.Found: from the nodes' memory), refusing
+        another model or data stream."""
+        stored, meta = (path.load(self.comm, self.layout) if isinstance(path, recover.Found) else
+                        checkpoint.load(self.comm, path, self.layout, self.identity.must_match()))
         return self.view.from_stored(stored), RunState.from_json(meta["run"]), meta
 
     def verify_first(self) -> dict | None:

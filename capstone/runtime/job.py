@@ -28,14 +28,16 @@ if __name__ == "__main__":   # before anything else: Slurm's warning (or a Ctrl-
         signal.signal(_sig, lambda sig, _: _early.append(sig))   # a Ctrl-C also when started with it ignored
 
 import contextlib
+import json
 import subprocess
 import time
 from dataclasses import dataclass
 
-from capstone.runtime import ending
+from capstone.runtime import ending, relaunch
 
 SWITCHES = {"CAPSTONE_REQUEUE": ("^[01]$", "1 (requeue after a preemption checkpoint, the default) or 0 (just exit)"),
             "CAPSTONE_MAX_REQUEUES": ("^[0-9]+$", "a whole number (of requeues)"),
+            "CAPSTONE_MAX_RELAUNCHES": ("^[0-9]+$", "a whole number (of relaunches after a lost rank or host)"),
             "CAPSTONE_ABORT_GRACE": ("^[0-9]+$", "a whole number (of seconds)")}
 
 
@@ -218,6 +220,25 @@ def after_timeout(run_dir: str, record: str, switches: Switches, env) -> None:
         sys.exit(0)
 
 
+def relaunchable(run_dir: str, command: list[str], step: Step, rc: int, env) -> tuple | None:
+    """After a step that lost a rank or host (no record of the ranks', or a collective timeout) and was not
+    stopped on purpose: (the command again on the hosts that answer, the hosts left out), else None."""
+    if rc == 0 or step.signalled or step.interrupts or rc == 2:
+        return None
+    timed_out = timeout_record(run_dir, step.started)
+    if ending.settle(run_dir, step.started, rc, "the job step") not in (ending.UNRECORDED, "timeout") and not timed_out:
+        return None
+    log(f"job step exited with status {rc}" + (f" after a collective timeout: {_read(timed_out)}" if timed_out else ""))
+    return relaunch.command_again(command, env)
+
+
+def last_step(run_dir: str) -> str:
+    """The last step metrics.jsonl logged ("?" if none)."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return str([row for row in map(json.loads, f) if "event" not in row and "step" in row][-1]["step"])
+    return "?"
+
+
 def run(run_dir: str, command: list[str], env, early: list) -> int:
     """The job (see the module); its exit status."""
     switches = Switches.read(env)
@@ -233,6 +254,15 @@ def run(run_dir: str, command: list[str], env, early: list) -> int:
     while early:
         act[early.pop(0)]()
     rc = step.wait(run_dir)
+    for n in range(1, relaunch.max_relaunches(env) + 1):   # a lost rank or host: again on the hosts that answer
+        if not (again := relaunchable(run_dir, command, step, rc, env)):
+            break
+        log(f"relaunch {n} of at most {relaunch.max_relaunches(env)} (CAPSTONE_MAX_RELAUNCHES): the step lost a rank "
+            f"or host at step {last_step(run_dir)}; {' '.join(again[0])}" + (f" (without {', '.join(again[1])})"
+                                                                               if again[1] else ""))
+        step = Step(again[0], switches)
+        act.update({signal.SIGUSR1: step.stop_requested, signal.SIGINT: step.interrupted})
+        rc = step.wait(run_dir)
     # the time limit's warning can land as the step ends (a requeued job's fresh limit too): not fatal now
     signal.signal(signal.SIGUSR1, lambda *_: log("SIGUSR1 after the job step ended: nothing left to stop"))
     if switches.plain:
