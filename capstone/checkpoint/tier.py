@@ -19,6 +19,7 @@ and the run goes on with its disk checkpoints; so does a tier the ranks cannot c
 capstone.checkpoint.recover.
 """
 
+import glob
 import json
 import mmap
 import os
@@ -125,6 +126,7 @@ class MemoryTier:
         self.buddy = chosen[comm.rank]                                        # who keeps my copy
         self.sources = [q for q, b in enumerate(chosen) if b == comm.rank]    # whose copies I keep
         self.pending: list = []     # (request, mmap) of the copies in flight
+        self.kept, self.peak = 0, 0   # steps kept; the most bytes of this rank's files at once
         if self.buddy is None and every:
             say("note: --memory-tier: every rank is on one host, so no copy is kept on another node: the tier "
                 "survives a lost process, not a lost node")
@@ -143,16 +145,26 @@ class MemoryTier:
             for row, values in zip(np.ndarray((len(ROWS), self.shard), "<f4", mine[0]), rows):
                 np.copyto(row, values)
             seal(mine[1], {"run_id": self.run_id, "step": step, "rank": self.comm.rank, "world": self.comm.size,
-                           "shard": self.shard, "adam_t": adam_t, "host": self.host, "launch": self.launch,
-                           "meta": meta})
+                           "shard": self.shard, "adam_t": adam_t, "launch": self.launch, "meta": meta})
             theirs = [(q, mapped(os.path.join(here, f"copy-rank-{q}"), size)) for q in self.sources]
         except OSError as exc:
             error = f"rank {self.comm.rank} on {self.host}: {exc.strerror or exc}"
         if self.agreed_off(error, step, size):
             return
+        self.kept += 1
+        self.peak = max(self.peak, sum(os.path.getsize(p) for p in glob.glob(os.path.join(run_dir(self.run_id), "*", "*"))
+                                       if os.path.basename(p) in self.names()))
         if self.buddy is not None:
             self.pending = [(self.comm.Isend(mine[1], self.buddy, TAG), mine[0])]
             self.pending += [(self.comm.Irecv(buf, q, TAG), m) for q, (m, buf) in theirs]
+
+    def names(self) -> list[str]:
+        """This rank's files of a step: its own and the copies it keeps."""
+        return [f"own-rank-{self.comm.rank}"] + [f"copy-rank-{q}" for q in self.sources]
+
+    def bound(self) -> int:
+        """The formula of `peak`: 3 steps at most (see the module), each this rank's files."""
+        return min(self.kept, 3) * len(self.names()) * file_bytes(self.shard)
 
     def agreed_off(self, error: str | None, step: int, size: int) -> bool:
         """Collective: whether a rank could not keep step `step` (then the tier is off, said once by rank 0)."""

@@ -23,15 +23,20 @@ with a zero-bubble schedule (the spare state of the update taken ahead: capstone
 (--ckpt-async, the default) is the buffer a checkpoint's rows are copied into for the background
 write: 12 bytes for each value of the checkpoint's shard (the canonical vectors over the world's
 ranks: 12P/N without tensor or pipeline parallelism), allocated once (capstone.checkpoint.background).
+The tier (--memory-tier K) is node memory outside the process, a tmpfs's files: this rank's own file and the
+copies it keeps for the ranks whose buddy it is (one, for equal blocks of ranks per node), each 12 bytes for
+each value of that shard and a 256 KiB trailer, for at most 3 steps (the newest complete one, the one after
+it, the one being written: capstone.checkpoint.tier), so 3 x (1 + copies) x (12 x 12P/N + 256 KiB); measured
+from the files' sizes at their peak.
 """
 
 import resource
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from capstone.observe.accounting import PRECISIONS, zero_row
 from capstone.step.state import ROWS
 
-FIELDS = ("params", "gathered", "grads", "reduce", "optimizer", "guard", "snapshot")
+FIELDS = ("params", "gathered", "grads", "reduce", "optimizer", "guard", "snapshot", "tier")
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class ModelStates:
     optimizer: int   # fp32 master, Adam m and v of the shard
     guard: int       # the optimizer state before the last update (the guard's exact undo; 0: --no-guard-undo)
     snapshot: int    # the asynchronous checkpoint's copy of the stored rows (0: --no-ckpt-async)
+    tier: int = 0    # --memory-tier's files in the node's tmpfs, its own and the copies it keeps (their peak)
 
     @property
     def total(self) -> int:
@@ -61,7 +67,8 @@ def measured(run) -> ModelStates:
     grads = model.grads.nbytes if own_grads else reducer.grad_shard.nbytes
     return ModelStates(model.params.nbytes, model.seam.gathered_peak(), grads,
                        reducer.nbytes() - (0 if own_grads else reducer.grad_shard.nbytes),
-                       opt.state.nbytes, opt.before_nbytes(), run.ckpt.buffer.nbytes if run.ckpt.buffer else 0)
+                       opt.state.nbytes, opt.before_nbytes(), run.ckpt.buffer.nbytes if run.ckpt.buffer else 0,
+                       run.ckpt.tier.peak if run.ckpt.tier else 0)
 
 
 def states(plan, padded: int, reduce, gathered: int, snapshot_shard: int) -> ModelStates:
@@ -82,7 +89,8 @@ def formula(run) -> ModelStates:
     of the seam and reducer the modes chose."""
     def reduce(grads: int) -> int:
         return run.reducer.bound(run.tcfg.grad_accum) - (0 if run.model.grads is not None else grads)
-    return states(run.plan, run.model.layout.padded, reduce, run.model.seam.gathered_bound(), run.ckpt.layout.shard)
+    held = states(run.plan, run.model.layout.padded, reduce, run.model.seam.gathered_bound(), run.ckpt.layout.shard)
+    return replace(held, tier=run.ckpt.tier.bound() if run.ckpt.tier else 0)
 
 
 def row(run) -> dict:
