@@ -105,3 +105,30 @@ def test_a_new_run_in_a_reused_directory_never_takes_the_old_runs_tier(tmp_path)
     assert summary(out)["start_step"] == 0 and "node memory" not in p.stdout, p.stdout
     assert sorted(os.listdir(tier.run_dir(theirs))) == before
     subprocess.run(["rm", "-rf", tier.run_dir(theirs)])
+
+
+def test_a_killed_rank_resumes_from_memory_on_fewer_ranks_with_the_same_bits(tmp_path):
+    """A rank of a 2-rank run is killed (SIGKILL: mpirun ends the other); --resume auto on 1 rank takes the newest
+    step from the node's memory (both ranks' own files: the node lived on), not the disk's older checkpoint, with
+    the accumulation doubled, and ends bit-identical to the run that never failed."""
+    out, ref = tmp_path / "run", tmp_path / "ref"
+    flags = (*FLAGS, "--steps", 16, "--ckpt-every", 5)
+    cmd = ["mpirun", "-n", "2", "--oversubscribe", sys.executable, "-m", "capstone.train", "--out", out, *flags,
+           "--sleep-per-step", 0.2]
+    job = subprocess.Popen(list(map(str, cmd)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=mpi_env(),
+                           cwd=ROOT, start_new_session=True)
+    while not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").read_text().count('"step"') < 8:
+        assert job.poll() is None, "the run ended early"
+        time.sleep(0.05)
+    rank = subprocess.run(["pgrep", "-f", "--", f"capstone.train --out {out} "], capture_output=True, text=True)
+    os.kill(int(rank.stdout.split()[-1]), signal.SIGKILL)
+    job.wait(timeout=60)
+    p = mpirun(1, "--out", out, *flags, "--resume", "auto")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    start = summary(out)["start_step"]
+    assert f"resuming from node memory: step {start} of 2 ranks (ranks 0-1: own on " in p.stdout, p.stdout
+    assert start >= 7 and "grad_accum: 2 -> 4" in p.stdout, p.stdout
+    assert mpirun(1, "--out", ref, *flags).returncode == 0
+    from capstone import checkpoint
+    logical = [checkpoint.read_meta_file(str(d / "checkpoints/ckpt-00000016.h5"))["logical_sha256"] for d in (out, ref)]
+    assert logical[0] == logical[1]   # master, m and v
