@@ -23,7 +23,7 @@ def job(*argv, env_extra=None, cwd=ROOT):
 
 
 @pytest.mark.parametrize("name, value", [("CAPSTONE_REQUEUE", "yes"), ("CAPSTONE_MAX_REQUEUES", "ten"),
-                                         ("CAPSTONE_ABORT_GRACE", "-1")])
+                                         ("CAPSTONE_ABORT_GRACE", "-1"), ("CAPSTONE_MAX_RELAUNCHES", "three")])
 def test_a_mistyped_switch_is_refused_before_the_step_starts(tmp_path, name, value):
     marker = tmp_path / "started"
     res = job(tmp_path / "run", "touch", marker, env_extra={name: value})
@@ -74,3 +74,17 @@ def test_the_shell_only_starts_the_job():
     code = "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#"))
     for rule in ("summary.json", "scontrol", "--out", "CAPSTONE_REQUEUE:-", "realpath", "import json"):
         assert rule not in code, rule
+
+
+def test_a_relaunch_is_the_command_again_on_the_hosts_that_answer():
+    """Issue 50 (capstone.runtime.relaunch): the host list and -n of the hosts that answer the probe (here a
+    shell test of the host's name: h2 is "dead"), --resume auto required; srun's step inside the allocation."""
+    from capstone.runtime import relaunch
+    probe = {"CAPSTONE_HOST_PROBE": "sh -c 'test {host} != h2'"}
+    cmd = ["mpirun", "-n", "4", "-H", "h1:2,h2:2", "python", "-m", "capstone.train", "--resume", "auto"]
+    assert relaunch.command_again(cmd, probe) == (["mpirun", "-n", "2", "-H", "h1:2", *cmd[5:]], ["h2"])
+    hosts = ["bash", "scripts/hosts", "mpirun", "--hosts", "h2:1,h1:1,h3:1", "--", "python", "--resume=auto"]
+    assert relaunch.command_again(hosts, probe) == ([*hosts[:4], "h1:1,h3:1", *hosts[5:]], ["h2"])
+    assert relaunch.command_again(cmd[:-2], probe) is None                     # no --resume auto: not resumable
+    assert relaunch.command_again(cmd, {"CAPSTONE_HOST_PROBE": "false {host}"}) is None   # no host answers
+    assert relaunch.command_again(["mpirun", "-n", "2", "python", "--resume", "auto"], probe) is None   # no list

@@ -54,14 +54,12 @@ def parse(spec: str) -> tuple[str, int, int | None, str]:
 class Faults(Hooks):
     """The hooks of a test run: CAPSTONE_FAULT on this rank, and the --inject-* flags."""
 
-    def __init__(self, rank: int, lr_spike=None, nan=None, sleep_per_step: float = 0.0, grad_sign=None,
-                 no_update=None):
+    def __init__(self, rank: int, lr_spike=None, nan=None, sleep_per_step: float = 0.0, grad_sign=None, no_update=None):
         self.rank, self.lr_spike, self.nan, self.sleep = rank, lr_spike, nan, sleep_per_step
         self.grad_sign, self.no_update = grad_sign, no_update
         spec = os.environ.get("CAPSTONE_FAULT", "")
         only = os.environ.get("CAPSTONE_FAULT_RESTART")   # a Slurm job's launch: the fault fires in that one only
-        active = spec and (only is None or only == os.environ.get("SLURM_RESTART_COUNT", "0"))
-        self.fault = parse(spec) if active else None
+        self.fault = parse(spec) if spec and only in (None, os.environ.get("SLURM_RESTART_COUNT", "0")) else None
         if os.environ.get("CAPSTONE_FAULT_PIDS"):
             with open(os.path.join(os.environ["CAPSTONE_FAULT_PIDS"], str(rank)), "w") as f:
                 f.write(f"{os.getpid()}\n")
@@ -91,8 +89,7 @@ class Faults(Hooks):
 
     def gradients(self, step: int, micro: int, grads) -> None:
         """--inject-nan: rank 0's gradient NaN on the steps it names (after the first micro-batch)."""
-        if grads is not None and self.nan is not None and self.nan[0] <= step < self.nan[0] + self.nan[1] \
-                and self.rank == 0 and micro == 0:
+        if grads is not None and self.rank == 0 and micro == 0 and self.nan and 0 <= step - self.nan[0] < self.nan[1]:
             grads[0] = float("nan")
 
     def reduced(self, step: int, grad_shard) -> None:

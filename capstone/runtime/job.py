@@ -58,6 +58,7 @@ class Switches:
     grace: float = 3.0
     settle_ms: int = 3000
     plain: bool = False      # scripts/launch: plain mpirun, no Slurm (a Ctrl-C becomes SIGUSR1)
+    relaunches: int = 3      # after a lost rank or host (capstone.runtime.relaunch; in a batch job 0 by default)
 
     @classmethod
     def read(cls, env) -> "Switches":
@@ -71,7 +72,8 @@ class Switches:
             log(f"warning: CAPSTONE_SIGNAL_SETTLE='{settle}' is not a number of milliseconds; using 3000")
             settle = "3000"
         return cls(env.get("CAPSTONE_REQUEUE", "1") != "0", int(env.get("CAPSTONE_MAX_REQUEUES") or 20),
-                   float(env.get("CAPSTONE_ABORT_GRACE") or 3), int(settle), bool(env.get("CAPSTONE_PLAIN_MPIRUN")))
+                   float(env.get("CAPSTONE_ABORT_GRACE") or 3), int(settle), bool(env.get("CAPSTONE_PLAIN_MPIRUN")),
+                   int(env.get("CAPSTONE_MAX_RELAUNCHES") or (0 if env.get("SLURM_JOB_ID") else 3)))
 
 
 def refuse_another_out(run_dir: str, command: list[str]) -> None:
@@ -254,10 +256,10 @@ def run(run_dir: str, command: list[str], env, early: list) -> int:
     while early:
         act[early.pop(0)]()
     rc = step.wait(run_dir)
-    for n in range(1, relaunch.max_relaunches(env) + 1):   # a lost rank or host: again on the hosts that answer
+    for n in range(1, switches.relaunches + 1):   # a lost rank or host: again on the hosts that answer
         if not (again := relaunchable(run_dir, command, step, rc, env)):
             break
-        log(f"relaunch {n} of at most {relaunch.max_relaunches(env)} (CAPSTONE_MAX_RELAUNCHES): the step lost a rank "
+        log(f"relaunch {n} of at most {switches.relaunches} (CAPSTONE_MAX_RELAUNCHES): the step lost a rank "
             f"or host at step {last_step(run_dir)}; {' '.join(again[0])}" + (f" (without {', '.join(again[1])})"
                                                                                if again[1] else ""))
         step = Step(again[0], switches)

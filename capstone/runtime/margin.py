@@ -78,9 +78,8 @@ class StopMargin:
 def warning(need: float, period: float, save: float, nbytes: int, seq: tuple[float, str], start_step) -> str:
     took = (f"a save of the {nbytes / MIB:.0f} MiB checkpoint with its check takes about {save:.2f} s at this "
             f"disk's measured speed, before any step's time" if start_step is None else
-            f"a step of {period:.2f} s (the longest of steps {start_step + 2}-{start_step + MEASURE}) and a save "
-            f"with its check of about {save:.2f} s (the {nbytes / MIB:.0f} MiB checkpoint at this disk's measured "
-            f"speed)")
+            f"a step of {period:.2f} s (the longest of steps {start_step + 2}-{start_step + MEASURE}) and a save with "
+            f"its check of about {save:.2f} s (the {nbytes / MIB:.0f} MiB checkpoint at this disk's measured speed)")
     return (f"warning: a Ctrl-C may not save this run. Under mpirun a Ctrl-C or `kill <mpirun pid>` is followed by "
             f"SIGKILL {seq[0]:g} s later (2 x OMPI_MCA_odls_base_sigkill_timeout, {seq[1]}), and a stop here takes up "
             f"to {need:.2f} s: {took}. Stop it with `kill -USR1 <mpirun pid>` (no deadline), run it under "

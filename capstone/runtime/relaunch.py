@@ -25,11 +25,6 @@ LIST_FLAGS = ("-H", "--host", "--hosts")
 SSH = "ssh -o BatchMode=yes -o ConnectTimeout=5 {host} true"
 
 
-def max_relaunches(env) -> int:
-    default = "0" if env.get("SLURM_JOB_ID") else "3"
-    return int(env.get("CAPSTONE_MAX_RELAUNCHES") or default)
-
-
 def answers(probe: str, host: str, timeout: float = 15) -> bool:
     """Whether `probe` (a command line with {host}) succeeds on `host` in time."""
     with contextlib.suppress(subprocess.TimeoutExpired, OSError):
