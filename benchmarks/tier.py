@@ -3,6 +3,7 @@ network-namespace hosts (scripts/hosts, prefix CAPSTONE_HOSTS_PREFIX, default `b
 
   python -m benchmarks.tier runs     [--preset medium] [--steps 12] [--repeats 3]
   python -m benchmarks.tier recovery [--preset medium] [--kill-at 6]
+  python -m benchmarks.tier parts    [--preset medium]
 
 `runs`: 2 hosts x 1 rank, each repeat the runs without the tier, with it every step and every 4 steps, in an
 order that alternates between repeats; disk checkpoints only at the last step in all of them. A run's wall
@@ -14,6 +15,10 @@ ratios over the run without the tier, and the tier's bytes per rank.
 killed (`scripts/hosts kill h2`: its processes, its memory, its link) after step --kill-at; the job relaunches
 itself on h1. Prints the time from the kill to the next completed step, the steps recomputed and the step the
 run resumed from.
+
+`parts`: what one rank's file at 2 ranks costs, apart: the copy of the rows into a tmpfs file (mapped, its
+blocks reserved), their CRC-32, and the send of the file from h1 to h2 (Isend/Irecv, as the tier's copy: there
+it overlaps the next step, here it is waited for), medians of 5.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import numpy as np
 
 from benchmarks.ckpt import load
 
@@ -120,9 +127,52 @@ def recovery(args, work: str) -> None:
               f"{after - killed:.1f} s after the kill", flush=True)
 
 
+SEND = """
+import sys, time, numpy as np
+from mpi4py import MPI
+c, n = MPI.COMM_WORLD, int(sys.argv[1])
+buf, times = np.ones(n, np.uint8), []
+for _ in range(6):
+    c.Barrier()
+    t = time.perf_counter()
+    (c.Isend if c.rank == 0 else c.Irecv)(buf, 1 - c.rank, 7).Wait()
+    c.Barrier()
+    times.append(time.perf_counter() - t)
+if c.rank == 0:
+    print(sorted(times[1:])[2])
+"""
+
+
+def parts(args, work: str) -> None:
+    import zlib
+    from capstone.checkpoint import tier
+    from capstone.cli import parse
+    from capstone.model.params import Layout
+    shard = Layout.for_model(parse(["--preset", args.preset]).model, 2).shard
+    rows, copy, crc = np.random.default_rng(0).random((3, shard), dtype=np.float32), [], []
+    for i in range(5):
+        path = os.path.join("/dev/shm", f"bench-tier-{os.getpid()}-{i}")
+        t = time.perf_counter()
+        m, buf = tier.mapped(path, tier.file_bytes(shard))
+        np.copyto(np.ndarray((3, shard), "<f4", m), rows)
+        copy.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        zlib.crc32(buf[:-tier.TRAILER])
+        crc.append(time.perf_counter() - t)
+        del buf
+        m.close()
+        os.remove(path)
+    cmd = ["bash", HOSTS, "mpirun", "--hosts", "h1:1,h2:1", "--", sys.executable, "-c", SEND, str(tier.file_bytes(shard))]
+    send = float(subprocess.run(cmd, env=env(), cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()[-1])
+    mb = tier.file_bytes(shard) / 1e6
+    print(f"one rank's file at 2 ranks, {mb:.1f} MB: copy into the tmpfs {1e3 * statistics.median(copy):.1f} ms, "
+          f"CRC-32 {1e3 * statistics.median(crc):.1f} ms, the send h1 -> h2 {1e3 * send:.1f} ms "
+          f"({mb / send:.0f} MB/s over the namespace link)")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("runs", "recovery"))
+    p.add_argument("what", choices=("runs", "recovery", "parts"))
     p.add_argument("--preset", default="medium")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--repeats", type=int, default=3)
@@ -132,7 +182,7 @@ def main(argv=None) -> None:
     work = tempfile.mkdtemp(prefix="bench-tier-")
     hosts("up", "2")
     try:
-        (runs if args.what == "runs" else recovery)(args, work)
+        {"runs": runs, "recovery": recovery, "parts": parts}[args.what](args, work)
     finally:
         hosts("down")
         shutil.rmtree(work, ignore_errors=True)
