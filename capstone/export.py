@@ -57,8 +57,10 @@ def check_out(out: str, fmt: str, force: bool) -> None:
 
 def write_bytes(data: bytes, out: str) -> None:
     """`data` to `out` through a temp file renamed over it: a crash leaves the old file or the new one,
-    never half of one; the mode is the umask's, as for any file the user makes."""
+    never half of one; the mode is the umask's, as for any file the user makes. Its directory is made if missing
+    (--format hf's; check_out has refused a missing one for a file)."""
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         write_atomic(out, data)
     except OSError as exc:
         raise SampleError(2, f"cannot write {out} ({exc}); check the path, its permissions and free space.") from None
@@ -85,10 +87,6 @@ def write_hf(views: dict[str, np.ndarray], cfg: ModelConfig, md: dict, out: str,
     bits = next(iter(views.values())).dtype              # float32, or bfloat16's (uint16): zero is 0 in both
     named = tensors.named_tensors({**views, **{k: z.astype(bits) for k, z in tensors.absent_biases(cfg).items()}})
     md = {"capstone_format": md.pop("format"), **md, tensors.DIGEST_KEY: tensors.tensor_digest(named), "format": "pt"}
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as exc:
-        raise SampleError(2, f"cannot create {out} ({exc}); check the path and its permissions.") from None
     write_bytes(save(named, metadata=md), os.path.join(out, HF_FILES[1]))
     dtype = "bfloat16" if bits == np.uint16 else "float32"
     write_bytes((json.dumps(hf_config(cfg, dtype), indent=2, sort_keys=True) + "\n").encode(), os.path.join(out, HF_FILES[0]))

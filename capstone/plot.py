@@ -127,7 +127,7 @@ def fig_memory(runs: list[Run]):
     for col, run in enumerate(have):
         mem = memory_rows(run)
         ranks, bottom, top = list(range(len(mem))), [0.0] * len(mem), axes[0][col]
-        for key in MEMORY:
+        for key in (k for k in MEMORY if any(k in m for m in mem)):   # (a summary of before a field: none of it)
             vals = [(number(m.get(key)) or 0.0) / KIB for m in mem]
             top.bar(ranks, vals, bottom=bottom, width=0.6, label=key[:-6])
             bottom = [b + v for b, v in zip(bottom, vals)]

@@ -28,7 +28,6 @@ from capstone.collective.agree import agreed
 from capstone.config import ConfigError, ModelConfig, TrainConfig
 from capstone.data.tokenizer import difference, from_description
 from capstone.model.params import Layout
-from capstone.model.precision import values
 from capstone.flags.presets import COSINE, fit_warmup
 from capstone.step.state import ShardState
 
@@ -92,13 +91,11 @@ def _read(target: str, seq_len: int | None) -> Source:
     try:
         path = serial.find(target, "--init-from")
         meta, cfg, params = serial.load_weights(path)
-    except ConfigError as exc:
-        raise ConfigError(f"--init-from {target}: {exc}") from None
     except CorruptCheckpoint as exc:   # its advice is a resume's: say what a fine-tuning run does instead
         raise CheckpointError(f"--init-from {target}: not a valid checkpoint: {path}: {exc.reason}. {CORRUPT}") \
             from None
-    except CheckpointError as exc:
-        raise CheckpointError(f"--init-from {target}: {exc}") from None
+    except (ConfigError, CheckpointError) as exc:   # the class kept: exit 2 for a path, 1 for an invalid file
+        raise type(exc)(f"--init-from {target}: {exc}") from None
     refuse_unjudged(target, meta, path)
     return Source(path, "checkpoint", int(meta["step"]), cfg, meta.get("data") or {},
                   params[:Layout.for_model(cfg, 1).n_params], meta.get("train_config") or {})
@@ -130,39 +127,19 @@ def refuse_unjudged(target: str, meta: dict, path: str | None = None) -> None:
 
 
 def _read_export(path: str) -> Source:
-    """An export's tensors back into the flat layout (lm_head.weight transposed back to (in, out))."""
-    from capstone.gpt2.tensors import DIGEST_KEY, FORMAT, check_digest, gpt2_name, library, load, tensor_digest
-    from capstone.gpt2.vocab import SampleError
-    try:
-        library()   # the library, or the install command
-    except SampleError as exc:
-        raise ConfigError(f"--init-from {path}: {exc}") from None
-    try:
-        meta, tensors = load(path)
+    """An export's tensors back into the flat layout (capstone.gpt2.hf.read_file; lm_head.weight transposed back)."""
+    from capstone.gpt2.hf import read_file
+    from capstone.gpt2.tensors import FORMAT, library
+    library(lambda said: ConfigError(f"--init-from {path}: {said}"))   # the library, or the install command
+
+    def config(meta: dict) -> ModelConfig:
         if meta.get("format") != FORMAT:
             raise ConfigError(f"--init-from {path}: not a capstone export (format {meta.get('format')!r}); "
                               f"pass a file `python -m capstone.export` wrote.")
         refuse_unjudged(path, meta)
-        cfg = ModelConfig(**json.loads(meta["capstone_model_config"]))
-    except ConfigError:
-        raise
-    except Exception as exc:   # noqa: BLE001 - safetensors' own SafetensorError, a bad header, bad JSON
-        raise CheckpointError(f"--init-from {path}: unreadable export ({type(exc).__name__}: {exc}); export the "
-                              f"checkpoint again.") from None
-    check_digest(path, meta.get(DIGEST_KEY), tensor_digest(tensors))
-    layout = Layout.for_model(cfg, 1)
-    flat = layout.zeros()
-    for name, view in layout.views(flat).items():
-        got = tensors.pop(gpt2_name(name), None)
-        got = None if got is None else values(got).T if name == "lm_head.w" else values(got)   # bf16: widened
-        if got is None or got.shape != view.shape:
-            raise CheckpointError(f"--init-from {path}: tensor {gpt2_name(name)} is "
-                                  f"{'missing' if got is None else got.shape}, the model {cfg} needs {view.shape}.")
-        view[...] = got
-    if tensors:
-        raise CheckpointError(f"--init-from {path}: tensors this model does not have: {sorted(tensors)[:5]}.")
-    data = {"tokenizer": json.loads(meta["tokenizer"])} if "tokenizer" in meta else {}
-    return Source(path, "export", int(meta.get("step", 0)), cfg, data, flat[:layout.n_params].copy())
+        return ModelConfig(**json.loads(meta["capstone_model_config"]))
+    cfg, params, meta, data = read_file(path, path, config, export=True)
+    return Source(path, "export", int(meta.get("step", 0)), cfg, data, params)
 
 
 def fetch(world, target: str, seq_len: int | None = None) -> Source:

@@ -12,7 +12,6 @@ Imported only when such a directory is used.
 """
 
 import contextlib
-import hashlib
 import json
 import os
 
@@ -21,7 +20,8 @@ import numpy as np
 from capstone.flags import paths
 from capstone.checkpoint import CheckpointError
 from capstone.config import ConfigError, ModelConfig
-from capstone.gpt2.tensors import BLOCK, DIGEST_KEY, LAYER_NORM_EPS, TOP, check_digest, digest_update, load
+from capstone.gpt2.tensors import (BLOCK, DIGEST_KEY, LAYER_NORM_EPS, TOP, check_digest, gpt2_name, load,
+                                   tensor_digest)
 from capstone.model.params import Layout
 from capstone.model.precision import values
 
@@ -72,35 +72,55 @@ def capstone_name(name: str) -> str:
     return {v.removeprefix("transformer."): k for k, v in TOP.items()}.get(name, name)   # unknown: `read_weights` says
 
 
-def read_weights(path: str, cfg: ModelConfig, digest: str | None = None) -> np.ndarray:
-    """The flat 1-rank parameters of model `cfg` from DIR/model.safetensors (wpe cropped to cfg.seq_len;
-    a tied model's lm_head.weight, if stored, must be wte; lm_head transposed); ConfigError for missing or extra
-    tensors or another shape, CheckpointError if the tensors' sha256 is not `digest` (capstone's export records it;
-    None: unchecked)."""
+def read_weights(path: str, cfg: ModelConfig, named: dict[str, np.ndarray], export: bool = False) -> np.ndarray:
+    """The flat 1-rank parameters of model `cfg` from its GPT-2-named tensors `named` (wpe cropped to cfg.seq_len;
+    a tied model's lm_head.weight, if stored, is skipped as wte's copy; lm_head transposed); ConfigError for extra or
+    missing tensors or another shape. `export`: capstone's export file, whose names are exactly the layout's
+    (`gpt2_name`; CheckpointError for what does not fit it), not any of a Hugging Face directory's."""
     layout = Layout.for_model(cfg, 1)
     flat = layout.zeros()
-    views, seen, h = layout.views(flat), set(), hashlib.sha256()
-    for key, tensor in sorted(load(os.path.join(path, FILES[1]))[1].items()):
-        digest_update(h, key, tensor)
-        name = capstone_name(key)
+    views, seen, error = layout.views(flat), set(), CheckpointError if export else ConfigError
+    own = {gpt2_name(n): n for n in views}
+    for key, tensor in sorted(named.items()):
+        name = own.get(key, key) if export else capstone_name(key)
         if not name or name == "lm_head.w" and cfg.tie_embeddings:
             continue      # a buffer, or the tied head's copy of wte (save_pretrained may keep it)
         if name not in views:
-            raise ConfigError(f"--init-from {path}: tensor {key} is not part of a GPT-2 of this config.")
+            raise error(f"--init-from {path}: tensor {key} is not part of a GPT-2 of this config.")
         got = values(tensor).astype(np.float32)     # a bfloat16 model's bits widened
         got = got.T if name == "lm_head.w" else got[:cfg.seq_len] if name == "wpe" else got
         if got.shape != views[name].shape:
-            raise ConfigError(f"--init-from {path}: tensor {key} has shape {got.shape}, the config's model "
-                              f"needs {views[name].shape}.")
+            raise error(f"--init-from {path}: tensor {key} has shape {got.shape}, the config's model "
+                        f"needs {views[name].shape}.")
         views[name][...] = got
         seen.add(name)
-    check_digest(path, digest, h.hexdigest())
     if missing := sorted(set(views) - seen):
-        raise ConfigError(f"--init-from {path}: model.safetensors lacks {', '.join(missing[:4])}"
-                          f"{' and more' if len(missing) > 4 else ''}, which its config.json's model has: the two "
-                          f"disagree (n_layer, n_embd, ... changed in config.json?). Restore config.json to the "
-                          f"model's own settings, or export (or download) the model again.")
+        raise error(f"--init-from {path}: {'the export' if export else FILES[1]} lacks {', '.join(missing[:4])}"
+                    f"{' and more' if len(missing) > 4 else ''}, which " + (
+                        f"its model {cfg} has. Export the checkpoint again." if export else "its config.json's model "
+                        "has: the two disagree (n_layer, n_embd, ... changed in config.json?). Restore config.json "
+                        "to the model's own settings, or export (or download) the model again."))
     return flat[:layout.n_params].copy()
+
+
+def read_file(path: str, file: str, config, export: bool = False) -> tuple:
+    """(ModelConfig, flat parameters, metadata, data identity: the tokenizer capstone's export kept in the
+    metadata, else {}) of the safetensors `file` of --init-from `path` (`config(metadata)`: its model config;
+    `export`: capstone's export file, as `read_weights`). CheckpointError for a file safetensors cannot read or
+    whose recorded digest does not match."""
+    try:
+        meta, named = load(file)
+        cfg = config(meta)
+        check_digest(path, meta.get(DIGEST_KEY), tensor_digest(named))
+        data = {"tokenizer": json.loads(meta["tokenizer"])} if "tokenizer" in meta else {}
+        return cfg, read_weights(path, cfg, named, export), meta, data
+    except (ConfigError, CheckpointError):
+        raise
+    except Exception as exc:   # noqa: BLE001 - safetensors' own SafetensorError, a bad header, bad JSON
+        again = "" if export else f" (python -m capstone.export RUN_DIR --out {path} --format hf --force), or " \
+                                  f"download the model again"
+        raise CheckpointError(f"--init-from {path}: unreadable {'export' if export else FILES[1]} "
+                              f"({type(exc).__name__}: {exc}); export the checkpoint again{again}.") from None
 
 
 def read(path: str, seq_len: int | None = None):
@@ -113,16 +133,7 @@ def read(path: str, seq_len: int | None = None):
         except ValueError as exc:
             raise ConfigError(f"--init-from {path}: config.json is not JSON ({exc}).") from None
     cfg = model_config(hf, seq_len, path)
-    try:
-        meta = exported_meta(path)
-        params = read_weights(path, cfg, meta.get(DIGEST_KEY))
-        exported = {"tokenizer": json.loads(meta["tokenizer"])} if "tokenizer" in meta else {}
-    except (ConfigError, CheckpointError):
-        raise
-    except Exception as exc:   # noqa: BLE001 - safetensors' own SafetensorError, a bad header, bad JSON
-        raise CheckpointError(f"--init-from {path}: unreadable {FILES[1]} ({type(exc).__name__}: {exc}); export "
-                              f"the checkpoint again (python -m capstone.export RUN_DIR --out {path} --format hf "
-                              f"--force), or download the model again.") from None
+    _, params, _, exported = read_file(path, os.path.join(path, FILES[1]), lambda meta: cfg)
     present = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(path, n))]
     if len(present) == 1:
         raise ConfigError(f"--init-from {path}: {present[0]} found but "

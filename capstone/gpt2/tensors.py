@@ -63,19 +63,14 @@ def load(path: str) -> tuple[dict[str, str], dict[str, np.ndarray]]:
     return meta, {name: np.frombuffer(t["data"], dtype=NUMPY[t["dtype"]]).reshape(t["shape"]) for name, t in flat}
 
 
-def digest_update(h, name: str, a: np.ndarray) -> None:
-    """Feed one tensor to the sha256 `h`: its name, dtype and shape (a text line), then its little-endian
-    bytes in C order."""
-    a = np.ascontiguousarray(a, dtype=np.dtype(a.dtype).newbyteorder("<"))
-    h.update(f"{name} {a.dtype.str} {list(a.shape)}\n".encode())
-    h.update(a.tobytes())
-
-
 def tensor_digest(tensors: dict[str, np.ndarray]) -> str:
-    """sha256 hex of the tensors in name order (`digest_update`): what an export records under DIGEST_KEY."""
+    """sha256 hex of the tensors in name order: what an export records under DIGEST_KEY. Each tensor feeds it its
+    name, dtype and shape (a text line), then its little-endian bytes in C order."""
     h = hashlib.sha256()
     for name in sorted(tensors):
-        digest_update(h, name, tensors[name])
+        a = np.ascontiguousarray(tensors[name], dtype=np.dtype(tensors[name].dtype).newbyteorder("<"))
+        h.update(f"{name} {a.dtype.str} {list(a.shape)}\n".encode())
+        h.update(a.tobytes())
     return h.hexdigest()
 
 
@@ -116,10 +111,11 @@ def metadata(meta: dict, cfg: ModelConfig, path: str, head_bias: bool = True) ->
     return out
 
 
-def library():
+def library(error=lambda said: SampleError(2, said)):
+    """safetensors' NumPy API, or `error` (of the message: SampleError 2 by default) saying how to install it."""
     try:
         from safetensors import numpy as st
     except ImportError:
-        raise SampleError(2, f"export needs the `safetensors` library: pip install {SAFETENSORS_PIN} "
-                             f"(scripts/setup installs it).") from None
+        raise error(f"export needs the `safetensors` library: pip install {SAFETENSORS_PIN} "
+                    f"(scripts/setup installs it).") from None
     return st
