@@ -35,9 +35,8 @@ from capstone.config import ModelConfig
 from capstone.step.hooks import NONE
 from capstone.step.state import ROWS, ShardState
 
-__all__ = ["CheckpointError", "CorruptCheckpoint", "FORMAT", "VERSION", "agree", "dataset_name", "load",
-           "mpi_io_available", "open_verified", "read_dataset", "read_meta", "read_meta_file", "root_attributes",
-           "save", "verify_contents", "verify_snapshot", "write"]
+__all__ = ["CheckpointError", "CorruptCheckpoint", "agree", "load", "mpi_io_available", "open_verified",
+           "read_meta_file", "save", "verify_contents", "verify_snapshot", "write"]
 
 
 def read_meta_file(path: str) -> dict:
@@ -58,10 +57,9 @@ def _open(path: str, mode: str, comm):
             return h5py.File(path, mode, driver="mpio", comm=mpi)
     if comm.size == 1:
         return h5py.File(path, mode)
-    raise CheckpointError(
-        "h5py has no MPI support, so ranks cannot share one checkpoint file. Rebuild it against "
-        "parallel HDF5: CC=mpicc HDF5_MPI=ON HDF5_DIR=<parallel hdf5 prefix> pip install "
-        "--no-build-isolation --no-binary=h5py h5py (scripts/setup does this), or run on one rank.")
+    raise CheckpointError("h5py has no MPI support, so ranks cannot share one checkpoint file. Rebuild it against "
+                          "parallel HDF5: CC=mpicc HDF5_MPI=ON HDF5_DIR=<parallel hdf5 prefix> pip install --no-build-"
+                          "isolation --no-binary=h5py h5py (scripts/setup does this), or run on one rank.")
 
 
 def agree(comm, error: str | None, kind: type[CheckpointError] = CheckpointError) -> None:
@@ -89,11 +87,10 @@ def write(comm, directory: str, step: int, data: np.ndarray, adam_t: int, layout
     digests = comm.allgather_json(sha256_hex(data))
     roots = distributed_roots(comm, dict(zip(ROWS, data)), rank * shard, layout.n_params)
     token = comm.bcast_json(secrets.token_hex(6) if rank == 0 else None)
-    meta = {"format": FORMAT, "format_version": VERSION, "step": step, "world_size": world,
-            "n_params": layout.n_params, "padded": layout.padded, "shard": shard,
-            "layout": json.loads(layout.to_json()), "adam_t": adam_t, "rows": list(ROWS),
-            "datasets": {dataset_name(r): {"rank": r, "offset": r * shard, "length": shard, "sha256": digests[r]}
-                         for r in range(world)},
+    meta = {"format": FORMAT, "format_version": VERSION, "step": step, "world_size": world, "n_params": layout.n_params,
+            "padded": layout.padded, "shard": shard, "layout": json.loads(layout.to_json()), "adam_t": adam_t,
+            "rows": list(ROWS), "datasets": {dataset_name(r): {"rank": r, "offset": r * shard, "length": shard,
+                                                               "sha256": digests[r]} for r in range(world)},
             "logical_sha256": roots, "logical_chunk": CHUNK, **extra}
     meta_bytes = json.dumps(meta, sort_keys=True).encode()
     meta_sha = sha256_hex(np.frombuffer(meta_bytes, dtype=np.uint8))
@@ -115,12 +112,11 @@ def write(comm, directory: str, step: int, data: np.ndarray, adam_t: int, layout
         files.write_pointer(directory, os.path.basename(final))
     removed, size = comm.bcast_json([files.retain(directory, keep_last, protect), os.path.getsize(final)]
                                     if rank == 0 else None)
-    return {"path": final, "step": step, "world_size": world, "bytes": size,
-            "meta_sha256": meta_sha, "datasets": meta["datasets"], "logical_sha256": roots, "removed": removed}
+    return {"path": final, "step": step, "world_size": world, "bytes": size, "meta_sha256": meta_sha,
+            "datasets": meta["datasets"], "logical_sha256": roots, "removed": removed}
 
 
-def _write_file(comm, tmp: str, meta: dict, meta_bytes: bytes, meta_sha: str, data: np.ndarray, step: int,
-                hooks=NONE) -> None:
+def _write_file(comm, tmp: str, meta: dict, meta_bytes: bytes, meta_sha: str, data: np.ndarray, step: int, hooks):
     """Collective. Write the checkpoint file `tmp` durably. Any failure (disk full, quota,
     permissions) is agreed across ranks, so no rank is left alone in a collective, and the
     partial file is discarded before CheckpointError is raised on every rank."""
@@ -164,11 +160,10 @@ def _agreed(comm, step: int, tmp: str, action, collective: str = ""):
         ranks = ", ".join(str(r) for r, _ in failed)
         who = (f"rank {ranks} could not write its shard" if len(failed) == 1
                else f"ranks {ranks} could not write their shards")
-        return CheckpointError(
-            f"{who} of checkpoint step {step} to {tmp}: {failed[0][1]}"
-            f"{'' if free is None else f' ({free / MIB:.1f} MiB free there when it failed)'}. The partial file "
-            f"was removed; the previous checkpoint and 'latest' are untouched. Free space or fix {directory}, "
-            f"then continue with --resume latest.")
+        return CheckpointError(f"{who} of checkpoint step {step} to {tmp}: {failed[0][1]}"
+                               f"{'' if free is None else f' ({free / MIB:.1f} MiB free there when it failed)'}. The "
+                               f"partial file was removed; the previous checkpoint and 'latest' are untouched. Free "
+                               f"space or fix {directory}, then continue with --resume latest.")
     # h5py: OSError for I/O, RuntimeError for a failed flush
     return agreed(comm, attempt, errors=(OSError, RuntimeError), every=True, explain=explain)
 

@@ -81,9 +81,8 @@ def inspect_or_verify(args, path: str) -> int:
         if ok:
             print(fingerprints(meta, results))
     out = sys.stderr if args.json else sys.stdout
-    for good, line in lines:
-        if args.command == "verify" or not good:
-            print(line, file=out)
+    for line in [line for _, line in lines] if args.command == "verify" else problems:
+        print(line, file=out)
     print(f"{path}: {'verified' if ok else 'FAILED verification'}", file=out)
     return 0 if ok else 1
 
@@ -97,9 +96,8 @@ def seal(path: str) -> int:
     if found[0] != "unsealed":
         print(f"error: not sealing: {integrity.message(path, *found)}", file=sys.stderr)
         return 1
-    child = subprocess.run([sys.executable, "-m", "capstone.checkpoint", "verify", "--unsealed", path])
-    if child.returncode != 0:
-        how = f"killed by signal {-child.returncode}" if child.returncode < 0 else f"exit {child.returncode}"
+    if code := subprocess.run([sys.executable, "-m", "capstone.checkpoint", "verify", "--unsealed", path]).returncode:
+        how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
         print(f"error: not sealing {path}: verify --unsealed failed ({how}); the file is damaged or not a "
               f"capstone checkpoint. Set it aside (mv {path} {path}.corrupt) and resume from another checkpoint: "
               f"--resume auto then takes the newest one that verifies.", file=sys.stderr)
@@ -116,9 +114,8 @@ def main(argv=None) -> int:
     p.add_argument("target", metavar="TARGET",
                    help="a ckpt-*.h5 file, a run directory (--out), its checkpoints directory or a latest pointer")
     p.add_argument("--json", action="store_true", help="inspect, verify: print one JSON object on stdout")
-    p.add_argument("--unsealed", action="store_true",
-                   help="check a file that has no digest file (HDF5 then parses unverified bytes: a damaged "
-                        "file can crash this process; seal runs it in a child process)")
+    p.add_argument("--unsealed", action="store_true", help="check a file that has no digest file (HDF5 then parses "
+                   "unverified bytes: a damaged file can crash this process; seal runs it in a child process)")
     args = p.parse_args(argv)
     try:   # a mistyped path, a model's weights, a dataset: a usage mistake (exit 2), as for sample and export
         path = find(args.target, "checkpoint", CheckpointUsageError)

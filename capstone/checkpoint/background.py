@@ -37,10 +37,7 @@ class Snapshot:
 
     def __init__(self, shard: int):
         self.rows = np.empty((len(ROWS), shard), dtype="<f4")   # untouched pages: no memory until the first save
-
-    @property
-    def nbytes(self) -> int:
-        return self.rows.nbytes
+        self.nbytes = self.rows.nbytes
 
     def take(self, stored) -> np.ndarray:
         """Copy `stored` (a ShardState) in; the buffer, which the caller must not change until the write ends."""

@@ -47,22 +47,19 @@ def distributed_roots(comm, shards: dict, lo: int, n: int, chunk: int = CHUNK) -
         local["chunks"][name] = [[c, sha256_hex(shard[c * chunk - lo:min((c + 1) * chunk, n) - lo])] for c in complete]
         local["data"][name] = [shard[a - lo:b - lo].tobytes().hex() for a, b in fragments]
     gathered = comm.gather_json(local)
-    return comm.bcast_json(_combine(gathered, list(shards), n, chunk) if comm.rank == 0 else None)
+    return comm.bcast_json({name: _root(gathered, name, n, chunk) for name in shards} if comm.rank == 0 else None)
 
 
-def _combine(gathered: list, names: list, n: int, chunk: int) -> dict:
-    """Rank 0's half of `distributed_roots`: join the pieces, hash, and make one root per name."""
-    roots = {}
-    for name in names:
-        digests, parts = {}, {}
-        for item in gathered:
-            digests.update({c: bytes.fromhex(h) for c, h in item["chunks"][name]})
-            for (a, b), hexdata in zip(item["fragments"], item["data"][name]):
-                parts.setdefault(a // chunk, []).append((a, bytes.fromhex(hexdata)))
-        for c, pieces in parts.items():
-            digests[c] = hashlib.sha256(b"".join(data for _, data in sorted(pieces))).digest()
-        n_chunks = -(-n // chunk)
-        if sorted(digests) != list(range(n_chunks)):
-            raise RuntimeError(f"logical digest of {name}: chunks {sorted(set(range(n_chunks)) - set(digests))} missing")
-        roots[name] = hashlib.sha256(b"".join(digests[c] for c in range(n_chunks))).hexdigest()
-    return roots
+def _root(gathered: list, name: str, n: int, chunk: int) -> str:
+    """Rank 0's half of `distributed_roots`: join the pieces of vector `name`, hash, and make its root."""
+    digests, parts = {}, {}
+    for item in gathered:
+        digests.update({c: bytes.fromhex(h) for c, h in item["chunks"][name]})
+        for (a, b), hexdata in zip(item["fragments"], item["data"][name]):
+            parts.setdefault(a // chunk, []).append((a, bytes.fromhex(hexdata)))
+    for c, pieces in parts.items():
+        digests[c] = hashlib.sha256(b"".join(data for _, data in sorted(pieces))).digest()
+    n_chunks = -(-n // chunk)
+    if sorted(digests) != list(range(n_chunks)):
+        raise RuntimeError(f"logical digest of {name}: chunks {sorted(set(range(n_chunks)) - set(digests))} missing")
+    return hashlib.sha256(b"".join(digests[c] for c in range(n_chunks))).hexdigest()

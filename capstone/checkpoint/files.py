@@ -151,8 +151,7 @@ def set_aside_leftovers(directory: str) -> list[str]:
     without their checkpoint, and a killed start-up measurement's PROBE file. Returns their names."""
     if not os.path.isdir(directory):
         return []
-    probe = os.path.join(directory, PROBE)
-    if os.path.isdir(probe):   # a killed probe of the code before, a directory
+    if os.path.isdir(probe := os.path.join(directory, PROBE)):   # a killed probe of the code before, a directory
         shutil.rmtree(probe, ignore_errors=True)
     elif os.path.exists(probe):
         os.remove(probe)
@@ -163,9 +162,8 @@ def _remove_leftovers(directory: str) -> list[str]:
     """Remove the partial files and the orphan digest files in `directory` (the digest file of a complete
     checkpoint that is not there: a save killed between writing the digest file and renaming the checkpoint
     into place); the names of the partial files."""
-    names = sorted(os.listdir(directory))
-    found = [n for n in names if ".h5.partial-" in n or (stem := n.removesuffix(DIGEST_SUFFIX)) != n
-             and NAME_RE.match(stem) and not os.path.exists(os.path.join(directory, stem))]
+    found = [n for n in sorted(os.listdir(directory)) if ".h5.partial-" in n or (stem := n.removesuffix(DIGEST_SUFFIX))
+             != n and NAME_RE.match(stem) and not os.path.exists(os.path.join(directory, stem))]
     for name in found:
         os.remove(os.path.join(directory, name))
     return [n for n in found if not n.endswith(DIGEST_SUFFIX)]
@@ -175,8 +173,7 @@ def complete_checkpoints(directory: str) -> list[tuple[int, str]]:
     """(step, path) of complete checkpoint files in `directory`, oldest first."""
     if not os.path.isdir(directory):
         return []
-    found = [(int(m.group(1)), os.path.join(directory, n)) for n in os.listdir(directory) if (m := NAME_RE.match(n))]
-    return sorted(found)
+    return sorted((int(m[1]), os.path.join(directory, n)) for n in os.listdir(directory) if (m := NAME_RE.match(n)))
 
 
 def retain(directory: str, keep_last: int, protect=()) -> list[str]:

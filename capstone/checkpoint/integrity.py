@@ -25,14 +25,12 @@ from capstone.checkpoint import files
 from capstone.checkpoint.files import DIGEST_SUFFIX, CheckpointError, CheckpointUsageError, CorruptCheckpoint
 
 DIGEST_RE = re.compile(r"# capstone checkpoint digest v1: (\d+) bytes\n([0-9a-f]{64})  (\S+)\n")
-NEXT = {
-    "missing": "Check the path: pass a ckpt-*.h5 file, a run directory (--out) or its checkpoints/latest.",
-    "unsealed": "Copy its .sha256 file along with it, or, if you trust the file, add one with "
-                "`python -m capstone.checkpoint seal {path}` (it checks every digest inside the file first).",
-    "foreign": "Pass a ckpt-*.h5 file that capstone wrote, a run directory (--out) or its checkpoints/latest.",
-    "corrupt": "Do not use it: resume from another checkpoint (--resume auto falls back to the newest one "
-               "that verifies and moves this one aside), or restore a good copy.",
-}
+NEXT = {"missing": "Check the path: pass a ckpt-*.h5 file, a run directory (--out) or its checkpoints/latest.",
+        "unsealed": "Copy its .sha256 file along with it, or, if you trust the file, add one with `python -m "
+                    "capstone.checkpoint seal {path}` (it checks every digest inside the file first).",
+        "foreign": "Pass a ckpt-*.h5 file that capstone wrote, a run directory (--out) or its checkpoints/latest.",
+        "corrupt": "Do not use it: resume from another checkpoint (--resume auto falls back to the newest one that "
+                   "verifies and moves this one aside), or restore a good copy."}
 
 
 def file_sha256(path: str) -> str:
@@ -88,8 +86,7 @@ def problem(path: str) -> tuple[str, str] | None:
     if not os.path.isfile(path):
         return "missing", "it is not a regular file" if os.path.exists(path) else "it does not exist"
     try:
-        want = recorded(path)
-        if want is None and not _is_hdf5(path):
+        if (want := recorded(path)) is None and not _is_hdf5(path):
             return "foreign", "it is not an HDF5 file, so not a capstone checkpoint"
         if want is None:
             return "unsealed", (f"it has no digest file {os.path.basename(path)}{DIGEST_SUFFIX} (written by a "
@@ -129,8 +126,7 @@ def resolve(target: str) -> str:
     names, or the newest complete one if there is no pointer. What `target` is: capstone.flags.paths."""
     if not os.path.isdir(target):
         return _pointed(os.path.dirname(target) or ".") if paths.kind(target) is paths.Kind.POINTER else target
-    sub = os.path.join(target, "checkpoints")
-    directory = sub if os.path.isdir(sub) else target
+    directory = sub if os.path.isdir(sub := os.path.join(target, "checkpoints")) else target
     path = _pointed(directory) or next(reversed([p for _, p in files.complete_checkpoints(directory)]), None)
     if path is None:
         raise CheckpointUsageError(f"{target} is a directory without checkpoints (no {files.POINTER} pointer, no "

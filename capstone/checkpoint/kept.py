@@ -16,9 +16,8 @@ _LABELS = {"pp_layers": "balanced", "pp_schedule": "none"}   # how a mode's None
 
 
 def shown(name: str, value) -> str:
-    if value is None:
-        return _LABELS.get(name, "none")
-    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+    return (_LABELS.get(name, "none") if value is None else
+            ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value))
 
 
 def changes(saved: dict | None, plan, why: dict) -> dict:

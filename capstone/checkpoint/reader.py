@@ -64,8 +64,7 @@ def read_meta(f, path: str) -> dict:
                               f"format={FORMAT!r} attribute); pass a ckpt-*.h5 file written by capstone.")
     if not isinstance(ds := f.get("meta_json"), h5py.Dataset) or ds.ndim != 1 or ds.dtype != np.uint8:
         raise corrupt(path, "dataset /meta_json is missing or malformed: the file is incomplete or damaged")
-    raw = ds[...]
-    stored = f.attrs.get("meta_sha256")
+    raw, stored = ds[...], f.attrs.get("meta_sha256")
     if sha256_hex(raw) != stored:
         raise corrupt(path, f"/meta_json sha256 mismatch (stored {stored}, computed {sha256_hex(raw)}): "
                             f"the checkpoint metadata is corrupt")
@@ -86,8 +85,8 @@ def read_meta(f, path: str) -> dict:
 def _check_attrs(path: str, attrs, want: dict, prefix: str = "", suffix: str = "") -> None:
     """An HDF5 object's attributes are exactly `want` (what the verified /meta_json says)."""
     for key in sorted(set(want) | set(attrs)):
-        stored = attrs.get(key)
-        stored = stored.item() if isinstance(stored, np.generic) else stored   # a numpy scalar as a plain value
+        # a numpy scalar as a plain value
+        stored = value.item() if isinstance(value := attrs.get(key), np.generic) else value
         if stored != want.get(key):
             raise corrupt(path, f"{prefix}attribute {key}={stored!r}{suffix} disagrees with the verified /meta_json "
                                 f"({want.get(key)!r}); the file was modified")
@@ -119,11 +118,15 @@ def checked_dataset(f, path: str, meta: dict, name: str, reader: str) -> h5py.Da
 def read_dataset(f, path: str, meta: dict, name: str, reader: str) -> np.ndarray:
     """Read one shard dataset whole and verify its shape, attributes and sha256 against the metadata."""
     data = checked_dataset(f, path, meta, name, reader)[...]
-    digest, stored = sha256_hex(data), meta["datasets"][name]["sha256"]
-    if digest != stored:
-        raise corrupt(path, f"dataset /{name} sha256 mismatch (stored {stored}, computed {digest}) read by "
-                            f"{reader}: the shard is corrupt")
+    _check_sha256(path, name, sha256_hex(data), meta["datasets"][name]["sha256"], f" read by {reader}")
     return data
+
+
+def _check_sha256(path: str, name: str, digest: str, stored: str, by: str = "") -> None:
+    """`digest` (of shard dataset `name`'s bytes) is `stored`, the one /meta_json records."""
+    if digest != stored:
+        raise corrupt(path, f"dataset /{name} sha256 mismatch (stored {stored}, computed {digest}){by}: the shard is "
+                            f"corrupt")
 
 
 def open_verified(path: str, require_digest: bool = True):
@@ -135,14 +138,13 @@ def open_verified(path: str, require_digest: bool = True):
     if require_digest:
         integrity.check_file(path)
     silence_hdf5()
+    f = None
     try:
         f = h5py.File(path, "r")
-    except Exception as exc:
-        raise read_error(path, exc) from None
-    try:
         return f, read_meta(f, path)
     except Exception as exc:
-        f.close()
+        if f is not None:
+            f.close()
         raise read_error(path, exc) from None
 
 
@@ -158,9 +160,7 @@ def verify_contents(path: str) -> dict:
                 for row in range(ds.shape[0]):
                     for a in range(0, ds.shape[1], step):
                         h.update(np.ascontiguousarray(ds[row, a:a + step]))
-                if h.hexdigest() != meta["datasets"][name]["sha256"]:
-                    raise corrupt(path, f"dataset /{name} sha256 mismatch (stored {meta['datasets'][name]['sha256']}, "
-                                        f"computed {h.hexdigest()}): the shard is corrupt")
+                _check_sha256(path, name, h.hexdigest(), meta["datasets"][name]["sha256"])
         except Exception as exc:
             raise read_error(path, exc) from None
     return meta

@@ -80,9 +80,8 @@ def _auto(ckpt_dir: str, pointed: str | None, complete: list) -> dict:
     newest = pointed or (complete[-1][1] if complete else None)
     if newest is None:
         return {"path": None}
-    candidates = [newest] + [p for s, p in reversed(complete) if s < files.step_of(newest)]
     bad = []
-    for path in candidates:
+    for path in [newest] + [p for s, p in reversed(complete) if s < files.step_of(newest)]:
         try:
             if os.path.exists(path):
                 verify_contents(path)
@@ -119,8 +118,7 @@ def _explicit(want: str, ckpt_dir: str, pointed: str | None, complete: list) -> 
         return {"error": f"--resume {want}: {path}, which its {files.POINTER} names, does not exist. Pass one of "
                          f"the ckpt-*.h5 files beside it, or --resume auto to take the newest one that verifies."}
     step = files.step_of(path)
-    acknowledged = files.step_of(pointed) if pointed else -1
-    if newer := [os.path.basename(p) for s, p in complete if step < s <= acknowledged]:
+    if newer := [os.path.basename(p) for s, p in complete if step < s <= (files.step_of(pointed) if pointed else -1)]:
         return {"error": f"--resume {want} (step {step}) into --out {os.path.dirname(ckpt_dir)}, which holds newer "
                          f"checkpoints {newer}: this run would replace them. Pass a new --out directory to branch "
                          f"off from step {step}, or --resume latest to continue the newest one."}

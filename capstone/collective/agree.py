@@ -29,11 +29,8 @@ def agreed(comm, action: Callable[[], object], *, errors: Sequence[type[Exceptio
             outcome = {"error": str(exc), "kind": next(i for i, e in enumerate(errors) if isinstance(exc, e))}
     if not every:
         outcome = comm.bcast_json(outcome if comm.rank == 0 else None)
-        if "error" in outcome:
-            raise errors[outcome["kind"]](outcome["error"])
-        return outcome["value"]
-    failed = [(r, o) for r, o in enumerate(comm.allgather_json(None if "value" in outcome else outcome)) if o]
-    if failed:
+    everyone = comm.allgather_json(None if "value" in outcome else outcome) if every else [outcome]
+    if failed := [(r, o) for r, o in enumerate(everyone) if o and "error" in o]:
         if explain is not None:
             raise explain([(r, o["error"]) for r, o in failed])
         raise errors[failed[0][1]["kind"]]("\n".join(dict.fromkeys(o["error"] for _, o in failed)))

@@ -61,8 +61,12 @@ class Comm:
 
     def _run(self, start, what: str, kind: str | None, op: str, nbytes: int) -> None:
         """The hook point `kind` (or `op`), then `start()`'s request waited for and counted as `wait` does."""
-        self.hooks.at(kind or op)
-        self.wait(start(), what, kind, op, nbytes)
+        self.wait(self._started(kind or op, start), what, kind, op, nbytes)
+
+    def _started(self, point: str, start):
+        """The hook point `point`, then `start()`'s request, not waited for."""
+        self.hooks.at(point)
+        return start()
 
     def count(self, kind: str, op: str, nbytes: int, seconds: float, calls: int = 1, hidden: float = 0.0) -> None:
         t = self.traffic.setdefault(kind, Traffic(op, self.size))
@@ -91,8 +95,7 @@ class Comm:
 
     def Iallreduce(self, buf: np.ndarray):
         """Start summing `buf` over the group in place; `wait` for the request (or `Test` it)."""
-        self.hooks.at("allreduce")
-        return self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        return self._started("allreduce", lambda: self.mpi.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM))
 
     def sum(self, values, what: str = "allreduce (sums)", kind: str | None = None) -> list[float]:
         """Element-wise sums (float64) of a few numbers over the group."""
@@ -111,22 +114,16 @@ class Comm:
 
     def Ialltoallv(self, send: np.ndarray, send_spec: tuple, recv: np.ndarray, recv_spec: tuple):
         """Start `Alltoallv` (a gradient's pieces: the reduce-scatter's hook point); wait for the request."""
-        self.hooks.at("reduce_scatter")
-        return self.mpi.Ialltoallv([send, send_spec], [recv, recv_spec])
-
-    def Allgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int], what: str) -> None:
-        """Every rank's `send` (counts[r] values from rank r) into `recv`, in rank order."""
-        self.wait(self.mpi.Iallgatherv(send, [recv, counts]), what)
+        return self._started("reduce_scatter", lambda: self.mpi.Ialltoallv([send, send_spec], [recv, recv_spec]))
 
     def Iallgatherv(self, send: np.ndarray, recv: np.ndarray, counts: list[int]):
-        """Start `Allgatherv`; wait for the request (or hand it to capstone.parallel.progress)."""
-        self.hooks.at("allgather_params")
-        return self.mpi.Iallgatherv(send, [recv, counts])
+        """Start gathering every rank's `send` (counts[r] values from rank r) into `recv`, in rank order; wait for the
+        request (or hand it to capstone.parallel.progress)."""
+        return self._started("allgather_params", lambda: self.mpi.Iallgatherv(send, [recv, counts]))
 
     def Isend(self, buf: np.ndarray, dest: int, tag: int):
         """Start sending `buf` to rank `dest` of this group; wait for the request."""
-        self.hooks.at("send")
-        return self.mpi.Isend(buf, dest=dest, tag=tag)
+        return self._started("send", lambda: self.mpi.Isend(buf, dest=dest, tag=tag))
 
     def Irecv(self, buf: np.ndarray, source: int, tag: int):
         """Start receiving into `buf` from rank `source` of this group; wait for the request."""
@@ -137,23 +134,22 @@ class Comm:
 
     def allgather_json(self, value) -> list:
         """Every rank's JSON-able value, in rank order, on every rank."""
-        data, sizes = self._encoded(value)
-        buf = np.empty(sum(sizes), dtype=np.uint8)
-        self.Allgatherv(data, buf, sizes, "allgather (JSON)")
+        data, sizes, buf = self._encoded(value)
+        self.wait(self.mpi.Iallgatherv(data, [buf, sizes]), "allgather (JSON)")
         return _split_json(buf, sizes)
 
     def gather_json(self, value, root: int = 0) -> list | None:
         """Every rank's JSON-able value on `root`, None elsewhere."""
-        data, sizes = self._encoded(value)
-        buf = np.empty(sum(sizes), dtype=np.uint8) if self.rank == root else None
+        data, sizes, buf = self._encoded(value)
         self.wait(self.mpi.Igatherv(data, [buf, sizes] if self.rank == root else None, root=root), "gather (JSON)")
         return _split_json(buf, sizes) if self.rank == root else None
 
-    def _encoded(self, value) -> tuple[np.ndarray, list[int]]:
+    def _encoded(self, value) -> tuple[np.ndarray, list[int], np.ndarray]:
+        """`value` as JSON bytes, every rank's count of them, and a buffer for all ranks' bytes."""
         data = np.frombuffer(json.dumps(value).encode(), dtype=np.uint8)
         out, mine = np.empty(self.size, dtype=np.int64), np.array([len(data)], dtype=np.int64)
         self.wait(self.mpi.Iallgather(mine, out), "allgather (JSON sizes)")
-        return data, [int(x) for x in out]
+        return data, [int(x) for x in out], np.empty(int(out.sum()), dtype=np.uint8)
 
     def bcast_json(self, value, root: int = 0):
         """Root's JSON-able value on every rank."""

@@ -69,8 +69,7 @@ class Deadline:
         """Wait until every request is complete, or end the job at the deadline."""
         t0, limit, sleep = time.monotonic(), self.seconds, 2e-5
         while not MPI.Request.Testall(requests):
-            now = time.monotonic()
-            if now < t0 + self.spin_s:
+            if (now := time.monotonic()) < t0 + self.spin_s:
                 os.sched_yield()   # a pure spin on a dedicated core; lets a peer run on a shared one
             else:
                 if now - t0 >= limit:
@@ -87,9 +86,8 @@ def message(deadline, what: str, waited: float | None = None) -> tuple[str, dict
             f"complete after {waited:.1f} s ({deadline.describe()}); a peer rank is probably dead or "
             f"unreachable: check its host and the network, then rerun with --resume auto (the last complete "
             f"checkpoint is intact). Aborting the job.")
-    record = {"rank": deadline.rank, "world": deadline.world, "host": socket.gethostname(), "pid": os.getpid(),
-              "collective": what, "at": at, "waited_s": round(waited, 1), "time": time.time()}
-    return line, record
+    return line, {"rank": deadline.rank, "world": deadline.world, "host": socket.gethostname(), "pid": os.getpid(),
+                  "collective": what, "at": at, "waited_s": round(waited, 1), "time": time.time()}
 
 
 def expire(deadline, what: str, waited: float) -> None:

@@ -65,16 +65,13 @@ def main(parent: int) -> None:
         signal.signal(sig, signal.SIG_IGN)
     armed, until, pending = None, None, b""
     while True:
-        ready, _, _ = select.select([0], [], [], None if until is None else max(0.0, until - time.monotonic()))
-        if not ready:
+        if not select.select([0], [], [], None if until is None else max(0.0, until - time.monotonic()))[0]:
             expire(parent, armed)
             return
-        chunk = os.read(0, 1 << 16)
-        if not chunk:
+        if not (chunk := os.read(0, 1 << 16)):
             return
-        pending += chunk
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
             order = json.loads(line)
             armed, until = (order, time.monotonic() + order["arm"]) if "arm" in order else (None, None)
 
