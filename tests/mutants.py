@@ -673,7 +673,8 @@ MUTANTS = [
            ("tests/test_multihost.py::test_a_lost_host_and_then_a_lost_rank_cost_nothing",),
            "no copy goes to another node: a lost host takes its ranks' state with it"),
     Mutant("tier/relaunch-on-the-lost-host", "capstone/runtime/relaunch.py",
-           "alive = [(h, n) for h, n in hosts if answers(probe, h)]", "alive = hosts",
+           'if not (alive := [(h, n) for h, n in hosts if answers(env.get("CAPSTONE_HOST_PROBE") or SSH, h)]):',
+           "if not (alive := hosts):",
            ("tests/test_multihost.py::test_a_lost_host_and_then_a_lost_rank_cost_nothing",),
            "the relaunch does not probe the hosts: it starts again on the dead one, and again"),
 ]

@@ -23,6 +23,7 @@ import subprocess
 
 LIST_FLAGS = ("-H", "--host", "--hosts")
 SSH = "ssh -o BatchMode=yes -o ConnectTimeout=5 {host} true"
+ONE_TASK = "--nodes=1 --ntasks=1 --overlap true"   # srun's probe of a node
 
 
 def answers(probe: str, host: str, timeout: float = 15) -> bool:
@@ -34,53 +35,35 @@ def answers(probe: str, host: str, timeout: float = 15) -> bool:
 
 
 def host_list(command: list[str]) -> tuple[int, list[tuple[str, int]]] | None:
-    """(index of the value, [(host, slots)]) of an mpirun host list in `command` (before the program), or None."""
+    """(index of the value, [(host, slots)]) of an mpirun host list in `command`, or None."""
     for i, arg in enumerate(command[:-1]):
         if arg in LIST_FLAGS:
             return i + 1, [(h, int(n) if n else 1) for h, _, n in (x.partition(":") for x in command[i + 1].split(","))]
-        if arg in ("--", "python", "python3") or arg.endswith("python"):
-            return None
     return None
-
-
-def _set(command: list[str], names: tuple, value: str) -> list[str]:
-    """`command` with the value of its first option among `names` set to `value` (`--x=v` or `--x v`)."""
-    out = list(command)
-    for i, arg in enumerate(out):
-        if arg in names and i + 1 < len(out):
-            out[i + 1] = value
-            return out
-        if "=" in arg and arg.split("=", 1)[0] in names:
-            out[i] = f"{arg.split('=', 1)[0]}={value}"
-            return out
-    return out
 
 
 def mpirun_command(command: list[str], env) -> tuple[list[str], list[str]] | None:
     """(the command on the hosts that answer, the hosts left out), or None if there is no list or none answers."""
-    found = host_list(command)
-    if found is None:
+    if (found := host_list(command)) is None:
         return None
     at, hosts = found
-    probe = env.get("CAPSTONE_HOST_PROBE") or SSH
-    alive = [(h, n) for h, n in hosts if answers(probe, h)]
-    if not alive:
+    if not (alive := [(h, n) for h, n in hosts if answers(env.get("CAPSTONE_HOST_PROBE") or SSH, h)]):
         return None
     out = list(command)
     out[at] = ",".join(f"{h}:{n}" for h, n in alive)
-    lost = [h for h, _ in hosts if h not in dict(alive)]
-    return _set(out, ("-n", "-np", "--np"), str(sum(n for _, n in alive))), lost
+    for i in (i for i, arg in enumerate(out[:-1]) if arg in ("-n", "-np", "--np")):   # as many ranks as slots
+        out[i + 1] = str(sum(n for _, n in alive))
+    return out, [h for h, _ in hosts if h not in dict(alive)]
 
 
 def srun_command(command: list[str], env) -> tuple[list[str], list[str]] | None:
     """The srun step again inside the allocation, without the nodes that do not answer (None: none does)."""
     nodes = subprocess.run(["scontrol", "show", "hostnames", env.get("SLURM_JOB_NODELIST", "")], capture_output=True,
                            text=True).stdout.split()
-    per_node = int(env.get("CAPSTONE_TASKS_PER_NODE") or 0) or max(1, int(env.get("SLURM_NTASKS", "1")) // len(nodes))
-    alive = [n for n in nodes if answers("srun --nodelist={host} --nodes=1 --ntasks=1 --overlap true", n)]
-    lost = [n for n in nodes if n not in alive]
-    if not alive:   # (also no allocation's nodes)
+    per_node = int(env.get("CAPSTONE_TASKS_PER_NODE") or 0) or max(1, int(env.get("SLURM_NTASKS", "1")) // max(1, len(nodes)))
+    if not (alive := [n for n in nodes if answers(f"srun --nodelist={{host}} {ONE_TASK}", n)]):
         return None
+    lost = [n for n in nodes if n not in alive]
     keep = [a for a in command[1:] if not re.match(r"--(nodes|ntasks|ntasks-per-node|exclude|nodelist)=|--overlap$", a)]
     return [command[0], "--overlap", f"--nodes={len(alive)}", f"--ntasks={len(alive) * per_node}",
             f"--ntasks-per-node={per_node}", *([f"--exclude={','.join(lost)}"] if lost else []), *keep], lost
