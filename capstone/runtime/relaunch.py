@@ -60,7 +60,8 @@ def srun_command(command: list[str], env) -> tuple[list[str], list[str]] | None:
     """The srun step again inside the allocation, without the nodes that do not answer (None: none does)."""
     nodes = subprocess.run(["scontrol", "show", "hostnames", env.get("SLURM_JOB_NODELIST", "")], capture_output=True,
                            text=True).stdout.split()
-    per_node = int(env.get("CAPSTONE_TASKS_PER_NODE") or 0) or max(1, int(env.get("SLURM_NTASKS", "1")) // max(1, len(nodes)))
+    tasks = int(env.get("SLURM_NTASKS", "1")) // max(1, len(nodes))
+    per_node = int(env.get("CAPSTONE_TASKS_PER_NODE") or 0) or max(1, tasks)
     if not (alive := [n for n in nodes if answers(f"srun --nodelist={{host}} {ONE_TASK}", n)]):
         return None
     lost = [n for n in nodes if n not in alive]
