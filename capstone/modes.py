@@ -52,15 +52,14 @@ def make(grid: Grid, plan: Plan, mcfg: ModelConfig, tcfg: TrainConfig, data, hoo
         ring = rings.Ring(grid.cp)
         data = rings.Chunks(data, ring)
     _warn_bubble(grid, plan, tcfg)
-    stages = list(plan.stages)
-    layout = Layout.for_model(mcfg, grid.dp.size, grid.tp.size, stages[grid.pp.rank % len(stages)])
+    groups = plan.stages[grid.pp.rank % len(plan.stages)]   # this rank's pipeline stage's parameter groups
+    layout = Layout.for_model(mcfg, grid.dp.size, grid.tp.size, groups)
     full = Layout.for_model(mcfg, grid.world.size)
-    view, params = _initial(grid, mcfg, tcfg, layout, full, stages, sharded=zero.shards_params)
+    view, params = _initial(grid, mcfg, tcfg, layout, full, plan.stages, groups, sharded=zero.shards_params)
     sums = None
     if plan.deterministic:        # norms and fingerprint of the canonical vector (capstone.parallel.chunksums)
         from capstone.parallel.chunksums import ChunkSums, canonical_index
-        sums = ChunkSums(grid.world, canonical_index(grid, mcfg, layout, stages[grid.pp.rank % len(stages)]),
-                         full.n_params)
+        sums = ChunkSums(grid.world, canonical_index(grid, mcfg, layout, groups), full.n_params)
     reducer = _reducer(grid, layout, plan, tcfg, sums)
     if not zero.shards_optimizer:      # plain data parallelism: the whole state replicated (capstone.parallel.zero0)
         from capstone.parallel import zero0
@@ -96,38 +95,34 @@ def make(grid: Grid, plan: Plan, mcfg: ModelConfig, tcfg: TrainConfig, data, hoo
     if grid.pp.size > 1:
         from capstone.parallel.pipeline import Pipeline
         schedule = Pipeline(model, reducer, hooks, scale, plan.schedule, grid.pp, link)
-    return Parts(layout=layout, full=full, view=view, model=model, reducer=reducer,
-                 replicas=_replicas(grid, layout, seam, plan, sums),
-                 heldout=_heldout(grid, data, plan, tcfg, mcfg, schedule),
-                 opt=opt, schedule=schedule, data=data)
+    return Parts(layout=layout, full=full, view=view, model=model, reducer=reducer, opt=opt, schedule=schedule,
+                 data=data, replicas=_replicas(grid, layout, seam, plan, sums),
+                 heldout=_heldout(grid, data, plan, tcfg, mcfg, schedule))
 
 
 def _warn_bubble(grid: Grid, plan: Plan, tcfg: TrainConfig) -> None:
     """Fewer micro-batches than pipeline stages: said once at start (rank 0)."""
-    K = plan.pp
-    if K > 1 and tcfg.grad_accum < K and grid.world.rank == 0:
+    if (K := plan.pp) > 1 and tcfg.grad_accum < K and grid.world.rank == 0:
         report.say(f"warning: {tcfg.grad_accum} micro-batches (--grad-accum) through {K} pipeline stages: each "
                    f"stage idles (p-1)/(m+p-1) = {(K - 1) / (tcfg.grad_accum + K - 1):.0%} of the step (the bubble); "
                    f"raise --grad-accum to at least {K}.")
 
 
-def _initial(grid: Grid, mcfg, tcfg, layout: Layout, full: Layout, stages: list, sharded: bool):
+def _initial(grid: Grid, mcfg, tcfg, layout: Layout, full: Layout, stages: tuple, groups, sharded: bool):
     """(the checkpoints' view of this rank's state, its initial parameters): the 1-rank run's, made
     by rank 0 of each data-parallel group (ZeroAdam broadcasts them), or (ZeRO-3) by every rank,
-    which keeps its shard; a model-parallel rank takes its part: its pipeline stage's `stages`
-    groups, its tensor-parallel slice (capstone.parallel.canonical)."""
+    which keeps its shard; a model-parallel rank takes its part: its pipeline stage's `groups` (of
+    every stage's, `stages`), its tensor-parallel slice (capstone.parallel.canonical)."""
     dp, tp = grid.dp, grid.tp
     view, make = None, dp.rank == 0 or sharded
     if grid.mp.size > 1:
         from capstone.parallel import canonical, tensor
         view = canonical.Canonical(grid, mcfg, layout, full, stages)
-        groups = stages[grid.pp.rank % len(stages)]
         params = tensor.initial_params(mcfg, layout, tcfg.seed, tp.size, tp.rank, groups) if make else layout.zeros()
     else:
         params = init_params(layout, mcfg, tcfg.seed) if make else layout.zeros()
     if sharded:
-        lo, hi = layout.shard_range(dp.rank)
-        params = params[lo:hi].copy()
+        params = params[slice(*layout.shard_range(dp.rank))].copy()
     return view, params
 
 
@@ -137,24 +132,23 @@ def _reducer(grid: Grid, layout: Layout, plan: Plan, tcfg: TrainConfig, sums=Non
     group's gradient reduce-scattered as it is made (capstone.parallel.zero2)."""
     zero, bf16 = plan.zero, plan.precision == "bf16"
     if plan.deterministic:   # fixed-order sums (capstone.parallel.deterministic)
-        from capstone.parallel import deterministic as det
+        from capstone.parallel.deterministic import DeterministicReducer
         if grid.world.rank == 0:
             _deterministic_notes(plan)
-        grads = None if zero.shards_grads else layout.zeros()   # ZeRO-2/3: each group's exchanged as made
-        # float32 messages also with bf16: a cp rank's is a subtree of a block's chunk sum (docs/precision.md)
-        return det.DeterministicReducer(grid, layout, grads, tcfg.grad_accum, sums)
-    floats = plan.bucket_floats(layout.padded)
+        # no buffer at ZeRO-2/3 (each group's exchanged as made); float32 messages also with bf16: a cp rank's is a
+        # subtree of a block's chunk sum (docs/precision.md)
+        return DeterministicReducer(grid, layout, None if zero.shards_grads else layout.zeros(), tcfg.grad_accum, sums)
+    floats, kind = plan.bucket_floats(layout.padded), BucketReducer
     if zero.stage == 1 or plan.whole_grad or bf16 and zero.stage == 0:   # the whole gradient, once a step
         if bf16:   # in bfloat16 pieces, summed by their owners (capstone.parallel.bf16sum; ZeRO-0: then allgathered)
-            from capstone.parallel.bf16sum import BucketPieces
-            return BucketPieces(grid, layout, layout.zeros(), floats, _loss_weight(grid))
-        return BucketReducer(grid, layout, layout.zeros(), floats, _loss_weight(grid))
-    if not zero.shards_optimizer:      # the same buckets, allreduced (capstone.parallel.zero0)
-        from capstone.parallel.zero0 import AllreduceReducer
-        return AllreduceReducer(grid, layout, layout.zeros(), floats, _loss_weight(grid))
-    from capstone.parallel.progress import Progress
-    from capstone.parallel.zero2 import ShardedGradReducer
-    return ShardedGradReducer(grid, layout, floats, Progress(), _loss_weight(grid), bf16)
+            from capstone.parallel.bf16sum import BucketPieces as kind
+    elif not zero.shards_optimizer:      # the same buckets, allreduced (capstone.parallel.zero0)
+        from capstone.parallel.zero0 import AllreduceReducer as kind
+    else:
+        from capstone.parallel.progress import Progress
+        from capstone.parallel.zero2 import ShardedGradReducer
+        return ShardedGradReducer(grid, layout, floats, Progress(), _loss_weight(grid), bf16)
+    return kind(grid, layout, layout.zeros(), floats, _loss_weight(grid))
 
 
 def _deterministic_notes(plan: Plan) -> None:

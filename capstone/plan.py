@@ -25,7 +25,6 @@ applies; `make` says why, for the changed-settings line.
 
 import dataclasses
 import math
-from dataclasses import dataclass
 
 from capstone.config import ConfigError, problems_error
 
@@ -46,7 +45,7 @@ CHECKS = (("tp", lambda v: v >= 1, "must be >= 1 (1: no tensor parallelism)"),
            "chunks: docs/deterministic.md)"))
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Zero:
     """A ZeRO stage: what it shards over the zero group, and so what each rank keeps and reduces."""
 
@@ -65,7 +64,7 @@ class Zero:
         return self.stage >= 3
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan:
     """One run's layout (see the module). Made by `make`, never changed."""
 
@@ -126,8 +125,7 @@ class Plan:
         """ConfigError if the launcher put a tensor-parallel group's ranks (tp consecutive ranks) on more
         than one host: they exchange activations in every layer (capstone.parallel.placement)."""
         for first in range(0, len(hosts), self.tp) if self.tp > 1 else ():
-            on = sorted(set(hosts[first:first + self.tp]))
-            if len(on) > 1:
+            if len(on := sorted(set(hosts[first:first + self.tp]))) > 1:
                 d, rest = divmod(first, self.pp * self.cp * self.tp)
                 ranks = ", ".join(f"rank {r} on {hosts[r]}" for r in range(first, first + self.tp))
                 raise ConfigError(
@@ -148,11 +146,9 @@ class Plan:
         layout does not fit the model or the world."""
         values, why = _layered(given, saved, world)
         values["det_split"] = values["det_split"] or least_split(values, model)
-        problems = list(_refusals(world, values, model, train.deterministic))
-        if problems:
+        if problems := list(_refusals(world, values, model, train.deterministic)):
             raise problems_error(problems)
-        stages = _stages(model.n_layers, values["pp"], values["pp_layers"])
-        zero = Zero(values.pop("zero_stage"))
+        zero, stages = Zero(values.pop("zero_stage")), _stages(model.n_layers, values["pp"], values["pp_layers"])
         return cls(world=world, zero=zero, deterministic=train.deterministic, stages=stages, **values), why
 
 
@@ -163,15 +159,13 @@ def _layered(given: dict, saved: dict | None, world: int) -> tuple[dict, dict]:
         return {**DEFAULTS, **given}, {}
     take = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k in KEPT and k not in given}
     values = {**DEFAULTS, **take, **given}
-    tps = (values["tp"],) if "tp" in given else (values["tp"], 1)
-    pps = (values["pp"],) if "pp" in given else (values["pp"], 1)
+    tps, pps = ((values[k],) if k in given else (values[k], 1) for k in ("tp", "pp"))   # a given one is kept
     tp, pp = next(((t, p) for t in tps for p in pps if world % (t * p) == 0), (values["tp"], values["pp"]))
     why = {name: f"the checkpoint's --{name} {values[name]} x --{other} {values[other]} does not divide the {world} "
                  f"rank{'s' if world > 1 else ''}; --{name} K chooses"
            for name, other, now in (("tp", "pp", tp), ("pp", "tp", pp)) if now != values[name]}
     values.update(tp=tp, pp=pp)
-    applies = {"pp_schedule": pp > 1, "pp_layers": pp > 1 and pp == saved.get("pp"),
-               "reshard": values["zero_stage"] >= 2}
+    applies = {"pp_schedule": pp > 1, "pp_layers": 1 < pp == saved.get("pp"), "reshard": values["zero_stage"] >= 2}
     values.update({name: DEFAULTS[name] for name, ok in applies.items() if name in take and not ok})
     return values, why
 

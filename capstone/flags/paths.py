@@ -12,6 +12,7 @@ Standard library only, so any module may ask.
 """
 
 import codecs
+import contextlib
 import enum
 import json
 import os
@@ -104,22 +105,19 @@ def _file(path: str) -> Kind:
 
 def _text(head: bytes) -> bool:
     """Whether a file's first bytes are text: UTF-8 (a character cut at the end allowed), no NUL byte."""
-    try:
+    with contextlib.suppress(UnicodeDecodeError):
         codecs.getincrementaldecoder("utf-8")().decode(head)
-    except UnicodeDecodeError:
-        return False
-    return bool(head) and b"\0" not in head
+        return bool(head) and b"\0" not in head
+    return False
 
 
 def describe(path: str, found: Kind | None = None) -> str:
     """`found` (default: `kind(path)`) in words, with what a directory holds where that tells more."""
     found = found or kind(path)
     if found is Kind.DIRECTORY:
-        try:
+        with contextlib.suppress(OSError):   # unreadable: just "a directory"
             names = sorted(os.listdir(path))
-        except OSError:
-            return found.value
-        return f"a directory holding {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}"
+            return f"a directory holding {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}"
     if found is Kind.HF_HALF:
         there = os.path.isfile(os.path.join(path, HF_FILES[0]))
         return f"{found.value} ({HF_FILES[1 - there]} found but {HF_FILES[there]} missing)"
@@ -140,8 +138,7 @@ class Takes:
 
 K = Kind
 CHECKPOINT_KINDS = frozenset({K.RUN, K.CHECKPOINTS, K.POINTER, K.CHECKPOINT})
-DIRECTORY_KINDS = frozenset({K.EMPTY, K.RUN, K.CHECKPOINTS, K.HF_MODEL, K.HF_HALF, K.HF_PICKLE, K.DATASET,
-                             K.DIRECTORY})
+DIRECTORY_KINDS = frozenset({K.EMPTY, K.RUN, K.CHECKPOINTS, K.HF_MODEL, K.HF_HALF, K.HF_PICKLE, K.DATASET, K.DIRECTORY})
 RUN_OR_CHECKPOINT = ("a run directory (--out of a training run), its checkpoints directory or `latest` pointer, or a "
                      "ckpt-*.h5 file")
 PREPARED = "the directory `python -m capstone.prepare TEXT_FILE... --out DIR` wrote"
@@ -190,8 +187,7 @@ ADVICE_ROWS = (
     (("--data", "--vocab-from"), (K.TEXT,), "Prepare a dataset from it first: `python -m capstone.prepare {path} "
                                             "--out {prepared}`, then pass {flag} {prepared}."),
     (("--data", "--vocab-from"), (K.RUN,), "{run_data}"),
-    (("--tokenizer-from",), (K.DATASET,), "To encode with that dataset's tokenizer, pass --vocab-from {path} "
-                                          "instead."),
+    (("--tokenizer-from",), (K.DATASET,), "To encode with that dataset's tokenizer, pass --vocab-from {path} instead."),
     (("export --out",), DIRECTORY_KINDS, "Pass a file name such as {inside}, or --format hf to write a Hugging Face "
                                          "model directory."),
 )
@@ -201,8 +197,7 @@ ADVICE = {(flag, k): text for flags, kinds, text in ADVICE_ROWS for flag in flag
 def refuse(flag: str, path: str, error=ConfigError) -> Kind:
     """The kind of `path` if `flag` takes it (ACCEPTS[flag]); else raise `error` (a ConfigError class, or
     any callable of the message) saying what the path is and what the flag takes."""
-    found = kind(path)
-    if found in ACCEPTS[flag].kinds:
+    if (found := kind(path)) in ACCEPTS[flag].kinds:
         return found
     raise error(message(flag, path, found))
 
@@ -227,9 +222,7 @@ def _prepared(path: str) -> str:
 
 def _run_data(path: str) -> str:
     """What the run in `path` trained on, from its summary.json, when it says."""
-    try:
-        with open(os.path.join(path, "summary.json")) as f:
-            data = json.load(f)["train_config"]["data"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
-    return f"That run trained on --data {data}." if data else "That run trained on the synthetic corpus."
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError), open(os.path.join(path, "summary.json")) as f:
+        data = json.load(f)["train_config"]["data"]
+        return f"That run trained on --data {data}." if data else "That run trained on the synthetic corpus."
+    return ""

@@ -20,33 +20,23 @@ from capstone.config import ConfigError
 COSINE = {"beta1": 0.9, "beta2": 0.99, "weight_decay": 0.1, "clip": 1.0, "lr_schedule": "cosine"}
 PRESETS: dict[str, dict] = {
     "reference": {},
-    "shakespeare-char": {
-        "n_layers": 4, "n_heads": 4, "d_model": 128, "seq_len": 64, "bias": False, "head_bias": False,
-        "tie_embeddings": True, "data": "data/shakespeare", "global_batch": 12, "steps": 2000,
-        "lr": 1e-3, **COSINE, "warmup_steps": 100, "min_lr": 1e-4,
-        "eval_every": 250, "eval_batches": 20, "eval_batch_size": 12, "ckpt_every": 250,
-    },
-    "medium": {
-        "n_layers": 4, "n_heads": 8, "d_model": 256, "seq_len": 128, "batch_size": 8, "steps": 400,
-        "lr": 1e-3, **COSINE, "warmup_steps": 40, "min_lr": 1e-4,
-        "eval_every": 100, "eval_batches": 2, "eval_batch_size": 16, "ckpt_every": 100,
-    },
-    "gpt2": {
-        "n_layers": 12, "n_heads": 12, "d_model": 768, "seq_len": 1024, "vocab_size": 50257, "head_bias": False,
-        "tie_embeddings": True, "batch_size": 1, "grad_accum": 4, "steps": 100, "lr": 3e-5, "beta1": 0.9,
-        "beta2": 0.99, "weight_decay": 0.0, "clip": 1.0, "lr_schedule": "constant", "eval_every": 20,
-        "eval_batches": 1, "eval_batch_size": 8, "ckpt_every": 50,
-    },
-    "gpt2-mini": {
-        "n_layers": 4, "n_heads": 4, "d_model": 256, "seq_len": 256, "vocab_size": 50257, "head_bias": False,
-        "tie_embeddings": True, "batch_size": 4, "steps": 200, "lr": 3e-4, **COSINE, "warmup_steps": 20,
-        "min_lr": 3e-5, "eval_every": 50, "eval_batches": 2, "eval_batch_size": 4, "ckpt_every": 100,
-    },
-    "large": {
-        "n_layers": 6, "n_heads": 8, "d_model": 512, "seq_len": 256, "vocab_size": 512, "batch_size": 8,
-        "steps": 400, "lr": 6e-4, **COSINE, "warmup_steps": 40, "min_lr": 6e-5,
-        "eval_every": 100, "eval_batches": 2, "eval_batch_size": 16, "ckpt_every": 100,
-    },
+    "shakespeare-char": {"n_layers": 4, "n_heads": 4, "d_model": 128, "seq_len": 64, "bias": False, "head_bias": False,
+                         "tie_embeddings": True, "data": "data/shakespeare", "global_batch": 12, "steps": 2000,
+                         "lr": 1e-3, **COSINE, "warmup_steps": 100, "min_lr": 1e-4, "eval_every": 250,
+                         "eval_batches": 20, "eval_batch_size": 12, "ckpt_every": 250},
+    "medium": {"n_layers": 4, "n_heads": 8, "d_model": 256, "seq_len": 128, "batch_size": 8, "steps": 400,
+               "lr": 1e-3, **COSINE, "warmup_steps": 40, "min_lr": 1e-4,
+               "eval_every": 100, "eval_batches": 2, "eval_batch_size": 16, "ckpt_every": 100},
+    "gpt2": {"n_layers": 12, "n_heads": 12, "d_model": 768, "seq_len": 1024, "vocab_size": 50257, "head_bias": False,
+             "tie_embeddings": True, "batch_size": 1, "grad_accum": 4, "steps": 100, "lr": 3e-5, "beta1": 0.9,
+             "beta2": 0.99, "weight_decay": 0.0, "clip": 1.0, "lr_schedule": "constant", "eval_every": 20,
+             "eval_batches": 1, "eval_batch_size": 8, "ckpt_every": 50},
+    "gpt2-mini": {"n_layers": 4, "n_heads": 4, "d_model": 256, "seq_len": 256, "vocab_size": 50257, "head_bias": False,
+                  "tie_embeddings": True, "batch_size": 4, "steps": 200, "lr": 3e-4, **COSINE, "warmup_steps": 20,
+                  "min_lr": 3e-5, "eval_every": 50, "eval_batches": 2, "eval_batch_size": 4, "ckpt_every": 100},
+    "large": {"n_layers": 6, "n_heads": 8, "d_model": 512, "seq_len": 256, "vocab_size": 512, "batch_size": 8,
+              "steps": 400, "lr": 6e-4, **COSINE, "warmup_steps": 40, "min_lr": 6e-5,
+              "eval_every": 100, "eval_batches": 2, "eval_batch_size": 16, "ckpt_every": 100},
 }
 
 
@@ -56,8 +46,7 @@ def fit_warmup(values: dict, flags: dict, nominal_steps: int | None, origin: str
     warmup, steps = values.get("warmup_steps", 0), values.get("steps")
     if "warmup_steps" in flags or not warmup or not nominal_steps or steps is None or steps >= nominal_steps:
         return values, None
-    fitted = max(1, math.ceil(warmup * steps / nominal_steps))
-    if fitted == warmup:
+    if (fitted := max(1, math.ceil(warmup * steps / nominal_steps))) == warmup:
         return values, None
     return {**values, "warmup_steps": fitted}, (
         f"note: the warmup of {origin} ({warmup} of its {nominal_steps} steps) is shortened to {fitted} for "

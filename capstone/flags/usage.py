@@ -17,10 +17,9 @@ OTHER_NAMES = {
     "--decay-lr": "--lr-schedule cosine", "--eval-interval": "--eval-every", "--eval-iters": "--eval-batches",
     "--n-embd": "--d-model", "--block-size": "--seq-len", "--gradient-accumulation-steps": "--grad-accum",
     "--grad-clip": "--clip", "--out-dir": "--out", "--output-dir": "--out", "--dataset": "--data",
-    "--log-interval": "--log-every", "--always-save-checkpoint": "--ckpt-every K",
-    "--wandb-log": "--tensorboard DIR", "--num-train-epochs": "--steps",
-    "--per-device-train-batch-size": "--batch-size", "--resume-from-checkpoint": "--resume",
-    "--max-steps": "--steps", "--warmup-ratio": "--warmup-steps",
+    "--log-interval": "--log-every", "--always-save-checkpoint": "--ckpt-every K", "--wandb-log": "--tensorboard DIR",
+    "--num-train-epochs": "--steps", "--per-device-train-batch-size": "--batch-size",
+    "--resume-from-checkpoint": "--resume", "--max-steps": "--steps", "--warmup-ratio": "--warmup-steps",
 }
 # Slurm's options given after the batch script (`sbatch capstone.sbatch --ntasks=2`) reach capstone.train.
 SBATCH_OPTIONS = {"--nodes", "--ntasks", "--ntasks-per-node", "--cpus-per-task", "--time", "--partition", "--account",
@@ -51,17 +50,15 @@ def _one(flag: str, value: str | None, known: list[str]) -> str:
 
 def unknown(extras: list[str], known: list[str]) -> list[str]:
     """A sentence for each unrecognized flag (with the value after it) or stray argument in `extras`."""
-    out, i = [], 0
-    while i < len(extras):
-        token = extras[i]
-        value = extras[i + 1] if token.startswith("-") and "=" not in token and i + 1 < len(extras) \
-            and not extras[i + 1].startswith("--") else None
-        if token.startswith("-"):
+    out, rest = [], list(extras)
+    while rest:
+        token = rest.pop(0)
+        if token.startswith("-"):   # with the value after it, if that is no flag
+            value = rest.pop(0) if "=" not in token and rest and not rest[0].startswith("--") else None
             out.append(_one(token, value, known))
         else:
             hint = " (a config file? capstone takes flags and --preset NAME)" if token.endswith(".py") else ""
             out.append(f"{token}: unexpected argument{hint}; every setting is a flag.")
-        i += 1 if value is None else 2
     return out
 
 
@@ -79,10 +76,9 @@ def checked(values: dict, checks) -> list[str]:
 
 def option_problems(values: dict) -> list[str]:
     """The run options' own checks (the configs and the plan check theirs), one sentence per bad flag."""
-    problems = checked(values, (("stop_after", lambda v: v >= 0, "must be >= 0 (0: off)"),
-                                ("sleep_per_step", lambda v: v >= 0, "must be >= 0 seconds"),
-                                ("log_every", lambda v: v >= 0, "must be >= 0 (0: automatic, 1: every step)"),
-                                ("collective_timeout", lambda v: v >= 0, "must be >= 0 seconds (0: automatic)")))
+    problems = checked(values, [(name, lambda v: v >= 0, f"must be >= 0{unit}") for name, unit in (
+        ("stop_after", " (0: off)"), ("sleep_per_step", " seconds"), ("log_every", " (0: automatic, 1: every step)"),
+        ("collective_timeout", " seconds (0: automatic)"))])
     if values.get("out") == "":
         problems.append("--out is empty (an unset shell variable?): pass the run directory, or leave --out out for a "
                         "new runs/run-<time>.")

@@ -67,8 +67,7 @@ class Faults(Hooks):
     def _mine(self, point: str, step: int | None) -> str | None:
         """The action if the fault names this rank, point and step."""
         action, rank, at_step, at_point = self.fault or (None,) * 4
-        mine = rank == self.rank and point == at_point and (at_step is None or at_step == (step or 0))
-        return action if mine else None
+        return action if (rank, at_point) == (self.rank, point) and at_step in (None, step or 0) else None
 
     def at(self, point: str, step: int | None = None) -> None:
         super().at(point, step)

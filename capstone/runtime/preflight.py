@@ -64,11 +64,8 @@ def available_bytes() -> tuple[int | None, str]:
     --mem), and where the number comes from."""
     avail, source = None, "MemAvailable in /proc/meminfo"
     with contextlib.suppress(OSError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    room = _cgroup_room()
-    if room is not None and (avail is None or room < avail):
+        avail = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+    if (room := _cgroup_room()) is not None and (avail is None or room < avail):
         avail, source = room, "the memory limit of this job's cgroup"
     return avail, source
 
@@ -230,8 +227,7 @@ def _claim(done: Claim, out: str, ckpt_dir: str, ckpt_bytes: int) -> None:
         print(warning, file=sys.stderr, flush=True)
     for d in (out, ckpt_dir):   # metrics.jsonl and summary.json go to OUT, checkpoints below it
         _probe(d)
-    free = files.lacking_space(ckpt_dir, ckpt_bytes)
-    if free is not None:
+    if (free := files.lacking_space(ckpt_dir, ckpt_bytes)) is not None:
         raise ConfigError(f"{ckpt_dir} has {free / MIB:.1f} MiB free but one checkpoint needs about "
                           f"{ckpt_bytes / MIB:.1f} MiB: free space there, or pass an --out on a larger filesystem.")
 
