@@ -12,12 +12,11 @@ What a run holds, and who owns each piece, is `capstone.roles.Run`.
 """
 
 import dataclasses
-import functools
 import os
 import time
 
 from capstone import checkpoint, modes
-from capstone.checkpoint import background, files, judge, kept, recover, resume, rundir, tier
+from capstone.checkpoint import background, files, judge, kept, recover, resume, rundir
 from capstone.checkpoint.cadence import Cadence
 from capstone.checkpoint.saver import Checkpointer, RunIdentity
 from capstone.cli import Settings
@@ -67,9 +66,6 @@ def open_run(world: Comm, settings: Settings) -> Run | None:
             report.say(line, world.rank)
         run.state.run_id = _agreed(world, lambda: (rundir.occupant(out) or {}).get("run_id") or rundir.new_id())
         start(run, path, saved.get("train_config"), why)
-        if run.tcfg.memory_tier:
-            run.ckpt.tier = tier.MemoryTier(world, run.state.run_id, run.tcfg.memory_tier, run.ckpt.layout.shard,
-                                            run.state.step, functools.partial(report.say, rank=world.rank))
         if world.rank == 0 and claim.lock is not None:
             claim.lock.label(run_id=run.state.run_id)
     except (ConfigError, checkpoint.CheckpointError) as exc:
@@ -109,9 +105,8 @@ def _starting_point(world: Comm, settings: Settings, ckpt_dir: str):
     a resume takes the checkpoint's settings under the explicit flags, a fine-tuning run its source's
     model, a fresh run on prepared data the data's vocabulary."""
     opts, saved, source = settings.opts, {}, None
-    say = functools.partial(report.say, rank=world.rank)   # the memory tier first: nothing of the disk read for it
-    memory = recover.newest(world, os.path.dirname(ckpt_dir), say, settings.train.memory_tier > 0) if (
-        opts.resume == "auto") else None
+    memory = recover.newest(world, os.path.dirname(ckpt_dir), settings.train.memory_tier > 0) if (
+        opts.resume == "auto") else None   # the memory tier first: nothing of the disk is read for it
     path = memory or resume.resolve(world, opts.resume, ckpt_dir)
     if path is not None:
         saved = memory.meta if memory else _agreed(world, lambda: checkpoint.read_meta_file(path))

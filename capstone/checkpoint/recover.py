@@ -93,7 +93,7 @@ def candidates(entries: list[tuple[int, dict]]) -> dict:
             for key, by_rank in steps.items()}
 
 
-def newest(comm, out: str, say, expected: bool) -> Found | None:
+def newest(comm, out: str, expected: bool) -> Found | None:
     """Collective: the newest step in the memory tier of the run in `out` that is newer than its newest disk
     checkpoint (by `latest`'s name: nothing of the disk is read) and verifies; None (said when the tier had
     newer steps, or the run keeps one: `expected`) if there is none."""
@@ -109,16 +109,16 @@ def newest(comm, out: str, say, expected: bool) -> Found | None:
     for (step, _), by_rank in reversed(newer):
         world = by_rank[min(by_rank)][0][2][0][2]
         if sorted(by_rank) != list(range(world)):
-            say(f"note: memory tier: step {step} is not whole on the nodes of this launch (no whole file of ranks "
-                f"{sorted(set(range(world)) - set(by_rank))} of its {world}: their node is gone, their copy too or "
-                f"not yet complete)")
-        elif (found := verified(comm, step, by_rank, world, say)) is not None:
-            say(f"resuming from node memory: step {step} of {world} ranks ({', '.join(summary(found.sources))}); "
-                f"the newest disk checkpoint is step {on_disk}")
+            tier.say(comm, f"note: memory tier: step {step} is not whole on the nodes of this launch (no whole file "
+                           f"of ranks {sorted(set(range(world)) - set(by_rank))} of its {world}: their node is gone, "
+                           f"their copy too or not yet complete)")
+        elif (found := verified(comm, step, by_rank, world)) is not None:
+            tier.say(comm, f"resuming from node memory: step {step} of {world} ranks "
+                           f"({', '.join(summary(found.sources))}); the newest disk checkpoint is step {on_disk}")
             return found
     if (newer or expected) and run_id:
-        say(f"note: memory tier: the nodes of this launch hold no whole step of this run newer than the disk's "
-            f"(step {on_disk}): resuming from the disk")
+        tier.say(comm, f"note: memory tier: the nodes of this launch hold no whole step of this run newer than the "
+                       f"disk's (step {on_disk}): resuming from the disk")
     return None
 
 
@@ -133,7 +133,7 @@ def summary(sources: list[str]) -> list[str]:
     return [f"rank {a}: {w}" if a == b else f"ranks {a}-{b}: {w}" for a, b, w in runs]
 
 
-def verified(comm, step: int, by_rank: dict, world: int, say) -> Found | None:
+def verified(comm, step: int, by_rank: dict, world: int) -> Found | None:
     """Collective: step `step` read from each shard's first source that verifies (None: a shard has none)."""
     tried, rows = {k: 0 for k in range(world)}, {}
     while True:   # a source: (kind, host, [(holder, path, world, shard)]); a rank of its host reads it
@@ -149,7 +149,7 @@ def verified(comm, step: int, by_rank: dict, world: int, say) -> Found | None:
         bad = [b for mine in comm.allgather_json(bad) for b in mine]
         for k, why in bad:
             tried[k] += 1
-            say(f"warning: memory tier: {why}: rejected; taking "
+            tier.say(comm, f"warning: memory tier: {why}: rejected; taking "
                 f"{'the next source' if tried[k] < len(by_rank[k]) else 'an older step (no other source)'}")
         if any(tried[k] == len(by_rank[k]) for k, _ in bad):
             return None

@@ -14,7 +14,7 @@ import os
 import numpy as np
 
 from capstone import checkpoint
-from capstone.checkpoint import background, files, recover
+from capstone.checkpoint import background, files, recover, tier
 from capstone.config import ModelConfig, TrainConfig
 from capstone.step.hooks import NONE
 from capstone.step.state import RunState, ShardState
@@ -68,7 +68,7 @@ class Checkpointer:
         self.snapshot: np.ndarray | None = None   # (rows, shard) of the first save, for invariant (d)
         self.provenance: dict | None = None       # capstone.observe.provenance.collect, set by run.start
         self.last_judged: str | None = None       # the newest checkpoint of this run the guard judged
-        self.tier = None   # capstone.checkpoint.tier.MemoryTier with --memory-tier (set when the run starts)
+        self.tier = None   # capstone.checkpoint.tier.MemoryTier with --memory-tier (made at its first step)
 
     def extra(self, state: RunState) -> dict:
         """The run's metadata a checkpoint of `state` holds."""
@@ -101,7 +101,8 @@ class Checkpointer:
 
     def remember(self, state: RunState, shard: ShardState) -> None:
         """Collective. Keep `state` in the nodes' memory (every K-th step of --memory-tier K; else nothing)."""
-        if self.tier is not None:
+        if (every := self.identity.train.memory_tier) and state.step % every == 0:
+            self.tier = self.tier or tier.MemoryTier(self.comm, state.run_id, every, self.layout.shard, state.step)
             stored = self.view.to_stored(shard)
             self.tier.keep(state.step, stored.rows(), int(stored.t), {**self.extra(state), "judged": False})
 

@@ -62,6 +62,12 @@ def buddies(hosts: list[str]) -> list[int | None]:
     return [buddy(r) for r in range(len(hosts))]
 
 
+def say(comm, text: str) -> None:
+    """One line, from rank 0."""
+    if comm.rank == 0:
+        print(text, flush=True)
+
+
 def file_bytes(shard: int) -> int:
     return len(ROWS) * shard * 4 + TRAILER
 
@@ -118,22 +124,22 @@ def rows_of(path: str, header: dict) -> np.ndarray | None:
 class MemoryTier:
     """This rank's side of the tier (collective methods: call on all ranks)."""
 
-    def __init__(self, comm, run_id: str, every: int, shard: int, start: int, say):
-        self.comm, self.run_id, self.every, self.shard, self.say = comm, run_id, every, shard, say
+    def __init__(self, comm, run_id: str, every: int, shard: int, first: int):
+        self.comm, self.run_id, self.every, self.shard = comm, run_id, every, shard
         self.host, self.launch = socket.gethostname(), comm.bcast_json(secrets.token_hex(4) if comm.rank == 0 else None)
-        self.prune(0, after=start)   # an earlier launch's steps after this one's start: never mixed with its own
+        self.prune(0, after=first - 1)   # an earlier launch's steps from this one's first: never mixed with its own
         chosen = buddies(comm.allgather_json(self.host))
         self.buddy = chosen[comm.rank]                                        # who keeps my copy
         self.sources = [q for q, b in enumerate(chosen) if b == comm.rank]    # whose copies I keep
         self.pending: list = []     # (request, mmap) of the copies in flight
         self.kept, self.peak = 0, 0   # steps kept; the most bytes of this rank's files at once
-        if self.buddy is None and every:
-            say("note: --memory-tier: every rank is on one host, so no copy is kept on another node: the tier "
-                "survives a lost process, not a lost node")
+        if self.buddy is None:
+            say(self.comm, "note: --memory-tier: every rank is on one host, so no copy is kept on another node: "
+                           "the tier survives a lost process, not a lost node")
 
     def keep(self, step: int, rows, adam_t: int, meta: dict) -> None:
         """Collective, at the end of step `step` (every K-th): this rank's file, and its copy sent to the buddy."""
-        if not self.every or step % self.every:
+        if not self.every:   # off since a step did not fit
             return
         self.finish()
         here, size = step_dir(self.run_id, step), file_bytes(self.shard)
@@ -152,8 +158,8 @@ class MemoryTier:
         if self.agreed_off(error, step, size):
             return
         self.kept += 1
-        self.peak = max(self.peak, sum(os.path.getsize(p) for p in glob.glob(os.path.join(run_dir(self.run_id), "*", "*"))
-                                       if os.path.basename(p) in self.names()))
+        files = glob.glob(os.path.join(run_dir(self.run_id), "*", "*"))
+        self.peak = max(self.peak, sum(os.path.getsize(p) for p in files if os.path.basename(p) in self.names()))
         if self.buddy is not None:
             self.pending = [(self.comm.Isend(mine[1], self.buddy, TAG), mine[0])]
             self.pending += [(self.comm.Irecv(buf, q, TAG), m) for q, (m, buf) in theirs]
@@ -171,10 +177,10 @@ class MemoryTier:
         errors = [e for e in self.comm.allgather_json(error) if e]
         if errors:
             free = free_bytes(root())
-            self.say(f"warning: --memory-tier: step {step} does not fit in node memory ({'; '.join(errors)}; each "
-                     f"rank needs {3 * 2 * size / MIB:.1f} MiB in {root()}, "
-                     f"{'?' if free is None else f'{free / MIB:.1f}'} MiB free there): the run goes on with its disk "
-                     f"checkpoints only. Free memory there (or set CAPSTONE_MEMORY_DIR) for the next run.")
+            say(self.comm, f"warning: --memory-tier: step {step} does not fit in node memory ({'; '.join(errors)}; "
+                           f"each rank needs {3 * 2 * size / MIB:.1f} MiB in {root()}, "
+                           f"{'?' if free is None else f'{free / MIB:.1f}'} MiB free there): the run goes on with its "
+                           f"disk checkpoints only. Free memory there (or set CAPSTONE_MEMORY_DIR) for the next run.")
             self.every = 0
             shutil.rmtree(step_dir(self.run_id, step), ignore_errors=True)
         return bool(errors)
