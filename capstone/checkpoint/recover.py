@@ -76,19 +76,17 @@ def listing(run_id: str) -> list[dict]:
         for name in sorted(os.listdir(os.path.join(base, step))):
             path = os.path.join(base, step, name)
             if (h := tier.header_of(path)) is not None and h.get("run_id") == run_id:
-                found.append({k: h[k] for k in ("step", "launch", "rank", "world", "shard")}
+                found.append({k: h[k] for k in ("step", "launch", "rank", "world")}
                              | {"path": path, "kind": name.split("-")[0], "host": host})
     return found
 
 
 def candidates(entries: list[tuple[int, dict]]) -> dict:
-    """(step, launch) -> old rank -> its sources, own files first: [(kind, host, [(holder, path)])]."""
+    """(step, launch, world) -> old rank -> its sources, own files first: [(kind, host, [(holder, path)])]."""
     steps: dict = {}
     for holder, e in entries:
-        by_rank = steps.setdefault((e["step"], e["launch"]), {})
-        sources = by_rank.setdefault(e["rank"], {})
-        sources.setdefault((e["kind"] != "own", e["kind"], e["host"]), []).append((holder, e["path"], e["world"],
-                                                                                  e["shard"]))
+        sources = steps.setdefault((e["step"], e["launch"], e["world"]), {}).setdefault(e["rank"], {})
+        sources.setdefault((e["kind"] != "own", e["kind"], e["host"]), []).append((holder, e["path"]))
     return {key: {k: [(kind, host, v) for (_, kind, host), v in sorted(s.items())] for k, s in by_rank.items()}
             for key, by_rank in steps.items()}
 
@@ -105,9 +103,8 @@ def newest(comm, out: str, expected: bool) -> Found | None:
         return None, 0
     run_id, on_disk = comm.bcast_json(disk() if comm.rank == 0 else None)
     entries = [(i, e) for i, mine in enumerate(comm.allgather_json(listing(run_id) if run_id else [])) for e in mine]
-    newer = sorted(((s, launch), by_rank) for (s, launch), by_rank in candidates(entries).items() if s > on_disk)
-    for (step, _), by_rank in reversed(newer):
-        world = by_rank[min(by_rank)][0][2][0][2]
+    newer = sorted((key, by_rank) for key, by_rank in candidates(entries).items() if key[0] > on_disk)
+    for (step, _, world), by_rank in reversed(newer):
         if sorted(by_rank) != list(range(world)):
             tier.say(comm, f"note: memory tier: step {step} is not whole on the nodes of this launch (no whole file "
                            f"of ranks {sorted(set(range(world)) - set(by_rank))} of its {world}: their node is gone, "
@@ -136,10 +133,10 @@ def summary(sources: list[str]) -> list[str]:
 def verified(comm, step: int, by_rank: dict, world: int) -> Found | None:
     """Collective: step `step` read from each shard's first source that verifies (None: a shard has none)."""
     tried, rows = {k: 0 for k in range(world)}, {}
-    while True:   # a source: (kind, host, [(holder, path, world, shard)]); a rank of its host reads it
+    while True:   # a source: (kind, host, [(holder, path)]); a rank of its host reads it
         picked = {k: (by_rank[k][tried[k]][:2], (v := by_rank[k][tried[k]][2])[k % len(v)]) for k in range(world)}
         bad = []
-        for k, ((kind, host), (holder, path, _, _)) in picked.items():
+        for k, ((kind, host), (holder, path)) in picked.items():
             if holder == comm.rank and k not in rows:
                 header = tier.header_of(path)
                 if header is None or (got := tier.rows_of(path, header)) is None:
