@@ -14,6 +14,7 @@ import argparse
 import hashlib
 import json
 import os
+import pathlib
 import sys
 import time
 from dataclasses import dataclass
@@ -122,8 +123,7 @@ def write_dataset(out: str, files: dict[str, bytes]) -> None:
     """Write DIR: drop the old meta.json (and a stale tokenizer.json) first, then each file atomically, meta.json last."""
     os.makedirs(out, exist_ok=True)
     for name in (META_FILE, TOKENIZER_FILE):
-        if os.path.lexists(os.path.join(out, name)):
-            os.unlink(os.path.join(out, name))
+        pathlib.Path(out, name).unlink(missing_ok=True)
     for name, data in files.items():
         write_atomic(os.path.join(out, name), data)
     fsync_path(out)
@@ -138,14 +138,11 @@ def _holds_exactly(out: str, files: dict[str, bytes]) -> bool:
     """DIR's dataset files are byte for byte `files` (and no stale tokenizer.json)."""
     if TOKENIZER_FILE not in files and os.path.lexists(os.path.join(out, TOKENIZER_FILE)):
         return False
-    try:
-        for name, data in files.items():
-            with open(os.path.join(out, name), "rb") as f:
-                if os.fstat(f.fileno()).st_size != len(data) or f.read() != data:
-                    return False
+    try:   # a file's size first: a different one is not read
+        return all(os.path.getsize(os.path.join(out, name)) == len(data) and
+                   pathlib.Path(out, name).read_bytes() == data for name, data in files.items())
     except OSError:
         return False
-    return True
 
 
 def target(out: str, data: Dataset, files: dict[str, bytes], force: bool) -> str:
@@ -204,7 +201,6 @@ def prepare(inputs: list[str], out: str, members: str | None = None, tokenizer: 
     if tokenizer_from is not None:
         from capstone.gpt2.hf import gpt2_tokenizer
         given = gpt2_tokenizer(tokenizer_from, special)
-    tokenizer = tokenizer if given is None else given.kind
     texts = read_inputs(inputs, members)
     data = build(texts, tokenizer, vocab_size, vocab_from, given)
     files = data.files()
@@ -217,7 +213,7 @@ def prepare(inputs: list[str], out: str, members: str | None = None, tokenizer: 
                 "it holds no valid dataset now"
             raise PrepareError(f"cannot write {out} ({exc}); {now}. Check the path, its permissions and free "
                                f"space, then run again.") from None
-    return {"state": state, "chars": data.train_chars + data.val_chars, "files": len(texts), "kind": tokenizer,
+    return {"state": state, "chars": data.train_chars + data.val_chars, "files": len(texts), "kind": data.tokenizer.kind,
             "vocab_size": data.tokenizer.vocab_size, "train": len(data.train), "val": len(data.val),
             "val_chars": data.val_chars, "digest": identity(load_written(data, files))["digest"]}
 

@@ -131,24 +131,18 @@ class Stream:
     token may end inside a character: the text is held until the next one completes it)."""
 
     def __init__(self, vocab: Vocab | None, prompt: list[int]):
-        self.vocab, self.printed, self.seq = vocab, "", prompt
+        self.vocab, self.printed = vocab, ""
         self.show(prompt)
 
-    def text(self, seq: list[int]) -> str:
-        return " ".join(map(str, seq)) if self.vocab is None else self.vocab.tokenizer.decode(seq)
-
-    def _write(self, text: str) -> None:
+    def show(self, seq: list[int], end: str | None = None) -> None:
+        """Print what the sample so far, `seq`, adds; `end` (it is whole): its cut last character too, then `end`."""
+        text = " ".join(map(str, seq)) if self.vocab is None else self.vocab.tokenizer.decode(seq)
+        text = text if end is not None else text.rstrip("\ufffd")
         if text.startswith(self.printed) and len(text) > len(self.printed):
             print(text[len(self.printed):], end="", flush=True)
             self.printed = text
-
-    def show(self, seq: list[int]) -> None:
-        self.seq = seq
-        self._write(self.text(seq).rstrip("\ufffd"))
-
-    def finish(self, end: str) -> None:
-        self._write(self.text(self.seq))
-        print(end=end, flush=True)
+        if end is not None:
+            print(end=end, flush=True)
 
 
 def run(args) -> int:
@@ -168,9 +162,9 @@ def run(args) -> int:
     start, cpu = time.perf_counter(), time.process_time()
     for i in range(args.num_samples):
         out = Stream(vocab, prompt)
-        generate(params, cfg, prompt, args.tokens, args.temperature, top_k, args.seed + i, not args.no_kv_cache,
-                 args.top_p, limit, on_token=out.show)
-        out.finish("\n---------------\n" if i + 1 < args.num_samples else "\n")
+        new = generate(params, cfg, prompt, args.tokens, args.temperature, top_k, args.seed + i, not args.no_kv_cache,
+                       args.top_p, limit, on_token=out.show)
+        out.show(prompt + new, "\n---------------\n" if i + 1 < args.num_samples else "\n")
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     source = "token ids (synthetic-corpus checkpoint)" if vocab is None else vocab.source
     print(f"# {path}: step {meta['step']}, {meta['world_size']} ranks; {args.num_samples} x {args.tokens} tokens in "

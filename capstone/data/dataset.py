@@ -40,9 +40,8 @@ def invalid(path: str, reason: str) -> DatasetError:
 def strict_json(text: str):
     """json.loads that refuses duplicate keys and NaN/Infinity."""
     def pairs(items):
-        keys = [k for k, _ in items]
-        if len(set(keys)) != len(keys):
-            raise ValueError(f"duplicate key in {keys}")
+        if len(dict(items)) != len(items):
+            raise ValueError(f"duplicate key in {[k for k, _ in items]}")
         return dict(items)
 
     def constant(name):

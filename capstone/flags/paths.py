@@ -17,7 +17,7 @@ import enum
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from capstone.config import ConfigError
 
@@ -139,8 +139,8 @@ class Takes:
 K = Kind
 CHECKPOINT_KINDS = frozenset({K.RUN, K.CHECKPOINTS, K.POINTER, K.CHECKPOINT})
 DIRECTORY_KINDS = frozenset({K.EMPTY, K.RUN, K.CHECKPOINTS, K.HF_MODEL, K.HF_HALF, K.HF_PICKLE, K.DATASET, K.DIRECTORY})
-RUN_OR_CHECKPOINT = ("a run directory (--out of a training run), its checkpoints directory or `latest` pointer, or a "
-                     "ckpt-*.h5 file")
+RESUME = Takes(CHECKPOINT_KINDS, "a run directory or checkpoint", "a run directory (--out of a training run), its "
+               "checkpoints directory or `latest` pointer, or a ckpt-*.h5 file")
 PREPARED = "the directory `python -m capstone.prepare TEXT_FILE... --out DIR` wrote"
 OUT = {"name": "--out", "subject": "--out {path}"}   # a command's --out
 ACCEPTS = {
@@ -148,13 +148,11 @@ ACCEPTS = {
                          "a run directory, checkpoint, .safetensors export or Hugging Face model directory",
                          "a run directory (its checkpoints/latest), a ckpt-*.h5 file, a .safetensors file `python -m "
                          "capstone.export` wrote, or a Hugging Face GPT-2 directory (config.json + model.safetensors)"),
-    "--resume": Takes(CHECKPOINT_KINDS, "a run directory or checkpoint", RUN_OR_CHECKPOINT),
-    **{tool: Takes(CHECKPOINT_KINDS, "a run directory or checkpoint", RUN_OR_CHECKPOINT, f"python -m capstone.{tool}",
-                   "{path}") for tool in ("export", "sample")},
+    "--resume": RESUME,
+    **{tool: replace(RESUME, name=f"python -m capstone.{tool}", subject="{path}") for tool in ("export", "sample")},
     # verify looks at any other file or directory too, and says why it is no checkpoint (integrity)
-    "checkpoint": Takes(CHECKPOINT_KINDS | {K.TEXT, K.FILE, K.EMPTY, K.DIRECTORY}, "a run directory or checkpoint",
-                        RUN_OR_CHECKPOINT, "python -m capstone.checkpoint", "not a valid checkpoint: {path}",
-                        "it does not exist"),
+    "checkpoint": replace(RESUME, kinds=RESUME.kinds | {K.TEXT, K.FILE, K.EMPTY, K.DIRECTORY}, name="python -m "
+                          "capstone.checkpoint", subject="not a valid checkpoint: {path}", missing="it does not exist"),
     # an empty directory is a prepare that wrote nothing yet: load_meta says meta.json is missing
     **dict.fromkeys(("--data", "--vocab-from"), Takes(frozenset({K.DATASET, K.EMPTY}), "a prepared dataset", PREPARED,
                                                       missing="no such directory")),
