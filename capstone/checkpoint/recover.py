@@ -11,6 +11,7 @@ shard (one Alltoallv), as a checkpoint's load reshards, and returns what that lo
 """
 
 import contextlib
+import itertools
 import os
 import socket
 from dataclasses import dataclass, field
@@ -121,13 +122,8 @@ def newest(comm, out: str, expected: bool) -> Found | None:
 
 def summary(sources: list[str]) -> list[str]:
     """"ranks 0-1: own on h1" for runs of equal sources."""
-    runs: list = []
-    for k, what in enumerate(sources):
-        if runs and runs[-1][2] == what:
-            runs[-1][1] = k
-        else:
-            runs.append([k, k, what])
-    return [f"rank {a}: {w}" if a == b else f"ranks {a}-{b}: {w}" for a, b, w in runs]
+    runs = [[k for k, _ in run] for _, run in itertools.groupby(enumerate(sources), key=lambda ks: ks[1])]
+    return [f"rank {r[0]}: {sources[r[0]]}" if len(r) == 1 else f"ranks {r[0]}-{r[-1]}: {sources[r[0]]}" for r in runs]
 
 
 def verified(comm, step: int, by_rank: dict, world: int) -> Found | None:
