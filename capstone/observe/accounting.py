@@ -95,12 +95,18 @@ def step_collectives(row: dict) -> list[Collective]:
 def format_collectives(records: list[Collective], kinds: list[str] | None = None) -> str:
     """A table of collectives, each row named by its kind (a run's: reduce_scatter, allreduce_stats,
     ...) when `kinds` is given, else by its op."""
-    lines = [f"{'collective':<18} {'op':<15} {'ranks':>5} {'S bytes':>10} {'time ms':>9} {'algbw GB/s':>11} "
-             f"{'busbw GB/s':>11} {'sent/rank B':>12}"]
-    for c, kind in zip(records, kinds or [c.name for c in records]):
-        lines.append(f"{kind:<18} {c.name:<15} {c.world:>5} {c.size_bytes:>10} {1e3 * c.seconds:>9.3f} {c.algbw / 1e9:>11.3f} "
-                     f"{c.busbw / 1e9:>11.3f} {c.ring_bytes_sent_per_rank:>12.0f}")
-    return "\n".join(lines)
+    columns = [("collective", "<18"), ("op", "<15"), ("ranks", ">5"), ("S bytes", ">10"), ("time ms", ">9.3f"),
+               ("algbw GB/s", ">11.3f"), ("busbw GB/s", ">11.3f"), ("sent/rank B", ">12.0f")]
+    return table(columns, [(kind, c.name, c.world, c.size_bytes, 1e3 * c.seconds, c.algbw / 1e9, c.busbw / 1e9,
+                            c.ring_bytes_sent_per_rank) for c, kind in zip(records, kinds or [c.name for c in records])])
+
+
+def table(columns: list[tuple[str, str]], rows: list) -> str:
+    """A text table, one space between columns: the titles of `columns` ((title, format spec of its
+    values)), each as wide as its values, then each row of `rows` (its values in column order; a row
+    shorter than `columns` leaves the last columns out)."""
+    titles = " ".join(format(title, spec.split(".")[0]) for title, spec in columns)
+    return "\n".join([titles] + [" ".join(format(v, spec) for v, (_, spec) in zip(row, columns)) for row in rows])
 
 
 # ---- the collectives of one training step (metrics.jsonl "comm", summary.json "comm") ----------
@@ -142,14 +148,12 @@ def format_comm_summary(comm: dict) -> str:
     """The table: median ms is the time the step waited (exposed); hidden ms, where a collective ran
     behind compute (ZeRO-2/3's progressed reductions and prefetched gathers), the time it overlapped."""
     hidden = any("median_hidden_ms" in e for e in comm.values())
-    lines = [f"{'collective':<16} {'op':<18} {'bytes':>10} {'median ms':>9} {'algbw GB/s':>10} {'busbw GB/s':>10} "
-             f"{'steps':>6}" + (f" {'hidden ms':>9}" if hidden else "")]
-    for name, e in comm.items():
-        op = e["op"] + (f" x{e['calls']}" if e.get("calls", 1) > 1 else "")   # several calls in a step, summed
-        lines.append(f"{name:<16} {op:<18} {e['bytes']:>10} {e['median_ms']:>9.3f} {e['algbw_GBps']:>10.4g} "
-                     f"{e['busbw_GBps']:>10.4g} {e['steps']:>6}"
-                     + (f" {e.get('median_hidden_ms', 0.0):>9.3f}" if hidden else ""))
-    return "\n".join(lines)
+    columns = [("collective", "<16"), ("op", "<18"), ("bytes", ">10"), ("median ms", ">9.3f"), ("algbw GB/s", ">10.4g"),
+               ("busbw GB/s", ">10.4g"), ("steps", ">6")] + [("hidden ms", ">9.3f")] * hidden
+    # op "x N": a step made N calls, their bytes and times summed
+    return table(columns, [(name, e["op"] + (f" x{e['calls']}" if e.get("calls", 1) > 1 else ""), e["bytes"],
+                            e["median_ms"], e["algbw_GBps"], e["busbw_GBps"], e["steps"],
+                            e.get("median_hidden_ms", 0.0)) for name, e in comm.items()])
 
 
 # ---- ZeRO what-if ------------------------------------------------------------------------------
@@ -206,11 +210,10 @@ def zero_table(n_params: int, world: int, precision: Precision = FP32) -> list[Z
 
 def format_zero_table(rows: list[ZeroRow], n_params: int, world: int, precision: Precision = FP32) -> str:
     p = precision
-    return "\n".join([f"ZeRO what-if, {p.name} ({p.param}+{p.grad}+{p.optimizer} bytes per parameter): P={n_params} "
-                      f"parameters on N={world} ranks, bytes per rank",
-                      f"{'stage':<5} {'sharded':<26} {'params':>12} {'grads':>12} {'optimizer':>12} {'total':>12}"]
-                     + [f"{r.stage:<5} {STAGES[r.stage]:<26} {r.params_bytes:>12} {r.grads_bytes:>12} "
-                        f"{r.optimizer_bytes:>12} {r.total_bytes:>12}" for r in rows])
+    columns = [("stage", "<5"), ("sharded", "<26")] + [(k, ">12") for k in ("params", "grads", "optimizer", "total")]
+    values = [(r.stage, STAGES[r.stage], r.params_bytes, r.grads_bytes, r.optimizer_bytes, r.total_bytes) for r in rows]
+    return (f"ZeRO what-if, {p.name} ({p.param}+{p.grad}+{p.optimizer} bytes per parameter): P={n_params} "
+            f"parameters on N={world} ranks, bytes per rank\n" + table(columns, values))
 
 
 def what_if(n_params: int, padded: int, world: int, memory: list[dict], precision: Precision = FP32) -> dict:
@@ -249,13 +252,9 @@ def run_bandwidths(run_dir: str) -> tuple[dict, dict[str, Collective]]:
     run = read_run(run_dir)
     if not run.summary:
         raise FileNotFoundError(f"{run_dir}/summary.json not found: the run has not finished")
-    by_kind: dict[str, list] = {}
-    for row in run.rows:
-        if row["step"] >= 2:  # step 1 pays one-off warm-up
-            for kind, e in (row.get("comm") or {}).items():
-                by_kind.setdefault(kind, []).append(e)
-    return run.summary, {kind: Collective(es[-1]["op"], es[-1]["bytes"], 1, es[-1]["ranks"],
-                                          statistics.median(e["ms"] for e in es) / 1e3) for kind, es in by_kind.items()}
+    timed = comm_summary([row for row in run.rows if row["step"] >= 2], skip_first=False)  # step 1 pays warm-up
+    return run.summary, {kind: Collective(e["op"], e["bytes"], 1, e["ranks"], e["median_ms"] / 1e3)
+                         for kind, e in timed.items()}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -272,10 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    error = (f"--params {args.params}: a parameter count is 0 or more; pass e.g. --params 30144." if args.params < 0
-             else f"--world {args.world}: a run has 1 rank or more; pass e.g. --world 4." if args.world < 1 else None)
-    if error:
-        return fail(error)
+    if args.params < 0 or args.world < 1:
+        return fail(f"--params {args.params}: a parameter count is 0 or more; pass e.g. --params 30144."
+                    if args.params < 0 else f"--world {args.world}: a run has 1 rank or more; pass e.g. --world 4.")
     n_params, world = args.params, args.world
     if args.run:
         try:

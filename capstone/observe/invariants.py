@@ -83,13 +83,11 @@ def jumps(evals: list, tol: float, rel: float, settle_until: int, start: float, 
     typical = statistics.median(rises) if rises else 0.0
     size = statistics.median(abs(r) for r in rises) if rises else 0.0   # a few equal moves have no spread:
     sigma = max(robust_sigma(rises), SIZE_FLOOR * size, tol, 1e-12)     # then a quarter of their size
-    worst = {"sigmas": 0.0, "at_step": None, "rise": None, "allowed": None}
-    for step, rise, allowed in steps:
-        z = (rise - typical) / sigma
-        if rise > allowed and z > worst["sigmas"]:
-            worst = {"sigmas": z, "at_step": step, "rise": rise, "allowed": allowed}
-    return {"ok": worst["sigmas"] <= JUMP_SIGMAS, "limit": JUMP_SIGMAS, "typical_move": typical, "sigma": sigma,
-            **worst}
+    # the rises beyond the allowance, in sigmas above the typical move; the largest (the first of equals), else 0 sigmas
+    beyond = [((rise - typical) / sigma, step, rise, allowed) for step, rise, allowed in steps if rise > allowed]
+    z, at, rise, allowed = max([(0.0, None, None, None)] + [b for b in beyond if b[0] > 0], key=lambda b: b[0])
+    return {"ok": z <= JUMP_SIGMAS, "limit": JUMP_SIGMAS, "typical_move": typical, "sigma": sigma, "sigmas": z,
+            "at_step": at, "rise": rise, "allowed": allowed}
 
 
 def trend(losses: list, tol: float, settle_until: int = 0, block: int | None = None) -> dict:
@@ -243,19 +241,17 @@ def memory(rows: list[dict], world: int) -> dict:
     buffer; the optimizer's 12 * P / N for each part of the model (a pipeline stage's P is its own;
     stage 0 replicates it: N = 1)."""
     from capstone.observe.memory import FIELDS
-    parts: dict = {}
-    for r in rows:
-        parts.setdefault((r["n_params"], r["padded"]), []).append(r["optimizer_bytes"])
-    checks = [optimizer_memory(b, n, p, world, rows[0]["stage"] == 0) for (n, p), b in parts.items()]
-    result = {**checks[0], "ok": all(c["ok"] for c in checks), "measured_bytes": [r["optimizer_bytes"] for r in rows],
-              "max_deviation_bytes": max(c["max_deviation_bytes"] for c in checks)}
-    if len(checks) > 1:
-        result["parts"] = [{k: c[k] for k in ("expected_bytes", "formula_12P_over_N", "padding_bytes_per_rank")}
-                           for c in checks]
+    parts = dict.fromkeys((r["n_params"], r["padded"]) for r in rows)   # (P, padded) of each part of the model
+    checks = [optimizer_memory([r["optimizer_bytes"] for r in rows if (r["n_params"], r["padded"]) == (n, p)], n, p,
+                               world, rows[0]["stage"] == 0) for n, p in parts]
     off = {f: max(abs(r[f + "_bytes"] - r["formula"][f + "_bytes"]) for r in rows) for f in FIELDS}
     totals = [(sum(r[f + "_bytes"] for f in FIELDS), sum(r["formula"][f + "_bytes"] for f in FIELDS)) for r in rows]
-    return {**result, "ok": result["ok"] and not any(off.values()), "stage": rows[0]["stage"], "deviation_bytes": off,
-            "measured_total_bytes": max(t[0] for t in totals), "formula_total_bytes": max(t[1] for t in totals)}
+    return {**checks[0], "ok": all(c["ok"] for c in checks) and not any(off.values()), "stage": rows[0]["stage"],
+            "measured_bytes": [r["optimizer_bytes"] for r in rows], "deviation_bytes": off,
+            "max_deviation_bytes": max(c["max_deviation_bytes"] for c in checks),
+            "measured_total_bytes": max(t[0] for t in totals), "formula_total_bytes": max(t[1] for t in totals),
+            **({"parts": [{k: c[k] for k in ("expected_bytes", "formula_12P_over_N", "padding_bytes_per_rank")}
+                          for c in checks]} if len(checks) > 1 else {})}
 
 
 def resume_bytes(result: dict | None, nothing_to_save: bool = False) -> dict:

@@ -66,9 +66,8 @@ def measured(run) -> ModelStates:
     own_grads = model.grads is not None
     grads = model.grads.nbytes if own_grads else reducer.grad_shard.nbytes
     return ModelStates(model.params.nbytes, model.seam.gathered_peak(), grads,
-                       reducer.nbytes() - (0 if own_grads else reducer.grad_shard.nbytes),
-                       opt.state.nbytes, opt.before_nbytes(), run.ckpt.buffer.nbytes if run.ckpt.buffer else 0,
-                       run.ckpt.tier.peak if run.ckpt.tier else 0)
+                       reducer.nbytes() - (0 if own_grads else grads), opt.state.nbytes, opt.before_nbytes(),
+                       run.ckpt.buffer.nbytes if run.ckpt.buffer else 0, run.ckpt.tier.peak if run.ckpt.tier else 0)
 
 
 def states(plan, padded: int, reduce, gathered: int, snapshot_shard: int) -> ModelStates:

@@ -39,12 +39,11 @@ def banner(run, header: str) -> None:
         return
     layout, (dp, pp, tp), cp = run.model.layout, run.grid.shape, run.grid.cp_size
     grid = f" (dp {dp // cp} x pp {pp}{f' x cp {cp}' if cp > 1 else ''} x tp {tp})" if pp * tp * cp > 1 else ""
+    # several hosts: which holds which grid position (capstone.parallel.placement)
+    placement = f"\nplacement: {run.grid.placement()}" if run.grid.placement() else ""
     say(f"capstone: {run.grid.world.size} ranks{grid}, {run.n_params} parameters (padded {layout.padded}, shard "
         f"{layout.shard}{' per model-parallel rank' if grid else ''}), global batch {run.global_batch} x "
-        f"{run.mcfg.seq_len} tokens, run dir {run.out}", run.grid.world.rank)
-    if run.grid.placement():   # several hosts: which holds which grid position (capstone.parallel.placement)
-        say(f"placement: {run.grid.placement()}", run.grid.world.rank)
-    say(header, run.grid.world.rank)
+        f"{run.mcfg.seq_len} tokens, run dir {run.out}{placement}\n{header}", run.grid.world.rank)
 
 
 def metrics_row(r, tokens: int, tokens_total: int, repeat: bool = False) -> dict:
@@ -76,16 +75,14 @@ class StepLog:
     def step(self, r) -> dict:
         """Log step result `r`; returns its metrics row."""
         run = self.run
-        scheduled = run.tcfg.lr_at(r.step)
-        if r.updated and r.lr != scheduled:   # --inject-lr-spike
+        if r.updated and r.lr != (scheduled := run.tcfg.lr_at(r.step)):   # --inject-lr-spike
             r.events.insert(0, {"event": "lr_spike_injected", "mult": r.lr / scheduled})
         row = metrics_row(r, run.global_batch * run.mcfg.seq_len, run.state.cursor * run.mcfg.seq_len,
                           repeat=r.step <= run.metrics.last_step)
         run.metrics.write(row)
         if self.board is not None:
             self.board.write(row)
-        line = self.console.line(row)
-        if line is not None and not run.opts.quiet:
+        if (line := self.console.line(row)) is not None and not run.opts.quiet:
             say(line, self.rank)
         return row
 
@@ -110,7 +107,7 @@ def duration(seconds: float) -> str:
 
 
 class Console:
-    """The per-step console of one launch. Every K = 1 steps: the full table (step_row). K > 1: a
+    """The per-step console of one launch. Every K = 1 steps: the full table (step_header). K > 1: a
     short line on the first step, every K-th step, the last step, every step with an event
     (checkpoint, rollback, ...) and every evaluation step: step, EMA of the accepted steps' training
     loss, the held-out loss when measured, the learning rate, tokens/s since the previous line,
@@ -132,12 +129,13 @@ class Console:
 
     def line(self, m: dict) -> str | None:
         """The console line of metrics row `m`, or None when this step is not printed."""
-        loss = number(m["loss"])
-        if m["accepted"] and loss is not None:
+        if m["accepted"] and (loss := number(m["loss"])) is not None:
             self.ema, self.n_ema = EMA_BETA * self.ema + (1 - EMA_BETA) * loss, self.n_ema + 1
         self.tokens += m["tokens"]
-        if self.every == 1:
-            return step_row(m)
+        if self.every == 1:   # the full table: step_header's columns
+            return (f"{m['step']:>5} {m['loss']:>9.5f} {dash(m['eval_loss'], '.5f'):>9} {m['grad_norm']:>10.4f} "
+                    f"{m['lr']:>9.2e} {m['step_ms']:>7.2f}  {m['param_norm']:>11.6f} {m['fingerprint']:<16}  "
+                    f"{' '.join(e['event'] for e in m['events'])}")
         step = m["step"]
         if not (step % self.every == 0 or m["events"] or step == self.steps or step == self.start_step + 1
                 or m["eval_loss"] is not None):
@@ -158,36 +156,25 @@ def rolled_back(r, guard_state, adam_t: int, rank: int) -> None:
 
 
 def resumed(path: str, state, saved_world: int, world: int, changed: dict, rank: int) -> None:
-    if changed:
-        say("note: resuming with changed settings: " +
-            ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in sorted(changed.items())), rank)
-    say(f"resumed from {path}: step {state.step}, written by {saved_world} ranks, now "
+    changes = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in sorted(changed.items()))
+    note = f"note: resuming with changed settings: {changes}\n" if changed else ""
+    say(f"{note}resumed from {path}: step {state.step}, written by {saved_world} ranks, now "
         f"{world}; sample cursor {state.cursor}; logical digests verified", rank)
-
-
-def step_row(m: dict) -> str:
-    return (f"{m['step']:>5} {m['loss']:>9.5f} {dash(m['eval_loss'], '.5f'):>9} {m['grad_norm']:>10.4f} "
-            f"{m['lr']:>9.2e} {m['step_ms']:>7.2f}  {m['param_norm']:>11.6f} {m['fingerprint']:<16}  "
-            f"{' '.join(e['event'] for e in m['events'])}")
 
 
 def memory_table(rows: list[dict]) -> str:
     """Per-rank memory rows (capstone.observe.memory), max and mean across ranks, and the formula of
     the run's ZeRO stage (bytes; peak RSS in MiB)."""
     keys = [f + "_bytes" for f in FIELDS]
-    lines = [f"{'rank':>8} " + " ".join(f"{f:>10}" for f in FIELDS) + f" {'total':>11} {'peak_rss_MiB':>13}"]
 
-    def fmt(label, vals, rss):
-        return (f"{label:>8} " + " ".join(f"{v:>10.0f}" for v in vals) + f" {sum(vals):>11.0f}"
-                + (f" {rss / MIB:>13.1f}" if rss is not None else ""))
+    def row(label: str, values: list, *rss_bytes) -> tuple:
+        return (label, *values, sum(values), *(b / MIB for b in rss_bytes))
 
-    lines += [fmt(str(r["rank"]), [r.get(k, 0) for k in keys], r["peak_rss_bytes"]) for r in rows]
-    for label, over in (("max", max), ("mean", lambda values: sum(values) / len(rows))):
-        lines.append(fmt(label, [over([r.get(k, 0) for r in rows]) for k in keys],
-                         over([r["peak_rss_bytes"] for r in rows])))
-    lines.append(fmt(f"stage {rows[0]['stage']}", [max(r["formula"][k] for r in rows) for k in keys], None)
-                 + "  the formula (max over ranks; capstone.observe.memory)")
-    return "\n".join(lines)
+    columns = [("rank", ">8")] + [(f, ">10.0f") for f in FIELDS] + [("total", ">11.0f"), ("peak_rss_MiB", ">13.1f")]
+    labelled = [(str(r["rank"]), r) for r in rows] + list(aggregate(rows).items())   # each rank, then max and mean
+    measured = [row(label, [m.get(k, 0) for k in keys], m["peak_rss_bytes"]) for label, m in labelled]
+    formula = row(f"stage {rows[0]['stage']}", [max(r["formula"][k] for r in rows) for k in keys])
+    return accounting.table(columns, measured + [formula]) + "  the formula (max over ranks; capstone.observe.memory)"
 
 
 def aggregate(rows: list[dict]) -> dict:
@@ -200,9 +187,8 @@ def checkpoints_line(manifests: list, verified: dict | None) -> str:
     which one invariant (d) reloaded, the newest; their digests are in summary.json (`checkpoints`) and each
     file's .sha256."""
     kept = [m for m in manifests if os.path.exists(m["path"])]
-    newest = kept[-1]["path"] if kept else manifests[-1]["path"]
     first = f"{os.path.basename(verified['path'])} reloaded by (d), " if verified and verified.get("path") else ""
-    return (f"checkpoints: {len(manifests)} written, {len(kept)} kept; {first}newest {newest} "
+    return (f"checkpoints: {len(manifests)} written, {len(kept)} kept; {first}newest {(kept or manifests)[-1]['path']} "
             f"(digests in summary.json; `python -m capstone.checkpoint inspect FILE` shows one)")
 
 
@@ -236,8 +222,7 @@ class MetricsLog:
         if self.f:
             self.flush()
             if self.pending:
-                print(f"warning: {len(self.pending)} bytes of rows could not be written to {self.path}",
-                      file=sys.stderr, flush=True)
+                error(f"warning: {len(self.pending)} bytes of rows could not be written to {self.path}")
             self.f.close()
 
 
@@ -270,31 +255,26 @@ class Summary:
 def final(summary: Summary, verified: dict | None, failed: list[str], rank: int) -> None:
     """The final report: memory table, collectives, a line on the checkpoints, invariants, and the verdict
     line; with --quiet the verdict line only (and a violated invariant's lines)."""
+    from capstone.observe.verdict import describe
     run = summary.run
     if not run.opts.quiet:
-        _report(summary, verified, rank)
+        say("\nmemory per rank (bytes):\n" + memory_table(summary.memory), rank)
+        say("\n" + accounting.format_what_if(summary.what_if()), rank)
+        # each collective's median time and bandwidths in this launch
+        if comm := accounting.comm_summary(summary.rows):
+            say(f"\ncollectives per step, rank 0's clock, median over {'steps after the first' if len(summary.rows) > 1 else 'the step'} "
+                f"of this launch (bytes: nccl-tests S; GB/s = 1e9 B/s):\n" + accounting.format_comm_summary(comm), rank)
+        if run.ckpt.manifests:
+            say(checkpoints_line(run.ckpt.manifests, verified), rank)
+        say("\ninvariants:\n  " + "\n  ".join(describe(summary.invariants, run.grid.world.size)), rank)
+        if verified and verified["ok"]:
+            say(f"resume verified: {verified['path']} reloads byte-equal on all {run.grid.world.size} ranks", rank)
     if failed:
         say("INVARIANT VIOLATED:\n  " + "\n  ".join(failed), rank)
         return
     again = f"; {how_to_continue(run)}" if summary.status == "preempted" and run.opts.quiet else ""
     say(f"{summary.status} step {run.state.step} in {summary.wall:.2f} s; summary "
         f"{os.path.join(run.out, 'summary.json')}{again}", rank)
-
-
-def _report(summary: Summary, verified: dict | None, rank: int) -> None:
-    from capstone.observe.verdict import describe
-    run = summary.run
-    say("\nmemory per rank (bytes):\n" + memory_table(summary.memory), rank)
-    say("\n" + accounting.format_what_if(summary.what_if()), rank)
-    comm = accounting.comm_summary(summary.rows)   # each collective's median time and bandwidths in this launch
-    if comm:
-        say(f"\ncollectives per step, rank 0's clock, median over {'steps after the first' if len(summary.rows) > 1 else 'the step'} "
-            f"of this launch (bytes: nccl-tests S; GB/s = 1e9 B/s):\n" + accounting.format_comm_summary(comm), rank)
-    if run.ckpt.manifests:
-        say(checkpoints_line(run.ckpt.manifests, verified), rank)
-    say("\ninvariants:\n  " + "\n  ".join(describe(summary.invariants, run.grid.world.size)), rank)
-    if verified and verified["ok"]:
-        say(f"resume verified: {verified['path']} reloads byte-equal on all {run.grid.world.size} ranks", rank)
 
 
 def stopped(run, step: int, why: str | None) -> None:

@@ -35,14 +35,13 @@ class Board:
         self.writer = writer_class()(logdir)
 
     def write(self, row: dict) -> None:
-        step, walltime = row["step"], row.get("time")
         scalars = {tag: number(row.get(key)) for key, tag in SCALARS.items()}
         scalars.update({f"time/{phase}_ms": ms for phase, ms in timing_parts(row).items()})
         scalars.update({f"comm/{name}_{key}": number(e.get(key)) for name, e in (row.get("comm") or {}).items()
                         for key in ("algbw_GBps", "busbw_GBps")})
         for tag, value in scalars.items():
             if value is not None:
-                self.writer.add_scalar(tag, value, step, walltime=walltime)
+                self.writer.add_scalar(tag, value, row["step"], walltime=row.get("time"))
 
     def close(self) -> None:
         self.writer.close()

@@ -4,10 +4,8 @@ a violated one the line that says which, by how much and what to do."""
 
 def failures(results: dict) -> list[str]:
     """One line per violated invariant, saying which and by how much."""
-    lines = []
     a, b, c, d = (results[k] for k in ("a_loss_monotone", "b_params_identical", "c_memory", "d_resume_bytes"))
-    if not a["ok"]:
-        lines += learning_failures(a)
+    lines = [] if a["ok"] else learning_failures(a)
     if not b["ok"]:
         lines.append(f"(b) parameters differ across ranks at {b['n_mismatches']} of {b['steps_checked']} steps: {b['mismatches']}")
     if not c["ok"]:
@@ -45,9 +43,8 @@ def learning_failures(a: dict) -> list[str]:
     """(a)'s failure lines (from `learns`): what failed, by how much, what to do."""
     lines, learnt, jump, rising = [], a["learnt"], a["jump"], a["trend"]
     if not learnt["ok"]:
-        share = None if learnt["drop"] is None else learnt["drop"] / abs(learnt["start"])
-        drop = "no evaluation after an update" if share is None else \
-            f"its best held-out loss {learnt['best']:.5f} is {share:.2%} below the start"
+        drop = "no evaluation after an update" if learnt["drop"] is None else f"its best held-out loss " \
+            f"{learnt['best']:.5f} is {learnt['drop'] / abs(learnt['start']):.2%} below the start"
         lines.append(f"(a) loss not decreasing: the run did not learn: {drop} {learnt['start']:.5f} (at least "
                      f"{learnt['min_drop']:.0%} needed). {_learnt_hint(a)}")
     if not jump["ok"]:
