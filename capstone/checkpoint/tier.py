@@ -178,7 +178,7 @@ class MemoryTier:
         if errors:
             free = free_bytes(root())
             say(self.comm, f"warning: --memory-tier: step {step} does not fit in node memory ({'; '.join(errors)}; "
-                           f"each rank needs {3 * 2 * size / MIB:.1f} MiB in {root()}, "
+                           f"each rank needs {3 * len(self.names()) * size / MIB:.1f} MiB in {root()}, "
                            f"{'?' if free is None else f'{free / MIB:.1f}'} MiB free there): the run goes on with its "
                            f"disk checkpoints only. Free memory there (or set CAPSTONE_MEMORY_DIR) for the next run.")
             self.every = 0
