@@ -38,10 +38,8 @@ class GroupBucket(GroupPlan):
             self.staging = np.empty(self.b - self.a, dtype=DTYPE)
         a, b = self.ranges[name]
         self.staging[a - self.a:b - self.a] = g.reshape(-1)
-        self.arrived += 1
-        if self.arrived < len(self.names):
-            return None
-        send, self.staging, self.arrived = self.staging, None, 0
+        self.arrived = (self.arrived + 1) % len(self.names)      # 0: every group is in
+        send, self.staging = (None, self.staging) if self.arrived else (self.staging, None)
         return send
 
 
