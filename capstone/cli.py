@@ -117,30 +117,25 @@ def build_parser() -> argparse.ArgumentParser:
            ("loss_tol", "invariant (a): an evaluation may rise by this (float noise) ..."),
            ("loss_tol_rel", "... plus this fraction of the decrease achieved so far"))
     _flags(g, ("lr_schedule", "decay after warmup"), choices=("constant", "cosine"))
-    g.add_argument("--deterministic", action="store_true",
+    g.add_argument("--deterministic", action=argparse.BooleanOptionalAction,
                    help="every sum in a fixed order: every layout (ranks x grad-accum, --tp, --pp, --cp, --zero-stage) "
                         "of the same global batch and batch size gives the same bits (docs/deterministic.md; default: "
-                        "off; on --resume: the checkpoint's)")
-    g.add_argument("--no-deterministic", dest="deterministic", action="store_false",
-                   help="the default reduction (to resume a --deterministic run without it)")
+                        "off; on --resume: the checkpoint's; --no-deterministic resumes such a run without it)")
     g = p.add_argument_group("checkpoints and guard")
     _flags(g, ("ckpt_every", "checkpoint every K steps (0: off)"),
            ("ckpt_every_minutes", "also checkpoint after this many minutes of wall clock (0: off)"),
            ("keep_last", "keep the newest K checkpoints and the run's first (0: all)"),
-
            ("spike_factor", "roll back when a loss exceeds this factor times the last accepted one"),
            ("max_rollbacks", "stop with an error after this many triggers without an accepted update"))
     g.add_argument("--memory-tier", type=int, nargs="?", const=1, metavar="K",
                    help="keep every K-th step (K 1 if not given) in the nodes' memory with a copy on another node; "
                         "--resume auto takes the newest step the nodes hold when it is newer than the disk's "
                         "(docs/running.md; default: 0, off)")
-    g.add_argument("--no-guard-undo", dest="guard_undo", action="store_false",
-                   help="do not keep the optimizer state from before each update (12 bytes per parameter / N): the "
-                        "guard still skips a bad batch (non-finite or spiking loss or norm) but cannot undo an update; "
-                        "one that makes the state non-finite ends the run (exit 1, no checkpoint of it) "
-                        "(docs/design.md, the divergence guard; default: undo; on --resume: the checkpoint's)")
-    g.add_argument("--guard-undo", dest="guard_undo", action="store_true",
-                   help="keep the undo copy (to resume a --no-guard-undo run with it)")
+    g.add_argument("--guard-undo", action=argparse.BooleanOptionalAction,
+                   help="--no-guard-undo: do not keep the optimizer state from before each update (12 bytes per "
+                        "parameter / N): the guard still skips a bad batch (non-finite or spiking loss or norm) but "
+                        "cannot undo an update; one that makes the state non-finite ends the run (exit 1, no checkpoint "
+                        "of it) (docs/design.md, the divergence guard; default: undo; on --resume: the checkpoint's)")
     _finetune_flags(p)
     _run_flags(p)
     _layout_flags(p)
@@ -200,12 +195,10 @@ def _layout_flags(p) -> None:
                         "the whole gradient through its micro-batches: one gather and one reduce-scatter per step, "
                         "more memory (torchtitan's choice under a pipeline) (docs/composition.md; default: "
                         "micro-batch; on --resume: the checkpoint's)")
-    g.add_argument("--recompute", action="store_true",
+    g.add_argument("--recompute", action=argparse.BooleanOptionalAction,
                    help="activation checkpointing: keep only each block's input and recompute the block in the "
                         "backward pass (the same gradients, about a third more compute, far less memory; default: "
-                        "off; on --resume: the checkpoint's)")
-    g.add_argument("--no-recompute", dest="recompute", action="store_false",
-                   help="no activation checkpointing (to resume a --recompute run without it)")
+                        "off; on --resume: the checkpoint's; --no-recompute resumes such a run without it)")
     g.add_argument("--pp", type=int, metavar="K",
                    help="pipeline parallelism: the blocks in K contiguous stages on K ranks of the grid's pp axis, "
                         "the step's --grad-accum micro-batches flowing through them (docs/pipeline.md; default: 1; "

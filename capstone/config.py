@@ -132,8 +132,7 @@ class TrainConfig:
 
     def __post_init__(self):
         _require = _Checks()
-        for name in ("steps", "batch_size", "max_rollbacks", "eval_every", "eval_batches",
-                     "eval_batch_size"):
+        for name in ("steps", "batch_size", "max_rollbacks", "eval_every", "eval_batches", "eval_batch_size"):
             _require(isinstance(value := getattr(self, name), int) and value >= 1,
                      f"{name} must be a positive integer, got {value!r}; pass e.g. --{name.replace('_', '-')} 1.")
         _require(isinstance(self.corpus_tokens, int) and self.corpus_tokens >= 2,
@@ -151,11 +150,9 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             _require(0 <= (value := getattr(self, name)) < 1, f"{name} must be in [0, 1), got {value}.")
         _require(self.eps > 0, f"eps must be > 0, got {self.eps}.")
-        _require(self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}.")
-        _require(self.clip >= 0, f"clip must be >= 0 (0 disables clipping), got {self.clip}.")
-        _require(self.ckpt_every_minutes >= 0, f"ckpt_every_minutes must be >= 0, got {self.ckpt_every_minutes}.")
+        for name in ("weight_decay", "clip", "ckpt_every_minutes", "loss_tol"):   # clip, ckpt_every_minutes: 0 is off
+            _require((value := getattr(self, name)) >= 0, f"{name} must be >= 0, got {value}.")
         _require(self.spike_factor > 1, f"spike_factor must be > 1, got {self.spike_factor}; the default is 2.")
-        _require(self.loss_tol >= 0, f"loss_tol must be >= 0, got {self.loss_tol}.")
         _require(0 <= self.loss_tol_rel < 1, f"loss_tol_rel must be in [0, 1), got {self.loss_tol_rel}.")
         if not _require.failed:   # the checks between fields, once each field is valid
             _require(self.grad_accum or self.global_batch, "grad_accum 0 derives the accumulation from the global "
