@@ -128,14 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
            ("spike_factor", "roll back when a loss exceeds this factor times the last accepted one"),
            ("max_rollbacks", "stop with an error after this many triggers without an accepted update"))
     g.add_argument("--memory-tier", type=int, nargs="?", const=1, metavar="K",
-                   help="keep every K-th step (K 1 if not given) in the nodes' memory with a copy on another node; "
-                        "--resume auto takes the newest step the nodes hold when it is newer than the disk's "
-                        "(docs/running.md; default: 0, off)")
+                   help="keep every K-th step (1 if not given) in the nodes' memory, a copy on another node; --resume "
+                        "auto takes the newest the nodes hold if newer than the disk's (docs/running.md; default: off)")
     g.add_argument("--guard-undo", action=argparse.BooleanOptionalAction,
                    help="--no-guard-undo: do not keep the optimizer state from before each update (12 bytes per "
                         "parameter / N): the guard still skips a bad batch (non-finite or spiking loss or norm) but "
-                        "cannot undo an update; one that makes the state non-finite ends the run (exit 1, no checkpoint "
-                        "of it) (docs/design.md, the divergence guard; default: undo; on --resume: the checkpoint's)")
+                        "cannot undo an update; one that makes the state non-finite ends the run (exit 1, not saved) "
+                        "(docs/design.md, the divergence guard; default: undo; on --resume: the checkpoint's)")
     _finetune_flags(p)
     _run_flags(p)
     _layout_flags(p)

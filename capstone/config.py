@@ -106,14 +106,12 @@ class TrainConfig:
     def for_replicas(self, replicas: int) -> "TrainConfig":
         """These settings with grad_accum 0 (from the global batch, keeping batch_size: a resume onto fewer ranks
         accumulates more) made the number of micro-batches on `replicas` data-parallel replicas."""
-        accum = self.global_batch // (replicas * self.batch_size)
-        if self.grad_accum:
-            return self
-        if accum < 1 or accum * replicas * self.batch_size != self.global_batch:
+        accum, rest = divmod(self.global_batch, replicas * self.batch_size)
+        if not self.grad_accum and (rest or not accum):
             raise ConfigError(f"--grad-accum 0: the global batch {self.global_batch} is not a multiple of {replicas} "
                               f"data-parallel replicas x --batch-size {self.batch_size}; pass a --batch-size or a "
                               f"--global-batch that makes it one, or --grad-accum N.")
-        return dataclasses.replace(self, grad_accum=accum)
+        return self if self.grad_accum else dataclasses.replace(self, grad_accum=accum)
 
     def batch_for(self, world: int) -> int:
         """Sequences per rank per micro-batch on `world` ranks (from global_batch when it is set)."""

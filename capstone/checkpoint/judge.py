@@ -37,22 +37,21 @@ def fall_back(run, path: str, reason: str, held: float) -> str:
 
     def decide() -> str:
         memory = not isinstance(path, str)   # a state of the memory tier (capstone.checkpoint.recover.Found)
-        directory = run.ckpt.directory if memory else os.path.dirname(path)
-        step = path.step + 1 if memory else files.step_of(path)
-        mine = not memory and os.path.abspath(directory) == os.path.abspath(run.ckpt.directory)
+        folder, step = (run.ckpt.directory, path.step + 1) if memory else (os.path.dirname(path), files.step_of(path))
+        mine = not memory and os.path.abspath(folder) == os.path.abspath(run.ckpt.directory)
         try:
-            older = [p for s, p in files.complete_checkpoints(directory) if s < step]
+            older = [p for s, p in files.complete_checkpoints(folder) if s < step]
             aside = f"; set aside as {os.path.basename(files.quarantine(path, 'rejected'))}" if mine else ""
             if mine and older:
-                files.write_pointer(directory, os.path.basename(older[-1]))
+                files.write_pointer(folder, os.path.basename(older[-1]))
         except OSError as exc:   # e.g. no permission to set the file aside
             raise CheckpointError(f"{why}; it could not be set aside ({exc}): fix the permissions of "
-                                  f"{directory} and rerun.") from None
+                                  f"{folder} and rerun.") from None
         if not older:
-            raise CheckpointError(f"{why}{aside}. {directory} holds no older checkpoint to fall back to: start the "
+            raise CheckpointError(f"{why}{aside}. {folder} holds no older checkpoint to fall back to: start the "
                                   f"run again (a new --out, or --resume auto in {run.out}, which starts it over).")
         print(f"warning: {why}{aside}; resuming from {os.path.basename(older[-1])}, the newest older checkpoint"
-              f"{f' ({directory}/latest now names it)' if mine else ''}.", flush=True)
+              f"{f' ({folder}/latest now names it)' if mine else ''}.", flush=True)
         return older[-1]
     return agreed(run.grid.world, decide, errors=(CheckpointError,))
 

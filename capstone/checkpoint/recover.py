@@ -11,7 +11,9 @@ shard (one Alltoallv), as a checkpoint's load reshards, and returns what that lo
 """
 
 import contextlib
+import glob
 import itertools
+from itertools import accumulate
 import os
 import socket
 from dataclasses import dataclass, field
@@ -46,8 +48,8 @@ class Found:
         lo, hi = spans[comm.rank]
         got = [sum(self.piece(k, lo, hi, n, size=True) for k in held[i]) for i in range(comm.size)]
         recv = np.empty(sum(got), np.float32)
-        comm.Alltoallv(np.concatenate([*send, np.empty(0, np.float32)]), (counts, offsets(counts)), recv,
-                       (got, offsets(got)), "memory tier: the recovered shards to their new ranks")
+        comm.Alltoallv(np.concatenate([*send, np.empty(0, np.float32)]), (counts, [*accumulate([0] + counts[:-1])]),
+                       recv, (got, [*accumulate([0] + got[:-1])]), "memory tier: the shards to their new ranks")
         out, at = np.zeros((len(ROWS), hi - lo), np.float32), 0
         for k in (k for ks in held for k in ks):
             a, b = self.overlap(k, lo, hi, n)
@@ -66,19 +68,13 @@ class Found:
         return len(ROWS) * (b - a) if size else self.rows[k][:, a - k * self.shard:b - k * self.shard].ravel()
 
 
-def offsets(counts: list[int]) -> list[int]:
-    return [int(x) for x in np.cumsum([0] + counts[:-1])]
-
-
 def listing(run_id: str) -> list[dict]:
     """This node's files of run `run_id` whose trailer is whole (headers only)."""
-    found, base, host = [], tier.run_dir(run_id), socket.gethostname()
-    for step in sorted(os.listdir(base)) if os.path.isdir(base) else ():
-        for name in sorted(os.listdir(os.path.join(base, step))):
-            path = os.path.join(base, step, name)
-            if (h := tier.header_of(path)) is not None and h.get("run_id") == run_id:
-                found.append({k: h[k] for k in ("step", "launch", "rank", "world")}
-                             | {"path": path, "kind": name.split("-")[0], "host": host})
+    found, host = [], socket.gethostname()
+    for path in sorted(glob.glob(os.path.join(tier.run_dir(run_id), "step-*", "*"))):
+        if (h := tier.header_of(path)) is not None and h.get("run_id") == run_id:
+            found.append({k: h[k] for k in ("step", "launch", "rank", "world")}
+                         | {"path": path, "kind": os.path.basename(path).split("-")[0], "host": host})
     return found
 
 

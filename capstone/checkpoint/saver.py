@@ -103,11 +103,10 @@ class Checkpointer:
         """Collective. Keep `state` in the nodes' memory (every K-th step of --memory-tier K; else nothing)."""
         if (every := self.identity.train.memory_tier) and state.step % every == 0:
             self.tier = self.tier or tier.MemoryTier(self.comm, state.run_id, every, self.layout.shard, state.step)
-            stored = self.view.to_stored(shard)
-            self.tier.keep(state.step, stored.rows(), int(stored.t), {**self.extra(state), "judged": False})
+            self.tier.keep(state.step, self.view.to_stored(shard), {**self.extra(state), "judged": False})
 
     def forget(self) -> None:
-        """Collective, at the end of a run whose last state is on disk: the memory tier's copies completed, removed."""
+        """At the end of a run whose last state is on disk: the memory tier's copies completed, the tier removed."""
         if self.tier is not None:
             self.tier.close()
 

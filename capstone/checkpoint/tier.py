@@ -4,9 +4,9 @@ tmpfs (CAPSTONE_MEMORY_DIR, default /dev/shm: it outlives the processes, which O
 when one fails), and its buddy, a rank on another node, keeps a copy of it in its own node's memory.
 
 A step's files are `<dir>/capstone-<run id>/step-<S>/own-rank-<R>` and, on the buddy's node, `copy-rank-<R>`:
-the rows (len(ROWS), shard) as float32, then a trailer of TRAILER bytes: a magic number, the header's length,
-the header's and the rows' CRC-32 (zlib.crc32: a cheap digest against corruption in memory, 4 GB/s here
-where sha256 is 1.8) and the header (JSON). The copy is the own file's bytes, sent without blocking right
+the rows (len(ROWS), shard) as float32, then a trailer of TRAILER bytes: a magic number, the header's length
+and CRC-32, and the header (JSON), which holds the rows' CRC-32 (zlib.crc32: a cheap digest against corruption
+in memory, 4 GB/s here where sha256 is 1.8). The copy is the own file's bytes, sent without blocking right
 after the own file is written and received straight into the copy's file while the next step runs: one
 that was cut off fails its CRC and is never taken. The buddy is a rank of another host (`buddies`).
 
@@ -36,7 +36,7 @@ from capstone.step.state import ROWS
 
 MAGIC = 0xCA9570E5
 TRAILER = 1 << 18           # bytes after the rows: the fixed head (16 bytes) and the header JSON
-HEAD = struct.Struct("<IIII")   # magic, header length, header CRC-32, rows CRC-32
+HEAD = struct.Struct("<III")   # magic, header length, header CRC-32 (the header holds the rows' CRC-32)
 TAG = 0x7E1                 # of the buddy's copy on the world communicator
 
 
@@ -87,12 +87,11 @@ def mapped(path: str, size: int) -> tuple[mmap.mmap, np.ndarray]:
 def seal(buf: np.ndarray, header: dict) -> None:
     """Write the trailer after the rows of `buf` (a file's bytes): their CRC and `header`."""
     rows = buf[:-TRAILER]
-    text = json.dumps({**header, "nbytes": int(rows.size)}, sort_keys=True).encode()
+    text = json.dumps({**header, "nbytes": int(rows.size), "rows_crc": zlib.crc32(rows)}, sort_keys=True).encode()
     if HEAD.size + len(text) > TRAILER:
         raise OSError(f"the memory tier's header is {len(text)} bytes, more than its {TRAILER - HEAD.size}")
-    buf[-TRAILER:-TRAILER + HEAD.size] = np.frombuffer(HEAD.pack(MAGIC, len(text), zlib.crc32(text), zlib.crc32(rows)),
-                                                       np.uint8)
-    buf[-TRAILER + HEAD.size:-TRAILER + HEAD.size + len(text)] = np.frombuffer(text, np.uint8)
+    tail = HEAD.pack(MAGIC, len(text), zlib.crc32(text)) + text
+    buf[-TRAILER:-TRAILER + len(tail)] = np.frombuffer(tail, np.uint8)
 
 
 def header_of(path: str) -> dict | None:
@@ -101,11 +100,9 @@ def header_of(path: str) -> dict | None:
         with open(path, "rb") as f:
             f.seek(-TRAILER, os.SEEK_END)
             tail = f.read(TRAILER)
-        magic, n, crc, rows_crc = HEAD.unpack_from(tail)
+        magic, n, crc = HEAD.unpack_from(tail)
         text = tail[HEAD.size:HEAD.size + n]
-        if magic != MAGIC or len(text) != n or zlib.crc32(text) != crc:
-            return None
-        return {**json.loads(text), "rows_crc": rows_crc}
+        return json.loads(text) if magic == MAGIC and len(text) == n and zlib.crc32(text) == crc else None
     except (OSError, ValueError, struct.error):
         return None
 
@@ -137,7 +134,7 @@ class MemoryTier:
             say(self.comm, "note: --memory-tier: every rank is on one host, so no copy is kept on another node: "
                            "the tier survives a lost process, not a lost node")
 
-    def keep(self, step: int, rows, adam_t: int, meta: dict) -> None:
+    def keep(self, step: int, stored, meta: dict) -> None:
         """Collective, at the end of step `step` (every K-th): this rank's file, and its copy sent to the buddy."""
         if not self.every:   # off since a step did not fit
             return
@@ -148,10 +145,10 @@ class MemoryTier:
             self.prune(step - 2 * self.every)
             os.makedirs(here, exist_ok=True)
             mine = mapped(os.path.join(here, f"own-rank-{self.comm.rank}"), size)
-            for row, values in zip(np.ndarray((len(ROWS), self.shard), "<f4", mine[0]), rows):
+            for row, values in zip(np.ndarray((len(ROWS), self.shard), "<f4", mine[0]), stored.rows()):
                 np.copyto(row, values)
             seal(mine[1], {"run_id": self.run_id, "step": step, "rank": self.comm.rank, "world": self.comm.size,
-                           "shard": self.shard, "adam_t": adam_t, "launch": self.launch, "meta": meta})
+                           "shard": self.shard, "adam_t": int(stored.t), "launch": self.launch, "meta": meta})
             theirs = [(q, mapped(os.path.join(here, f"copy-rank-{q}"), size)) for q in self.sources]
         except OSError as exc:
             error = f"rank {self.comm.rank} on {self.host}: {exc.strerror or exc}"
@@ -198,7 +195,6 @@ class MemoryTier:
                 shutil.rmtree(os.path.join(run_dir(self.run_id), name), ignore_errors=True)
 
     def close(self) -> None:
-        """Collective, at the end of a run whose last state is on disk: the copy in flight completed, the tier gone."""
+        """At the end of a run whose last state is on disk: the copy in flight completed, the tier gone."""
         self.finish()
-        self.comm.Barrier("memory tier: every rank done with it")
         shutil.rmtree(run_dir(self.run_id), ignore_errors=True)

@@ -28,7 +28,6 @@ if __name__ == "__main__":   # before anything else: Slurm's warning (or a Ctrl-
         signal.signal(_sig, lambda sig, _: _early.append(sig))   # a Ctrl-C also when started with it ignored
 
 import contextlib
-import json
 import subprocess
 import time
 from dataclasses import dataclass
@@ -234,13 +233,6 @@ def relaunchable(run_dir: str, command: list[str], step: Step, rc: int, env) -> 
     return relaunch.command_again(command, env)
 
 
-def last_step(run_dir: str) -> str:
-    """The last step metrics.jsonl logged ("?" if none)."""
-    with contextlib.suppress(OSError, ValueError, IndexError), open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return str([row for row in map(json.loads, f) if "event" not in row and "step" in row][-1]["step"])
-    return "?"
-
-
 def run(run_dir: str, command: list[str], env, early: list) -> int:
     """The job (see the module); its exit status."""
     switches = Switches.read(env)
@@ -259,9 +251,8 @@ def run(run_dir: str, command: list[str], env, early: list) -> int:
     for n in range(1, switches.relaunches + 1):   # a lost rank or host: again on the hosts that answer
         if not (again := relaunchable(run_dir, command, step, rc, env)):
             break
-        log(f"relaunch {n} of at most {switches.relaunches} (CAPSTONE_MAX_RELAUNCHES): the step lost a rank "
-            f"or host at step {last_step(run_dir)}; {' '.join(again[0])}" + (f" (without {', '.join(again[1])})"
-                                                                               if again[1] else ""))
+        log(f"relaunch {n} of at most {switches.relaunches} (CAPSTONE_MAX_RELAUNCHES): the step lost a rank or host; "
+            f"{' '.join(again[0])}" + (f" (without {', '.join(again[1])})" if again[1] else ""))
         step = Step(again[0], switches)
         act.update({signal.SIGUSR1: step.stop_requested, signal.SIGINT: step.interrupted})
         rc = step.wait(run_dir)

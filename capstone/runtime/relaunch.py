@@ -21,7 +21,6 @@ import re
 import shlex
 import subprocess
 
-LIST_FLAGS = ("-H", "--host", "--hosts")
 SSH = "ssh -o BatchMode=yes -o ConnectTimeout=5 {host} true"
 ONE_TASK = "--nodes=1 --ntasks=1 --overlap true"   # srun's probe of a node
 
@@ -37,7 +36,7 @@ def answers(probe: str, host: str, timeout: float = 15) -> bool:
 def host_list(command: list[str]) -> tuple[int, list[tuple[str, int]]] | None:
     """(index of the value, [(host, slots)]) of an mpirun host list in `command`, or None."""
     for i, arg in enumerate(command[:-1]):
-        if arg in LIST_FLAGS:
+        if arg in ("-H", "--host", "--hosts"):   # mpirun's; scripts/hosts mpirun's
             return i + 1, [(h, int(n) if n else 1) for h, _, n in (x.partition(":") for x in command[i + 1].split(","))]
     return None
 
