@@ -261,10 +261,15 @@ def test_a_ctrl_c_as_scripts_launch_starts_is_kept_until_the_ranks_can_act_on_it
     setsid before it became mpirun (exit 138); now the run stops at a step boundary, saved, exit 0."""
     out = tmp_path / "early"
     proc = launch_slow(out, 40)
+    def comm(pid: str) -> str:   # a child may end between the listing and the read
+        try:
+            return open(f"/proc/{pid}/comm").read().strip()
+        except OSError:
+            return ""
+
     def launched():   # mpirun is a child of the job (capstone.runtime.job, which the script execs)
         children = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()
-        return any(open(f"/proc/{c}/comm").read().strip() in ("setsid", "mpirun") for c in children
-                   if os.path.exists(f"/proc/{c}/comm"))
+        return any(comm(c) in ("setsid", "mpirun") for c in children)
     deadline = time.time() + 30
     while time.time() < deadline and proc.poll() is None and not launched():
         time.sleep(0.005)

@@ -16,6 +16,19 @@ import pytest
 from capstone.checkpoint import recover, tier
 from conftest import ROOT, mpi_env, mpirun, summary
 
+def ranks_of(out) -> list[int]:
+    """The pids of the processes whose command line holds `--out OUT` (no pgrep: a bare Debian has no procps)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            words = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"capstone.train" in words and str(out).encode() in words and b"mpirun" not in words[0]:
+            found.append(int(pid))
+    return found
+
+
 FLAGS = ("--steps", 12, "--memory-tier", "--deterministic", "--global-batch", 8, "--batch-size", 2, "--grad-accum", 0)
 
 
@@ -94,7 +107,7 @@ def test_a_new_run_in_a_reused_directory_never_takes_the_old_runs_tier(tmp_path)
     finally:
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
-        while subprocess.run(["pgrep", "-f", "--", f"--out {out} "]).returncode == 0:   # the ranks too
+        while ranks_of(out):   # the ranks too
             time.sleep(0.05)
     from capstone.checkpoint import rundir
     theirs = rundir.logged_run_id(str(out / "metrics.jsonl"))
@@ -120,8 +133,7 @@ def test_a_killed_rank_resumes_from_memory_on_fewer_ranks_with_the_same_bits(tmp
     while not (out / "metrics.jsonl").exists() or (out / "metrics.jsonl").read_text().count('"step"') < 8:
         assert job.poll() is None, "the run ended early"
         time.sleep(0.05)
-    rank = subprocess.run(["pgrep", "-f", "--", f"capstone.train --out {out} "], capture_output=True, text=True)
-    os.kill(int(rank.stdout.split()[-1]), signal.SIGKILL)
+    os.kill(ranks_of(out)[-1], signal.SIGKILL)
     job.wait(timeout=60)
     p = mpirun(1, "--out", out, *flags, "--resume", "auto")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

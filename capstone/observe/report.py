@@ -158,8 +158,8 @@ def rolled_back(r, guard_state, adam_t: int, rank: int) -> None:
 def resumed(path: str, state, saved_world: int, world: int, changed: dict, rank: int) -> None:
     changes = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in sorted(changed.items()))
     note = f"note: resuming with changed settings: {changes}\n" if changed else ""
-    say(f"{note}resumed from {path}: step {state.step}, written by {saved_world} ranks, now "
-        f"{world}; sample cursor {state.cursor}; logical digests verified", rank)
+    say(f"{note}resumed from {path}: step {state.step}, written by {saved_world} ranks, now {world}; sample cursor "
+        f"{state.cursor}; {'CRC-32s' if path.startswith('node memory') else 'logical digests'} verified", rank)
 
 
 def memory_table(rows: list[dict]) -> str:
